@@ -1,0 +1,65 @@
+"""``ncclguard-inventoryd``: ``once`` prints this node's fingerprint, ``run`` keeps it current.
+
+argparse rather than click: the daemon runs on every node, and stays small.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ncclguard import config as configmod
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ncclguard-inventoryd", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, text in (
+        ("once", "collect this node's fingerprint once"),
+        ("run", "collect, store and heartbeat until SIGTERM (the systemd service)"),
+    ):
+        s = sub.add_parser(name, help=text, description=text)
+        s.add_argument("--root", default="/", help="prefix for every path read (default: /)")
+        s.add_argument("--hostname", default=None, help="node name (default: the short hostname)")
+        s.add_argument("--config", default=None, help="config file (default: $NCCLGUARD_CONFIG "
+                       "or /etc/ncclguard/config.toml)")
+        s.add_argument("--db", default=None, help="inventory database (overrides the config)")
+    once = sub.choices["once"]
+    once.add_argument("--json", action="store_true", help="print the fingerprint as JSON")
+    once.add_argument("--store", action="store_true", help="also write it to the inventory")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        cfg = configmod.load(args.config)
+    except configmod.ConfigError as e:
+        print(f"ncclguard-inventoryd: {e}", file=sys.stderr)
+        return 2
+    if args.db:
+        import os
+
+        os.environ["NCCLGUARD_DB"] = args.db
+    if args.command == "once":
+        from inventoryd.collect import collect
+
+        fp = collect(root=args.root, hostname=args.hostname, config=cfg.inventoryd)
+        if args.store:
+            from inventoryd.service import store_once
+
+            rc = store_once(fp, cfg)
+            if rc:
+                return rc
+        if args.json or not args.store:
+            json.dump(fp, sys.stdout, indent=2, sort_keys=True)
+            sys.stdout.write("\n")
+        return 0
+    from inventoryd.service import run
+
+    return run(root=args.root, hostname=args.hostname, config_path=args.config, config=cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

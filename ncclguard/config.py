@@ -1,0 +1,274 @@
+"""The one TOML config shared by inventoryd, the prolog and the CLI.
+
+``load()`` reads ``$NCCLGUARD_CONFIG`` or ``/etc/ncclguard/config.toml`` (a missing
+default file means "all defaults"), validates every key and returns a frozen
+:class:`Config`. An error names the key, the value and the file.
+
+This module is on the prolog's hot path: it imports only the standard library.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+DEFAULT_CONFIG_PATH = Path("/etc/ncclguard/config.toml")
+SYSTEM_STATE_DIR = Path("/var/lib/ncclguard")
+
+SEVERITIES = ("ignore", "warn", "refuse")
+RULES = (
+    "nccl-version",
+    "net-plugin",
+    "transport",
+    "nccl-conf",
+    "rdma-rate",
+    "rdma-port-count",
+    "rdma-firmware",
+    "gpu-driver",
+    "gpudirect",
+    "unknown-node",
+)
+DEFAULT_SEVERITY = {
+    "nccl-version": "refuse",
+    "net-plugin": "refuse",
+    "transport": "refuse",
+    "nccl-conf": "warn",
+    "rdma-rate": "warn",
+    "rdma-port-count": "warn",
+    "rdma-firmware": "warn",
+    "gpu-driver": "warn",
+    "gpudirect": "warn",
+    "unknown-node": "warn",
+}
+
+
+class ConfigError(Exception):
+    """A config file that cannot be used. The message names file, key and value."""
+
+
+def default_db_path() -> Path:
+    """The inventory's embedded default: the system state dir if it exists, else per user.
+
+    ``/var/lib/ncclguard`` is created by the systemd units (tmpfiles.d). On a fresh
+    machine without root the per-user state dir keeps every command working.
+    """
+    if SYSTEM_STATE_DIR.is_dir():
+        return SYSTEM_STATE_DIR / "inventory.db"
+    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(state) / "ncclguard" / "inventory.db"
+
+
+def default_audit_path() -> Path:
+    return default_db_path().with_name("decisions.jsonl")
+
+
+@dataclass(frozen=True)
+class InventoryConfig:
+    db: str = ""  # empty: default_db_path()
+    journal_mode: str = "delete"  # "delete" (shared filesystems) or "wal" (local disk only)
+    busy_timeout_ms: int = 2000
+    write_retries: int = 8
+    stale_after_s: int = 900  # a heartbeat older than this makes a node unknown
+
+    def db_path(self) -> Path:
+        env = os.environ.get("NCCLGUARD_DB")
+        if env:
+            return Path(env)
+        return Path(self.db) if self.db else default_db_path()
+
+
+@dataclass(frozen=True)
+class InventorydConfig:
+    interval_s: float = 60.0  # time between two collections
+    jitter: float = 0.1  # +- share of interval_s, so that 16,000 nodes don't write in step
+    heartbeat_s: float = 300.0  # an unchanged fingerprint is still confirmed this often
+    nccl_search_paths: tuple[str, ...] = ()  # extra dirs/globs holding libnccl.so*
+    plugin_search_paths: tuple[str, ...] = ()  # extra dirs/globs holding NCCL plugins
+    ncclgetversion: bool = False  # also dlopen each libnccl in a subprocess to cross-check
+    textfile_dir: str = ""  # node_exporter textfile collector dir; empty: off
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    partitions: tuple[str, ...] = ()  # guarded partitions; empty: all
+    min_nodes: int = 2
+    severity: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_SEVERITY))
+
+
+@dataclass(frozen=True)
+class GateConfig:
+    on_error: str = "accept"  # "accept" (fail open) or "refuse" (fail closed)
+    deadline_s: float = 5.0  # hard bound on one prolog run, Slurm calls included
+    steering: str = "steer"  # "steer", "requeue" or "hold"
+    max_refusals: int = 3  # refusals of one job before it is held
+    steer_wait_s: float = 30.0  # how long the detached follow-up waits for PENDING
+    allow_opt_out: bool = True  # honour ncclguard=off in the job comment / --extra
+    audit_log: str = ""  # JSON lines; empty: next to the inventory
+    slurm_bin_dir: str = ""  # where scontrol/squeue live; empty: PATH, then /usr/bin
+
+    def audit_path(self) -> Path:
+        return Path(self.audit_log) if self.audit_log else default_audit_path()
+
+
+@dataclass(frozen=True)
+class DrainConfig:
+    max_share: float = 0.10  # never recommend more than this share of a partition
+    majority: float = 0.5  # the baseline class must hold more than this share
+
+
+@dataclass(frozen=True)
+class DiagnoseConfig:
+    signature_files: tuple[str, ...] = ()  # extra signature catalogs (TOML)
+
+
+@dataclass(frozen=True)
+class Config:
+    inventory: InventoryConfig = field(default_factory=InventoryConfig)
+    inventoryd: InventorydConfig = field(default_factory=InventorydConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    gate: GateConfig = field(default_factory=GateConfig)
+    drain: DrainConfig = field(default_factory=DrainConfig)
+    diagnose: DiagnoseConfig = field(default_factory=DiagnoseConfig)
+    baseline: dict[str, str] = field(default_factory=dict)  # pinned baseline, e.g. nccl
+    source: str = "<defaults>"  # the file this came from
+
+
+_SECTIONS: dict[str, type] = {
+    "inventory": InventoryConfig,
+    "inventoryd": InventorydConfig,
+    "policy": PolicyConfig,
+    "gate": GateConfig,
+    "drain": DrainConfig,
+    "diagnose": DiagnoseConfig,
+}
+
+_CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
+    ("inventory", "journal_mode"): ("delete", "wal"),
+    ("gate", "on_error"): ("accept", "refuse"),
+    ("gate", "steering"): ("steer", "requeue", "hold"),
+}
+
+_BASELINE_KEYS = ("nccl", "net_plugin", "net_abi", "transport")
+
+
+def config_path() -> Path:
+    env = os.environ.get("NCCLGUARD_CONFIG")
+    return Path(env) if env else DEFAULT_CONFIG_PATH
+
+
+def load(path: str | os.PathLike[str] | None = None) -> Config:
+    """Load and validate the config. ``path=None``: ``$NCCLGUARD_CONFIG`` or the default.
+
+    A missing file is an error when it was named explicitly (argument or environment),
+    and "all defaults" when it is the default path.
+    """
+    explicit = path is not None or "NCCLGUARD_CONFIG" in os.environ
+    p = Path(path) if path is not None else config_path()
+    try:
+        with open(p, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        if explicit:
+            raise ConfigError(f"{p}: config file not found") from None
+        return Config()
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{p}: not valid TOML: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read: {e.strerror or e}") from None
+    return from_dict(data, source=str(p))
+
+
+def from_dict(data: dict[str, Any], source: str = "<dict>") -> Config:
+    """Validate a parsed TOML document and build a :class:`Config`."""
+    kwargs: dict[str, Any] = {"source": source}
+    for section, value in data.items():
+        if section == "baseline":
+            kwargs["baseline"] = _baseline(value, source)
+            continue
+        cls = _SECTIONS.get(section)
+        if cls is None:
+            known = ", ".join([*_SECTIONS, "baseline"])
+            raise ConfigError(f"{source}: unknown section [{section}] (known: {known})")
+        if not isinstance(value, dict):
+            raise ConfigError(f"{source}: [{section}] must be a table, got {value!r}")
+        kwargs[section] = _section(cls, section, value, source)
+    return Config(**kwargs)
+
+
+def _baseline(value: Any, source: str) -> dict[str, str]:
+    if not isinstance(value, dict):
+        raise ConfigError(f"{source}: [baseline] must be a table, got {value!r}")
+    out: dict[str, str] = {}
+    for k, v in value.items():
+        if k not in _BASELINE_KEYS:
+            raise ConfigError(
+                f"{source}: baseline.{k}: unknown key (known: {', '.join(_BASELINE_KEYS)})"
+            )
+        if not isinstance(v, str | int) or isinstance(v, bool):
+            raise ConfigError(f"{source}: baseline.{k} = {v!r}: expected a string")
+        out[k] = str(v)
+    return out
+
+
+def _section(cls: type, section: str, values: dict[str, Any], source: str) -> Any:
+    specs = {f.name: f for f in fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in values.items():
+        where = f"{source}: {section}.{key} = {value!r}"
+        spec = specs.get(key)
+        if spec is None:
+            raise ConfigError(f"{source}: {section}.{key}: unknown key (known: {', '.join(specs)})")
+        kwargs[key] = _check(section, key, spec.type, value, where)
+    return cls(**kwargs)
+
+
+def _check(section: str, key: str, typ: Any, value: Any, where: str) -> Any:
+    typ = str(typ)
+    if key == "severity":
+        return _severity(value, where)
+    if typ == "bool":
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true or false")
+        return value
+    if typ == "int":
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ConfigError(f"{where}: expected a non-negative integer")
+        if key == "min_nodes" and value < 2:
+            raise ConfigError(f"{where}: must be at least 2 (one node cannot disagree)")
+        return value
+    if typ == "float":
+        if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
+            raise ConfigError(f"{where}: expected a non-negative number")
+        if key in ("max_share", "majority", "jitter") and value > 1:
+            raise ConfigError(f"{where}: expected a share between 0 and 1")
+        if key in ("interval_s", "deadline_s") and value == 0:
+            raise ConfigError(f"{where}: must be greater than 0")
+        return float(value)
+    if typ == "str":
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string")
+        choices = _CHOICES.get((section, key))
+        if choices and value not in choices:
+            raise ConfigError(f"{where}: expected one of {', '.join(choices)}")
+        return value
+    if typ.startswith("tuple[str"):
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{where}: expected a list of strings")
+        return tuple(value)
+    raise ConfigError(f"{where}: unsupported type {typ}")  # a bug in this module
+
+
+def _severity(value: Any, where: str) -> dict[str, str]:
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}: expected a table of rule = severity")
+    out = dict(DEFAULT_SEVERITY)
+    for rule, sev in value.items():
+        if rule not in RULES:
+            raise ConfigError(f"{where}: unknown rule {rule!r} (known: {', '.join(RULES)})")
+        if sev not in SEVERITIES:
+            raise ConfigError(f"{where}: {rule} = {sev!r}: expected one of {', '.join(SEVERITIES)}")
+        out[rule] = sev
+    return out

@@ -1,0 +1,1 @@
+"""prolog: the compatibility policy and the PrologSlurmctld gate."""

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Install what the tests need (Slurm, munge, gcc, the venv) and run the whole suite,
+# the real-Slurm tests included. `make test` and CI (.ci/run) call exactly this.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need_apt=()
+for cmd in slurmctld:slurm-wlm slurmd:slurm-wlm munged:munge gcc:gcc systemd-analyze:systemd; do
+    command -v "${cmd%%:*}" >/dev/null 2>&1 || need_apt+=("${cmd##*:}")
+done
+if ((${#need_apt[@]})); then
+    if [[ $(id -u) -ne 0 ]] || ! command -v apt-get >/dev/null; then
+        echo "scripts/test.sh: missing ${need_apt[*]}; install them as root with apt-get" >&2
+        exit 2
+    fi
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
+fi
+
+if [[ ! -x .venv/bin/python ]]; then
+    python3 -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip >/dev/null
+.venv/bin/python -m pip install -q -e '.[test]'
+
+.venv/bin/ruff check .
+# The Slurm tests must run here: a skip of them is a failure.
+exec .venv/bin/python -m pytest "$@"
