@@ -1,0 +1,149 @@
+"""Slurm hostlists (``n[001-004,9],gpu[1-2]-ib[0-1]``) expanded and compressed in-process.
+
+The expansion follows what ``scontrol show hostnames`` does on Slurm 22.05 (checked by
+``tests/test_hostlist.py`` against the real command on generated lists):
+
+- items are separated by commas or white space outside brackets; empty items are skipped;
+- a bracket set holds comma-separated numbers and ``lo-hi`` ranges; the width of ``lo``
+  sets the zero padding (``n[01-3]`` is ``n01 n02 n03``; ``n[1-03]`` is ``n1 n2 n3``);
+- an item may hold several bracket sets (``rack[1-2]-node[01-02]``), but text after the
+  last ``]`` is an error (``n[1-2]b`` and ``n[1-2].ib`` are rejected by Slurm too);
+- order and duplicates are kept.
+
+Anything else raises :class:`HostlistError`, whose message names the list. One list
+expands to at most :data:`MAX_HOSTS` names, so a hostile list cannot exhaust memory.
+
+The digit work is done by python-hostlist; this module adds Slurm's rules on top. It is
+on the prolog's hot path: the standard library and python-hostlist only.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import hostlist as _hl
+
+_TRAILING_DIGITS = re.compile(r"^(.*?)([0-9]+)$")
+
+MAX_HOSTS = 65536  # Slurm's own limit on one range ("Too many hosts in range")
+
+__all__ = ["MAX_HOSTS", "HostlistError", "compress", "expand"]
+
+
+class HostlistError(ValueError):
+    """A hostlist that cannot be expanded. The message names the list and the problem."""
+
+    def __init__(self, hostlist: str, problem: str) -> None:
+        self.hostlist = hostlist
+        self.problem = problem
+        shown = hostlist if len(hostlist) <= 200 else hostlist[:200] + "..."
+        super().__init__(f"invalid hostlist {shown!r}: {problem}")
+
+
+def _items(text: str) -> list[str]:
+    """Split at commas and white space outside brackets; check bracket balance."""
+    items: list[str] = []
+    depth = 0
+    start = 0
+    for i, ch in enumerate(text):
+        if ch == "[":
+            if depth:
+                raise HostlistError(text, f"nested '[' at offset {i}")
+            depth = 1
+        elif ch == "]":
+            if not depth:
+                raise HostlistError(text, f"unbalanced ']' at offset {i}")
+            depth = 0
+        elif depth == 0 and (ch == "," or ch.isspace()):
+            if i > start:
+                items.append(text[start:i])
+            start = i + 1
+        elif depth and not (ch.isdigit() or ch in ",-"):
+            raise HostlistError(text, f"{ch!r} inside brackets at offset {i}")
+    if depth:
+        raise HostlistError(text, "unbalanced '[' (missing ']')")
+    if start < len(text):
+        items.append(text[start:])
+    return items
+
+
+def expand(hostlist: str) -> list[str]:
+    """Expand a Slurm hostlist into host names, in order, duplicates kept.
+
+    >>> expand("n[01-03],gpu[1-2]-ib[0-1]")
+    ['n01', 'n02', 'n03', 'gpu1-ib0', 'gpu1-ib1', 'gpu2-ib0', 'gpu2-ib1']
+    """
+    if not isinstance(hostlist, str):
+        raise HostlistError(repr(hostlist), f"expected a string, got {type(hostlist).__name__}")
+    out: list[str] = []
+    for item in _items(hostlist):
+        if "[" not in item:
+            out.append(item)
+        else:
+            if not item.endswith("]"):
+                tail = item[item.rindex("]") + 1 :]
+                raise HostlistError(hostlist, f"text {tail!r} after ']' in {item!r}")
+            try:
+                names = _hl.expand_hostlist(item, allow_duplicates=True)
+            except _hl.BadHostlist as e:
+                raise HostlistError(hostlist, f"{e} in {item!r}") from None
+            out.extend(names)
+        if len(out) > MAX_HOSTS:
+            raise HostlistError(hostlist, f"more than {MAX_HOSTS} hosts")
+    return out
+
+
+def compress(hosts: Iterable[str]) -> str:
+    """A short hostlist for ``hosts`` that Slurm accepts (sorted, duplicates dropped).
+
+    Only the trailing digits of a name are bracketed, as Slurm does, so the result always
+    expands back (here and in ``scontrol``) to the same names.
+
+    >>> compress(["n3", "n1", "n2", "x01", "x02", "x10", "login"])
+    'login,n[1-3],x[01-02,10]'
+    """
+    names = set(hosts)
+    groups: dict[tuple[str, int], list[int]] = {}
+    plain: list[str] = []
+    padded: set[tuple[str, int]] = set()
+    split: list[tuple[str, str]] = []
+    for name in names:
+        if (
+            not isinstance(name, str)
+            or not name
+            or any(c in name for c in "[],")
+            or any(c.isspace() for c in name)
+        ):
+            raise HostlistError(
+                ",".join(map(str, sorted(names, key=str))), f"{name!r} is not a host name"
+            )
+        m = _TRAILING_DIGITS.match(name)
+        if m is None:
+            plain.append(name)
+            continue
+        prefix, digits = m.groups()
+        split.append((prefix, digits))
+        if len(digits) > 1 and digits[0] == "0":
+            padded.add((prefix, len(digits)))
+    for prefix, digits in split:
+        width = len(digits) if (prefix, len(digits)) in padded else 0
+        groups.setdefault((prefix, width), []).append(int(digits))
+    parts = [(name, -1, name) for name in plain]
+    for (prefix, width), numbers in groups.items():
+        numbers.sort()
+        if len(numbers) == 1:
+            parts.append((prefix, numbers[0], f"{prefix}{numbers[0]:0{width}d}"))
+            continue
+        ranges: list[str] = []
+        lo = prev = numbers[0]
+        for n in [*numbers[1:], None]:
+            if n is not None and n == prev + 1:
+                prev = n
+                continue
+            ranges.append(f"{lo:0{width}d}" if lo == prev else f"{lo:0{width}d}-{prev:0{width}d}")
+            if n is not None:
+                lo = prev = n
+        parts.append((prefix, numbers[0], f"{prefix}[{','.join(ranges)}]"))
+    parts.sort()
+    return ",".join(text for _, _, text in parts)
