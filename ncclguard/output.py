@@ -1,0 +1,114 @@
+"""Rendering for the admin CLI, in one place: tables for people, JSON and CSV for scripts.
+
+Every command builds plain values (a JSON-ready document, and rows for a table) and
+hands them here; nothing else in the CLI formats text. Table cells are strings made by
+:func:`cell`; JSON keeps the real types (numbers stay numbers, ``None`` stays ``null``).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+FORMATS = ("table", "json", "csv")
+
+#: A column: (key in the row, header shown in the table and the CSV).
+Column = tuple[str, str]
+
+
+def cell(value: Any) -> str:
+    """One table or CSV cell: ``None`` shows as ``-``, lists are comma-joined."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        if math.isfinite(value) and value == int(value):
+            return str(int(value))
+        return f"{value:g}"
+    if isinstance(value, list | tuple | set | frozenset):
+        items = sorted(value, key=str) if isinstance(value, set | frozenset) else value
+        return ",".join(cell(v) for v in items) if items else "-"
+    return str(value)
+
+
+def table(rows: Iterable[Mapping[str, Any]], columns: Sequence[Column]) -> str:
+    """A plain aligned table with a header line; an empty table still has its header."""
+    header = [h for _, h in columns]
+    body = [[cell(r.get(k)) for k, _ in columns] for r in rows]
+    widths = [len(h) for h in header]
+    for line in body:
+        for i, text in enumerate(line):
+            widths[i] = max(widths[i], len(text))
+    out = []
+    for line in [header, *body]:
+        out.append("  ".join(t.ljust(w) for t, w in zip(line, widths, strict=True)).rstrip())
+    return "\n".join(out) + "\n"
+
+
+def csv_text(rows: Iterable[Mapping[str, Any]], columns: Sequence[Column]) -> str:
+    """CSV with the column keys as header (stable for scripts), cells as in the table."""
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow([k for k, _ in columns])
+    for r in rows:
+        w.writerow(["" if r.get(k) is None else cell(r.get(k)) for k, _ in columns])
+    return buf.getvalue()
+
+
+def json_text(doc: Any) -> str:
+    """Indented JSON with a trailing newline. Sets become sorted lists."""
+    return json.dumps(doc, indent=2, sort_keys=False, default=_json_default) + "\n"
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, set | frozenset):
+        return sorted(o, key=str)
+    if hasattr(o, "to_dict"):
+        return o.to_dict()
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
+def iso(epoch: float | None) -> str | None:
+    """Epoch seconds as UTC ISO-8601 with a ``Z`` (the fingerprint's convention)."""
+    if epoch is None:
+        return None
+    return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def age(seconds: float | None) -> str | None:
+    """A short human age: ``42s``, ``5m``, ``3h``, ``2d``; ``None`` stays ``None``."""
+    if seconds is None:
+        return None
+    s = max(0.0, seconds)
+    if s < 120:
+        return f"{int(s)}s"
+    if s < 2 * 3600:
+        return f"{int(s // 60)}m"
+    if s < 2 * 86400:
+        return f"{int(s // 3600)}h"
+    return f"{int(s // 86400)}d"
+
+
+def now() -> float:
+    return time.time()
+
+
+def section(title: str, body: str) -> str:
+    """A titled block of text (used by ``show`` and ``drain-recommend``)."""
+    return f"{title}\n{body}" if body.endswith("\n") else f"{title}\n{body}\n"
+
+
+def kv(pairs: Sequence[tuple[str, Any]], indent: int = 2) -> str:
+    """``key: value`` lines, keys aligned; for readable single records."""
+    if not pairs:
+        return ""
+    w = max(len(k) for k, _ in pairs)
+    pad = " " * indent
+    return "".join(f"{pad}{k.ljust(w)}  {cell(v)}\n" for k, v in pairs)
