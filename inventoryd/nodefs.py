@@ -8,12 +8,22 @@ one field, never the device or the node.
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 MAX_SMALL_READ = 64 * 1024  # sysfs/procfs attributes are tiny; never read more
+MAX_SYMLINKS = 40  # as the kernel's own limit (ELOOP)
+
+_KINDS = {
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+}
 
 
 @dataclass
@@ -56,6 +66,65 @@ class NodeFS:
         except ValueError:
             return str(p)
 
+    def _open_regular(self, node_path: str) -> int:
+        """Open a node file for reading without ever blocking; only regular files pass.
+
+        ``O_NONBLOCK`` makes opening a FIFO return at once (a plain open would wait for a
+        writer forever); the ``fstat`` check then refuses it, like sockets and devices
+        (``/dev/zero`` linked in as a config file must not be read). A directory gives
+        EISDIR. sysfs and procfs attributes are regular files, so they pass.
+        """
+        fd = os.open(self.host(node_path), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            mode = os.fstat(fd).st_mode
+            if stat.S_ISDIR(mode):
+                raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR))
+            if not stat.S_ISREG(mode):
+                kind = _KINDS.get(stat.S_IFMT(mode), "not a regular file")
+                raise OSError(f"not a regular file ({kind})")
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def read_bytes(
+        self,
+        node_path: str,
+        limit: int,
+        errors: ErrorLog | None = None,
+        probe: str = "",
+        field_: str = "",
+        missing_ok: bool = True,
+    ) -> tuple[bytes, bool] | None:
+        """Read at most ``limit`` bytes: ``(data, truncated)``; ``None`` as in :meth:`read_text`.
+
+        ``truncated`` is true when the file holds more than ``limit`` bytes; the rest is
+        never read, so a huge or endless file costs bounded time and memory.
+        """
+        try:
+            fd = self._open_regular(node_path)
+            try:
+                chunks: list[bytes] = []
+                left = limit + 1  # one byte more tells "exactly limit" from "longer"
+                while left > 0:
+                    chunk = os.read(fd, min(left, 1 << 20))
+                    if not chunk:
+                        break
+                    chunks.append(chunk)
+                    left -= len(chunk)
+            finally:
+                os.close(fd)
+        except FileNotFoundError as e:
+            if not missing_ok and errors is not None:
+                errors.add(probe, field_ or node_path, node_path, e)
+            return None
+        except OSError as e:
+            if errors is not None:
+                errors.add(probe, field_ or node_path, node_path, e)
+            return None
+        data = b"".join(chunks)
+        return data[:limit], len(data) > limit
+
     def read_text(
         self,
         node_path: str,
@@ -67,13 +136,37 @@ class NodeFS:
         """Read a small text attribute, stripped of its trailing newline.
 
         A missing file returns ``None`` (and records an error only if ``missing_ok`` is
-        false). Any other failure (EINVAL from a driver, EACCES, EISDIR, bad UTF-8)
-        records an error naming the file and returns ``None``.
+        false). Any other failure (EINVAL from a driver, EACCES, EISDIR, a FIFO or a
+        device where a file belongs, bad UTF-8) records an error naming the file and
+        returns ``None``. At most :data:`MAX_SMALL_READ` bytes are read.
         """
-        host = self.host(node_path)
+        got = self.read_bytes(node_path, MAX_SMALL_READ, errors, probe, field_, missing_ok)
+        if got is None:
+            return None
         try:
-            with open(host, "rb") as f:
-                data = f.read(MAX_SMALL_READ)
+            return got[0].decode("utf-8").rstrip("\n")
+        except UnicodeDecodeError as e:
+            if errors is not None:
+                errors.add(probe, field_ or node_path, node_path, f"not UTF-8 text: {e}")
+            return None
+
+    def list_dir(
+        self,
+        node_path: str,
+        errors: ErrorLog | None = None,
+        probe: str = "",
+        field_: str = "",
+        missing_ok: bool = True,
+    ) -> list[str] | None:
+        """The sorted entry names of a node directory, or ``None``.
+
+        A missing directory returns ``None`` (an error only if ``missing_ok`` is false).
+        Any other failure (a file where a directory belongs: ENOTDIR; a symlink loop:
+        ELOOP; a dangling link) records an error naming the directory.
+        """
+        try:
+            with os.scandir(self.host(node_path)) as it:
+                return sorted(e.name for e in it)
         except FileNotFoundError as e:
             if not missing_ok and errors is not None:
                 errors.add(probe, field_ or node_path, node_path, e)
@@ -82,9 +175,50 @@ class NodeFS:
             if errors is not None:
                 errors.add(probe, field_ or node_path, node_path, e)
             return None
+
+    def exists(self, node_path: str) -> bool:
+        """True if the node path exists (links followed); never raises."""
         try:
-            return data.decode("utf-8").rstrip("\n")
-        except UnicodeDecodeError as e:
-            if errors is not None:
-                errors.add(probe, field_ or node_path, node_path, f"not UTF-8 text: {e}")
-            return None
+            return self.host(node_path).exists()
+        except OSError:
+            return False
+
+    def is_dir(self, node_path: str) -> bool:
+        try:
+            return self.host(node_path).is_dir()
+        except OSError:
+            return False
+
+    def resolve(self, node_path: str) -> str:
+        """The node path with every symlink resolved *inside the node root*.
+
+        An absolute link target is taken relative to the root (as on the node itself),
+        and ``..`` never climbs above it. Missing components are kept as they are (like
+        ``realpath -m``). More than :data:`MAX_SYMLINKS` links raise ``OSError(ELOOP)``.
+        """
+        if not node_path.startswith("/"):
+            raise ValueError(f"node paths are absolute: {node_path!r}")
+        todo = [c for c in node_path.split("/") if c]
+        done: list[str] = []
+        hops = 0
+        while todo:
+            part = todo.pop(0)
+            if part == ".":
+                continue
+            if part == "..":
+                if done:
+                    done.pop()
+                continue
+            candidate = "/" + "/".join([*done, part])
+            try:
+                target = os.readlink(self.host(candidate))
+            except OSError:  # not a link, or not there: keep the name
+                done.append(part)
+                continue
+            hops += 1
+            if hops > MAX_SYMLINKS:
+                raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), node_path)
+            if target.startswith("/"):
+                done = []
+            todo = [c for c in target.split("/") if c] + todo
+        return "/" + "/".join(done)
