@@ -1,0 +1,364 @@
+"""The Inventory: schema, writes, queries, history, modes and refusals (real SQLite files)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import sqlite3
+import stat
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ncclguard.config import InventoryConfig
+from ncclguard.store import (
+    MIGRATIONS,
+    SCHEMA_VERSION,
+    Inventory,
+    InventoryCorrupt,
+    InventoryMissing,
+    InventoryReadOnly,
+    InventoryUnsafe,
+    fingerprint_diff,
+    fingerprint_hash,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def make_fp(
+    host: str,
+    nccl: str = "2.21.5",
+    *,
+    plugin_abi: int | None = 8,
+    ports_up: int = 2,
+    driver: str = "550.54.15",
+    collected_at: str = "2026-11-30T02:13:28Z",
+    extra: str | None = None,
+) -> dict[str, Any]:
+    """A schema-1 fingerprint (docs/fingerprint.md) of a node on IB with a net plugin."""
+    major, minor, patch = (int(x) for x in nccl.split("."))
+    lib = "/usr/lib/x86_64-linux-gnu/libnccl.so.2"
+    plugin_path = "/usr/lib/x86_64-linux-gnu/libnccl-net.so"
+    abis = {"net": [8, 7, 6, 5], "collnet": [8, 7, 6, 5], "tuner": [2, 1], "profiler": []}
+    plugins = []
+    if plugin_abi is not None:
+        plugins.append({
+            "kind": "net", "path": plugin_path, "realpath": plugin_path, "size": 123,
+            "sha256": "ab" * 32,
+            "abis": {"net": [plugin_abi], "collnet": [], "tuner": [], "profiler": []},
+            "names": {"net": f"IBext_v{plugin_abi}"}, "name": f"IBext_v{plugin_abi}",
+            "default": True, "origin": "linker", "error": None,
+        })
+    ports = [
+        {"port": 1, "state": "ACTIVE" if i < ports_up else "DOWN",
+         "state_code": 4 if i < ports_up else 1, "phys_state": "LinkUp", "phys_state_code": 5,
+         "rate_gbps": 400.0, "rate": "400 Gb/sec (4X NDR)", "link_layer": "InfiniBand"}
+        for i in range(2)
+    ]
+    return {
+        "schema": 1,
+        "host": {"hostname": host, "kernel": "6.1.0-18-amd64", "boot_id": "b" * 8,
+                 "collected_at": collected_at, "tool_version": "0.1.0"},
+        "libnccl": [{
+            "path": lib, "realpath": f"{lib}.{nccl}", "size": 290123456, "sha256": "cd" * 32,
+            "version": nccl, "version_code": major * 10000 + minor * 100 + patch,
+            "cuda_version": "12.4", "version_source": "banner", "version_error": None,
+            "git_version": None, "abis": abis, "default": True, "origin": "linker",
+        }],
+        "plugins": plugins,
+        "net": {"libnccl": lib, "plugin": plugin_path if plugins else None,
+                "effective_net_abi": plugin_abi, "reason": None if plugins else "no net plugin"},
+        "rdma": {
+            "abi_version": {"verbs": "6", "mad": "5"},
+            "libibverbs": {"path": "/usr/lib/x86_64-linux-gnu/libibverbs.so.1",
+                           "version": "1.14.50.0"},
+            "providers": ["mlx5"],
+            "devices": [
+                {"name": f"mlx5_{i}", "fw_ver": "28.39.1002", "hca_type": "MT4129",
+                 "board_id": "MT_0000000838", "node_guid": "946d:ae03:00f3:8a3c",
+                 "node_type": "1: CA", "ports": [ports[i]]}
+                for i in range(2)
+            ],
+        },
+        "netifs": [{"name": "ib0", "up": True, "addresses": ["10.0.0.1"]}],
+        "nccl_conf": {"path": "/etc/nccl.conf", "present": extra is not None,
+                      "sha256": None, "raw": extra or "", "truncated": False,
+                      "settings": {"X": extra} if extra else {}},
+        "gpu": {"driver_version": driver, "count": 8, "models": ["NVIDIA H100 80GB HBM3"],
+                "peermem": "nvidia_peermem"},
+        "errors": [],
+    }
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> Path:
+    return tmp_path / "inv" / "inventory.db"
+
+
+def test_fresh_database_has_schema_version_and_safe_modes(db: Path) -> None:
+    with Inventory(db) as inv:
+        assert inv.schema_version() == SCHEMA_VERSION
+        assert inv.integrity_check() == "ok"
+    assert stat.S_IMODE(db.stat().st_mode) == 0o644
+    assert stat.S_IMODE(db.parent.stat().st_mode) == 0o755
+    tables = {
+        r[0]
+        for r in sqlite3.connect(db).execute("SELECT name FROM sqlite_master WHERE type='table'")
+    }
+    assert {"nodes", "libraries", "plugins", "rdma_ports", "history"} <= tables
+
+
+def test_upsert_outcomes_and_heartbeat_interval(db: Path) -> None:
+    with Inventory(db, heartbeat_s=300) as inv:
+        fp = make_fp("n1")
+        assert inv.upsert(fp, now=1000) == "inserted"
+        assert inv.upsert(fp, now=1100) == "unchanged"
+        # a new collection time alone is not a change
+        fp2 = make_fp("n1", collected_at="2026-11-30T03:00:00Z")
+        assert inv.upsert(fp2, now=1200) == "unchanged"
+        assert inv.upsert(fp2, now=1300) == "heartbeat"
+        assert inv.upsert(make_fp("n1", "2.21.6"), now=1400) == "changed"
+        rec = inv.load(["n1"])["n1"]
+        assert rec is not None
+        assert rec.first_seen == 1000
+        assert rec.last_heartbeat == 1400
+        assert rec.fingerprint["libnccl"][0]["version"] == "2.21.6"
+        assert rec.fp_hash == fingerprint_hash(make_fp("n1", "2.21.6"))
+        assert inv.heartbeat("n1", now=1500) is True
+        assert inv.heartbeat("nope", now=1500) is False
+        assert inv.load(["n1"])["n1"].last_heartbeat == 1500  # type: ignore[union-attr]
+
+
+def test_load_returns_none_for_unknown_hosts_and_reads_readonly(db: Path) -> None:
+    with Inventory(db) as inv:
+        for i in range(5):
+            inv.upsert(make_fp(f"n{i}"), now=1000)
+    with Inventory(db, readonly=True) as ro:
+        got = ro.load(["n0", "n3", "ghost", "n0"])
+        assert list(got) == ["n0", "n3", "ghost"]
+        assert got["ghost"] is None
+        rec = got["n3"]
+        assert rec is not None and rec.host == "n3"
+        assert rec.fingerprint == make_fp("n3")
+        assert rec.compat_key and rec.collected_at > 0
+        with pytest.raises(InventoryReadOnly, match=str(db)):
+            ro.upsert(make_fp("n9"))
+
+
+def test_history_records_each_change_with_a_field_diff(db: Path) -> None:
+    with Inventory(db) as inv:
+        inv.upsert(make_fp("n1", "2.21.5"), now=100)
+        inv.upsert(make_fp("n2", "2.21.5"), now=100)
+        inv.upsert(make_fp("n1", "2.21.5"), now=500)  # heartbeat: no history row
+        inv.upsert(make_fp("n1", "2.23.4"), now=1000)
+        inv.upsert(make_fp("n1", "2.23.4", ports_up=1), now=2000)
+        h = inv.history("n1")
+        assert [r["at"] for r in h] == [100, 1000, 2000]
+        assert h[0]["old_hash"] is None and h[0]["diff"] == []
+        assert h[1]["old_hash"] == h[0]["new_hash"]
+        fields = {d["field"]: d for d in h[1]["diff"]}
+        key = "libnccl[/usr/lib/x86_64-linux-gnu/libnccl.so.2].version"
+        assert fields[key]["old"] == "2.21.5" and fields[key]["new"] == "2.23.4"
+        assert any(d["field"].startswith("rdma.devices[mlx5_1].ports[1].state")
+                   for d in h[2]["diff"])
+        # "which nodes changed NCCL since t"
+        changed = {r["host"] for r in inv.history(since=500)
+                   if any(d["field"].startswith("libnccl") for d in r["diff"])}
+        assert changed == {"n1"}
+        # "what did n1 have when job X started"
+        assert inv.fingerprint_at("n1", 50) is None
+        assert inv.fingerprint_at("n1", 999)["libnccl"][0]["version"] == "2.21.5"  # type: ignore[index]
+        assert inv.fingerprint_at("n1", 1000)["libnccl"][0]["version"] == "2.23.4"  # type: ignore[index]
+
+
+def test_classes_group_by_compat_key(db: Path) -> None:
+    with Inventory(db) as inv:
+        for i in range(6):
+            inv.upsert(make_fp(f"n{i}", "2.21.5" if i < 4 else "2.18.3", driver=str(i)), now=1)
+        classes = inv.classes()
+        assert [c.hosts for c in classes] == [["n0", "n1", "n2", "n3"], ["n4", "n5"]]
+        assert classes[0].values["nccl"] == "2.21.5"
+        assert classes[1].values["nccl"] == "2.18.3"
+        sub = inv.classes(["n5", "n1"])
+        assert sorted(c.hosts[0] for c in sub) == ["n1", "n5"]
+
+
+def test_nodes_query_columns_and_filters(db: Path) -> None:
+    with Inventory(db) as inv:
+        inv.upsert(make_fp("a", "2.21.5", ports_up=2), now=10)
+        inv.upsert(make_fp("b", "2.18.3", plugin_abi=None, ports_up=1, driver="535"), now=20)
+        rows = {r["host"]: r for r in inv.nodes()}
+        assert rows["a"]["nccl_version"] == "2.21.5"
+        assert rows["a"]["nccl_versions"] == ["2.21.5"]
+        assert rows["a"]["net_plugin_name"] == "IBext_v8"
+        assert rows["a"]["rdma_ports_up"] == 2 and rows["a"]["rdma_ports_total"] == 2
+        assert rows["b"]["net_plugin"] is None and rows["b"]["rdma_ports_up"] == 1
+        assert rows["b"]["driver"] == "535" and rows["b"]["last_heartbeat"] == 20
+        assert rows["a"]["error_count"] == 0
+        assert rows["a"]["transport"]
+        assert [r["host"] for r in inv.nodes({"nccl_version": "2.18.3"})] == ["b"]
+        assert [r["host"] for r in inv.nodes({"has_nccl": "2.21.5"})] == ["a"]
+        assert [r["host"] for r in inv.nodes({"net_plugin": None})] == ["b"]
+        assert [r["host"] for r in inv.nodes({"host": ["a", "b", "c"]})] == ["a", "b"]
+        with pytest.raises(ValueError, match="unknown field 'x; DROP TABLE nodes'"):
+            inv.nodes({"x; DROP TABLE nodes": 1})
+
+
+def test_stale_and_hosts(db: Path) -> None:
+    with Inventory(db) as inv:
+        inv.upsert(make_fp("old"), now=100)
+        inv.upsert(make_fp("new"), now=1000)
+        assert inv.stale(now=1100, ttl=500) == ["old"]
+        assert inv.hosts() == ["new", "old"]
+
+
+def test_fingerprint_diff_ignores_collection_time() -> None:
+    a = make_fp("n1")
+    b = copy.deepcopy(a)
+    b["host"]["collected_at"] = "2030-01-01T00:00:00Z"
+    assert fingerprint_diff(a, b) == []
+    assert fingerprint_hash(a) == fingerprint_hash(b)
+
+
+def test_upsert_rejects_a_fingerprint_without_hostname(db: Path) -> None:
+    with Inventory(db) as inv, pytest.raises(ValueError, match="hostname"):
+        inv.upsert({"schema": 1, "host": {}})
+
+
+# ---- refusals and the files
+
+
+def test_readonly_missing_file_and_missing_directory(tmp_path: Path) -> None:
+    want = re.escape(f"inventory at {tmp_path}/x.db: no such file")
+    with pytest.raises(InventoryMissing, match=want):
+        Inventory(tmp_path / "x.db", readonly=True)
+    with pytest.raises(InventoryMissing, match=r"directory .* is missing"):
+        Inventory(tmp_path / "nodir" / "x.db", readonly=True)
+
+
+def test_readonly_refuses_an_empty_never_written_file(tmp_path: Path) -> None:
+    p = tmp_path / "empty.db"
+    p.touch(mode=0o644)
+    with pytest.raises(InventoryMissing, match="empty database"):
+        Inventory(p, readonly=True)
+
+
+@pytest.mark.parametrize("readonly", [False, True])
+def test_world_writable_file_is_refused(db: Path, readonly: bool) -> None:
+    Inventory(db).close()
+    os.chmod(db, 0o666)
+    with pytest.raises(InventoryUnsafe, match=f"world-writable inventory at {db}: refusing"):
+        Inventory(db, readonly=readonly)
+
+
+@pytest.mark.parametrize("readonly", [False, True])
+def test_world_writable_directory_is_refused(db: Path, readonly: bool) -> None:
+    Inventory(db).close()
+    os.chmod(db.parent, 0o777)
+    with pytest.raises(InventoryUnsafe, match=r"refusing .*its directory"):
+        Inventory(db, readonly=readonly)
+
+
+@pytest.mark.parametrize("readonly", [False, True])
+def test_corrupt_file_is_named(tmp_path: Path, readonly: bool) -> None:
+    p = tmp_path / "inventory.db"
+    p.write_bytes(b"this is not a database, it is a text file\n" * 200)
+    os.chmod(p, 0o644)
+    want = rf"corrupt inventory at {re.escape(str(p))}: .*not a database"
+    with pytest.raises(InventoryCorrupt, match=want):
+        Inventory(p, readonly=readonly)
+
+
+def test_a_directory_in_place_of_the_file_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "inventory.db").mkdir()
+    with pytest.raises(InventoryCorrupt, match="not a regular file"):
+        Inventory(tmp_path / "inventory.db")
+
+
+# ---- schema versions
+
+
+def _database_at_version(path: Path, version: int) -> None:
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("BEGIN")
+    for step in MIGRATIONS[:version]:
+        step(conn)
+    conn.execute(f"PRAGMA user_version = {version}")
+    conn.execute("COMMIT")
+    conn.close()
+    os.chmod(path, 0o644)
+
+
+@pytest.mark.parametrize("version", range(SCHEMA_VERSION))
+def test_migrates_from_every_earlier_version(tmp_path: Path, version: int) -> None:
+    p = tmp_path / "inventory.db"
+    _database_at_version(p, version)
+    with pytest.raises(InventoryMissing if version == 0 else InventoryCorrupt):
+        Inventory(p, readonly=True)  # readers never migrate
+    with Inventory(p) as inv:
+        assert inv.schema_version() == SCHEMA_VERSION
+        assert inv.upsert(make_fp("n1"), now=1) == "inserted"
+    with Inventory(p) as inv:  # a second open runs nothing again
+        assert inv.schema_version() == SCHEMA_VERSION
+        assert inv.hosts() == ["n1"]
+
+
+@pytest.mark.parametrize("readonly", [False, True])
+def test_a_newer_schema_is_refused(db: Path, readonly: bool) -> None:
+    Inventory(db).close()
+    conn = sqlite3.connect(db)
+    conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    conn.commit()
+    conn.close()
+    with pytest.raises(InventoryCorrupt, match="newer than this ncclguard"):
+        Inventory(db, readonly=readonly)
+
+
+# ---- paths
+
+
+def test_ncclguard_db_overrides_the_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    target = tmp_path / "env" / "inventory.db"
+    monkeypatch.setenv("NCCLGUARD_DB", str(target))
+    with Inventory(config=InventoryConfig(db=str(tmp_path / "cfg.db"))) as inv:
+        assert inv.path == target
+    assert target.exists() and not (tmp_path / "cfg.db").exists()
+
+
+def test_default_path_works_without_root_on_a_fresh_home(tmp_path: Path) -> None:
+    """The embedded default (per-user state dir) is created with its parents."""
+    env = {k: v for k, v in os.environ.items() if k not in ("NCCLGUARD_DB", "XDG_STATE_HOME")}
+    env["HOME"] = str(tmp_path / "home")
+    code = (
+        "from ncclguard.config import SYSTEM_STATE_DIR\n"
+        "import ncclguard.config as c\n"
+        "c.SYSTEM_STATE_DIR = c.Path('/nonexistent-ncclguard')\n"
+        "from ncclguard.store import Inventory\n"
+        "inv = Inventory(); print(inv.path)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, check=True,
+                         capture_output=True, text=True).stdout.strip()
+    assert out == str(tmp_path / "home/.local/state/ncclguard/inventory.db")
+    assert Path(out).is_file()
+
+
+def test_the_gate_path_uses_plain_sqlite3_only(db: Path) -> None:
+    with Inventory(db) as inv:
+        inv.upsert(make_fp("n1"), now=1)
+    code = (
+        "import sys, json\n"
+        "from ncclguard.store import Inventory\n"
+        f"inv = Inventory({str(db)!r}, readonly=True)\n"
+        "r = inv.load(['n1'])['n1']\n"
+        "print(json.dumps([r.host, 'sqlite_utils' in sys.modules,"
+        " any(m.startswith('prolog') for m in sys.modules)]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True,
+                         capture_output=True, text=True).stdout
+    assert json.loads(out) == ["n1", False, False]
