@@ -33,8 +33,10 @@ from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from ncclguard.config import DEFAULT_SEVERITY, Config
+from ncclguard.slurm import clean_text
 
 REASON_PREFIX = "ncclguard:"
+REASON_MAX = 250  # the adapter cuts drain reasons to this length
 
 #: The pinned-baseline keys (config ``[baseline]``) and the rule each one belongs to.
 BASELINE_RULES = {
@@ -58,7 +60,8 @@ class NodeFacts:
     compat_key: str | None
     values: Mapping[str, Any]  # the class's defining values (prolog.compat.compat_values)
     last_heartbeat: float | None
-    active_ports: frozenset[str] | None = None  # "mlx5_0/1"; None: unknown (probe error)
+    ports_up: int | None = None  # ACTIVE RDMA ports; None: unknown (a port state unreadable)
+    ports_total: int | None = None
 
 
 @dataclass(frozen=True)
@@ -265,22 +268,17 @@ def recommend(
                         recs.setdefault(f.host, Recommendation(f.host, KIND_CLASS, reason))
 
             if base_key is not None:
-                port_sets = Counter(f.active_ports for f in by_class[base_key]
-                                    if f.active_ports is not None)
-                if port_sets:
-                    base_ports = port_sets.most_common(1)[0][0]
-                    for f in fresh:
-                        if f.host in recs or f.active_ports is None or not base_ports:
-                            continue
-                        down = sorted(base_ports - f.active_ports)
-                        if down:
-                            n_active = len(f.active_ports & base_ports)
-                            recs[f.host] = Recommendation(
-                                f.host, KIND_PORTS,
-                                f"{REASON_PREFIX} RDMA ports down: {','.join(down)} "
-                                f"({n_active}/{len(base_ports)} active, baseline "
-                                f"{len(base_ports)})",
-                            )
+                ups = Counter(f.ports_up for f in by_class[base_key] if f.ports_up is not None)
+                base_up = ups.most_common(1)[0][0] if ups else 0
+                for f in fresh:
+                    if f.host in recs or f.ports_up is None or f.ports_up >= base_up:
+                        continue
+                    total = f.ports_total if f.ports_total is not None else "?"
+                    recs[f.host] = Recommendation(
+                        f.host, KIND_PORTS,
+                        f"{REASON_PREFIX} RDMA ports down: {f.ports_up}/{total} active, "
+                        f"baseline {base_up} active",
+                    )
 
         sp.recommendations = [recs[h] for h in hosts if h in recs]
         if len(sp.recommendations) > sp.cap and not force:
@@ -345,31 +343,35 @@ def values_judge(values: Mapping[str, Mapping[str, Any]], config: Config) -> Jud
 # --- facts from fingerprints --------------------------------------------------------------
 
 
-def active_ports(fp: Mapping[str, Any] | None) -> frozenset[str] | None:
-    """``{"mlx5_0/1", ...}``: the ACTIVE RDMA ports. ``None`` when a port state is unknown."""
+def active_ports(fp: Mapping[str, Any] | None) -> int | None:
+    """The number of ACTIVE RDMA ports; ``None`` when any port's state is unknown."""
     if not fp:
         return None
     rdma = fp.get("rdma")
     if not isinstance(rdma, Mapping):
         return None
-    out = set()
+    n = 0
     for dev in rdma.get("devices") or []:
         for port in dev.get("ports") or []:
             state = port.get("state")
             if state is None:
                 return None
-            if state == "ACTIVE":
-                out.add(f"{dev.get('name')}/{port.get('port')}")
-    return frozenset(out)
+            n += state == "ACTIVE"
+    return n
 
 
 # --- carrying a plan out through Slurm ----------------------------------------------------
 
 
 class SlurmNodeLike(Protocol):
-    name: str
-    state: str
-    reason: str | None
+    """What apply/resume read of a Slurm node (:class:`ncclguard.slurm.NodeInfo`)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def reason(self) -> str: ...
+    @property
+    def drained(self) -> bool: ...
 
 
 class SlurmLike(Protocol):
@@ -389,11 +391,6 @@ class Action:
                 "detail": self.detail}
 
 
-def is_drained(state: str | None) -> bool:
-    s = (state or "").upper()
-    return "DRAIN" in s
-
-
 def ours(reason: str | None) -> bool:
     return bool(reason) and str(reason).startswith(REASON_PREFIX)
 
@@ -405,18 +402,18 @@ def plan_apply(plan: Plan, slurm_nodes: Mapping[str, SlurmNodeLike]) -> list[Act
         node = slurm_nodes.get(host)
         if node is None:
             out.append(Action(host, "skip", reason, "not a Slurm node"))
-        elif is_drained(node.state):
+        elif node.drained:
             if not ours(node.reason):
                 out.append(Action(host, "skip", reason,
                                   f"drained by someone else ({node.reason or 'no reason'}): "
                                   "left alone"))
-            elif node.reason == reason:
+            elif node.reason == clean_text(reason, REASON_MAX):
                 out.append(Action(host, "skip", reason, "already drained by ncclguard"))
             else:
                 out.append(Action(host, "redrain", reason,
                                   f"drained by ncclguard for another cause ({node.reason})"))
         else:
-            out.append(Action(host, "drain", reason, f"state {node.state}"))
+            out.append(Action(host, "drain", reason, "not drained"))
     return out
 
 
@@ -435,7 +432,7 @@ def plan_resume(plan: Plan, slurm_nodes: Mapping[str, SlurmNodeLike],
     causes = plan.causes()
     for host in dict.fromkeys(scope):
         node = slurm_nodes.get(host)
-        if node is None or not is_drained(node.state):
+        if node is None or not node.drained:
             continue
         if not ours(node.reason):
             out.append(Action(host, "skip", node.reason,

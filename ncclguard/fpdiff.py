@@ -1,10 +1,12 @@
 """Field-level differences between fingerprints, each mapped to the policy rule it triggers.
 
-A fingerprint is flattened into ``{field: value}`` with stable field names (lists keyed by
-path, device name or port number, never by position), plus a few derived fields that carry
-the rules (``nccl.version`` is the default libnccl's version, ``transport`` is the
-effective transport). Per-node identity (host name, times, GUIDs, IP addresses) is left out:
-it always differs and means nothing.
+The raw field diff is the store's own :func:`ncclguard.store.fingerprint_diff` (the one
+the history table keeps), so field names are the same everywhere
+(``rdma.devices[mlx5_0].ports[1].rate_gbps``, lists keyed by path, name or port). On top
+of it come the derived values that the refuse-level rules compare
+(``compat.nccl``, ``compat.net_plugin``, ``compat.net_abi``, ``compat.transport`` from
+:func:`prolog.compat.compat_values`) and ``rdma.active_ports``. Per-node identity (host
+name, boot id, GUIDs, IP addresses) is left out: it always differs and means nothing.
 
 A field that a probe could not read (an entry in ``errors``) is *unknown*, never
 different, as in the policy; :func:`diff` reports such fields apart.
@@ -18,10 +20,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ncclguard.config import DEFAULT_SEVERITY
+from ncclguard.store import fingerprint_diff
 
 #: Fields that identify one node or one collection; they are never compared.
 _SKIP = re.compile(
-    r"^(host\.(hostname|collected_at|boot_id|tool_version)|errors|nccl_conf\.raw|schema)$"
+    r"^(host\.(hostname|collected_at|boot_id|tool_version)$|errors\b|nccl_conf\.raw$)"
     r"|\.addresses$|\.node_guid$"
 )
 
@@ -29,14 +32,15 @@ _SKIP = re.compile(
 _RULES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
     (re.compile(p), r)
     for p, r in (
-        (r"^nccl\.version$", "nccl-version"),
+        (r"^compat\.(nccl|nccl_paths)$", "nccl-version"),
+        (r"^compat\.(net_plugin|net_abi)$", "net-plugin"),
+        (r"^compat\.transport$", "transport"),
         (r"^net\.", "net-plugin"),
-        (r"^transport$", "transport"),
         (r"^rdma\.devices\[[^\]]*\]\.ports\[[^\]]*\]\.link_layer$", "transport"),
         (r"^rdma\.active_ports$", "rdma-port-count"),
         (r"^rdma\.devices\[[^\]]*\]\.ports\[[^\]]*\]\.(state|state_code|phys_state|phys_state_code)$",
          "rdma-port-count"),
-        (r"^rdma\.devices\[[^\]]*\]\.ports\[[^\]]*\]$", "rdma-port-count"),
+        (r"^rdma\.devices\[[^\]]*\](\.ports(\[[^\]]*\])?)?$", "rdma-port-count"),
         (r"^rdma\.devices\[[^\]]*\]\.ports\[[^\]]*\]\.(rate|rate_gbps)$", "rdma-rate"),
         (r"^rdma\.devices\[[^\]]*\]\.fw_ver$", "rdma-firmware"),
         (r"^nccl_conf\.", "nccl-conf"),
@@ -66,40 +70,6 @@ def severity_for(rule: str | None, severity: Mapping[str, str] | None = None) ->
     return table.get(rule, DEFAULT_SEVERITY.get(rule, INFO))
 
 
-def _key(name: str) -> str:
-    """Bracketed key for a list element (paths contain dots, so they go in brackets)."""
-    return f"[{name}]"
-
-
-def _walk(prefix: str, value: Any, out: dict[str, Any]) -> None:
-    if _SKIP.search(prefix):
-        return
-    if isinstance(value, dict):
-        if not value and prefix:
-            out[prefix] = {}
-        for k, v in value.items():
-            _walk(f"{prefix}.{k}" if prefix else str(k), v, out)
-        return
-    if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
-        for i, v in enumerate(value):
-            ident = v.get("name") or v.get("path")
-            if "port" in v:
-                ident = str(v["port"])
-            if "kind" in v and "path" in v:
-                ident = f"{v['kind']}:{v['path']}"
-            _walk(f"{prefix}{_key(str(ident) if ident is not None else str(i))}", v, out)
-        return
-    out[prefix] = value
-
-
-def _default_libnccl(fp: Mapping[str, Any]) -> Mapping[str, Any] | None:
-    libs = fp.get("libnccl") or []
-    for lib in libs:
-        if isinstance(lib, Mapping) and lib.get("default"):
-            return lib
-    return None
-
-
 def _active_ports(fp: Mapping[str, Any]) -> int | None:
     rdma = fp.get("rdma")
     if not isinstance(rdma, Mapping):
@@ -107,35 +77,23 @@ def _active_ports(fp: Mapping[str, Any]) -> int | None:
     n = 0
     for dev in rdma.get("devices") or []:
         for port in dev.get("ports") or []:
+            if port.get("state") is None:
+                return None
             if port.get("state") == "ACTIVE":
                 n += 1
     return n
 
 
-def _transport(fp: Mapping[str, Any]) -> Any:
+def derived(fp: Mapping[str, Any]) -> dict[str, Any]:
+    """The values the refuse-level rules compare, as fields ``compat.*``, and active ports."""
     try:
-        from prolog.transport import effective_transport
+        from prolog.compat import compat_values
+
+        values = compat_values(dict(fp))
     except ImportError:  # the policy package is not installed next to the CLI
-        return None
-    try:
-        return effective_transport(dict(fp))
-    except Exception:  # a malformed record: no derived value, the raw fields still compare
-        return None
-
-
-def flatten(fp: Mapping[str, Any]) -> dict[str, Any]:
-    """``{field: value}`` for one fingerprint: derived fields first, then the raw ones."""
-    out: dict[str, Any] = {}
-    lib = _default_libnccl(fp)
-    out["nccl.version"] = lib.get("version") if lib else None
-    out["nccl.versions"] = sorted(
-        {str(x.get("version")) for x in fp.get("libnccl") or [] if x.get("version")}
-    )
-    tr = _transport(fp)
-    if tr is not None:
-        out["transport"] = tr
+        values = {}
+    out = {f"compat.{k}": v for k, v in values.items()}
     out["rdma.active_ports"] = _active_ports(fp)
-    _walk("", {k: v for k, v in fp.items()}, out)
     return out
 
 
@@ -202,6 +160,16 @@ def _freeze(v: Any) -> Any:
     return v
 
 
+def pair(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
+    """``[(field, value in a, value in b)]``: derived fields first, then the raw ones."""
+    da, db = derived(a), derived(b)
+    out = [(k, da.get(k), db.get(k)) for k in dict.fromkeys([*da, *db]) if da.get(k) != db.get(k)]
+    for d in fingerprint_diff(dict(a), dict(b)):
+        if not _SKIP.search(d["field"]):
+            out.append((d["field"], d["old"], d["new"]))
+    return out
+
+
 def diff(
     fingerprints: Mapping[str, Mapping[str, Any]],
     severity: Mapping[str, str] | None = None,
@@ -212,34 +180,38 @@ def diff(
 
     Each difference names the values with the hosts that hold them, the rule it
     triggers and that rule's configured severity. Sorted worst first, then by field.
+    Every host is compared with the first one, so the cost is linear in the hosts.
     """
     hosts = list(fingerprints)
-    flat = {h: flatten(fp) for h, fp in fingerprints.items()}
-    errs = {h: errored_fields(fp) for h, fp in fingerprints.items()}
-    names: dict[str, None] = {}
-    for f in flat.values():
-        names.update(dict.fromkeys(f))
     result = Diff(hosts=hosts)
-    for name in names:
+    if len(hosts) < 2:
+        return result
+    ref = hosts[0]
+    ref_fp = fingerprints[ref]
+    ref_value: dict[str, Any] = {}
+    changed: dict[str, dict[str, Any]] = {}  # field -> {host: value} where not as on ref
+    for h in hosts[1:]:
+        for name, old, new in pair(ref_fp, fingerprints[h]):
+            ref_value.setdefault(name, old)
+            changed.setdefault(name, {})[h] = new
+    errs = {h: errored_fields(fp) for h, fp in fingerprints.items()}
+    for name, per_host in changed.items():
         groups: dict[Any, tuple[Any, list[str]]] = {}
         unknown: list[str] = []
         for h in hosts:
-            v = flat[h].get(name)
+            v = per_host[h] if h in per_host else ref_value[name]
             if v is None and _is_errored(name, errs[h]):
                 unknown.append(h)
                 continue
             groups.setdefault(_freeze(v), (v, []))[1].append(h)
-        if len(groups) <= 1 and not (unknown and groups):
-            continue
         rule = rule_for(name)
-        sev = severity_for(rule, severity)
         if not include_info and rule is None:
             continue
         fd = FieldDiff(
             field=name,
             values=tuple((v, tuple(hs)) for v, hs in groups.values()),
             rule=rule,
-            severity=sev,
+            severity=severity_for(rule, severity),
             unknown_on=tuple(unknown),
         )
         (result.differences if len(groups) > 1 else result.unknown).append(fd)
