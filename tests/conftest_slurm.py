@@ -1,0 +1,52 @@
+"""The ``slurm_cluster`` fixture: a real munged + slurmctld + 4 slurmd for this test session.
+
+A thin wrapper over :class:`ncclguard.devcluster.DevCluster` (the demo uses the same class).
+Without Slurm installed the tests that use it are skipped with the reason, unless
+``NCCLGUARD_REQUIRE_SLURM=1`` (CI): then they fail.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from ncclguard.devcluster import DevCluster, missing_programs
+
+REQUIRE_SLURM = os.environ.get("NCCLGUARD_REQUIRE_SLURM") == "1"
+
+
+def require_slurm() -> None:
+    missing = missing_programs()
+    if missing:
+        why = f"Slurm test cluster needs {', '.join(missing)} (apt-get install slurm-wlm munge)"
+        if REQUIRE_SLURM:
+            pytest.fail(f"{why}; NCCLGUARD_REQUIRE_SLURM=1 forbids skipping", pytrace=False)
+        pytest.skip(why)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevCluster]:
+    """One private cluster (n1..n4, partition ``debug``) with the gate as PrologSlurmctld."""
+    require_slurm()
+    root = tmp_path_factory.mktemp("slurm")
+    cluster = DevCluster(root, nodes=4, prolog=True)
+    try:
+        cluster.start()
+    except Exception:
+        cluster.stop()
+        raise
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def cluster(slurm_cluster: DevCluster) -> Iterator[DevCluster]:
+    """The session cluster, emptied of jobs before and after the test, nodes idle."""
+    slurm_cluster.cancel_all()
+    slurm_cluster.wait_nodes_idle(60)
+    yield slurm_cluster
+    slurm_cluster.cancel_all()

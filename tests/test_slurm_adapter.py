@@ -1,0 +1,128 @@
+"""ncclguard.slurm against the real test cluster (and its failure modes without one)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from ncclguard.devcluster import DevCluster
+from ncclguard.slurm import Slurm, SlurmError, SlurmNotFound, SlurmTimeout, clean_text
+
+pytestmark = pytest.mark.slurm
+
+
+def test_nodes_from_sinfo_json(cluster: DevCluster) -> None:
+    nodes = {n.name: n for n in cluster.slurm().nodes()}
+    assert sorted(nodes) == ["n1", "n2", "n3", "n4"]
+    assert all(n.state == "idle" and n.partitions == ("debug",) for n in nodes.values())
+    assert cluster.slurm().partition_nodes("debug") == ["n1", "n2", "n3", "n4"]
+    assert cluster.slurm().partition_nodes("nope") == []
+
+
+def test_drain_and_resume_with_reason(cluster: DevCluster) -> None:
+    s = cluster.slurm()
+    try:
+        s.drain(["n3", "n4"], "ncclguard: nccl 2.18.3 vs 2.21.5\nsecond line")
+        nodes = {n.name: n for n in s.nodes("n[3-4]")}
+        assert set(nodes) == {"n3", "n4"}
+        assert all(n.drained for n in nodes.values())
+        assert nodes["n3"].reason == "ncclguard: nccl 2.18.3 vs 2.21.5 second line"
+    finally:
+        s.resume("n[3-4]")
+    assert not any(n.drained for n in s.nodes())
+
+
+def test_job_info_and_updates(cluster: DevCluster) -> None:
+    s = cluster.slurm()
+    job = cluster.sbatch(["-N2", "-x", "n4", "--comment", "x y", "--hold", "--wrap", "true"])
+    info = s.job(job)
+    assert info is not None
+    assert info.state == "PENDING" and info.batch and info.node_count == 2
+    assert info.excluded_nodes == "n4" and info.comment == "x y" and info.partition == "debug"
+    assert s.job_state(job) == "PENDING"
+    s.set_admin_comment(job, "ncclguard: hello\tworld")
+    s.update_job(job, ExcNodeList="n[3-4]")
+    info = s.job(job)
+    assert info is not None
+    assert info.admin_comment == "ncclguard: hello world"
+    assert info.excluded_nodes == "n[3-4]"
+    s.release(job)
+    info = s.job(job)
+    assert info is not None and info.state_reason != "JobHeldUser"
+    cluster.run(["scancel", str(job)])
+
+
+def test_unknown_job(cluster: DevCluster) -> None:
+    s = cluster.slurm()
+    assert s.job(999999) is None
+    assert s.job_state(999999) is None
+    with pytest.raises(SlurmError, match="scontrol"):
+        s.hold(999999)
+
+
+def test_bad_arguments_never_reach_slurm(cluster: DevCluster) -> None:
+    s = cluster.slurm()
+    for bad in ("1; rm -rf /", "-1", "1 2", ""):
+        with pytest.raises(SlurmError, match="not a job id"):
+            s.hold(bad)
+    with pytest.raises(SlurmError, match="not a node list"):
+        s.drain("n1 n2", "x")
+    with pytest.raises(SlurmError, match="not a node list"):
+        s.resume("--all")
+    with pytest.raises(SlurmError, match="not a job field"):
+        s.update_job(1, **{"a b": "x"})
+
+
+def test_controller_down_is_a_clear_error(tmp_path: Path) -> None:
+    conf = tmp_path / "slurm.conf"
+    conf.write_text(
+        "ClusterName=x\nSlurmctldHost=localhost\nSlurmctldPort=1\nAuthType=auth/none\n"
+        "NodeName=n1 CPUs=1\nPartitionName=p Nodes=n1\n"
+    )
+    s = Slurm(conf=str(conf), timeout=20)
+    with pytest.raises(SlurmError) as err:
+        s.nodes()
+    assert "sinfo" in str(err.value) and err.value.returncode not in (0, None)
+
+
+def test_missing_binaries(tmp_path: Path) -> None:
+    with pytest.raises(SlurmNotFound, match="scontrol: not found in"):
+        Slurm(tmp_path).hold(1)
+
+
+def test_timeout_and_deadline(tmp_path: Path) -> None:
+    slow = tmp_path / "squeue"
+    slow.write_text("#!/bin/sh\nexec sleep 30\n")
+    slow.chmod(0o700)
+    t = time.monotonic()
+    with pytest.raises(SlurmTimeout, match="timed out"):
+        Slurm(tmp_path, timeout=0.5).job_state(1)
+    assert time.monotonic() - t < 5
+    t = time.monotonic()
+    with pytest.raises(SlurmTimeout):
+        Slurm(tmp_path, timeout=60, deadline=time.monotonic() + 0.5).job_state(1)
+    assert time.monotonic() - t < 5
+    with pytest.raises(SlurmTimeout, match="no time left"):
+        Slurm(tmp_path, deadline=time.monotonic() - 1).job_state(1)
+
+
+def test_clean_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    spy = tmp_path / "squeue"
+    out = tmp_path / "env.txt"
+    spy.write_text(f"#!/bin/sh\nenv > {out}\n")
+    spy.chmod(0o700)
+    monkeypatch.setenv("SQUEUE_FORMAT", "%i")
+    Slurm(tmp_path, conf="/x/slurm.conf").job_state(1)
+    env = dict(line.split("=", 1) for line in out.read_text().splitlines() if "=" in line)
+    assert env["SLURM_CONF"] == "/x/slurm.conf"
+    assert "SQUEUE_FORMAT" not in env
+    assert env["PATH"].startswith(str(tmp_path))
+
+
+def test_clean_text() -> None:
+    assert clean_text("a\nb\x00c   d") == "a b c d"
+    assert len(clean_text("x" * 5000)) == 1000
+    assert os.linesep not in clean_text("l1" + os.linesep + "l2")
