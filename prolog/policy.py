@@ -1,0 +1,176 @@
+"""The compatibility policy: fingerprints of an allocation's nodes -> :class:`Verdict`.
+
+:func:`evaluate` is pure: no clock, no files, no Slurm. It is what the prolog gate and
+``ncclguard check`` both call.
+
+1. Scope: a partition that is not guarded, or fewer nodes than ``min_nodes``: accept,
+   with a note.
+2. Nodes without a record, or with a stale heartbeat (``stale``, decided by the caller),
+   are *unknown*: the ``unknown-node`` rule names them and the other rules skip them.
+3. Nodes are grouped into classes first by fingerprint object (the store may hand one
+   dict to all nodes of a class), then by the values each rule reads, so that N
+   identical nodes cost one comparison.
+4. Each rule's findings get the configured severity; the decision is the worst of them.
+5. ``odd_nodes``: the fewest nodes whose removal leaves no refuse-level finding
+   (:func:`odd_nodes`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+
+from ncclguard.config import DEFAULT_SEVERITY, PolicyConfig
+from prolog.rules import COMPARISONS, unknown_node
+from prolog.rules.base import Rule, Values, aspects, compare, value_of
+from prolog.verdict import SEVERITY_RANK, Finding, Verdict
+
+__all__ = ["evaluate", "in_scope", "odd_nodes"]
+
+
+def in_scope(config: PolicyConfig, partition: str | None, node_count: int) -> str | None:
+    """``None`` when the allocation is to be checked, else the note saying why not.
+
+    A multi-partition value (``a,b``) is guarded when any of its partitions is. An unknown
+    partition (``None``) is checked.
+    """
+    if config.partitions and partition is not None:
+        parts = [p for p in partition.split(",") if p]
+        if not any(p in config.partitions for p in parts):
+            return f"partition {partition} is not guarded"
+    if node_count < config.min_nodes:
+        return f"{node_count} node(s), fewer than min_nodes={config.min_nodes}: not checked"
+    return None
+
+
+def _severity(config: PolicyConfig, rule: str) -> str:
+    return config.severity.get(rule, DEFAULT_SEVERITY.get(rule, "warn"))
+
+
+def _classes(
+    fingerprints: Mapping[str, dict], rules: Sequence[Rule]
+) -> list[tuple[list[Values], list[str]]]:
+    """``(values per rule, hosts)`` for each distinct combination of rule values."""
+    by_object: dict[int, tuple[dict, list[str]]] = {}
+    for host, fp in fingerprints.items():
+        by_object.setdefault(id(fp), (fp, []))[1].append(host)
+    merged: dict[tuple, tuple[list[Values], list[str]]] = {}
+    for fp, hosts in by_object.values():
+        per_rule = [rule.values(fp) for rule in rules]
+        key = tuple(tuple(sorted(v.items())) for v in per_rule)
+        entry = merged.get(key)
+        if entry is None:
+            merged[key] = (per_rule, hosts)
+        else:
+            entry[1].extend(hosts)
+    return list(merged.values())
+
+
+def odd_nodes(signatures: Sequence[tuple[Sequence[str | None], Sequence[str]]]) -> list[str]:
+    """The fewest hosts whose removal leaves the rest agreeing on every position.
+
+    ``signatures`` are ``(values, hosts)`` classes; ``values`` has one entry per compared
+    aspect, ``None`` for unknown (agrees with anything). The kept set must have at most
+    one known value per position, so the search branches only where classes disagree:
+    at the first disagreeing position, keep each value in turn (with the unknowns) and
+    recurse; a branch that cannot beat the best kept count is cut. With no unknowns this
+    is "keep the largest class". Ties go to the kept set whose sorted host names come
+    first, so the answer does not depend on input order.
+    """
+    weights = [len(set(hosts)) for _, hosts in signatures]
+    width = len(signatures[0][0]) if signatures else 0
+    best: list[tuple[int, list[str]] | None] = [None]
+
+    def better(weight: int, kept: list[int]) -> bool:
+        current = best[0]
+        if current is None or weight > current[0]:
+            return True
+        if weight < current[0]:
+            return False
+        return _kept_hosts(signatures, kept) < current[1]
+
+    def search(cands: list[int], start: int) -> None:
+        weight = sum(weights[c] for c in cands)
+        if best[0] is not None and weight < best[0][0]:
+            return
+        for pos in range(start, width):
+            known = {signatures[c][0][pos] for c in cands} - {None}
+            if len(known) > 1:
+                for value in sorted(known):  # type: ignore[type-var]
+                    search([c for c in cands if signatures[c][0][pos] in (value, None)], pos + 1)
+                return
+        if better(weight, cands):
+            best[0] = (weight, _kept_hosts(signatures, cands))
+
+    search(list(range(len(signatures))), 0)
+    kept = set(best[0][1]) if best[0] is not None else set()
+    return sorted({h for _, hosts in signatures for h in hosts} - kept)
+
+
+def _kept_hosts(
+    signatures: Sequence[tuple[Sequence[str | None], Sequence[str]]], idx: list[int]
+) -> list[str]:
+    return sorted({h for c in idx for h in signatures[c][1]})
+
+
+def _refuse_signatures(
+    rules: Sequence[Rule],
+    severities: Sequence[str],
+    classes: Sequence[tuple[list[Values], list[str]]],
+) -> list[tuple[list[str | None], list[str]]]:
+    """Project classes onto the aspects of refuse-level rules that show a difference."""
+    columns: list[tuple[int, str]] = []
+    for i, (rule, sev) in enumerate(zip(rules, severities, strict=True)):
+        if sev != "refuse":
+            continue
+        per_rule = [(values[i], hosts) for values, hosts in classes]
+        for aspect in aspects(per_rule):
+            if aspect in rule.warn_only:
+                continue
+            seen = {value_of(values[i], aspect) for values, _ in classes} - {None}
+            if len(seen) > 1:
+                columns.append((i, aspect))
+    return [
+        ([value_of(values[i], aspect) for i, aspect in columns], hosts)
+        for values, hosts in classes
+    ]
+
+
+def evaluate(
+    fingerprints: Mapping[str, dict | None],
+    config: PolicyConfig,
+    stale: Collection[str] = (),
+    partition: str | None = None,
+) -> Verdict:
+    """The verdict for one allocation. ``fingerprints[host] is None``: no record."""
+    nodes = list(fingerprints)
+    note = in_scope(config, partition, len(nodes))
+    if note is not None:
+        return Verdict("accept", nodes=nodes, notes=[note], partition=partition)
+
+    stale_set = set(stale)
+    known = {h: fp for h, fp in fingerprints.items() if fp is not None and h not in stale_set}
+    rules = [r for r in COMPARISONS if _severity(config, r.name) != "ignore"]
+    severities = [_severity(config, r.name) for r in rules]
+    classes = _classes(known, rules)
+
+    findings: list[Finding] = []
+    for i, (rule, sev) in enumerate(zip(rules, severities, strict=True)):
+        findings.extend(compare(rule, sev, [(values[i], hosts) for values, hosts in classes]))
+    unknown_sev = _severity(config, unknown_node.NAME)
+    forced_odd: list[str] = []
+    if unknown_sev != "ignore":
+        found = unknown_node.check(fingerprints, stale_set, unknown_sev)
+        findings.extend(found)
+        if found and unknown_sev == "refuse":
+            missing, old = unknown_node.unknown_hosts(fingerprints, stale_set)
+            forced_odd = missing + old
+
+    order = {r.name: i for i, r in enumerate(COMPARISONS)}
+    findings.sort(key=lambda f: (-SEVERITY_RANK[f.severity], order.get(f.rule, len(order))))
+    worst = max((SEVERITY_RANK[f.severity] for f in findings), default=0)
+    decision = ("accept", "warn", "refuse")[worst]
+
+    odd: list[str] = []
+    if decision == "refuse":
+        odd = forced_odd + odd_nodes(_refuse_signatures(rules, severities, classes))
+    return Verdict(decision, findings, odd, nodes, partition=partition)

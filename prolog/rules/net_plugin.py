@@ -1,0 +1,51 @@
+"""net-plugin: the default net plugin must be present on all nodes or on none, and give the
+same effective ABI and name with each node's libnccl; a different sha256 with the same ABI
+is a warning.
+
+NCCL fact (docs/nccl-facts.md, "Plugins NCCL loads"): NCCL loads ``libnccl-net.so`` by
+default and uses the highest ``ncclNetPlugin_vN`` that both it and the plugin know; with
+none in common it falls back to its internal transports. A plugin present on only some
+nodes hangs the job with no error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from prolog.fields import ABSENT, net_plugin
+from prolog.rules.base import Rule, Values, check_rule
+from prolog.verdict import Finding
+
+NAME = "net-plugin"
+PLUGIN = "net plugin"
+SHA = "net plugin sha256"
+
+
+def values(fp: dict) -> Values:
+    state = net_plugin(fp)
+    if state is None:
+        return {PLUGIN: None, SHA: None}
+    name, abi = state
+    if name == ABSENT:
+        return {PLUGIN: ABSENT, SHA: ABSENT}
+    main = f"{name} v{abi}" if abi else f"{name} unused (no common ABI)"
+    sha = None
+    for p in fp.get("plugins") or ():
+        if p.get("kind") == "net" and p.get("default"):
+            sha = p.get("sha256")
+            break
+    return {PLUGIN: main, SHA: sha[:12] if isinstance(sha, str) else None}
+
+
+def message(aspect: str) -> str:
+    if aspect == SHA:
+        return "the net plugin is a different build on some nodes (same name and ABI)"
+    return "the net plugin differs (missing, other name or other ABI): the job may hang"
+
+
+RULE = Rule(NAME, values, message, warn_only=(SHA,))
+
+
+def check(fingerprints: Mapping[str, dict], severity: str = "refuse") -> list[Finding]:
+    """Findings of net-plugin over ``{host: fingerprint}``."""
+    return check_rule(RULE, fingerprints, severity)
