@@ -1,0 +1,234 @@
+"""What an ELF shared object exports, and the C string that an exported pointer points to.
+
+Read with pyelftools from an open file; nothing is loaded or executed. Every failure of a
+malformed file (truncated, not ELF, tables that point past the end) comes out as
+:class:`ElfError` with the file and the cause, never as a pyelftools exception.
+
+The string behind a pointer: a NCCL plugin struct starts with ``const char *name``. In a
+shared object that pointer is filled in at load time by a relocation at the symbol's
+address (``R_X86_64_RELATIVE``: the addend is the string's address; ``R_X86_64_64``: a
+symbol's address plus the addend). With RELR (``-z pack-relative-relocs``), REL tables,
+or in a non-PIE executable, the address sits in the file at that place already.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+
+from elftools.elf.elffile import ELFFile
+
+MAX_SYMBOLS = 200_000  # more dynamic symbols than any real plugin; a bound against bad tables
+MAX_RELOCATIONS = 2_000_000
+MAX_NAME = 256  # a plugin name is short; a longer "string" is not one
+
+# (e_machine, r_type) -> how the relocation computes the pointer
+_RELATIVE = {("EM_X86_64", 8), ("EM_AARCH64", 1027), ("EM_386", 8), ("EM_PPC64", 22)}
+_ABSOLUTE = {("EM_X86_64", 1), ("EM_AARCH64", 257), ("EM_386", 1), ("EM_PPC64", 38)}
+
+
+class ElfError(Exception):
+    """A file that cannot be read as ELF; the message names the file and the cause."""
+
+
+@dataclass(frozen=True)
+class DynSymbol:
+    name: str
+    value: int  # virtual address
+    size: int
+
+
+class ElfReader:
+    """Read-only view of one ELF file. ``label`` names the file in error messages."""
+
+    def __init__(self, f: BinaryIO, label: str) -> None:
+        self.label = label
+        self._f = f
+        try:
+            self._size = os.fstat(f.fileno()).st_size
+        except (OSError, AttributeError, ValueError):
+            f.seek(0, os.SEEK_END)
+            self._size = f.tell()
+        f.seek(0)
+        head = f.read(4)
+        if len(head) == 0:
+            raise ElfError(f"{label}: empty file (0 bytes), not an ELF file")
+        if head != b"\x7fELF":
+            raise ElfError(f"{label}: not an ELF file (no ELF magic)")
+        f.seek(0)
+        self._elf = self._guard("header", lambda: ELFFile(f))
+        self._loads: list[tuple[int, int, int]] = self._guard("program headers", self._load_map)
+        self._dynamic: Any = self._guard("dynamic segment", self._find_dynamic)
+
+    # ---- helpers -----------------------------------------------------------------------
+
+    def _guard(self, what: str, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except ElfError:
+            raise
+        except RecursionError:
+            raise ElfError(f"{self.label}: malformed ELF {what}: recursion") from None
+        except Exception as e:  # pyelftools/construct raise many types on bad input
+            text = str(e) or type(e).__name__
+            raise ElfError(f"{self.label}: malformed ELF {what}: {text}") from None
+
+    def _load_map(self) -> list[tuple[int, int, int]]:
+        out = []
+        for seg in self._elf.iter_segments():
+            if seg["p_type"] == "PT_LOAD":
+                out.append((seg["p_vaddr"], seg["p_filesz"], seg["p_offset"]))
+        return out
+
+    def _find_dynamic(self) -> Any:
+        for seg in self._elf.iter_segments():
+            if seg["p_type"] == "PT_DYNAMIC":
+                return seg
+        return None
+
+    def _in_file(self, offset: int, size: int) -> bool:
+        return offset >= 0 and size >= 0 and offset + size <= self._size
+
+    def file_offset(self, vaddr: int, size: int = 1) -> int | None:
+        """The file offset holding ``size`` bytes at ``vaddr``, or None if not in the file."""
+        for p_vaddr, p_filesz, p_offset in self._loads:
+            if p_vaddr <= vaddr and vaddr + size <= p_vaddr + p_filesz:
+                off = p_offset + (vaddr - p_vaddr)
+                return off if self._in_file(off, size) else None
+        return None
+
+    def _read_at(self, offset: int, size: int) -> bytes:
+        self._f.seek(offset)
+        return self._f.read(size)
+
+    # ---- symbols -----------------------------------------------------------------------
+
+    def _symbol_source(self) -> Iterator[Any]:
+        sec = self._elf.get_section_by_name(".dynsym")
+        if sec is not None:
+            if not self._in_file(sec["sh_offset"], sec["sh_size"]):
+                raise ElfError(f"{self.label}: malformed ELF: .dynsym lies past the end")
+            return sec.iter_symbols()
+        if self._dynamic is not None:
+            return self._dynamic.iter_symbols()
+        return iter(())
+
+    def exported(self, wanted: Callable[[str], bool] | None = None) -> dict[str, DynSymbol]:
+        """Defined, visible dynamic symbols (those ``dlsym`` finds), by name."""
+
+        def run() -> dict[str, DynSymbol]:
+            out: dict[str, DynSymbol] = {}
+            for i, sym in enumerate(self._symbol_source()):
+                if i >= MAX_SYMBOLS:
+                    raise ElfError(f"{self.label}: more than {MAX_SYMBOLS} dynamic symbols")
+                if sym["st_shndx"] == "SHN_UNDEF":
+                    continue
+                if sym["st_info"]["bind"] not in ("STB_GLOBAL", "STB_WEAK", "STB_GNU_UNIQUE"):
+                    continue
+                if sym["st_other"]["visibility"] in ("STV_HIDDEN", "STV_INTERNAL"):
+                    continue
+                name = sym.name
+                if not name or (wanted is not None and not wanted(name)):
+                    continue
+                out[name] = DynSymbol(name, int(sym["st_value"]), int(sym["st_size"]))
+            return out
+
+        return self._guard("dynamic symbol table", run)
+
+    # ---- pointers ----------------------------------------------------------------------
+
+    def _relocation_tables(self) -> list[Any]:
+        if self._dynamic is None:
+            return []
+        tables = self._dynamic.get_relocation_tables()
+        return [tables[k] for k in ("RELA", "REL") if k in tables]
+
+    def _find_relocation(self, vaddr: int) -> tuple[int, int, int | None] | None:
+        """(type, symbol index, addend or None for REL) of the relocation at ``vaddr``."""
+        seen = 0
+        for table in self._relocation_tables():
+            for rel in table.iter_relocations():
+                seen += 1
+                if seen > MAX_RELOCATIONS:
+                    raise ElfError(f"{self.label}: more than {MAX_RELOCATIONS} relocations")
+                if rel["r_offset"] == vaddr:
+                    addend = rel["r_addend"] if rel.is_RELA() else None
+                    return rel["r_info_type"], rel["r_info_sym"], addend
+        return None
+
+    def _symbol_value(self, index: int) -> int | None:
+        sec = self._elf.get_section_by_name(".dynsym")
+        sym = sec.get_symbol(index) if sec is not None else self._dynamic.get_symbol(index)
+        if sym is None or sym["st_shndx"] == "SHN_UNDEF":
+            return None  # defined elsewhere: not knowable from this file
+        return int(sym["st_value"])
+
+    def pointer_target(self, vaddr: int) -> int | None:
+        """The address stored at ``vaddr`` once relocated; None if not determinable here."""
+
+        def run() -> int | None:
+            width = self._elf.elfclass // 8
+            machine = self._elf["e_machine"]
+            rel = self._find_relocation(vaddr)
+            off = self.file_offset(vaddr, width)
+            in_file = None
+            if off is not None:
+                raw = self._read_at(off, width)
+                if len(raw) == width:
+                    in_file = int.from_bytes(raw, "little" if self._elf.little_endian else "big")
+            if rel is not None:
+                rtype, sym_index, addend = rel
+                implicit = in_file if addend is None else addend
+                if (machine, rtype) in _RELATIVE:
+                    return implicit
+                if (machine, rtype) in _ABSOLUTE:
+                    base = self._symbol_value(sym_index)
+                    if base is None or implicit is None:
+                        return None
+                    return base + implicit
+                return None  # a relocation kind that does not yield a plain address
+            return in_file or None  # RELR, non-PIE, or REL with the address in place
+
+        return self._guard("relocations", run)
+
+    def c_string(self, vaddr: int, max_len: int = MAX_NAME) -> str | None:
+        """The NUL-terminated string at ``vaddr``, or None if it is not one within bounds."""
+        for p_vaddr, p_filesz, p_offset in self._loads:
+            if p_vaddr <= vaddr < p_vaddr + p_filesz:
+                n = min(max_len + 1, p_vaddr + p_filesz - vaddr)
+                off = p_offset + (vaddr - p_vaddr)
+                if not self._in_file(off, 1):
+                    return None
+                data = self._read_at(off, n)
+                end = data.find(b"\0")
+                if end < 0:
+                    return None
+                try:
+                    return data[:end].decode("utf-8")
+                except UnicodeDecodeError:
+                    return None
+        return None
+
+    def truncation(self) -> str | None:
+        """Why the file is cut short (a segment or a table past its end), or None."""
+
+        def run() -> str | None:
+            for p_vaddr, p_filesz, p_offset in self._loads:
+                if not self._in_file(p_offset, p_filesz):
+                    return (f"truncated: a loadable segment (0x{p_vaddr:x}) ends at byte "
+                            f"{p_offset + p_filesz}, the file has {self._size}")
+            shoff, shnum = self._elf["e_shoff"], self._elf["e_shnum"]
+            if shoff and not self._in_file(shoff, shnum * self._elf["e_shentsize"]):
+                return f"truncated: the section header table lies past byte {self._size}"
+            return None
+
+        return self._guard("program headers", run)
+
+    def pointed_string(self, vaddr: int) -> str | None:
+        """The string that the pointer stored at ``vaddr`` points to (e.g. a struct's name)."""
+        target = self.pointer_target(vaddr)
+        if target is None:
+            return None
+        return self.c_string(target)
