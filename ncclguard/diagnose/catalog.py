@@ -1,0 +1,261 @@
+"""The signature catalog: load, validate, merge.
+
+The built-in catalog is ``signatures.toml`` next to this module (package data).
+Admins add files through ``[diagnose] signature_files`` in the config: an entry
+whose id already exists replaces it, ``disabled = true`` removes it, and any
+other entry is added. Every error names the file, the entry and the cause.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import string
+import tomllib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from ncclguard.config import RULES
+
+BUILTIN = "signatures.toml"
+KINDS = ("line", "differs")
+SCOPES = ("any", "nccl")
+LEVELS = ("INFO", "WARN", "TRACE")
+ODD = ("printers", "none")
+_UNNAME = re.compile(r"\(\?P<\w+>")
+_ID = re.compile(r"^[a-z0-9]+(?:-[a-z0-9]+)*$")
+_REQUIRED_TEXT = ("title", "meaning", "cause", "fix")
+_KNOWN = {
+    "id", "title", "kind", "scope", "level", "patterns", "weight", "odd",
+    "meaning", "cause", "fix", "confirm", "rules", "disabled",
+}  # fmt: skip
+
+
+class CatalogError(Exception):
+    """A catalog that cannot be used. The message names the file, the entry and the cause."""
+
+
+@dataclass(frozen=True)
+class Pattern:
+    regex: re.Pattern[bytes]
+    value: str | None  # template over the named groups; None: evidence only
+    text: str  # the regex as written
+
+    def render(self, m: re.Match[bytes]) -> str | None:
+        if self.value is None:
+            return None
+        groups = {k: (v or b"").decode("utf-8", "replace") for k, v in m.groupdict().items()}
+        return self.value.format(**groups)
+
+
+@dataclass(frozen=True)
+class Signature:
+    id: str
+    title: str
+    kind: str
+    scope: str
+    level: str | None
+    patterns: tuple[Pattern, ...]
+    weight: int
+    odd: str
+    meaning: str
+    cause: str
+    fix: str
+    confirm: tuple[str, ...]
+    rules: tuple[str, ...]
+    source: str  # the file it came from
+
+    def match(self, text: bytes) -> tuple[Pattern, re.Match[bytes]] | None:
+        for p in self.patterns:
+            m = p.regex.search(text)
+            if m is not None:
+                return p, m
+        return None
+
+
+@dataclass(frozen=True)
+class Catalog:
+    signatures: tuple[Signature, ...]
+    sources: tuple[str, ...]
+
+    def __iter__(self) -> Any:
+        return iter(self.signatures)
+
+    def __len__(self) -> int:
+        return len(self.signatures)
+
+    def get(self, sig_id: str) -> Signature | None:
+        return next((s for s in self.signatures if s.id == sig_id), None)
+
+    def combined(self) -> re.Pattern[bytes] | None:
+        """One regex that matches wherever any signature pattern could: a prefilter.
+
+        ``None`` when the patterns cannot be joined (a back-reference to a named
+        group); the caller then tries every signature on every line.
+        """
+        parts = [_UNNAME.sub("(?:", p.text) for s in self.signatures for p in s.patterns]
+        if not parts:
+            return re.compile(b"(?!)")
+        try:
+            return re.compile("|".join(f"(?:{t})" for t in parts).encode("utf-8"))
+        except re.error:
+            return None
+
+
+def builtin_path() -> Path:
+    return Path(str(resources.files("ncclguard.diagnose").joinpath(BUILTIN)))
+
+
+def load(extra: Iterable[str | os.PathLike[str]] = ()) -> Catalog:
+    """The built-in catalog merged with the admin's files, in order."""
+    files = [builtin_path(), *(Path(p) for p in extra)]
+    merged: dict[str, Signature] = {}
+    for f in files:
+        for sig_id, sig in _load_file(f):
+            if sig is None:
+                merged.pop(sig_id, None)
+            else:
+                merged[sig_id] = sig
+    return Catalog(tuple(merged.values()), tuple(str(f) for f in files))
+
+
+def _load_file(path: Path) -> list[tuple[str, Signature | None]]:
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except FileNotFoundError:
+        raise CatalogError(f"{path}: signature catalog not found") from None
+    except tomllib.TOMLDecodeError as e:
+        raise CatalogError(f"{path}: not valid TOML: {e}") from None
+    except OSError as e:
+        raise CatalogError(f"{path}: cannot read: {e.strerror or e}") from None
+    return parse(data, str(path))
+
+
+def parse(data: dict[str, Any], source: str) -> list[tuple[str, Signature | None]]:
+    """Validate a parsed catalog document. ``(id, None)`` marks a disabled entry."""
+    unknown = set(data) - {"signature"}
+    if unknown:
+        raise CatalogError(
+            f"{source}: unknown top-level key(s) {sorted(unknown)}; expected [[signature]]"
+        )
+    entries = data.get("signature", [])
+    if not isinstance(entries, list):
+        raise CatalogError(f"{source}: 'signature' must be an array of tables ([[signature]])")
+    out: list[tuple[str, Signature | None]] = []
+    seen: set[str] = set()
+    for i, entry in enumerate(entries, 1):
+        where = f"{source}: signature #{i}"
+        if not isinstance(entry, dict):
+            raise CatalogError(f"{where}: must be a table")
+        sig_id = entry.get("id")
+        if not isinstance(sig_id, str) or not _ID.match(sig_id):
+            raise CatalogError(f"{where}: id = {sig_id!r}: expected lower-case words joined by '-'")
+        where = f"{source}: signature {sig_id!r}"
+        if sig_id in seen:
+            raise CatalogError(f"{where}: duplicate id in the same file")
+        seen.add(sig_id)
+        extra = set(entry) - _KNOWN
+        if extra:
+            raise CatalogError(
+                f"{where}: unknown key(s) {sorted(extra)} (known: {', '.join(sorted(_KNOWN))})"
+            )
+        disabled = entry.get("disabled", False)
+        if not isinstance(disabled, bool):
+            raise CatalogError(f"{where}: disabled = {disabled!r}: expected true or false")
+        if disabled:
+            out.append((sig_id, None))
+            continue
+        out.append((sig_id, _signature(entry, sig_id, where, source)))
+    return out
+
+
+def _signature(e: dict[str, Any], sig_id: str, where: str, source: str) -> Signature:
+    texts = {}
+    for key in _REQUIRED_TEXT:
+        v = e.get(key)
+        if not isinstance(v, str) or not v.strip():
+            raise CatalogError(f"{where}: {key} is required (a non-empty string)")
+        texts[key] = v.strip()
+    kind = _choice(e, "kind", KINDS, "line", where)
+    scope = _choice(e, "scope", SCOPES, "any", where)
+    level = e.get("level")
+    if level is not None and level not in LEVELS:
+        raise CatalogError(f"{where}: level = {level!r}: expected one of {', '.join(LEVELS)}")
+    odd = _choice(e, "odd", ODD, "none", where)
+    weight = e.get("weight", 50)
+    if not isinstance(weight, int) or isinstance(weight, bool) or not 1 <= weight <= 100:
+        raise CatalogError(f"{where}: weight = {weight!r}: expected an integer from 1 to 100")
+    patterns = _patterns(e.get("patterns"), where)
+    if kind == "differs" and all(p.value is None for p in patterns):
+        raise CatalogError(f"{where}: kind = 'differs' needs at least one pattern with a value")
+    confirm = _strings(e, "confirm", where)
+    rules = _strings(e, "rules", where)
+    for r in rules:
+        if r not in RULES:
+            raise CatalogError(f"{where}: rules: unknown rule {r!r} (known: {', '.join(RULES)})")
+    return Signature(
+        id=sig_id, kind=kind, scope=scope, level=level, patterns=patterns, weight=weight,
+        odd=odd, confirm=confirm, rules=rules, source=source, **texts,
+    )  # fmt: skip
+
+
+def _choice(e: dict[str, Any], key: str, choices: Sequence[str], default: str, where: str) -> str:
+    v = e.get(key, default)
+    if v not in choices:
+        raise CatalogError(f"{where}: {key} = {v!r}: expected one of {', '.join(choices)}")
+    return str(v)
+
+
+def _strings(e: dict[str, Any], key: str, where: str) -> tuple[str, ...]:
+    v = e.get(key, [])
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        raise CatalogError(f"{where}: {key} = {v!r}: expected a list of strings")
+    return tuple(v)
+
+
+def _patterns(raw: Any, where: str) -> tuple[Pattern, ...]:
+    if not isinstance(raw, list) or not raw:
+        raise CatalogError(f"{where}: patterns is required (a non-empty list)")
+    out = []
+    for j, item in enumerate(raw, 1):
+        pw = f"{where}: patterns[{j}]"
+        if isinstance(item, str):
+            text, value = item, None
+        elif isinstance(item, dict):
+            extra = set(item) - {"regex", "value"}
+            if extra:
+                raise CatalogError(f"{pw}: unknown key(s) {sorted(extra)} (known: regex, value)")
+            text, value = item.get("regex"), item.get("value")
+            if not isinstance(text, str):
+                raise CatalogError(f"{pw}: regex is required (a string)")
+            if value is not None and not isinstance(value, str):
+                raise CatalogError(f"{pw}: value = {value!r}: expected a string template")
+        else:
+            raise CatalogError(f"{pw}: expected a regex string or a table {{regex, value}}")
+        if not text:
+            raise CatalogError(f"{pw}: empty regex (it would match every line)")
+        try:
+            rx = re.compile(text.encode("utf-8"))
+        except re.error as err:
+            raise CatalogError(f"{pw}: invalid regex {text!r}: {err}") from None
+        if rx.search(b""):
+            raise CatalogError(
+                f"{pw}: regex {text!r} matches an empty line (it would match every line)"
+            )
+        if value is not None:
+            try:
+                names = [f for _, f, _, _ in string.Formatter().parse(value) if f is not None]
+            except ValueError as err:
+                raise CatalogError(f"{pw}: value {value!r}: malformed template: {err}") from None
+            missing = [n for n in names if n not in rx.groupindex]
+            if missing:
+                raise CatalogError(
+                    f"{pw}: value {value!r} uses {missing}, not named groups of the regex "
+                    f"(named groups: {sorted(rx.groupindex) or 'none'})"
+                )
+        out.append(Pattern(rx, value, text))
+    return tuple(out)

@@ -1,0 +1,218 @@
+"""Streaming job-log reader and NCCL log-prefix parser.
+
+Logs are read as bytes, one line at a time, plain or gzip (detected by the magic
+bytes, not the file name), and never loaded whole: memory stays bounded by
+:data:`MAX_LINE` whatever the file's size. A longer line is cut at
+:data:`MAX_LINE` bytes and the rest of it skipped.
+
+NCCL's debug prefix (``src/debug.cc``; formats read from the strings of real
+``libnccl.so.2`` files 2.18.3, 2.21.5 and 2.26.2)::
+
+    host:pid:tid [dev] NCCL INFO <message>
+    host:pid:tid [dev] file.cc:123 NCCL WARN <message>
+    [2026-11-30 02:18:45] host:pid:tid [dev] file.cc:217 NCCL WARN <message>   (2.26+)
+
+The number in brackets is the process's **CUDA device**, not its rank (before
+the device is set, it is -1, 0 or an uninitialised value). The global rank comes
+from a launcher's tag (``srun -l``: ``3: ``; torchrun: ``[rank3]:``; Open MPI
+``--tag-output``: ``[1,3]<stderr>:``) or from NCCL's own
+``comm 0x… rank 3 nranks 16 … - Init COMPLETE`` line for that host and pid.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import re
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+MAX_LINE = 64 * 1024  # bytes kept of one line
+GZIP_MAGIC = b"\x1f\x8b"
+_CHUNK = 1 << 20
+
+# Launcher tags, then NCCL's optional timestamp, then NCCL's prefix.
+_TAG = (
+    rb"(?:\s*(?P<task>\d+): "
+    rb"|\[rank(?P<rrank>\d+)\]:\s?"
+    rb"|\[\d+,(?P<mrank>\d+)\]<std(?:out|err)>:\s?)"
+)
+_PREFIX = re.compile(
+    rb"^" + _TAG + rb"?"
+    rb"(?:\[\d{4}-\d\d-\d\d[ T][\d:.,]+\] )?"
+    rb"(?P<host>[A-Za-z0-9_.\-]+):(?P<pid>\d+):(?P<tid>\d+) \[(?P<dev>-?\d+)\] "
+    rb"(?:[\d.]+ )?(?:(?P<src>[\w./+\-]+:\d+) )?"
+    rb"NCCL (?P<level>INFO|WARN|TRACE) ?(?P<msg>.*?)\r?\n?$",
+    re.DOTALL,
+)
+_TAG_ONLY = re.compile(rb"^" + _TAG)
+
+
+class LogError(Exception):
+    """A log that cannot be read at all. The message names the file and the cause."""
+
+
+@dataclass(frozen=True)
+class NcclLine:
+    """One line carrying NCCL's debug prefix."""
+
+    host: str
+    pid: int
+    tid: int
+    dev: int  # CUDA device as NCCL printed it (not the rank)
+    level: str  # INFO | WARN | TRACE
+    src: str | None  # "misc/socket.cc:537" on WARN lines
+    message: str
+    rank: int | None  # from a launcher tag, if any
+
+
+def _tag_rank(m: re.Match[bytes]) -> int | None:
+    for g in ("task", "rrank", "mrank"):
+        v = m.group(g)
+        if v is not None:
+            return int(v)
+    return None
+
+
+def parse_prefix(line: bytes | str) -> NcclLine | None:
+    """Parse NCCL's debug prefix; ``None`` for a line without one."""
+    raw = line.encode("utf-8", "replace") if isinstance(line, str) else line
+    m = _PREFIX.match(raw)
+    if m is None:
+        return None
+    return NcclLine(
+        host=m.group("host").decode("ascii", "replace"),
+        pid=int(m.group("pid")),
+        tid=int(m.group("tid")),
+        dev=int(m.group("dev")),
+        level=m.group("level").decode("ascii"),
+        src=m.group("src").decode("ascii", "replace") if m.group("src") else None,
+        message=m.group("msg").decode("utf-8", "replace").rstrip(),
+        rank=_tag_rank(m),
+    )
+
+
+def launcher_rank(line: bytes) -> int | None:
+    """The rank in a launcher's tag at the start of a non-NCCL line, if any."""
+    m = _TAG_ONLY.match(line)
+    return _tag_rank(m) if m else None
+
+
+def strip_tag(line: bytes) -> bytes:
+    m = _TAG_ONLY.match(line)
+    return line[m.end() :] if m else line
+
+
+@dataclass
+class ReadProblem:
+    """A read that stopped early: the lines before ``line`` were diagnosed."""
+
+    file: str
+    line: int
+    cause: str
+
+    def __str__(self) -> str:
+        return f"{self.file}: {self.cause} after line {self.line}; only lines 1-{self.line} read"
+
+
+class LogReader:
+    """Iterate ``(lineno, bytes)`` over a plain or gzip log, streaming.
+
+    Opening problems (missing file, a directory, no permission) raise
+    :class:`LogError` at construction. A problem mid-stream (a truncated or
+    corrupt gzip member, an I/O error) ends the iteration and is kept in
+    :attr:`problem`, so that the caller diagnoses what was read and says so.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = str(path)
+        self.problem: ReadProblem | None = None
+        self.truncated_lines = 0  # lines longer than MAX_LINE
+        self.bytes_read = 0
+        self.lines = 0  # lines yielded so far
+        p = Path(path)
+        try:
+            self._fh = open(p, "rb")  # noqa: SIM115 (closed in __iter__/close)
+        except FileNotFoundError:
+            raise LogError(f"{p}: log file not found") from None
+        except IsADirectoryError:
+            raise LogError(f"{p}: is a directory, not a log file") from None
+        except PermissionError:
+            raise LogError(f"{p}: permission denied") from None
+        except OSError as e:
+            raise LogError(f"{p}: cannot open: {e.strerror or e}") from None
+        try:
+            head = self._fh.peek(2)[:2] if hasattr(self._fh, "peek") else b""
+        except OSError as e:
+            self._fh.close()
+            raise LogError(f"{p}: cannot read: {e.strerror or e}") from None
+        self.compressed = head == GZIP_MAGIC
+        self._stream = gzip.GzipFile(fileobj=self._fh, mode="rb") if self.compressed else self._fh
+
+    def close(self) -> None:
+        if self._stream is not self._fh:
+            self._stream.close()
+        self._fh.close()
+
+    def __enter__(self) -> LogReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __iter__(self) -> Iterator[tuple[int, bytes]]:
+        lineno = 0
+        readline = self._stream.readline
+        try:
+            while True:
+                try:
+                    raw = readline(MAX_LINE)
+                except (EOFError, gzip.BadGzipFile, zlib.error, OSError) as e:
+                    self.problem = ReadProblem(self.path, lineno, _describe(e, self.compressed))
+                    return
+                if not raw:
+                    return
+                self.bytes_read += len(raw)
+                if len(raw) == MAX_LINE and not raw.endswith(b"\n"):
+                    self.truncated_lines += 1
+                    if not self._skip_rest():
+                        lineno += 1
+                        self.lines = lineno
+                        yield lineno, raw
+                        return
+                lineno += 1
+                self.lines = lineno
+                yield lineno, raw
+        finally:
+            self.close()
+
+    def _skip_rest(self) -> bool:
+        """Discard the rest of an over-long line; False at end of file or on error."""
+        while True:
+            try:
+                rest = self._stream.readline(_CHUNK)
+            except (EOFError, gzip.BadGzipFile, zlib.error, OSError):
+                return False
+            if not rest:
+                return False
+            self.bytes_read += len(rest)
+            if rest.endswith(b"\n"):
+                return True
+
+
+def _describe(e: BaseException, compressed: bool) -> str:
+    if isinstance(e, EOFError):
+        return "truncated gzip data (the compressed stream ends early)"
+    if isinstance(e, gzip.BadGzipFile | zlib.error):
+        return f"corrupt gzip data ({e})"
+    if isinstance(e, OSError):
+        what = "gzip data" if compressed else "file"
+        return f"cannot read {what} ({e.strerror or e})"
+    return str(e)  # pragma: no cover
+
+
+def iter_lines(path: str | os.PathLike[str]) -> Iterator[tuple[int, bytes]]:
+    """Convenience: the lines of one log (problems are dropped; use LogReader to see them)."""
+    yield from LogReader(path)
