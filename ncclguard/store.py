@@ -414,6 +414,16 @@ def _translate(e: sqlite3.Error, path: Path, doing: str) -> InventoryError:
     return InventoryError(path, msg)
 
 
+_READONLY_ROLLBACK = _READONLY | (3 << 8)
+
+
+def _hot_journal(e: sqlite3.Error, path: Path) -> bool:
+    """A read-only connection met the hot journal of an interrupted writer."""
+    if (getattr(e, "sqlite_errorcode", 0) or 0) == _READONLY_ROLLBACK:
+        return True
+    return "readonly" in str(e) and path.with_name(path.name + "-journal").exists()
+
+
 def _busy(e: sqlite3.Error) -> bool:
     code = (getattr(e, "sqlite_errorcode", 0) or 0) & 0xFF
     return code in (_BUSY, _LOCKED) or "database is locked" in str(e)
@@ -471,12 +481,16 @@ class Inventory:
             )
         except sqlite3.Error as e:
             raise _translate(e, path, "open") from None
+        def probe(c: sqlite3.Connection) -> int:
+            version = int(c.execute("PRAGMA user_version").fetchone()[0])
+            c.execute("SELECT count(*) FROM sqlite_master").fetchone()
+            return version
+
         try:
-            version = conn.execute("PRAGMA user_version").fetchone()[0]
-            conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
-        except sqlite3.Error as e:
+            version = self._read_ro(conn, "open", probe)
+        except InventoryError:
             conn.close()
-            raise _translate(e, path, "open") from None
+            raise
         if version == 0:
             conn.close()
             raise InventoryMissing(path, "empty database: no inventoryd has written to it yet")
@@ -646,10 +660,33 @@ class Inventory:
         raise AssertionError("unreachable")
 
     def _reading(self, doing: str, fn: Callable[[sqlite3.Connection], Any]) -> Any:
+        if self.readonly:
+            return self._read_ro(self._conn, doing, fn)
         try:
             return fn(self._conn)
         except sqlite3.Error as e:
             raise _translate(e, self.path, doing) from None
+
+    def _read_ro(
+        self, conn: sqlite3.Connection, doing: str, fn: Callable[[sqlite3.Connection], Any]
+    ) -> Any:
+        """A read on a ``mode=ro`` connection. A hot journal left by a killed writer can
+        only be rolled back by a writer: wait for one within the busy budget."""
+        deadline = time.monotonic() + self._busy_s
+        while True:
+            try:
+                return fn(conn)
+            except sqlite3.Error as e:
+                if not _hot_journal(e, self.path):
+                    raise _translate(e, self.path, doing) from None
+                if time.monotonic() >= deadline:
+                    raise InventoryLocked(
+                        self.path,
+                        f"{doing}: an interrupted writer left a hot journal "
+                        f"({self.path.name}-journal) that only a writer can roll back; "
+                        "the next write to the inventory recovers it",
+                    ) from None
+                time.sleep(0.05)
 
     # ---- writing
 
