@@ -108,6 +108,7 @@ class GateConfig:
     allow_opt_out: bool = True  # honour ncclguard=off in the job comment / --extra
     audit_log: str = ""  # JSON lines; empty: next to the inventory
     slurm_bin_dir: str = ""  # where scontrol/squeue live; empty: PATH, then /usr/bin
+    slurm_conf: str = ""  # slurm.conf for the Slurm commands; empty: $SLURM_CONF, then Slurm's own
 
     def audit_path(self) -> Path:
         return Path(self.audit_log) if self.audit_log else default_audit_path()

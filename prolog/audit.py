@@ -1,0 +1,143 @@
+"""The gate's audit trail: one JSON object per line, one line per decision.
+
+``append(path, record)`` is safe for many concurrent prolog runs: the file is opened
+with ``O_APPEND | O_NOFOLLOW``, locked with ``flock`` for the single ``write`` of the
+line, created mode 0640, and refused when it is not a regular file owned by us or sits
+in a directory that others can write to (the prolog runs as SlurmUser: it must never be
+led into writing somewhere a user chose). ``read`` filters by job, time and decision.
+
+Record fields (all optional except ``time``/``ts``): ``job``, ``user``, ``partition``,
+``nodes`` (compressed), ``num_nodes``, ``decision`` (accept | warn | refuse | error),
+``action`` (none | steer | requeue | hold | kill | opt-out | skip), ``summary``,
+``findings``, ``odd_nodes``, ``error``, ``restart_count``, ``duration_ms``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+FILE_MODE = 0o640
+DIR_MODE = 0o755
+MAX_LINE = 64 * 1024  # a record longer than this is cut to its summary fields
+
+
+class AuditError(OSError):
+    """The audit file cannot be written safely (the message names the path and why)."""
+
+
+def _check_dir(d: Path) -> None:
+    st = os.stat(d)
+    if not stat.S_ISDIR(st.st_mode):
+        raise AuditError(f"{d}: not a directory")
+    if st.st_mode & 0o002 and not st.st_mode & stat.S_ISVTX:
+        raise AuditError(f"{d}: writable by everyone; refusing to write the audit log there")
+    if st.st_mode & 0o022 and st.st_uid not in (0, os.geteuid()):
+        raise AuditError(f"{d}: owned by uid {st.st_uid} and group/world-writable")
+    if st.st_uid not in (0, os.geteuid()):
+        raise AuditError(f"{d}: owned by uid {st.st_uid}, not by us or root")
+
+
+def _open_for_append(path: Path) -> int:
+    d = path.parent
+    if not d.exists():
+        d.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+    _check_dir(d)
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+    try:
+        fd = os.open(path, flags, FILE_MODE)
+    except OSError as e:
+        raise AuditError(f"{path}: cannot open for append: {e.strerror or e}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1:
+        os.close(fd)
+        raise AuditError(f"{path}: not a regular file of ours (uid {st.st_uid}); not writing")
+    return fd
+
+
+def now_fields(ts: float | None = None) -> dict[str, Any]:
+    t = time.time() if ts is None else ts
+    iso = datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+    return {"time": iso, "ts": round(t, 3)}
+
+
+def append(path: str | os.PathLike[str], record: dict[str, Any]) -> None:
+    """Append one record (``time``/``ts`` added when missing) as one JSON line."""
+    import fcntl
+
+    rec = {**now_fields(), **record} if "ts" not in record else dict(record)
+    line = json.dumps(rec, separators=(",", ":"), sort_keys=False, default=str)
+    if len(line) > MAX_LINE:
+        keep = {k: rec[k] for k in rec if k not in ("findings",)}
+        keep["findings_truncated"] = True
+        line = json.dumps(keep, separators=(",", ":"), default=str)[:MAX_LINE]
+    data = (line + "\n").encode()
+    fd = _open_for_append(Path(path))
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
+def _since_ts(since: float | str | datetime | None) -> float | None:
+    if since is None:
+        return None
+    if isinstance(since, datetime):
+        return since.timestamp()
+    if isinstance(since, int | float):
+        return float(since)
+    text = since.strip()
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        dt = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise ValueError(f"since={since!r}: expected epoch seconds or an ISO-8601 time") from None
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=UTC)
+    return dt.timestamp()
+
+
+def iter_records(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
+    """Every well-formed record; a torn or foreign line is skipped."""
+    try:
+        f = open(path, encoding="utf-8", errors="replace")  # noqa: SIM115
+    except FileNotFoundError:
+        return
+    with f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict):
+                yield rec
+
+
+def read(
+    path: str | os.PathLike[str],
+    job: int | str | None = None,
+    since: float | str | datetime | None = None,
+    refused: bool = False,
+) -> list[dict[str, Any]]:
+    """Records, oldest first, filtered by job id, time (epoch/ISO/datetime) and refusal."""
+    t0 = _since_ts(since)
+    out = []
+    for rec in iter_records(path):
+        if job is not None and str(rec.get("job")) != str(job):
+            continue
+        if t0 is not None and float(rec.get("ts") or 0) < t0:
+            continue
+        if refused and rec.get("decision") != "refuse":
+            continue
+        out.append(rec)
+    return out

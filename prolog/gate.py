@@ -1,0 +1,358 @@
+"""``ncclguard-prolog``: the Slurm ``PrologSlurmctld`` gate. See docs/gate.md.
+
+    SLURM_* env ─▶ Job ─▶ Inventory(readonly).load(nodes) ─▶ policy.evaluate ─▶ Verdict
+                                                                   │
+        accept: log + audit, exit 0 (no Slurm call)                │
+        warn:   AdminComment, log + audit, exit 0                  ▼
+        refuse: AdminComment + notify, log + audit, exit 1; batch jobs: steer or hold
+                through the detached follow-up (prolog/steer.py)
+
+Errors (inventory missing/locked/corrupt, broken config, bad nodelist, Slurm failing)
+fail open (exit 0) unless ``gate.on_error = "refuse"``, always with a loud log line
+and an audit record. ``gate.deadline_s`` bounds the whole run with an interval timer
+and caps every Slurm call; on expiry the run ends with the ``on_error`` outcome.
+
+Hot path: only the standard library, the config, hostlist, the read-only store and the
+policy are imported before a decision; the Slurm adapter only when a call is needed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from collections.abc import Mapping
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ncclguard.config import Config
+    from ncclguard.slurm import Slurm
+    from prolog.job import Job
+    from prolog.verdict import Verdict
+
+EXIT_OK = 0
+EXIT_REFUSE = 1
+COMMENT_MAX = 400
+_DEFAULT_DEADLINE_S = 5.0
+SLURM_CALL_S = 2.0  # one Slurm command, at most (the deadline caps it further)
+
+
+class Run:
+    """State of one prolog run, so that the deadline handler can finish it."""
+
+    def __init__(self, env: Mapping[str, str]) -> None:
+        self.t0 = time.monotonic()
+        self.env = env
+        self.job_id = env.get("SLURM_JOB_ID", "?")
+        self.config: Config | None = None
+        self.record: dict[str, Any] = {"job": _int_or(self.job_id)}
+        self.finished = False
+
+    @property
+    def on_error(self) -> str:
+        return self.config.gate.on_error if self.config else "accept"
+
+    def elapsed_ms(self) -> float:
+        return round((time.monotonic() - self.t0) * 1000, 1)
+
+    def log(self, msg: str, *, error: bool = False) -> None:
+        line = f"ncclguard-prolog[job {self.job_id}]: {'ERROR: ' if error else ''}{msg}"
+        try:
+            sys.stderr.write(line + "\n")
+            sys.stderr.flush()
+        except OSError:
+            pass
+        try:
+            import syslog
+
+            syslog.openlog("ncclguard-prolog", 0, syslog.LOG_DAEMON)
+            syslog.syslog(syslog.LOG_ERR if error else syslog.LOG_INFO, line)
+        except OSError:
+            pass
+
+    def audit(self, **fields: Any) -> None:
+        self.record.update(fields)
+        self.record["duration_ms"] = self.elapsed_ms()
+        path = self.config.gate.audit_path() if self.config else None
+        if path is None:
+            from ncclguard.config import default_audit_path
+
+            path = default_audit_path()
+        try:
+            from prolog import audit
+
+            audit.append(path, self.record)
+        except (OSError, ValueError) as e:
+            self.log(f"cannot write the audit log {path}: {e}", error=True)
+
+    def fail(self, what: str, err: BaseException | str) -> int:
+        """An error: the configured outcome (default: accept), loudly."""
+        outcome = self.on_error
+        self.log(f"{what}: {err} -> {outcome} (gate.on_error = {outcome})", error=True)
+        self.audit(decision="error", action=outcome, error=f"{what}: {err}")
+        if outcome == "accept":
+            return EXIT_OK
+        text = f"ncclguard: refused, gate error ({what}: {err})"
+        _best_effort(self, lambda s: s.set_admin_comment(self.job_id, text))
+        if "SLURM_JOB_STDOUT" not in self.env:
+            _best_effort(self, lambda s: s.notify(self.job_id, text))
+        return EXIT_REFUSE
+
+
+def _int_or(v: str) -> int | str:
+    return int(v) if v.isdigit() else v
+
+
+def _slurm(run: Run) -> Slurm:
+    from ncclguard.slurm import Slurm
+
+    deadline = run.t0 + (run.config.gate.deadline_s if run.config else _DEFAULT_DEADLINE_S) - 0.2
+    gate = run.config.gate if run.config else None
+    return Slurm.from_config(gate, timeout=SLURM_CALL_S, deadline=deadline)
+
+
+def _best_effort(run: Run, call: Any) -> bool:
+    """One Slurm call whose failure is logged, not fatal."""
+    from ncclguard.slurm import SlurmError
+
+    try:
+        call(_slurm(run))
+        return True
+    except SlurmError as e:
+        run.log(f"slurm: {e}", error=True)
+        return False
+
+
+# --------------------------------------------------------------------------- decision
+
+
+def decide(run: Run, job: Job) -> int:
+    from ncclguard.store import Inventory, InventoryError
+    from prolog.policy import evaluate
+
+    cfg = run.config
+    assert cfg is not None
+    try:
+        with Inventory(readonly=True, config=cfg.inventory) as inv:
+            records = inv.load(job.nodes)
+    except InventoryError as e:
+        return run.fail("inventory", e)
+    now = time.time()
+    ttl = cfg.inventory.stale_after_s
+    stale = [h for h, r in records.items() if r is not None and r.last_heartbeat < now - ttl]
+    fps = {h: (r.fingerprint if r is not None else None) for h, r in records.items()}
+    verdict = evaluate(fps, cfg.policy, stale=stale, partition=job.partition or None)
+    run.record.update(
+        decision=verdict.decision,
+        summary=verdict.summary(),
+        findings=[f.to_dict() for f in verdict.findings],
+        odd_nodes=verdict.odd_nodes,
+        stale=sorted(stale),
+        notes=list(verdict.notes),
+    )
+    if verdict.decision == "accept":
+        run.log(f"accept {job.nodelist}: {verdict.summary()}")
+        run.audit(action="none")
+        return EXIT_OK
+    if verdict.decision == "warn":
+        run.log(verdict.summary())
+        _best_effort(run, lambda s: s.set_admin_comment(job.job_id, verdict.summary()))
+        run.audit(action="none")
+        return EXIT_OK
+    return refuse(run, job, verdict)
+
+
+def _comment(verdict: Verdict, suffix: str) -> str:
+    return verdict.summary(limit=max(COMMENT_MAX - len(suffix), 80)) + suffix
+
+
+def refuse(run: Run, job: Job, verdict: Verdict) -> int:
+    from ncclguard.hostlist import compress
+    from ncclguard.slurm import SlurmError
+
+    cfg = run.config
+    assert cfg is not None
+    gate = cfg.gate
+    summary = verdict.summary()
+    if not job.batch:
+        # salloc/srun: Slurm kills the job; the user's terminal gets the notify line.
+        _best_effort(run, lambda s: s.set_admin_comment(job.job_id, summary))
+        _best_effort(run, lambda s: s.notify(job.job_id, summary))
+        run.log(f"{summary} -> interactive job killed")
+        run.audit(action="kill")
+        return EXIT_REFUSE
+
+    count = job.restart_count + 1  # this refusal; restarts count the earlier ones
+    odd = verdict.odd_nodes
+    hold_reason = ""
+    if count >= gate.max_refusals:
+        hold_reason = f"refused {count} times (gate.max_refusals = {gate.max_refusals})"
+    elif gate.steering == "hold":
+        hold_reason = "incompatible nodes (gate.steering = hold)"
+    elif gate.steering == "steer":
+        if not odd:
+            hold_reason = "no odd nodes to steer away from"
+        else:
+            try:
+                hold_reason = _cannot_steer(run, job, odd)
+            except (SlurmError, OSError, ValueError) as e:
+                run.log(f"steering check failed: {e}; requeueing without steering", error=True)
+                hold_reason = ""
+    if hold_reason:
+        action = "hold"
+        suffix = f" | held: {hold_reason}"
+    elif gate.steering == "steer" and odd:
+        action = "steer"
+        suffix = f" | requeued without {compress(odd)} (refusal {count}/{gate.max_refusals})"
+    else:
+        action = "requeue"
+        suffix = f" | requeued (refusal {count}/{gate.max_refusals})"
+    comment = _comment(verdict, suffix)
+    _best_effort(run, lambda s: s.set_admin_comment(job.job_id, comment))
+    if action in ("steer", "hold"):
+        try:
+            spawn_followup(run, job, action, odd, comment)
+        except OSError as e:
+            run.log(f"cannot start the follow-up: {e}", error=True)
+            action = "requeue"
+    run.log(f"{comment} -> {action}")
+    run.audit(action=action, refusal=count, hold_reason=hold_reason or None)
+    return EXIT_REFUSE
+
+
+def _cannot_steer(run: Run, job: Job, odd: list[str]) -> str:
+    """Why excluding ``odd`` cannot give the job a compatible set ('' if it can)."""
+    from ncclguard.hostlist import compress, expand
+    from ncclguard.store import Inventory
+
+    cfg = run.config
+    assert cfg is not None
+    slurm = _slurm(run)
+    info = slurm.job(job.job_id)
+    required = set(expand(info.required_nodes)) if info and info.required_nodes else set()
+    pinned = required & set(odd)
+    if pinned:
+        return f"pinned with -w to {compress(pinned)}"
+    excluded = set(expand(info.excluded_nodes)) if info and info.excluded_nodes else set()
+    partition = job.partition or (info.partition if info else "")
+    members = slurm.partition_nodes(partition) if partition else []
+    candidates = sorted(set(members) - excluded - set(odd))
+    with Inventory(readonly=True, config=cfg.inventory) as inv:
+        classes = inv.classes(candidates) if candidates else []
+    largest = max((len(c.hosts) for c in classes), default=0)
+    if largest < job.num_nodes:
+        return (
+            f"the largest compatible class in partition {partition} without "
+            f"{compress(odd)} has {largest} nodes, the job needs {job.num_nodes}"
+        )
+    return ""
+
+
+def spawn_followup(run: Run, job: Job, action: str, odd: list[str], comment: str) -> None:
+    """Start prolog/steer.py detached (own session, no inherited fds), and return."""
+    import subprocess
+
+    from ncclguard.hostlist import compress
+
+    cfg = run.config
+    assert cfg is not None
+    slurm = _slurm(run)
+    argv = [
+        sys.executable, "-I", "-m", "prolog.steer",
+        "--job", str(job.job_id), "--action", action,
+        "--wait", str(cfg.gate.steer_wait_s),
+        "--audit", str(cfg.gate.audit_path()),
+    ]  # fmt: skip
+    if odd:
+        argv += ["--exclude", compress(odd)]
+    if action == "hold":
+        argv += ["--comment", comment]
+    if slurm.conf:
+        argv += ["--conf", slurm.conf]
+    if slurm.bin_dir:
+        argv += ["--bin-dir", str(slurm.bin_dir)]
+    env = {"PATH": "/usr/bin:/bin", "LANG": "C"}
+    subprocess.Popen(
+        argv,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+        cwd="/",
+        close_fds=True,
+        start_new_session=True,
+    )
+
+
+# --------------------------------------------------------------------------- entry
+
+
+def _arm_deadline(run: Run, seconds: float) -> None:
+    def expired(signum: int, frame: FrameType | None) -> None:
+        if run.finished:
+            return
+        run.finished = True
+        code = run.fail("deadline", f"gate.deadline_s = {seconds:g} s reached")
+        os._exit(code)
+
+    signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+
+
+def main(env: Mapping[str, str] | None = None) -> int:
+    """Entry point of ``ncclguard-prolog``. Returns the exit status for Slurm."""
+    environ = os.environ if env is None else env
+    run = Run(environ)
+    _arm_deadline(run, _DEFAULT_DEADLINE_S)
+    try:
+        return _main(run)
+    except Exception as e:  # a bug must not stop the cluster: on_error decides
+        return run.fail("internal error", f"{type(e).__name__}: {e}")
+    finally:
+        run.finished = True
+        signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+def _main(run: Run) -> int:
+    from ncclguard.config import ConfigError, load
+
+    try:
+        run.config = load()
+    except ConfigError as e:
+        return run.fail("config", e)
+    # the configured deadline replaces the default one, counted from the start
+    _arm_deadline(run, max(run.config.gate.deadline_s - (time.monotonic() - run.t0), 0.01))
+
+    from prolog.job import Job, JobError
+
+    try:
+        job = Job.from_env(run.env)
+    except JobError as e:
+        return run.fail("job", e)
+    run.job_id = str(job.job_id)
+    run.record.update(
+        user=job.user,
+        partition=job.partition,
+        nodes=job.nodelist,
+        num_nodes=job.num_nodes,
+        batch=job.batch,
+        restart_count=job.restart_count,
+    )
+    if run.config.gate.allow_opt_out and job.opted_out:
+        run.log(f"accept {job.nodelist}: opted out (ncclguard=off), not checked")
+        run.audit(decision="accept", action="opt-out", summary="ncclguard: accept: opted out")
+        return EXIT_OK
+
+    from prolog.policy import in_scope
+
+    note = in_scope(run.config.policy, job.partition or None, job.num_nodes)
+    if note is not None:  # no inventory read for single-node or unguarded jobs
+        run.audit(decision="accept", action="skip", summary=f"ncclguard: accept: {note}")
+        return EXIT_OK
+    return decide(run, job)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

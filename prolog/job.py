@@ -1,0 +1,84 @@
+"""The job a PrologSlurmctld run is about, read from its ``SLURM_*`` environment.
+
+Slurm 22.05 sets (see slurm-facts.md): ``SLURM_JOB_ID``, ``SLURM_JOB_NODELIST``
+(compressed), ``SLURM_JOB_NUM_NODES``, ``SLURM_JOB_PARTITION``, ``SLURM_JOB_USER``,
+``SLURM_JOB_UID``, ``SLURM_JOB_RESTART_COUNT``; batch jobs also ``SLURM_JOB_STDOUT``;
+when set by the user ``SLURM_JOB_COMMENT``; 23.02+ ``SLURM_JOB_EXTRA``.
+
+Hot path: standard library and ncclguard.hostlist only.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ncclguard.hostlist import HostlistError, expand
+
+OPT_OUT = "ncclguard=off"
+
+
+class JobError(ValueError):
+    """The environment does not describe a job we can check (the message says why)."""
+
+
+@dataclass(frozen=True)
+class Job:
+    job_id: int
+    nodelist: str  # as Slurm gave it (compressed)
+    nodes: tuple[str, ...]  # expanded, in order, without duplicates
+    user: str = ""
+    uid: int | None = None
+    partition: str = ""
+    num_nodes: int = 0
+    restart_count: int = 0
+    batch: bool = False
+    comment: str = ""
+    extra: str = ""
+    name: str = ""
+
+    @property
+    def opted_out(self) -> bool:
+        """``ncclguard=off`` as a word of the comment (22.05) or of ``--extra`` (23.02+)."""
+        for text in (self.comment, self.extra):
+            words = text.replace(",", " ").replace(";", " ").split()
+            if any(w.lower() == OPT_OUT for w in words):
+                return True
+        return False
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Job:
+        e = os.environ if env is None else env
+        raw_id = e.get("SLURM_JOB_ID", "")
+        if not raw_id.isdigit():
+            raise JobError(f"SLURM_JOB_ID={raw_id!r}: not a job id (not run by slurmctld?)")
+        nodelist = e.get("SLURM_JOB_NODELIST", "")
+        if not nodelist.strip():
+            raise JobError(f"job {raw_id}: SLURM_JOB_NODELIST is empty")
+        try:
+            nodes = tuple(dict.fromkeys(expand(nodelist)))
+        except HostlistError as err:
+            raise JobError(f"job {raw_id}: SLURM_JOB_NODELIST: {err}") from None
+        num = e.get("SLURM_JOB_NUM_NODES", "")
+        uid = e.get("SLURM_JOB_UID", "")
+        restarts = e.get("SLURM_JOB_RESTART_COUNT", "")
+        if num.isdigit() and int(num) != len(nodes):
+            raise JobError(
+                f"job {raw_id}: SLURM_JOB_NODELIST={nodelist!r} names {len(nodes)} nodes "
+                f"but SLURM_JOB_NUM_NODES={num}"
+            )
+        return cls(
+            job_id=int(raw_id),
+            nodelist=nodelist,
+            nodes=nodes,
+            user=e.get("SLURM_JOB_USER", ""),
+            uid=int(uid) if uid.isdigit() else None,
+            partition=e.get("SLURM_JOB_PARTITION", ""),
+            num_nodes=len(nodes),
+            restart_count=int(restarts) if restarts.isdigit() else 0,
+            batch="SLURM_JOB_STDOUT" in e or "SLURM_JOB_STDERR" in e,
+            comment=e.get("SLURM_JOB_COMMENT", ""),
+            extra=e.get("SLURM_JOB_EXTRA", ""),
+            name=e.get("SLURM_JOB_NAME", ""),
+        )
