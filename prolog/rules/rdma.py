@@ -11,7 +11,6 @@ firmware version is unknown, not different.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Mapping
 
 from prolog.rules.base import Rule, Values, check_rule
@@ -30,9 +29,10 @@ def rate_values(fp: dict) -> Values:
     rates = [p.get("rate_gbps") for p in ports]
     if any(r is None for r in rates):
         return {"rate": None}
-    counts = Counter(float(r) for r in rates)  # type: ignore[arg-type]
-    text = "+".join(f"{n}x{r:g}" for r, n in sorted(counts.items())) or "none"
-    return {"rate": text + (" Gb/s" if counts else "")}
+    distinct = sorted({float(r) for r in rates})  # type: ignore[arg-type]
+    if not distinct:
+        return {"rate": "none"}
+    return {"rate": ",".join(f"{r:g}" for r in distinct) + " Gb/s"}
 
 
 def port_count_values(fp: dict) -> Values:
