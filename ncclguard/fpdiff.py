@@ -33,6 +33,7 @@ _RULES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
     (re.compile(p), r)
     for p, r in (
         (r"^compat\.(nccl|nccl_paths)$", "nccl-version"),
+        (r"^libnccl\[[^\]]*\]\.(version|version_code)$", "nccl-version"),
         (r"^compat\.(net_plugin|net_abi)$", "net-plugin"),
         (r"^compat\.transport$", "transport"),
         (r"^net\.", "net-plugin"),
