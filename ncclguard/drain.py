@@ -25,6 +25,7 @@ return the list of what they did (and did not do, and why).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -305,20 +306,15 @@ def policy_judge(representatives: Mapping[str, Mapping[str, Any]], config: Confi
     """
     from prolog.policy import evaluate
 
+    # judge every pair, whatever the guarded partitions and min_nodes say about jobs
+    policy = dataclasses.replace(config.policy, partitions=(), min_nodes=2)
+
     def judge(base_key: str, other_key: str) -> list[tuple[str, str]]:
         fps = {"baseline": dict(representatives[base_key]),
                "candidate": dict(representatives[other_key])}
-        verdict = evaluate(fps, config.policy)
-        out = []
-        for f in verdict.findings:
-            sev = getattr(f, "severity", None) or (f.get("severity") if isinstance(f, dict)
-                                                   else None)
-            if sev == "refuse":
-                rule = getattr(f, "rule", None) or (f.get("rule") if isinstance(f, dict) else "")
-                msg = getattr(f, "message", None) or (f.get("message") if isinstance(f, dict)
-                                                      else "")
-                out.append((str(rule), str(msg)))
-        return out
+        verdict = evaluate(fps, policy)
+        return [(str(f.rule), str(f.message)) for f in verdict.findings
+                if f.severity == "refuse"]
 
     return judge
 
