@@ -1,0 +1,98 @@
+"""Property tests: the odd-node set is minimal, and the verdict ignores node order."""
+
+from __future__ import annotations
+
+import itertools
+from functools import cache
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from policy_fingerprints import error, fingerprint, plugin
+
+from ncclguard.config import DEFAULT_SEVERITY, PolicyConfig
+from prolog.policy import evaluate
+
+# min_nodes=1 so that "compatible" below means "no refuse-level finding" for any subset
+CONFIGS = {
+    "default": PolicyConfig(min_nodes=1),
+    "strict": PolicyConfig(
+        min_nodes=1,
+        severity={**DEFAULT_SEVERITY, "unknown-node": "refuse", "nccl-conf": "refuse"},
+    ),
+}
+
+# (nccl version, transport setting, plugin, nccl.conf extra); None = unreadable
+VERSIONS = st.sampled_from(["2.21.5", "2.18.3", "2.26.2", None])
+IB_DISABLE = st.sampled_from(["0", "1", None])
+PLUGIN = st.sampled_from([None, "IBext_v8"])
+ALGO = st.sampled_from([None, "Ring", "Tree"])
+KIND = st.tuples(VERSIONS, IB_DISABLE, PLUGIN, ALGO)
+NODE = st.one_of(st.none(), KIND)  # None: no record
+
+
+@cache
+def _fp(kind: tuple) -> dict:
+    version, ib_disable, plug, algo = kind
+    conf = {}
+    if ib_disable is not None:
+        conf["NCCL_IB_DISABLE"] = ib_disable
+    if algo is not None:
+        conf["NCCL_ALGO"] = algo
+    fp = fingerprint(
+        "x",
+        nccl=version or "2.21.5",
+        plugins=[plugin(plug, abis=[8, 7, 6])] if plug else [],
+        conf=conf,
+    )
+    if version is None:  # the nccl probe failed
+        fp["libnccl"] = None
+        fp["errors"].append(error("libnccl", probe="nccl"))
+    if ib_disable is None:  # nccl.conf unreadable
+        fp["nccl_conf"] = None
+        fp["errors"].append(error("nccl_conf", probe="ncclconf"))
+    return fp
+
+
+def _refuses(fps: dict, config: PolicyConfig, stale: set[str]) -> bool:
+    v = evaluate(fps, config, stale=stale & set(fps))
+    return any(f.severity == "refuse" for f in v.findings)
+
+
+allocations = st.dictionaries(
+    st.sampled_from([f"n{i}" for i in range(1, 9)]), NODE, min_size=1, max_size=7
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(allocations, st.sampled_from(sorted(CONFIGS)), st.sets(st.sampled_from(["n1", "n2"])))
+def test_odd_nodes_are_a_minimum(nodes: dict, config_name: str, stale: set[str]) -> None:
+    config = CONFIGS[config_name]
+    fps = {h: (_fp(k) if k is not None else None) for h, k in nodes.items()}
+    verdict = evaluate(fps, config, stale=stale & set(fps))
+    odd = set(verdict.odd_nodes)
+    assert odd <= set(fps)
+    if verdict.decision != "refuse":
+        assert odd == set()
+        return
+    # removing them leaves no refuse-level finding
+    rest = {h: fp for h, fp in fps.items() if h not in odd}
+    assert not _refuses(rest, config, stale)
+    # and no smaller set does
+    for size in range(len(odd)):
+        for removed in itertools.combinations(sorted(fps), size):
+            keep = {h: fp for h, fp in fps.items() if h not in removed}
+            assert _refuses(keep, config, stale), f"removing {removed} is enough, not {odd}"
+
+
+@settings(max_examples=150, deadline=None)
+@given(allocations.flatmap(lambda d: st.tuples(st.just(d), st.permutations(sorted(d)))),
+       st.sampled_from(sorted(CONFIGS)))
+def test_verdict_does_not_depend_on_node_order(case: tuple, config_name: str) -> None:
+    nodes, order = case
+    config = CONFIGS[config_name]
+    fps = {h: (_fp(k) if k is not None else None) for h, k in nodes.items()}
+    shuffled = {h: fps[h] for h in order}
+    a = evaluate(fps, config, stale={"n1"} & set(fps))
+    b = evaluate(shuffled, config, stale={"n1"} & set(fps))
+    assert a.to_dict() == b.to_dict()
+    assert a.format_text() == b.format_text()
