@@ -1,0 +1,392 @@
+"""Each ``ncclguard`` command on a generated inventory: tables read for content, JSON and
+CSV parsed back, errors named with exit code 3."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner, Result
+
+from ncclguard.cli import main, parse_since
+from prolog import audit
+from tests.test_cli_inventory import NodeSpec, build, standard
+
+Run = Callable[..., Result]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    d = tmp_path_factory.mktemp("cli")
+    history = {"n05": [NodeSpec(nccl="2.18.3"), NodeSpec(nccl="2.18.3", driver="535.104.05")]}
+    db = build(d / "inv.db", standard(), history=history)
+    cfg = d / "config.toml"
+    cfg.write_text(f'[drain]\nmax_share = 0.25\n[gate]\naudit_log = "{d / "audit.jsonl"}"\n')
+    return db, cfg
+
+
+@pytest.fixture
+def run(env: tuple[Path, Path]) -> Run:
+    db, cfg = env
+
+    def invoke(*args: str) -> Result:
+        return CliRunner().invoke(main, ["--db", str(db), "--config", str(cfg), *args])
+
+    return invoke
+
+
+def ok(r: Result, code: int = 0) -> Result:
+    assert r.exit_code == code, (r.exit_code, r.output, r.exception)
+    return r
+
+
+def js(r: Result) -> dict:
+    return json.loads(ok(r).stdout)
+
+
+def table_rows(text: str) -> dict[str, list[str]]:
+    """Table body lines keyed by their first cell, cells split on runs of spaces."""
+    rows = {}
+    for line in text.splitlines()[1:]:
+        cells = [c for c in line.split("  ") if c.strip()]
+        if cells:
+            rows[cells[0].strip()] = [c.strip() for c in cells]
+    return rows
+
+
+# --------------------------------------------------------------------------- nodes
+
+
+def test_nodes_table_has_every_node_and_its_facts(run: Run) -> None:
+    r = ok(run("nodes"))
+    rows = table_rows(r.stdout)
+    assert {f"n{i:02d}" for i in range(1, 17)} <= set(rows)
+    assert "2.18.3" in rows["n14"]
+    assert "3/4" in rows["n15"]
+    assert "stale" in rows["n16"] and "ok" in rows["n01"]
+    assert "errors" in rows["n12"] and "535.104.05" in rows["n12"]
+    header = r.stdout.splitlines()[0]
+    for col in ("NCCL", "PLUGIN", "ABI", "TRANSPORT", "RDMA UP/TOTAL", "DRIVER",
+                "LAST HEARTBEAT", "AGE"):
+        assert col in header
+
+
+def test_nodes_json_schema(run: Run) -> None:
+    doc = js(run("nodes", "--json"))
+    assert doc["count"] == 16 and doc["node_set"] is None
+    by = {n["host"]: n for n in doc["nodes"]}
+    n14 = by["n14"]
+    assert set(n14) >= {"host", "nccl_version", "nccl_versions", "net_plugin_name", "net_abi",
+                        "transport", "rdma_ports_up", "rdma_ports_total", "driver",
+                        "last_heartbeat", "age_s", "error_count", "compat_key", "stale",
+                        "status"}
+    assert n14["nccl_version"] == "2.18.3" and n14["net_abi"] == 6
+    assert by["n15"]["rdma_ports_up"] == 3 and by["n15"]["rdma_ports_total"] == 4
+    assert by["n16"]["stale"] is True and by["n16"]["age_s"] > 3000
+    assert by["n01"]["last_heartbeat"].endswith("Z")
+
+
+@pytest.mark.parametrize(
+    ("args", "hosts"),
+    [
+        (["--where", "nccl=2.18.3"], ["n14"]),
+        (["--where", "nccl_any=2.18.3"], ["n14"]),
+        (["--where", "abi=6"], ["n14"]),
+        (["--where", "driver=535.104.05"], ["n12"]),
+        (["--where", "plugin=none"], []),
+        (["--where", "nccl=2.18.3,2.21.5", "--where", "driver=535.104.05"], ["n12"]),
+        (["--where", "rdma_ports_up=3"], ["n15"]),
+        (["--stale"], ["n16"]),
+        (["--errors"], ["n12"]),
+        (["--where", "abi=8", "--stale"], ["n16"]),
+        (["--nodes", "n[01-02]"], ["n01", "n02"]),
+    ],
+)
+def test_nodes_filters(run: Run, args: list[str], hosts: list[str]) -> None:
+    doc = js(run("nodes", "--json", *args))
+    assert [n["host"] for n in doc["nodes"]] == hosts
+
+
+def test_nodes_where_transport_and_plugin(run: Run) -> None:
+    doc = js(run("nodes", "--json"))
+    transport = doc["nodes"][0]["transport"]
+    plugin = doc["nodes"][0]["net_plugin_name"]
+    assert transport and plugin
+    assert js(run("nodes", "--json", "--where", f"transport={transport}"))["count"] == 16
+    assert js(run("nodes", "--json", "--where", f"plugin={plugin}"))["count"] == 16
+    assert js(run("nodes", "--json", "--where", "transport=Socket"))["count"] == 0
+
+
+def test_nodes_node_set_shows_missing_nodes(run: Run) -> None:
+    doc = js(run("nodes", "--json", "--nodes", "n[15-17]"))
+    assert doc["node_set"]["source"] == "--nodes" and doc["node_set"]["size"] == 3
+    status = {n["host"]: n["status"] for n in doc["nodes"]}
+    assert status == {"n15": "ok", "n16": "stale", "n17": "missing"}
+    text = ok(run("nodes", "--nodes", "n[15-17]")).stdout
+    assert "from --nodes" in text and "missing" in table_rows(text.split("\n", 1)[1])["n17"]
+
+
+def test_nodes_csv_parses(run: Run) -> None:
+    r = ok(run("nodes", "--csv", "--where", "nccl=2.18.3"))
+    rows = list(csv.DictReader(io.StringIO(r.stdout)))
+    assert len(rows) == 1
+    assert rows[0]["host"] == "n14" and rows[0]["nccl_version"] == "2.18.3"
+    assert rows[0]["rdma_ports_up"] == "4"
+    # the group-level flag works too
+    r2 = ok(run("--csv", "nodes", "--where", "nccl=2.18.3"))
+    assert r2.stdout == r.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--where", "bogus=1"], ["bogus", "unknown field", "nccl"]),
+        (["--where", "nccl"], ["FIELD=VALUE"]),
+        (["--where", "abi=eight"], ["integer", "eight"]),
+        (["--nodes", "n[1-"], ["--nodes", "n[1-"]),
+        (["--json", "--csv"], ["exclude"]),
+    ],
+)
+def test_nodes_errors_name_the_problem(run: Run, args: list[str], words: list[str]) -> None:
+    r = ok(run("nodes", *args), 3)
+    for w in words:
+        assert w in r.stderr
+
+
+def test_missing_inventory_and_bad_config(tmp_path: Path) -> None:
+    r = CliRunner().invoke(main, ["--db", str(tmp_path / "none.db"), "nodes"])
+    assert r.exit_code == 3 and "none.db" in r.stderr
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[drain]\nmax_share = 2\n")
+    r = CliRunner().invoke(main, ["--config", str(bad), "nodes"])
+    assert r.exit_code == 3 and "max_share" in r.stderr and "bad.toml" in r.stderr
+
+
+def test_usage_error_exits_3(run: Run) -> None:
+    r = ok(run("nodes", "--no-such-option"), 3)
+    assert "--no-such-option" in r.stderr
+
+
+# --------------------------------------------------------------------------- classes
+
+
+def test_classes_json(run: Run) -> None:
+    doc = js(run("classes", "--json"))
+    assert doc["total"] == 16 and len(doc["classes"]) == 2
+    big, small = doc["classes"]
+    assert big["count"] == 15 and big["hosts"] == "n[01-13,15-16]" and big["baseline"]
+    assert big["values"]["nccl"] == "2.21.5" and big["stale"] == 1
+    assert small["hosts"] == "n14" and small["values"]["nccl"] == "2.18.3"
+    assert not small["baseline"]
+    assert doc["baseline"]["compat_key"] == big["compat_key"]
+    assert abs(big["share"] + small["share"] - 1) < 1e-6
+
+
+def test_classes_table_and_csv(run: Run) -> None:
+    text = ok(run("classes")).stdout
+    assert "16 nodes in 2 compatibility classes" in text
+    assert "n[01-13,15-16]" in text and "2.18.3" in text and "majority" in text
+    rows = list(csv.DictReader(io.StringIO(ok(run("classes", "--csv")).stdout)))
+    assert [(r["count"], r["nccl"], r["hosts"]) for r in rows] == [
+        ("15", "2.21.5", "n[01-13,15-16]"), ("1", "2.18.3", "n14")]
+
+
+def test_classes_node_set_with_missing(run: Run) -> None:
+    doc = js(run("classes", "--json", "--nodes", "n[13-14,40-41]"))
+    assert doc["total"] == 2 and doc["missing"] == {"count": 2, "hosts": "n[40-41]"}
+    # 1 of 2: no clear majority
+    assert doc["baseline"]["compat_key"] is None and "majority" in doc["baseline"]["why"]
+
+
+def test_classes_partition_without_slurm_is_an_error(run: Run, monkeypatch) -> None:
+    monkeypatch.setenv("SLURM_CONF", "/nonexistent/slurm.conf")
+    r = ok(run("classes", "--partition", "gpu"), 3)
+    assert "--partition gpu" in r.stderr and "--nodes" in r.stderr
+
+
+# --------------------------------------------------------------------------- show
+
+
+def test_show_table_has_sections_and_probe_errors(run: Run) -> None:
+    text = ok(run("show", "n12")).stdout
+    for part in ("node n12", "libnccl", "plugins", "rdma", "gpu", "probe errors (1)",
+                 "/sys/class/infiniband/mlx5_0/ports/1/rate", "Invalid argument",
+                 "535.104.05", "mlx5_3", "IBext_v8"):
+        assert part in text
+
+
+def test_show_json_is_the_fingerprint(run: Run) -> None:
+    doc = js(run("show", "n14", "--json"))
+    assert doc["host"] == "n14" and doc["stale"] is False
+    assert doc["fingerprint"]["libnccl"][0]["version"] == "2.18.3"
+    assert doc["errors"] == []
+    assert len(doc["compat_key"]) == 16
+
+
+def test_show_unknown_node_and_csv(run: Run) -> None:
+    r = ok(run("show", "n99"), 3)
+    assert "n99" in r.stderr and "not in the inventory" in r.stderr
+    assert "--csv" in ok(run("show", "n01", "--csv"), 3).stderr
+
+
+# --------------------------------------------------------------------------- diff
+
+
+def test_diff_two_nodes_rule_and_severity(run: Run) -> None:
+    doc = js(run("diff", "n01", "n14", "--json"))
+    assert doc["worst"] == "refuse"
+    by = {d["field"]: d for d in doc["differences"]}
+    nccl = by["compat.nccl"]
+    assert nccl["rule"] == "nccl-version" and nccl["severity"] == "refuse"
+    assert {(v["value"], v["hosts"]) for v in nccl["values"]} == {("2.21.5", "n01"),
+                                                                  ("2.18.3", "n14")}
+    assert by["compat.net_abi"]["rule"] == "net-plugin"
+    assert "host.hostname" not in by and not any("node_guid" in f for f in by)
+    text = ok(run("diff", "n01", "n14")).stdout
+    row = table_rows(text)["compat.nccl"]
+    assert row[1:] == ["2.21.5", "2.18.3", "nccl-version", "refuse"]
+
+
+def test_diff_hostlist_warn_and_unknown(run: Run) -> None:
+    doc = js(run("diff", "n[10-13]", "--json"))
+    by = {d["field"]: d for d in doc["differences"]}
+    assert doc["worst"] == "warn"
+    assert by["gpu.driver_version"]["severity"] == "warn"
+    values = {v["value"]: v["hosts"] for v in by["gpu.driver_version"]["values"]}
+    assert values == {"550.54.15": "n[10-11,13]", "535.104.05": "n12"}
+    # the rate n12 could not read is unknown, not different
+    unknown = {d["field"]: d for d in doc["unknown"]}
+    assert unknown["rdma.devices[mlx5_0].ports[1].rate_gbps"]["unknown_on"] == "n12"
+    assert "rdma.devices[mlx5_0].ports[1].rate_gbps" not in by
+
+
+def test_diff_ports_and_rules_only(run: Run) -> None:
+    doc = js(run("diff", "n01", "n15", "--json", "--rules-only"))
+    rules = {d["field"]: d["rule"] for d in doc["differences"]}
+    assert rules["rdma.active_ports"] == "rdma-port-count"
+    assert rules["rdma.devices[mlx5_3].ports[1].state"] == "rdma-port-count"
+    assert all(d["rule"] for d in doc["differences"])
+
+
+def test_diff_identical_csv_and_errors(run: Run) -> None:
+    assert "no differences" in ok(run("diff", "n01", "n02")).stdout
+    rows = list(csv.DictReader(io.StringIO(ok(run("diff", "n01", "n14", "--csv")).stdout)))
+    assert {"field": "compat.nccl", "value": "2.18.3", "hosts": "n14", "count": "1",
+            "rule": "nccl-version", "severity": "refuse"} in rows
+    assert "at least two" in ok(run("diff", "n01"), 3).stderr
+    assert "n77" in ok(run("diff", "n01", "n77"), 3).stderr
+
+
+# --------------------------------------------------------------------------- check
+
+
+def test_check_exit_codes_and_text(run: Run) -> None:
+    r = ok(run("check", "n[01-04]"), 0)
+    assert r.stdout.startswith("ncclguard: accept")
+    r = ok(run("check", "n[01-04,12]"), 1)
+    assert "warn gpu-driver" in r.stdout
+    r = ok(run("check", "n[01-04,14]"), 2)
+    assert "refuse nccl-version" in r.stdout and "odd nodes: n14" in r.stdout
+
+
+def test_check_json_is_the_gates_verdict(run: Run, env: tuple[Path, Path]) -> None:
+    from ncclguard import config as configmod
+    from ncclguard.store import Inventory
+    from prolog.policy import evaluate
+
+    doc = json.loads(ok(run("check", "n[01-04,14,16,99]", "--json"), 2).stdout)
+    assert doc["decision"] == "refuse" and doc["odd_nodes"]
+    rules = {f["rule"] for f in doc["findings"]}
+    assert {"nccl-version", "unknown-node"} <= rules
+    # the same engine: evaluate() on the same records gives the same dict
+    db, cfg = env
+    hosts = ["n01", "n02", "n03", "n04", "n14", "n16", "n99"]
+    recs = Inventory(db, readonly=True).load(hosts)
+    fps = {h: (r.fingerprint if r else None) for h, r in recs.items()}
+    verdict = evaluate(fps, configmod.load(cfg).policy, stale=["n16"])
+    assert verdict.to_dict() == doc
+
+
+def test_check_errors_exit_3(run: Run) -> None:
+    assert ok(run("check", "n[1-"), 3).stderr
+    assert "--csv" in ok(run("check", "n[01-02]", "--csv"), 3).stderr
+
+
+# --------------------------------------------------------------------------- history
+
+
+def test_history_changes_with_rules(run: Run) -> None:
+    doc = js(run("history", "n05", "--json"))
+    changes = doc["changes"]
+    assert len(changes) == 3 and changes[0]["first"] is True
+    fields = {f["field"]: f for f in changes[1]["fields"]}
+    assert fields["gpu.driver_version"]["new"] == "535.104.05"
+    assert fields["gpu.driver_version"]["rule"] == "gpu-driver"
+    last = {f["field"]: f for f in changes[2]["fields"]}
+    ver = last["libnccl[/usr/lib/x86_64-linux-gnu/libnccl.so.2].version"]
+    assert (ver["old"], ver["new"], ver["rule"], ver["severity"]) == (
+        "2.18.3", "2.21.5", "nccl-version", "refuse")
+    text = ok(run("history", "n05")).stdout
+    assert "(first seen)" in text and "2.18.3" in text and "gpu.driver_version" in text
+
+
+def test_history_since(run: Run) -> None:
+    all_hosts = js(run("history", "--json"))["changes"]
+    assert len(all_hosts) == 16 + 2
+    recent = js(run("history", "n05", "--since", "2h", "--json"))["changes"]
+    assert len(recent) == 1 and not recent[0]["first"]
+    iso = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - 1.5 * 86400))
+    assert len(js(run("history", "n05", "--since", iso, "--json"))["changes"]) == 2
+    rows = list(csv.DictReader(io.StringIO(ok(run("history", "n05", "--csv")).stdout)))
+    assert any(r["field"] == "gpu.driver_version" for r in rows)
+
+
+def test_history_errors(run: Run) -> None:
+    r = ok(run("history", "--since", "yesterday"), 3)
+    assert "yesterday" in r.stderr and "7d" in r.stderr
+    assert "n99" in ok(run("history", "n99"), 3).stderr
+
+
+@pytest.mark.parametrize(
+    ("text", "ago"),
+    [("7d", 7 * 86400), ("2h", 7200), ("30m", 1800), ("45s", 45), ("1w", 7 * 86400),
+     ("1.5h", 5400)],
+)
+def test_parse_since_relative(text: str, ago: float) -> None:
+    assert parse_since(text, now=1000000.0) == 1000000.0 - ago
+
+
+def test_parse_since_absolute() -> None:
+    assert parse_since("2026-11-30") == parse_since("2026-11-30T00:00:00Z")
+    assert parse_since("2026-11-30T02:00:00+02:00") == parse_since("2026-11-30T00:00:00Z")
+    assert parse_since("@1700000000") == 1700000000.0
+
+
+# --------------------------------------------------------------------------- decisions
+
+
+def test_decisions(run: Run, env: tuple[Path, Path]) -> None:
+    path = env[1].parent / "audit.jsonl"
+    now = time.time()
+    audit.append(path, {**audit.now_fields(now - 7200), "job": 11, "partition": "gpu",
+                        "nodes": "n[01-02]", "decision": "accept", "action": "none",
+                        "summary": "ncclguard: accept: 2 nodes compatible"})
+    audit.append(path, {**audit.now_fields(now - 60), "job": 12, "partition": "gpu",
+                        "nodes": "n[01,14]", "decision": "refuse", "action": "steer",
+                        "summary": "ncclguard: refuse, odd n14: nccl-version"})
+    doc = js(run("decisions", "--json"))
+    assert [d["job"] for d in doc["decisions"]] == [11, 12]
+    assert [d["job"] for d in js(run("decisions", "--refused", "--json"))["decisions"]] == [12]
+    assert [d["job"] for d in js(run("decisions", "--job", "11", "--json"))["decisions"]] == [11]
+    assert [d["job"] for d in js(run("decisions", "--since", "1h", "--json"))["decisions"]] == [12]
+    text = ok(run("decisions")).stdout
+    rows = table_rows(text)
+    assert any("refuse" in r and "n[01,14]" in r and "steer" in r for r in rows.values())
+    rows = list(csv.DictReader(io.StringIO(ok(run("decisions", "--csv")).stdout)))
+    assert [(r["job"], r["decision"]) for r in rows] == [("11", "accept"), ("12", "refuse")]
+    assert "--job" in ok(run("decisions", "--job", "x1"), 3).stderr
