@@ -43,6 +43,7 @@ class Pattern:
     regex: re.Pattern[bytes]
     value: str | None  # template over the named groups; None: evidence only
     text: str  # the regex as written
+    weak: bool = False  # a host's weak value is dropped when it also has a strong one
 
     def render(self, m: re.Match[bytes]) -> str | None:
         if self.value is None:
@@ -223,13 +224,19 @@ def _patterns(raw: Any, where: str) -> tuple[Pattern, ...]:
     out = []
     for j, item in enumerate(raw, 1):
         pw = f"{where}: patterns[{j}]"
+        weak = False
         if isinstance(item, str):
             text, value = item, None
         elif isinstance(item, dict):
-            extra = set(item) - {"regex", "value"}
+            extra = set(item) - {"regex", "value", "weak"}
             if extra:
-                raise CatalogError(f"{pw}: unknown key(s) {sorted(extra)} (known: regex, value)")
+                raise CatalogError(
+                    f"{pw}: unknown key(s) {sorted(extra)} (known: regex, value, weak)"
+                )
             text, value = item.get("regex"), item.get("value")
+            weak = item.get("weak", False)
+            if not isinstance(weak, bool):
+                raise CatalogError(f"{pw}: weak = {weak!r}: expected true or false")
             if not isinstance(text, str):
                 raise CatalogError(f"{pw}: regex is required (a string)")
             if value is not None and not isinstance(value, str):
@@ -257,5 +264,5 @@ def _patterns(raw: Any, where: str) -> tuple[Pattern, ...]:
                     f"{pw}: value {value!r} uses {missing}, not named groups of the regex "
                     f"(named groups: {sorted(rx.groupindex) or 'none'})"
                 )
-        out.append(Pattern(rx, value, text))
+        out.append(Pattern(rx, value, text, weak))
     return tuple(out)

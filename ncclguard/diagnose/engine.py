@@ -84,6 +84,7 @@ class _SigState:
     samples: list[_Raw] = field(default_factory=list)
     values: dict[str, dict[str | None, _Raw]] = field(default_factory=dict)
     printers: dict[str | None, _Raw] = field(default_factory=dict)  # host → first line
+    weak: set[str] = field(default_factory=set)  # values from weak patterns
 
 
 @dataclass
@@ -180,6 +181,8 @@ class Scanner:
                 value = pat.render(pm)
                 if value is not None:
                     st.values.setdefault(value, {}).setdefault(key, rec)
+                    if pat.weak:
+                        st.weak.add(value)
         self.lines += reader.lines
         self.bytes += reader.bytes_read
         self.long_lines += reader.truncated_lines
@@ -249,12 +252,13 @@ class Diagnosis:
     values: dict[str, list[str]] = field(default_factory=dict)  # differs: value → hosts
     score: int = 0
     inventory: str | None = None  # what the inventory says about it
+    all_hosts: list[str] = field(default_factory=list)  # every host seen in the logs
     confirmed: bool | None = None  # by a policy finding (None: no inventory / no rules)
 
     @property
     def confirm_command(self) -> str:
         odd = self.odd_nodes[0] if self.odd_nodes else None
-        others = [h for h in self.hosts if h not in self.odd_nodes]
+        others = [h for h in (self.all_hosts or self.hosts) if h not in self.odd_nodes]
         if odd and others:
             return f"ncclguard diff {odd} {others[0]}"
         if odd:
@@ -298,6 +302,9 @@ def diagnose(ev: LogEvidence, catalog: Catalog) -> list[Diagnosis]:
         d = _differs(sig, st, ev) if sig.kind == "differs" else _line(sig, st, ev)
         if d is not None:
             out.append(d)
+    for d in out:
+        d.all_hosts = list(ev.hosts)
+    _borrow_odd_nodes(out)
     out.sort(
         key=lambda d: (
             -d.score,
@@ -306,6 +313,21 @@ def diagnose(ev: LogEvidence, catalog: Catalog) -> list[Diagnosis]:
         )
     )
     return out
+
+
+def _borrow_odd_nodes(diags: list[Diagnosis]) -> None:
+    """A line signature that cannot name the odd nodes (``odd = "none"``) takes them from
+    another diagnosis on the same policy rules that can (the banners, the networks)."""
+    for d in diags:
+        if d.odd_nodes or not d.signature.rules:
+            continue
+        for other in sorted(diags, key=lambda o: -o.score):
+            if other is d or not other.odd_nodes:
+                continue
+            if set(other.signature.rules) & set(d.signature.rules):
+                d.odd_nodes = list(other.odd_nodes)
+                d.summary += f" Odd nodes from {other.signature.id}: {compress(d.odd_nodes)}."
+                break
 
 
 def _resolved_hosts(
@@ -391,6 +413,7 @@ def _differs(sig: Signature, st: _SigState, ev: LogEvidence) -> Diagnosis | None
                 continue
             per_host.setdefault(h, set()).add(value)
             first.setdefault((h, value), rec)
+    per_host = _drop_weak(per_host, st.weak)
     host_value = {h: " + ".join(sorted(vs)) for h, vs in per_host.items()}
     groups: dict[str, list[str]] = {}
     for h, v in sorted(host_value.items()):
@@ -442,6 +465,17 @@ def host_values(ev: LogEvidence, sig_id: str) -> dict[str, set[str]]:
             h = res(key)
             if h is not None:
                 out.setdefault(h, set()).add(value)
+    return _drop_weak(out, st.weak)
+
+
+def _drop_weak(per_host: dict[str, set[str]], weak: set[str]) -> dict[str, set[str]]:
+    """A host's weak values go when it also printed a strong one."""
+    if not weak:
+        return per_host
+    out = {}
+    for h, vs in per_host.items():
+        strong = vs - weak
+        out[h] = strong or vs
     return out
 
 
