@@ -9,6 +9,8 @@ difference. Standard library only: the prolog's hot path.
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "ABSENT",
     "default_libnccl",
@@ -21,20 +23,55 @@ __all__ = [
 
 ABSENT = "none"
 
+#: fingerprint part -> the probe that fills it (inventoryd/probes, inventoryd/collect.py)
+PROBES = {
+    "libnccl": "nccl",
+    "plugins": "plugins",
+    "net": "plugins",
+    "rdma": "rdma",
+    "netifs": "netifs",
+    "nccl_conf": "nccl_conf",
+    "gpu": "gpu",
+}
 
-def errored(fp: dict, prefix: str) -> bool:
-    """Whether ``errors`` holds an entry for the field ``prefix`` or a field below it."""
+
+def errored(fp: dict, prefix: str, exact: bool = False) -> bool:
+    """Whether ``errors`` holds an entry for the field ``prefix`` (or, unless ``exact``,
+    a field below it)."""
     for e in fp.get("errors") or ():
         f = e.get("field") or ""
-        if f == prefix or f.startswith((prefix + ".", prefix + "[")):
+        if f == prefix or (not exact and f.startswith((prefix + ".", prefix + "["))):
             return True
     return False
+
+
+def part(fp: dict, key: str) -> Any:
+    """``fp[key]``, or ``None`` when the probe that fills it failed as a whole.
+
+    ``collect()`` replaces a failed probe's part by its empty value and records an
+    error whose field is the probe's name; that empty value is unknown, not absent.
+    """
+    value = fp.get(key)
+    probe = PROBES.get(key)
+    if value is not None and probe is not None:
+        for e in fp.get("errors") or ():
+            if e.get("field") == probe and e.get("probe") == probe:
+                return None
+    return value
+
+
+def probe_errors(fp: dict, probe: str, ignore: tuple[str, ...] = ()) -> bool:
+    """Whether the probe ``probe`` recorded any error outside the fields ``ignore``."""
+    return any(
+        e.get("probe") == probe and (e.get("field") or "") not in ignore
+        for e in fp.get("errors") or ()
+    )
 
 
 def nccl_settings(fp: dict) -> dict[str, str] | None:
     """The settings of ``/etc/nccl.conf`` as NCCL parses them: ``{}`` when there is no
     file, ``None`` when the file or the section could not be read."""
-    conf = fp.get("nccl_conf")
+    conf = part(fp, "nccl_conf")
     if conf is None:
         return None
     if conf.get("present") is False:
@@ -52,12 +89,16 @@ def default_libnccl(fp: dict) -> dict | None:
 
 
 def nccl_version(fp: dict) -> str | None:
-    """The default libnccl's full version; ``"none"`` if the node has none; ``None``: unknown."""
-    if fp.get("libnccl") is None:
+    """The default libnccl's full version; ``"none"`` if the node has none; ``None``: unknown.
+
+    With no default library, any error of the nccl probe (an unreadable library, ld.so
+    cache or directory) makes it unknown: the missing one may be the default.
+    """
+    if part(fp, "libnccl") is None:
         return None
     lib = default_libnccl(fp)
     if lib is None:
-        return ABSENT
+        return None if probe_errors(fp, "nccl", ignore=("libnccl.version",)) else ABSENT
     return lib.get("version")
 
 
@@ -69,20 +110,20 @@ def net_plugin(fp: dict) -> tuple[str, int] | None:
     the highest N in both sets (nccl-facts, "Plugins NCCL loads"); the probe's
     ``net.effective_net_abi`` is used only when the ABI lists are missing.
     """
-    plugins = fp.get("plugins")
-    net = fp.get("net")
-    if plugins is None and net is None:
+    plugins = part(fp, "plugins")
+    net = part(fp, "net")
+    if plugins is None or net is None:
         return None
     entry = None
-    for p in plugins or ():
+    for p in plugins:
         if p.get("kind") == "net" and p.get("default"):
             entry = p
             break
     if entry is None:
         path = net.get("plugin") if isinstance(net, dict) else None
         if path is None:
-            if plugins is None or errored(fp, "net.plugin"):
-                return None
+            if errored(fp, "plugins", exact=True) or errored(fp, "plugins.net"):
+                return None  # the default plugin may be the one that could not be read
             return (ABSENT, 0)
         entry = {"path": path}
     if entry.get("error"):
@@ -93,11 +134,12 @@ def net_plugin(fp: dict) -> tuple[str, int] | None:
         path = entry.get("path") or ""
         name = path.rsplit("/", 1)[-1] or "?"
     plugin_abis = (entry.get("abis") or {}).get("net")
+    version = nccl_version(fp)
+    if version == ABSENT:
+        return (name, 0)  # no libnccl: nothing loads the plugin
     lib = default_libnccl(fp)
-    lib_abis = (lib.get("abis") or {}).get("net") if lib is not None else []
-    if fp.get("libnccl") is None:
-        lib_abis = None
-    if plugin_abis is None or lib_abis is None:
+    lib_abis = (lib.get("abis") or {}).get("net") if lib is not None and version else None
+    if plugin_abis is None or not lib_abis:  # a library naming no ABI: unknown (a stub)
         abi = net.get("effective_net_abi") if isinstance(net, dict) else None
         if abi is None:
             return None

@@ -19,7 +19,7 @@ Standard library only: this module is on the prolog's hot path.
 
 from __future__ import annotations
 
-from prolog.fields import errored, nccl_settings, net_plugin_state
+from prolog.fields import errored, nccl_settings, net_plugin_state, part
 
 __all__ = [
     "effective_transport",
@@ -121,6 +121,49 @@ def parse_ib_disable(value: str | None) -> bool:
         return False
 
 
+def _selected_ports(
+    fp: dict, settings: dict[str, str]
+) -> list[tuple[str, dict, bool | None, str | None]] | None:
+    """``(device, port, active, kind)`` of every port that ``NCCL_IB_HCA`` selects.
+
+    ``active`` is ``None`` when the state is unreadable; ``kind`` is ``"IB"``, ``"RoCE"``,
+    ``""`` (another link layer: NCCL skips it) or ``None`` (unreadable). A device whose
+    port list is unreadable gives one entry with an empty port, both unknown. ``None``:
+    the device list itself is unknown.
+    """
+    rdma = part(fp, "rdma")
+    devices = rdma.get("devices") if isinstance(rdma, dict) else None
+    if devices is None or errored(fp, "rdma.devices", exact=True):
+        return None
+    spec = parse_if_list(settings.get("NCCL_IB_HCA"))
+    out: list[tuple[str, dict, bool | None, str | None]] = []
+    for dev in devices:
+        name = dev.get("name")
+        if not isinstance(name, str):
+            return None
+        field = f"rdma.devices.{name}"
+        ports = dev.get("ports")
+        if ports is None or errored(fp, field, exact=True) or errored(fp, field + ".ports", True):
+            if hca_matches(spec, name, -1):
+                out.append((name, {}, None, None))
+            continue
+        for p in ports:
+            num = p.get("port")
+            if not hca_matches(spec, name, num if isinstance(num, int) else -1):
+                continue
+            pfield = f"{field}.ports.{num}"
+            state, code = p.get("state"), p.get("state_code")
+            active: bool | None = state == "ACTIVE" or code == 4
+            if (state is None and code is None) or errored(fp, pfield + ".state"):
+                active = None
+            ll = p.get("link_layer")
+            kind = None if ll is None or errored(fp, pfield + ".link_layer") else (
+                _LINK_LAYERS.get(ll, "")
+            )
+            out.append((name, p, active, kind))
+    return out
+
+
 def nccl_ib_ports(fp: dict, settings: dict[str, str] | None = None) -> list[dict] | None:
     """The RDMA ports NCCL's IB transport would use, each with ``"device"`` added.
 
@@ -131,36 +174,15 @@ def nccl_ib_ports(fp: dict, settings: dict[str, str] | None = None) -> list[dict
         settings = nccl_settings(fp)
         if settings is None:
             return None
-    rdma = fp.get("rdma")
-    devices = rdma.get("devices") if isinstance(rdma, dict) else None
-    if devices is None:
+    selected = _selected_ports(fp, settings)
+    if selected is None:
         return None
-    spec = parse_if_list(settings.get("NCCL_IB_HCA"))
     used: list[dict] = []
-    for dev in devices:
-        name = dev.get("name")
-        if not isinstance(name, str):
+    for name, p, active, kind in selected:
+        if active is None or (active and kind is None):
             return None
-        ports = dev.get("ports")
-        if ports is None:
-            if hca_matches(spec, name, -1):
-                return None
-            continue
-        for p in ports:
-            num = p.get("port")
-            if not hca_matches(spec, name, num if isinstance(num, int) else -1):
-                continue
-            state = p.get("state")
-            code = p.get("state_code")
-            if state is None and code is None:
-                return None
-            if not (state == "ACTIVE" or code == 4):
-                continue
-            ll = p.get("link_layer")
-            if ll is None:
-                return None
-            if ll in _LINK_LAYERS:
-                used.append({**p, "device": name})
+        if active and kind:
+            used.append({**p, "device": name})
     return used
 
 
@@ -170,37 +192,16 @@ def _ib_result(fp: dict, settings: dict[str, str]) -> str | None:
     Ports whose state or link layer is unknown make the result unknown only if they
     could add a link layer that the known ports don't already give.
     """
-    rdma = fp.get("rdma")
-    devices = rdma.get("devices") if isinstance(rdma, dict) else None
-    if devices is None:
+    selected = _selected_ports(fp, settings)
+    if selected is None:
         return None
-    spec = parse_if_list(settings.get("NCCL_IB_HCA"))
     sure: set[str] = set()
     maybe: set[str] = set()
-    for dev in devices:
-        name = dev.get("name")
-        ports = dev.get("ports")
-        if not isinstance(name, str) or ports is None:
-            if not isinstance(name, str) or hca_matches(spec, name, -1):
-                maybe.update(_LINK_LAYERS.values())
+    for _, _, active, kind in selected:
+        if active is False or kind == "":
             continue
-        for p in ports:
-            num = p.get("port")
-            if not hca_matches(spec, name, num if isinstance(num, int) else -1):
-                continue
-            state, code = p.get("state"), p.get("state_code")
-            unreadable = state is None and code is None
-            active = None if unreadable else (state == "ACTIVE" or code == 4)
-            if active is False:
-                continue
-            ll = p.get("link_layer")
-            kinds = set(_LINK_LAYERS.values()) if ll is None else {_LINK_LAYERS.get(ll)} - {None}
-            if not kinds:
-                continue
-            if active and ll is not None:
-                sure.update(kinds)  # type: ignore[arg-type]
-            else:
-                maybe.update(kinds)  # type: ignore[arg-type]
+        kinds = {IB, ROCE} if kind is None else {kind}
+        (sure if active and kind is not None else maybe).update(kinds)
     if not maybe <= sure:
         return None
     if not sure:
@@ -209,7 +210,7 @@ def _ib_result(fp: dict, settings: dict[str, str]) -> str | None:
 
 
 def _has_ip_interface(fp: dict, settings: dict[str, str]) -> bool | None:
-    netifs = fp.get("netifs")
+    netifs = part(fp, "netifs")
     if netifs is None:
         return None
     spec = parse_if_list(settings.get("NCCL_SOCKET_IFNAME"))
@@ -250,7 +251,9 @@ def effective_transport(fp: dict) -> str | None:
     fallback = unavailable if wanted == "ib" else SOCKET
     if parse_ib_disable(settings.get("NCCL_IB_DISABLE")):
         return fallback
-    rdma = fp.get("rdma")
+    rdma = part(fp, "rdma")
+    if rdma is None:
+        return None
     if isinstance(rdma, dict) and "libibverbs" in rdma and rdma["libibverbs"] is None:
         if errored(fp, "rdma.libibverbs"):
             return None
