@@ -178,6 +178,38 @@ def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]
     yield d
 
 
+def run_ldconfig(root: Path) -> Path:
+    """Let the real ``ldconfig -r root`` build ``<root>/etc/ld.so.cache`` (and soname links)
+    from ``<root>/etc/ld.so.conf``; returns the cache path."""
+    exe = shutil.which("ldconfig") or "/sbin/ldconfig"
+    if not Path(exe).exists():
+        pytest.skip("ldconfig is not installed")
+    (root / "etc").mkdir(parents=True, exist_ok=True)
+    conf = root / "etc" / "ld.so.conf"
+    if not conf.exists():
+        conf.write_text("")
+    r = subprocess.run([exe, "-r", str(root)], capture_output=True, text=True, timeout=120)
+    cache = root / "etc" / "ld.so.cache"
+    if r.returncode != 0 or not cache.is_file():
+        raise AssertionError(f"ldconfig -r {root} failed: {r.stderr}")
+    return cache
+
+
+def build_shared_lib(out: Path, soname: str | None = None, body: str = "int x = 1;\n") -> Path:
+    """A tiny real shared object (gcc), optionally with a SONAME."""
+    if shutil.which("gcc") is None:
+        pytest.skip("gcc is not installed")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    src = out.with_name(out.name + ".c")
+    src.write_text(body)
+    cmd = ["gcc", "-shared", "-fPIC", "-o", str(out), str(src)]
+    if soname:
+        cmd.insert(1, f"-Wl,-soname,{soname}")
+    subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+    src.unlink()
+    return out
+
+
 # The Slurm fixtures live in their own module (another engineer's); re-exported here so
 # that every test module sees them.
 from conftest_slurm import cluster, slurm_cluster  # noqa: E402, F401

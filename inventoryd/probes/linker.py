@@ -208,8 +208,11 @@ def _is_magic(part: str) -> bool:
 
 
 def _lexists(fs: NodeFS, node_path: str) -> bool:
+    """The path's last component exists (a dangling or looping link counts), its parent
+    directory resolved inside the root."""
+    parent, _, name = node_path.rpartition("/")
     try:
-        os.lstat(fs.host(node_path))
+        os.lstat(fs.host(_join(resolve(fs, parent or "/"), name)))
         return True
     except (OSError, ValueError):
         return False

@@ -1,0 +1,82 @@
+"""One node's fingerprint (docs/fingerprint.md): every probe, run once, in one value.
+
+``collect(root, hostname, config)`` never raises for what it finds on the node: a probe
+that fails outright (a bug, an unexpected file) costs that probe's part, which becomes
+its empty value, and an entry in ``errors`` naming the probe and the cause. File-only
+results are kept in the :class:`~inventoryd.filecache.FileCache` between runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from inventoryd.filecache import FileCache
+from inventoryd.nodefs import ErrorLog, NodeFS
+from inventoryd.probes import gpu, host, nccl, ncclconf, netifs, plugins, rdma
+from ncclguard.config import InventorydConfig
+
+SCHEMA = 1
+T = TypeVar("T")
+
+
+def _run(errors: ErrorLog, name: str, fn: Callable[[], T], empty: T) -> T:
+    try:
+        return fn()
+    except Exception as e:  # one broken probe must not cost the node's whole record
+        errors.add(name, name, None, f"probe failed: {type(e).__name__}: {e}")
+        return empty
+
+
+def _empty_conf() -> dict[str, Any]:
+    return {"path": ncclconf.PATH, "present": False, "sha256": None, "raw": None,
+            "truncated": False, "settings": {}}
+
+
+def _empty_net() -> dict[str, Any]:
+    return {"libnccl": None, "plugin": None, "effective_net_abi": None,
+            "reason": "the plugin probe failed"}
+
+
+def collect(
+    root: str = "/",
+    hostname: str | None = None,
+    config: InventorydConfig | None = None,
+    cache: FileCache | None = None,
+) -> dict[str, Any]:
+    """The fingerprint of the node whose files are under ``root``."""
+    config = config or InventorydConfig()
+    fs = NodeFS(root)
+    errors = ErrorLog()
+    if cache is None:
+        cache = FileCache.open(config)
+    host_ = _run(errors, host.PROBE, lambda: host.probe(fs, errors, hostname),
+                 {"hostname": hostname, "kernel": None, "boot_id": None,
+                  "collected_at": host.utc_now(), "tool_version": None})
+    libnccl = _run(errors, nccl.PROBE, lambda: nccl.probe(fs, errors, config, cache), [])
+    conf = _run(errors, ncclconf.PROBE, lambda: ncclconf.probe(fs, errors), _empty_conf())
+    settings = conf.get("settings") or {}
+    plugins_, net = _run(
+        errors, plugins.PROBE,
+        lambda: plugins.probe(fs, errors, config, settings, libnccl, cache),
+        ([], _empty_net()),
+    )
+    rdma_ = _run(errors, rdma.PROBE, lambda: rdma.probe(fs, errors),
+                 {"abi_version": {"verbs": None, "mad": None}, "libibverbs": None,
+                  "providers": [], "devices": []})
+    netifs_ = _run(errors, netifs.PROBE, lambda: netifs.probe(fs, errors), [])
+    gpu_ = _run(errors, gpu.PROBE, lambda: gpu.probe(fs, errors),
+                {"driver_version": None, "count": 0, "models": [], "peermem": None})
+    cache.save()
+    return {
+        "schema": SCHEMA,
+        "host": host_,
+        "libnccl": libnccl,
+        "plugins": plugins_,
+        "net": net,
+        "rdma": rdma_,
+        "netifs": netifs_,
+        "nccl_conf": conf,
+        "gpu": gpu_,
+        "errors": errors.entries,
+    }
