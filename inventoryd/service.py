@@ -1,0 +1,295 @@
+"""``ncclguard-inventoryd run``: keep this node's record in the inventory current.
+
+Each cycle collects the fingerprint, writes it when it changed (or as a heartbeat when
+``heartbeat_s`` has passed), refreshes the textfile metrics, and sleeps ``interval_s``
+with jitter. ``SIGTERM``/``SIGINT`` stop it between two cycles; ``SIGHUP`` reloads the
+config. It tells systemd when it is ready and pets the watchdog while it sleeps.
+
+When the inventory cannot be written (a missing mount, a lock held past the budget, a
+read-only or full filesystem) it keeps collecting, logs once per change of state, and
+retries every cycle (at most every ``RETRY_S``) until a write succeeds. Every write is
+one transaction, so a fingerprint is never half-written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+import select
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+from inventoryd.sdnotify import Notifier
+from ncclguard import config as configmod
+from ncclguard.store import Inventory, InventoryError
+
+RETRY_S = 10.0  # after a failed write, try again this soon (or at interval_s if shorter)
+Collector = Callable[[str, str | None, configmod.InventorydConfig], dict[str, Any]]
+
+log = logging.getLogger("ncclguard.inventoryd")
+
+
+def _setup_logging() -> None:
+    if log.handlers:
+        return
+    h = logging.StreamHandler(sys.stderr)  # journald keeps the unit's stderr
+    h.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    log.addHandler(h)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+
+def _short_hostname() -> str:
+    return socket.gethostname().split(".")[0]
+
+
+def _host(fp: dict[str, Any], fallback: str) -> str:
+    h = fp.get("host") if isinstance(fp, dict) else None
+    name = h.get("hostname") if isinstance(h, dict) else None
+    return name if isinstance(name, str) and name else fallback
+
+
+def _inventory(cfg: configmod.Config) -> Inventory:
+    return Inventory(config=cfg.inventory, heartbeat_s=cfg.inventoryd.heartbeat_s)
+
+
+def store_once(fp: dict[str, Any], cfg: configmod.Config) -> int:
+    """Write one fingerprint (``once --store``). 0 on success, 1 with a message otherwise."""
+    host = _host(fp, _short_hostname())
+    try:
+        with _inventory(cfg) as inv:
+            status = inv.upsert(fp)
+            where = inv.path
+    except InventoryError as e:
+        print(f"ncclguard-inventoryd: {host}: {e}", file=sys.stderr)
+        return 1
+    except ValueError as e:
+        print(f"ncclguard-inventoryd: {host}: not stored: {e}", file=sys.stderr)
+        return 1
+    print(f"ncclguard-inventoryd: {host}: {status} in {where}", file=sys.stderr)
+    return 0
+
+
+def _default_collector() -> Collector:
+    from inventoryd.collect import collect
+
+    cache: Any = None
+    with contextlib.suppress(Exception):
+        from inventoryd.filecache import FileCache
+
+        cache = FileCache.open  # opened per config, kept across cycles
+
+    caches: dict[int, Any] = {}
+
+    def run(root: str, hostname: str | None, config: configmod.InventorydConfig) -> dict[str, Any]:
+        c = None
+        if cache is not None:
+            c = caches.get(id(config))
+            if c is None:
+                caches.clear()
+                c = caches[id(config)] = cache(config)
+        return collect(root=root, hostname=hostname, config=config, cache=c)
+
+    return run
+
+
+class Daemon:
+    """The state of one ``run``: the config, the store's state, what was last written."""
+
+    def __init__(
+        self,
+        root: str,
+        hostname: str | None,
+        config_path: str | None,
+        config: configmod.Config,
+        collector: Collector,
+        notifier: Notifier,
+    ) -> None:
+        self.root = root
+        self.hostname = hostname
+        self.config_path = config_path
+        self.cfg = config
+        self.collect = collector
+        self.notifier = notifier
+        self.node = hostname or _short_hostname()
+        self.store_state: str | None = None  # "ok", or the class of the last failure
+        self.collect_state: str | None = None
+        self.last_change: float | None = None
+        self.last_write: float | None = None
+        self.stop = False
+        self.reload = False
+        self.cycles = 0
+
+    # ---- signals
+
+    def on_signal(self, signum: int, _frame: FrameType | None) -> None:
+        if signum == signal.SIGHUP:
+            self.reload = True
+        else:
+            self.stop = True
+
+    def do_reload(self) -> None:
+        self.reload = False
+        self.notifier.reloading()
+        try:
+            new = configmod.load(self.config_path)
+        except configmod.ConfigError as e:
+            log.error("%s: config not reloaded, keeping the previous one: %s", self.node, e)
+        else:
+            if os.environ.get("NCCLGUARD_DB") is None and new.inventory.db_path() != \
+                    self.cfg.inventory.db_path():
+                self.store_state = None  # a new inventory: report its state afresh
+            self.cfg = new
+            log.info("%s: config reloaded from %s", self.node, new.source)
+        self.notifier.ready(f"config reloaded from {self.cfg.source}")
+
+    # ---- one cycle
+
+    def _set_store_state(self, state: str, message: str, *, error: bool) -> None:
+        if state != self.store_state:
+            (log.error if error else log.info)("%s: %s", self.node, message)
+            self.store_state = state
+
+    def cycle(self) -> bool:
+        """Collect and store once. True when the inventory is up to date."""
+        self.cycles += 1
+        try:
+            fp = self.collect(self.root, self.hostname, self.cfg.inventoryd)
+        except Exception as e:  # a probe bug must not stop the node's daemon
+            state = f"{type(e).__name__}: {e}"
+            if state != self.collect_state:
+                log.error("%s: collection failed: %s", self.node, state)
+                self.collect_state = state
+            return False
+        if self.collect_state is not None:
+            log.info("%s: collection works again", self.node)
+            self.collect_state = None
+        self.node = _host(fp, self.node)
+        ok = self._store(fp)
+        self._metrics(fp)
+        return ok
+
+    def _store(self, fp: dict[str, Any]) -> bool:
+        now = time.time()
+        try:
+            with _inventory(self.cfg) as inv:
+                status = inv.upsert(fp, now=now)
+                if self.last_change is None and status not in ("inserted", "changed"):
+                    hist = inv.history(self.node)
+                    self.last_change = hist[-1]["at"] if hist else None
+                where = inv.path
+        except InventoryError as e:
+            self._set_store_state(
+                type(e).__name__,
+                f"inventory unavailable, collecting on and retrying: {e}",
+                error=True,
+            )
+            return False
+        except ValueError as e:
+            self._set_store_state("invalid", f"fingerprint not stored: {e}", error=True)
+            return False
+        if status != "unchanged":
+            self.last_write = now
+        if status in ("inserted", "changed"):
+            self.last_change = now
+            log.info("%s: fingerprint %s in %s", self.node, status, where)
+        was = self.store_state
+        self._set_store_state(
+            "ok",
+            f"inventory at {where} is writable again ({status})" if was not in (None, "ok")
+            else f"inventory at {where}: {status}",
+            error=False,
+        )
+        return True
+
+    def _metrics(self, fp: dict[str, Any]) -> None:
+        d = self.cfg.inventoryd.textfile_dir
+        if not d:
+            return
+        from inventoryd.metrics import write_textfile
+
+        try:
+            write_textfile(d, fp, last_change=self.last_change,
+                           store_ok=self.store_state == "ok", last_write=self.last_write)
+        except OSError as e:
+            state = f"metrics:{e.errno}"
+            if state != self.collect_state:
+                log.error("%s: cannot write metrics to %s: %s", self.node, d, e.strerror or e)
+                self.collect_state = state
+
+    def delay(self, ok: bool) -> float:
+        c = self.cfg.inventoryd
+        d = c.interval_s * (1 + random.uniform(-c.jitter, c.jitter))
+        return d if ok else min(d, RETRY_S)
+
+
+def _sleep(daemon: Daemon, seconds: float, wake_fd: int) -> None:
+    """Sleep, petting the watchdog, until the time is up or a signal arrives."""
+    end = time.monotonic() + seconds
+    ping = daemon.notifier.ping_interval()
+    while not (daemon.stop or daemon.reload):
+        left = end - time.monotonic()
+        if left <= 0:
+            return
+        step = min(left, ping) if ping else left
+        ready, _, _ = select.select([wake_fd], [], [], step)
+        if ready:
+            with contextlib.suppress(BlockingIOError):
+                os.read(wake_fd, 512)
+        daemon.notifier.watchdog()
+
+
+def run(
+    root: str,
+    hostname: str | None,
+    config_path: str | None,
+    config: configmod.Config,
+    *,
+    collector: Collector | None = None,
+    notifier: Notifier | None = None,
+    max_cycles: int | None = None,
+) -> int:
+    """The service loop. Returns 0 after SIGTERM/SIGINT (or ``max_cycles``)."""
+    _setup_logging()
+    daemon = Daemon(root, hostname, config_path, config, collector or _default_collector(),
+                    notifier or Notifier())
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    os.set_blocking(w, False)
+    old_fd = signal.set_wakeup_fd(w)
+    old = {s: signal.signal(s, daemon.on_signal)
+           for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    try:
+        log.info("%s: started (config %s, inventory %s)", daemon.node, config.source,
+                 config.inventory.db_path())
+        daemon.notifier.ready("collecting")
+        last_status: str | None = None
+        while not daemon.stop:
+            if daemon.reload:
+                daemon.do_reload()
+            ok = daemon.cycle()
+            daemon.notifier.watchdog()
+            status = f"inventory {daemon.store_state or 'unknown'}"
+            if status != last_status:  # only on a change: the manager's queue is short
+                last_status = status if daemon.notifier.status(status) else None
+            if max_cycles is not None and daemon.cycles >= max_cycles:
+                break
+            if daemon.stop:
+                break
+            _sleep(daemon, daemon.delay(ok), r)
+        daemon.notifier.stopping()
+        log.info("%s: stopped", daemon.node)
+        return 0
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        signal.set_wakeup_fd(old_fd)
+        os.close(r)
+        os.close(w)

@@ -1,0 +1,303 @@
+"""inventoryd's service loop: the notify protocol on a real AF_UNIX datagram socket,
+signals to a real child process, an unreachable store, the textfile metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from test_store import make_fp
+
+from inventoryd import service
+from inventoryd.metrics import write_textfile
+from inventoryd.sdnotify import Notifier
+from ncclguard import config as configmod
+from ncclguard.store import Inventory, InventoryMissing
+
+REPO = Path(__file__).resolve().parents[1]
+
+# The daemon's loop, run in a real child process; the fingerprint comes from a file the
+# test edits, in place of the probes (which have their own tests).
+_DRIVER = r"""
+import json, sys
+from inventoryd import service
+from ncclguard import config
+path = sys.argv[1]
+cfg = config.load(sys.argv[2])
+def collect(root, hostname, conf):
+    with open(path) as f:
+        return json.load(f)
+sys.exit(service.run("/", None, sys.argv[2], cfg, collector=collect))
+"""
+
+
+class Listener:
+    """A real AF_UNIX datagram socket, drained by a thread as systemd's manager would."""
+
+    def __init__(self, addr: str) -> None:
+        self.addr = addr
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(addr)
+        self.sock.settimeout(0.1)
+        self.messages: list[str] = []
+        self.closed = False
+        self.thread = threading.Thread(target=self._drain, daemon=True)
+        self.thread.start()
+
+    def _drain(self) -> None:
+        while not self.closed:
+            try:
+                self.messages.append(self.sock.recv(4096).decode())
+            except (TimeoutError, OSError):
+                continue
+
+    def wait_for(self, line: str, timeout: float = 10) -> None:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if any(line in m.split("\n") for m in list(self.messages)):
+                return
+            time.sleep(0.02)
+        raise AssertionError(f"no {line!r} in {self.messages[-20:]!r}")
+
+    def close(self) -> None:
+        self.closed = True
+        self.thread.join(2)
+        self.sock.close()
+
+
+@pytest.fixture
+def listener(tmp_path: Path) -> Iterator[Listener]:
+    lst = Listener(str(tmp_path / "notify.sock"))
+    yield lst
+    lst.close()
+
+
+@pytest.fixture
+def notify_sock(tmp_path: Path) -> Iterator[tuple[socket.socket, str]]:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    addr = str(tmp_path / "notify.sock")
+    s.bind(addr)
+    s.settimeout(10)
+    yield s, addr
+    s.close()
+
+
+def _wait(cond: object, timeout: float = 10) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():  # type: ignore[operator]
+            return
+        time.sleep(0.05)
+    raise AssertionError("condition not met in time")
+
+
+def _has(db: Path, host: str) -> bool:
+    try:
+        with Inventory(db, readonly=True) as inv:
+            return inv.load([host])[host] is not None
+    except InventoryMissing:
+        return False
+
+
+def _config(path: Path, db: Path, textfile: Path | None, interval: float = 0.2) -> Path:
+    lines = [
+        "[inventory]", f'db = "{db}"', "busy_timeout_ms = 200", "write_retries = 2",
+        "[inventoryd]", f"interval_s = {interval}", "jitter = 0.1", "heartbeat_s = 0.5",
+    ]
+    if textfile is not None:
+        lines.append(f'textfile_dir = "{textfile}"')
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+# ---- the notify protocol
+
+
+def test_notifier_sends_datagrams_to_a_path_socket(notify_sock: tuple[socket.socket, str]) -> None:
+    s, addr = notify_sock
+    n = Notifier({"NOTIFY_SOCKET": addr, "WATCHDOG_USEC": "3000000"})
+    assert n.ready("collecting")
+    msg = s.recv(4096).decode().split("\n")
+    assert msg[0] == "READY=1" and f"MAINPID={os.getpid()}" in msg and "STATUS=collecting" in msg
+    assert n.watchdog() and s.recv(4096) == b"WATCHDOG=1"
+    assert n.ping_interval() == 1.5
+    assert n.stopping() and s.recv(4096) == b"STOPPING=1"
+
+
+def test_notifier_abstract_namespace() -> None:
+    name = f"ncclguard-test-{os.getpid()}"
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    s.bind("\0" + name)
+    s.settimeout(5)
+    try:
+        assert Notifier({"NOTIFY_SOCKET": "@" + name}).ready()
+        assert s.recv(4096).startswith(b"READY=1\n")
+    finally:
+        s.close()
+
+
+def test_notifier_outside_systemd_and_foreign_watchdog(tmp_path: Path) -> None:
+    assert not Notifier({}).enabled and Notifier({}).ready() is False
+    n = Notifier({"NOTIFY_SOCKET": "/x", "WATCHDOG_USEC": "1000", "WATCHDOG_PID": "1"})
+    assert n.ping_interval() is None  # the watchdog is another process's
+    gone = Notifier({"NOTIFY_SOCKET": str(tmp_path / "missing.sock")})
+    assert gone.ready() is False and "missing.sock" in (gone.last_error or "")
+
+
+# ---- the daemon as a real child process
+
+
+def _start(fp_file: Path, cfg: Path, sock: str, watchdog_usec: int = 200_000) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k not in ("NCCLGUARD_DB", "NCCLGUARD_CONFIG")}
+    env.update(NOTIFY_SOCKET=sock, WATCHDOG_USEC=str(watchdog_usec), PYTHONPATH=str(REPO))
+    return subprocess.Popen([sys.executable, "-c", _DRIVER, str(fp_file), str(cfg)], cwd=REPO,
+                            env=env, stderr=subprocess.PIPE, text=True)
+
+
+def test_daemon_ready_watchdog_change_reload_and_sigterm(
+    tmp_path: Path, listener: Listener
+) -> None:
+    addr = listener.addr
+    db = tmp_path / "inv" / "inventory.db"
+    prom1, prom2 = tmp_path / "prom1", tmp_path / "prom2"
+    prom1.mkdir()
+    prom2.mkdir()
+    fp_file = tmp_path / "fp.json"
+    fp_file.write_text(json.dumps(make_fp("n7", "2.21.5")))
+    cfg = _config(tmp_path / "config.toml", db, prom1)
+    child = _start(fp_file, cfg, addr)
+    try:
+        listener.wait_for("READY=1")
+        listener.wait_for("WATCHDOG=1")
+        _wait(lambda: _has(db, "n7") and (prom1 / "ncclguard.prom").exists())
+        # a change on the node reaches the inventory and its history
+        fp_file.write_text(json.dumps(make_fp("n7", "2.23.4")))
+        with Inventory(db, readonly=True) as inv:
+            _wait(lambda: len(inv.history("n7")) == 2)
+            hb = inv.load(["n7"])["n7"].last_heartbeat  # type: ignore[union-attr]
+            _wait(lambda: inv.load(["n7"])["n7"].last_heartbeat > hb, 3)  # type: ignore[union-attr]
+        # SIGHUP reloads the config: the metrics move to the new directory
+        _config(cfg, db, prom2)
+        child.send_signal(signal.SIGHUP)
+        listener.wait_for("RELOADING=1")
+        _wait(lambda: (prom2 / "ncclguard.prom").exists())
+        text = (prom2 / "ncclguard.prom").read_text()
+        assert 'version="2.23.4"' in text
+        # SIGTERM: a clean stop, between writes
+        child.send_signal(signal.SIGTERM)
+        assert child.wait(timeout=10) == 0
+        listener.wait_for("STOPPING=1")
+    finally:
+        if child.poll() is None:
+            child.kill()
+        _, err = child.communicate(timeout=10)
+    assert "n7: fingerprint inserted" in err and "n7: fingerprint changed" in err
+    assert "config reloaded from" in err and "n7: stopped" in err
+    assert not list(tmp_path.glob("prom*/*.tmp*"))  # only the renamed file remains
+    with Inventory(db, readonly=True) as inv:
+        assert inv.integrity_check() == "ok"
+
+
+def test_unreachable_store_logs_once_and_writes_when_it_can(
+    tmp_path: Path, listener: Listener
+) -> None:
+    addr = listener.addr
+    mount = tmp_path / "mnt"  # not there yet: a missing mount
+    db = mount / "ncclguard" / "inventory.db"
+    fp_file = tmp_path / "fp.json"
+    fp_file.write_text(json.dumps(make_fp("n8")))
+    cfg = _config(tmp_path / "config.toml", db, None, interval=0.05)
+    child = _start(fp_file, cfg, addr)
+    try:
+        listener.wait_for("READY=1")
+        time.sleep(1.0)  # about 20 cycles against the missing mount
+        assert child.poll() is None  # still running
+        mount.mkdir()  # the mount appears
+        _wait(lambda: _has(db, "n8"))
+        child.send_signal(signal.SIGTERM)
+        assert child.wait(timeout=10) == 0
+    finally:
+        if child.poll() is None:
+            child.kill()
+        _, err = child.communicate(timeout=10)
+    lines = err.splitlines()
+    unavailable = [x for x in lines if "inventory unavailable" in x]
+    assert len(unavailable) == 1, lines
+    assert f"inventory at {db}" in unavailable[0] and "missing mount" in unavailable[0]
+    assert unavailable[0].startswith("ERROR n8:")
+    assert sum("writable again" in x for x in lines) == 1
+
+
+def test_store_once(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                    monkeypatch: pytest.MonkeyPatch) -> None:
+    db = tmp_path / "inv" / "inventory.db"
+    monkeypatch.setenv("NCCLGUARD_DB", str(db))
+    cfg = configmod.Config()
+    assert service.store_once(make_fp("n1"), cfg) == 0
+    assert "n1: inserted in" in capsys.readouterr().err
+    bad = tmp_path / "bad.db"
+    bad.write_bytes(b"garbage" * 1000)
+    os.chmod(bad, 0o644)
+    monkeypatch.setenv("NCCLGUARD_DB", str(bad))
+    assert service.store_once(make_fp("n1"), cfg) == 1
+    assert f"corrupt inventory at {bad}" in capsys.readouterr().err
+
+
+def test_run_in_process_survives_a_failing_collector(tmp_path: Path) -> None:
+    calls = []
+
+    def collect(root: str, hostname: str | None, conf: configmod.InventorydConfig) -> dict:
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError("probe exploded")
+        return make_fp("n9")
+
+    os.environ.pop("NCCLGUARD_DB", None)
+    cfg = configmod.from_dict({"inventory": {"db": str(tmp_path / "i" / "inventory.db")},
+                               "inventoryd": {"interval_s": 0.01}})
+    assert service.run("/", None, None, cfg, collector=collect, notifier=Notifier({}),
+                       max_cycles=3) == 0
+    with Inventory(tmp_path / "i" / "inventory.db", readonly=True) as inv:
+        assert inv.hosts() == ["n9"]
+
+
+# ---- metrics
+
+
+def test_textfile_metrics(tmp_path: Path) -> None:
+    fp = make_fp("n1")
+    fp["errors"] = [{"probe": "rdma", "field": "rdma.x", "path": "/x", "error": "EINVAL"}]
+    path = write_textfile(tmp_path, fp, last_change=123.0, store_ok=True, last_write=456.0)
+    assert path == tmp_path / "ncclguard.prom"
+    fams = {f.name: f for f in text_string_to_metric_families(path.read_text())}
+    lib = fams["ncclguard_libnccl_info"].samples[0]
+    assert lib.labels["version"] == "2.21.5" and lib.labels["default"] == "true"
+    plug = fams["ncclguard_plugin_info"].samples[0]
+    assert plug.labels["kind"] == "net" and plug.labels["abi"] == "8"
+    ports = fams["ncclguard_rdma_port_info"].samples
+    assert {(p.labels["device"], p.labels["state"]) for p in ports} == {
+        ("mlx5_0", "ACTIVE"), ("mlx5_1", "ACTIVE")}
+    assert fams["ncclguard_probe_errors"].samples[0].value == 1
+    assert fams["ncclguard_fingerprint_last_change_timestamp_seconds"].samples[0].value == 123
+    assert fams["ncclguard_inventory_up"].samples[0].value == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["ncclguard.prom"]
+
+
+def test_notifier_never_blocks_on_a_full_socket(notify_sock: tuple[socket.socket, str]) -> None:
+    _, addr = notify_sock  # nobody reads: the queue fills up
+    n = Notifier({"NOTIFY_SOCKET": addr, "WATCHDOG_USEC": "1000000"})
+    t0 = time.monotonic()
+    results = [n.watchdog() for _ in range(2000)]
+    assert time.monotonic() - t0 < 5
+    assert results[0] is True and results[-1] is False
+    assert "unavailable" in (n.last_error or "") or n.last_error
