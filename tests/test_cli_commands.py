@@ -203,9 +203,13 @@ def test_classes_node_set_with_missing(run: Run) -> None:
     assert doc["baseline"]["compat_key"] is None and "majority" in doc["baseline"]["why"]
 
 
-def test_classes_partition_without_slurm_is_an_error(run: Run, monkeypatch) -> None:
-    monkeypatch.setenv("SLURM_CONF", "/nonexistent/slurm.conf")
-    r = ok(run("classes", "--partition", "gpu"), 3)
+def test_classes_partition_without_slurm_is_an_error(env: tuple[Path, Path],
+                                                     tmp_path: Path) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'[gate]\nslurm_bin_dir = "{tmp_path}"\n')  # no sinfo there
+    r = CliRunner().invoke(main, ["--db", str(env[0]), "--config", str(cfg),
+                                  "classes", "--partition", "gpu"])
+    assert r.exit_code == 3
     assert "--partition gpu" in r.stderr and "--nodes" in r.stderr
 
 
