@@ -1,0 +1,75 @@
+"""ncclguard/config.py: the shipped example covers every key and loads; errors name the
+file, the key and the value."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from ncclguard import config as configmod
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "config.example.toml"
+
+
+def test_example_loads_and_equals_the_defaults() -> None:
+    cfg = configmod.load(EXAMPLE)
+    assert cfg.source == str(EXAMPLE)
+    assert dataclasses.replace(cfg, source="<defaults>") == configmod.Config()
+
+
+def test_example_names_every_key_of_every_section() -> None:
+    data = tomllib.loads(EXAMPLE.read_text())
+    missing = []
+    for section, cls in configmod._SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            if f.name not in data.get(section, {}):
+                missing.append(f"{section}.{f.name}")
+    assert not missing, f"add to docs/config.example.toml: {missing}"
+    assert set(data["policy"]["severity"]) == set(configmod.RULES)
+    text = EXAMPLE.read_text()
+    assert "[baseline]" in text
+    for key in configmod._BASELINE_KEYS:
+        assert re.search(rf"^# {key} = ", text, re.M), key
+    top = {f.name for f in dataclasses.fields(configmod.Config)} - {"source", "baseline"}
+    assert top == set(configmod._SECTIONS)
+
+
+@pytest.mark.parametrize(
+    ("toml", "pattern"),
+    [
+        ('[inventory]\njournal_mode = "truncate"\n',
+         r"inventory\.journal_mode = 'truncate': expected one of delete, wal"),
+        ("[inventory]\nbusy_timeout_ms = -1\n",
+         r"inventory\.busy_timeout_ms = -1: expected a non-negative integer"),
+        ("[inventoryd]\njitter = 2\n", r"inventoryd\.jitter = 2: expected a share"),
+        ("[inventoryd]\ninterval_s = 0\n", r"inventoryd\.interval_s = 0: must be greater than 0"),
+        ("[inventoryd]\ntextfile_dir = 3\n", r"inventoryd\.textfile_dir = 3: expected a string"),
+        ("[inventory]\nnope = 1\n", r"inventory\.nope: unknown key"),
+        ("[nope]\n", r"unknown section \[nope\]"),
+        ("[inventory\n", r"not valid TOML"),
+    ],
+)
+def test_errors_name_file_key_and_value(tmp_path: Path, toml: str, pattern: str) -> None:
+    p = tmp_path / "config.toml"
+    p.write_text(toml)
+    with pytest.raises(configmod.ConfigError, match=rf"^{re.escape(str(p))}: .*{pattern}"):
+        configmod.load(p)
+
+
+def test_environment_and_missing_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    p = tmp_path / "c.toml"
+    p.write_text('[inventory]\ndb = "/x/inventory.db"\njournal_mode = "wal"\n')
+    monkeypatch.setenv("NCCLGUARD_CONFIG", str(p))
+    cfg = configmod.load()
+    assert cfg.inventory.journal_mode == "wal" and cfg.source == str(p)
+    monkeypatch.delenv("NCCLGUARD_DB", raising=False)
+    assert cfg.inventory.db_path() == Path("/x/inventory.db")
+    monkeypatch.setenv("NCCLGUARD_DB", str(tmp_path / "env.db"))
+    assert cfg.inventory.db_path() == tmp_path / "env.db"
+    monkeypatch.setenv("NCCLGUARD_CONFIG", str(tmp_path / "missing.toml"))
+    with pytest.raises(configmod.ConfigError, match="config file not found"):
+        configmod.load()
