@@ -14,6 +14,7 @@ or in a non-PIE executable, the address sits in the file at that place already.
 from __future__ import annotations
 
 import os
+import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO
@@ -58,11 +59,34 @@ class ElfReader:
         if head != b"\x7fELF":
             raise ElfError(f"{label}: not an ELF file (no ELF magic)")
         f.seek(0)
+        problem = self._header_problem(f.read(64))
+        if problem:
+            raise ElfError(f"{label}: {problem}")
+        f.seek(0)
         self._elf = self._guard("header", lambda: ELFFile(f))
         self._loads: list[tuple[int, int, int]] = self._guard("program headers", self._load_map)
         self._dynamic: Any = self._guard("dynamic segment", self._find_dynamic)
 
     # ---- helpers -----------------------------------------------------------------------
+
+    def _header_problem(self, head: bytes) -> str | None:
+        """Check the ELF header's tables against the file size before pyelftools reads them."""
+        if len(head) < 52 or head[4] not in (1, 2) or head[5] not in (1, 2):
+            return "malformed ELF header (too short, or unknown class or byte order)"
+        end = "<" if head[5] == 1 else ">"
+        if head[4] == 2:
+            if len(head) < 64:
+                return "truncated: the ELF header is cut short"
+            phoff, shoff = struct.unpack_from(end + "QQ", head, 32)
+            phentsize, phnum, shentsize, shnum = struct.unpack_from(end + "HHHH", head, 54)
+        else:
+            phoff, shoff = struct.unpack_from(end + "II", head, 28)
+            phentsize, phnum, shentsize, shnum = struct.unpack_from(end + "HHHH", head, 42)
+        if phnum and not self._in_file(phoff, phnum * phentsize):
+            return f"truncated: the program headers lie past byte {self._size}"
+        if shoff and shnum and not self._in_file(shoff, shnum * shentsize):
+            return f"truncated: the section headers lie past byte {self._size}"
+        return None
 
     def _guard(self, what: str, fn: Callable[[], Any]) -> Any:
         try:

@@ -135,9 +135,13 @@ def open_regular(fs: NodeFS, node_path: str) -> tuple[BinaryIO, os.stat_result, 
 
 
 def is_file(fs: NodeFS, node_path: str) -> bool:
-    """True if the node path leads (inside the root) to a regular file; never raises."""
+    """True if the node path leads (inside the root) to something that is not a directory.
+
+    A FIFO or a device counts: the linker would try to open it, so the probes report it
+    (and refuse to read it) rather than pretend that nothing is there. Never raises.
+    """
     try:
-        return stat.S_ISREG(os.stat(fs.host(resolve(fs, node_path))).st_mode)
+        return not stat.S_ISDIR(os.stat(fs.host(resolve(fs, node_path))).st_mode)
     except OSError:
         return False
 

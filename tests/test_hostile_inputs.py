@@ -1,0 +1,257 @@
+"""Hostile node contents: each gets a defined result and a clear error; no crash, no hang."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import pwd
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import build_plugin, place
+
+from inventoryd.collect import collect
+from inventoryd.filecache import FileCache
+from inventoryd.nodefs import ErrorLog, NodeFS
+from inventoryd.probes import nccl, plugins
+from ncclguard.config import InventorydConfig
+
+MULTIARCH = "/usr/lib/x86_64-linux-gnu"
+LIBDIR = MULTIARCH.lstrip("/")
+
+
+def _libs(root: Path, cfg: InventorydConfig | None = None) -> tuple[list[dict[str, Any]], ErrorLog]:
+    errors = ErrorLog()
+    return nccl.probe(NodeFS(root), errors, cfg or InventorydConfig(), FileCache(None)), errors
+
+
+def _once(root: Path, config: Path | None, tmp: Path, timeout: float = 120) -> dict[str, Any]:
+    """The CLI in a subprocess: a hang fails the test instead of stalling the suite."""
+    cmd = [sys.executable, "-m", "inventoryd.main", "once", "--json", "--root", str(root),
+           "--hostname", "h1"]
+    if config is not None:
+        cmd += ["--config", str(config)]
+    env = {**os.environ, "NCCLGUARD_CACHE_DIR": str(tmp / "fcache")}
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
+                       cwd=Path(__file__).parent.parent)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def _errors_for(fp_or_log: Any, path: str) -> list[str]:
+    entries = fp_or_log["errors"] if isinstance(fp_or_log, dict) else fp_or_log.entries
+    return [e["error"] for e in entries if e["path"] == path]
+
+
+def test_truncated_elf_library(tmp_path: Path, nccl_lib) -> None:
+    with open(nccl_lib("2.21.5"), "rb") as src:
+        head = src.read(4 << 20)
+    (tmp_path / LIBDIR).mkdir(parents=True)
+    (tmp_path / LIBDIR / "libnccl.so.2").write_bytes(head)
+    libs, _ = _libs(tmp_path)
+    assert len(libs) == 1
+    lib = libs[0]
+    assert lib["version"] is None and lib["version_code"] is None
+    assert lib["version_error"].startswith("truncated")
+    assert lib["size"] == 4 << 20 and lib["sha256"] is not None
+    assert lib["default"] is True
+
+
+def test_non_elf_file_named_libnccl(tmp_path: Path) -> None:
+    (tmp_path / LIBDIR).mkdir(parents=True)
+    # even a banner in it does not make a text file a library
+    (tmp_path / LIBDIR / "libnccl.so.2").write_bytes(b"NCCL version 2.21.5+cuda12.4\0 hello\n")
+    libs, _ = _libs(tmp_path)
+    assert libs[0]["version"] is None
+    assert libs[0]["version_error"] == "not an ELF file (no ELF magic); no version read"
+
+
+def test_zero_byte_library(tmp_path: Path) -> None:
+    (tmp_path / LIBDIR).mkdir(parents=True)
+    (tmp_path / LIBDIR / "libnccl.so.2").write_bytes(b"")
+    libs, _ = _libs(tmp_path)
+    assert libs[0]["size"] == 0
+    assert libs[0]["version_error"] == "empty file (0 bytes); no version read"
+
+
+def test_elf_without_banner(tmp_path: Path) -> None:
+    so = build_plugin(tmp_path / "b", net_abis=[8])
+    place(tmp_path / "r", f"{MULTIARCH}/libnccl.so.2", so)
+    libs, _ = _libs(tmp_path / "r")
+    assert libs[0]["version"] is None
+    assert libs[0]["version_error"] == "no NCCL version banner in the file"
+
+
+def test_fifo_named_like_a_library(tmp_path: Path) -> None:
+    (tmp_path / LIBDIR).mkdir(parents=True)
+    os.mkfifo(tmp_path / LIBDIR / "libnccl.so.2")
+    os.mkfifo(tmp_path / LIBDIR / "libnccl-net.so")
+    fp = _once(tmp_path, None, tmp_path, timeout=60)
+    assert fp["libnccl"][0]["version"] is None
+    assert "not a regular file" in fp["libnccl"][0]["version_error"]
+    assert any("not a regular file" in e for e in _errors_for(fp, f"{MULTIARCH}/libnccl-net.so"))
+    assert fp["net"]["effective_net_abi"] is None
+    assert fp["net"]["reason"].startswith("the default libnccl's net plugin ABIs are unknown")
+    net = next(p for p in fp["plugins"] if p["kind"] == "net")
+    assert "not a regular file" in net["error"] and net["default"] is True
+
+
+def test_symlink_loops(tmp_path: Path) -> None:
+    (tmp_path / LIBDIR).mkdir(parents=True)
+    (tmp_path / LIBDIR / "libnccl.so.2").symlink_to("libnccl.so.2")
+    (tmp_path / "opt").mkdir()
+    (tmp_path / "opt/loop").symlink_to("/opt/loop")
+    (tmp_path / "opt/envs").mkdir()
+    (tmp_path / "opt/envs/a").symlink_to("/opt/envs/b")
+    (tmp_path / "opt/envs/b").symlink_to("/opt/envs/a")
+    cfg = InventorydConfig(nccl_search_paths=("/opt/loop/lib", "/opt/envs/*/lib", "/opt/loop"))
+    libs, errors = _libs(tmp_path, cfg)
+    assert [(x["path"], x["version"]) for x in libs] == [(f"{MULTIARCH}/libnccl.so.2", None)]
+    assert "[Errno 40]" in libs[0]["version_error"]
+    assert any("[Errno 40]" in e for e in _errors_for(errors, f"{MULTIARCH}/libnccl.so.2"))
+    assert any("[Errno 40]" in e for e in _errors_for(errors, "/opt/loop"))
+
+
+@contextlib.contextmanager
+def _as_nobody() -> Iterator[None]:
+    if os.geteuid() != 0:
+        yield
+        return
+    nobody = pwd.getpwnam("nobody")
+    os.setegid(nobody.pw_gid)
+    os.seteuid(nobody.pw_uid)
+    try:
+        yield
+    finally:
+        os.seteuid(0)
+        os.setegid(0)
+
+
+def test_unreadable_directory() -> None:
+    # a tree others may traverse (pytest's tmp dirs are 0700), with one locked directory
+    base = Path(tempfile.mkdtemp(prefix="ncclguard-hostile-"))
+    try:
+        base.chmod(0o755)
+        for d in ("opt/secret/lib", "opt/open/lib", LIBDIR):
+            (base / d).mkdir(parents=True)
+        (base / "opt/secret").chmod(0)
+        (base / "etc").mkdir()
+        (base / "etc/ld.so.conf").write_text("/opt/secret/lib\n")
+        cfg = InventorydConfig(nccl_search_paths=("/opt/*/lib", "/opt/secret/*"),
+                               plugin_search_paths=("/opt/secret/*",))
+        errors = ErrorLog()
+        with _as_nobody():
+            libs = nccl.probe(NodeFS(base), errors, cfg, FileCache(None))
+            plugins.probe(NodeFS(base), errors, cfg, {}, libs, FileCache(None))
+        assert libs == []
+        denied = [e for e in errors.entries if "Permission denied" in e["error"]]
+        assert {e["path"] for e in denied} >= {"/opt/secret"}
+        assert all(e["probe"] in ("nccl", "plugins", "linker") for e in errors.entries)
+    finally:
+        (base / "opt/secret").chmod(0o755)
+        shutil.rmtree(base)
+
+
+def test_huge_nccl_conf(tmp_path: Path) -> None:
+    (tmp_path / "etc").mkdir()
+    conf = tmp_path / "etc/nccl.conf"
+    with open(conf, "wb") as f:
+        f.write(b"NCCL_NET_PLUGIN=ofi\n" + b"NCCL_X=" + b"y" * 5000 + b"\n")
+        f.truncate(4 << 30)  # 4 GiB, sparse
+    fp = _once(tmp_path, None, tmp_path, timeout=120)
+    assert fp["nccl_conf"]["truncated"] is True
+    assert fp["nccl_conf"]["settings"]["NCCL_NET_PLUGIN"] == "ofi"
+    assert "libnccl-net-ofi.so" in fp["net"]["reason"]  # the setting was honoured
+
+
+@pytest.mark.slow
+def test_glob_matching_ten_thousand_files(tmp_path: Path) -> None:
+    many, plugs = tmp_path / "opt/many", tmp_path / "opt/plugs"
+    many.mkdir(parents=True)
+    plugs.mkdir(parents=True)
+    for i in range(10_000):
+        (many / f"libnccl.so.{i}").touch()
+        (plugs / f"libnccl-net-{i}.so").touch()
+    cfgfile = tmp_path / "cfg.toml"
+    cfgfile.write_text('[inventoryd]\nnccl_search_paths = ["/opt/many/*"]\n'
+                       'plugin_search_paths = ["/opt/plugs/*"]\n')
+    fp = _once(tmp_path, cfgfile, tmp_path, timeout=300)
+    texts = [e["error"] for e in fp["errors"]]
+    assert any("matches more than 1000 paths" in t for t in texts)
+    assert any(f"only the first {nccl.MAX_LIBRARIES}" in t for t in texts)
+    assert any(f"only the first {plugins.MAX_CONFIG_PLUGINS}" in t for t in texts)
+    assert len(fp["libnccl"]) == nccl.MAX_LIBRARIES
+    assert all(x["version_error"].startswith("empty file") for x in fp["libnccl"])
+    assert len(fp["plugins"]) == plugins.MAX_CONFIG_PLUGINS
+
+
+def test_malformed_plugins(tmp_path: Path, nccl_lib) -> None:
+    so = build_plugin(tmp_path / "b", net_abis=[8], name="x")
+    data = so.read_bytes()
+    root = tmp_path / "r"
+    (root / LIBDIR).mkdir(parents=True)
+    (root / LIBDIR / "libnccl-net.so").write_bytes(data[: len(data) // 2])
+    (root / LIBDIR / "libnccl-tuner.so").write_bytes(b"\x7fELF" + os.urandom(2000))
+    place(root, f"{MULTIARCH}/libnccl.so.2", nccl_lib("2.21.5"))
+    fp = collect(str(root), "h", InventorydConfig(), FileCache(None))
+    by = {p["kind"]: p for p in fp["plugins"]}
+    assert by["net"]["error"].startswith(f"{MULTIARCH}/libnccl-net.so: ")
+    assert "truncated" in by["net"]["error"] or "malformed" in by["net"]["error"]
+    assert fp["net"]["effective_net_abi"] is None
+    assert fp["net"]["reason"].startswith("the net plugin cannot be used")
+    assert by["tuner"]["error"].startswith(f"{MULTIARCH}/libnccl-tuner.so: malformed ELF")
+    assert by["tuner"]["abis"]["tuner"] == []
+    assert {e["path"] for e in fp["errors"]} >= {f"{MULTIARCH}/libnccl-net.so",
+                                                 f"{MULTIARCH}/libnccl-tuner.so"}
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b"{not json", b"[]", b'{"format": 1, "entries": {"k": {"value": 3, "used": 1}}}',
+     b'{"format": 99, "entries": {}}', b"\xff\xfe" * 100],
+)
+def test_corrupt_file_cache_is_ignored_and_rebuilt(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, content: bytes
+) -> None:
+    (tmp_path / "r" / LIBDIR).mkdir(parents=True)
+    (tmp_path / "r" / LIBDIR / "libnccl.so.2").write_bytes(b"not a library")
+    store = tmp_path / "c" / "filecache.json"
+    store.parent.mkdir()
+    store.write_bytes(content)
+    with caplog.at_level(logging.WARNING):
+        cache = FileCache(store)
+    libs = nccl.probe(NodeFS(tmp_path / "r"), ErrorLog(), InventorydConfig(), cache)
+    assert libs[0]["version_error"].startswith("not an ELF file")
+    assert cache.save() is None
+    rebuilt = FileCache(store)
+    assert rebuilt.load_error is None and len(rebuilt) == 1
+    if content != b'{"format": 1, "entries": {"k": {"value": 3, "used": 1}}}':
+        assert str(store) in caplog.text and "ignored, rebuilding" in caplog.text
+
+
+def test_same_inode_new_mtime_is_a_new_key(tmp_path: Path) -> None:
+    f = tmp_path / "lib"
+    f.write_bytes(b"abc")
+    cache = FileCache(None)
+    cache.put("k/1", str(f), f.stat(), {"v": 1})
+    assert cache.get("k/1", str(f), f.stat()) == {"v": 1}
+    os.utime(f, ns=(10**18, 10**18))
+    assert cache.get("k/1", str(f), f.stat()) is None
+    assert cache.get("other/1", str(f), f.stat()) is None
+
+
+def test_unwritable_cache_dir_keeps_the_run_correct(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    cache = FileCache(blocker / "sub" / "filecache.json")  # a file where a dir belongs
+    cache.put("k/1", "/x", blocker.stat(), {"v": 1})
+    err = cache.save()
+    assert err is not None and str(blocker / "sub" / "filecache.json") in err
