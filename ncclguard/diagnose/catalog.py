@@ -44,6 +44,7 @@ class Pattern:
     value: str | None  # template over the named groups; None: evidence only
     text: str  # the regex as written
     weak: bool = False  # a host's weak value is dropped when it also has a strong one
+    needles: tuple[bytes, ...] | None = None  # one of these is in every match; None: unknown
 
     def render(self, m: re.Match[bytes]) -> str | None:
         if self.value is None:
@@ -71,6 +72,8 @@ class Signature:
 
     def match(self, text: bytes) -> tuple[Pattern, re.Match[bytes]] | None:
         for p in self.patterns:
+            if p.needles is not None and not any(n in text for n in p.needles):
+                continue
             m = p.regex.search(text)
             if m is not None:
                 return p, m
@@ -90,6 +93,19 @@ class Catalog:
 
     def get(self, sig_id: str) -> Signature | None:
         return next((s for s in self.signatures if s.id == sig_id), None)
+
+    def gate(self) -> re.Pattern[bytes] | None:
+        """A regex of plain literals, one of which every match of every pattern contains:
+        the fast first test of each line. None when a pattern has no such literal."""
+        needles: set[bytes] = set()
+        for s in self.signatures:
+            for p in s.patterns:
+                if p.needles is None:
+                    return None
+                needles.update(p.needles)
+        if not needles:
+            return re.compile(b"(?!)")
+        return re.compile(b"|".join(re.escape(n) for n in sorted(needles, key=len, reverse=True)))
 
     def combined(self) -> re.Pattern[bytes] | None:
         """One regex that matches wherever any signature pattern could: a prefilter.
@@ -264,5 +280,68 @@ def _patterns(raw: Any, where: str) -> tuple[Pattern, ...]:
                     f"{pw}: value {value!r} uses {missing}, not named groups of the regex "
                     f"(named groups: {sorted(rx.groupindex) or 'none'})"
                 )
-        out.append(Pattern(rx, value, text, weak))
+        out.append(Pattern(rx, value, text, weak, needles_of(text)))
     return tuple(out)
+
+
+# ---------------------------------------------------------------------------- needles
+MIN_NEEDLE = 4  # a shorter literal is no faster than the regex
+
+
+def needles_of(text: str) -> tuple[bytes, ...] | None:
+    """Literals of which every match of ``text`` contains one (None: none worth it).
+
+    Walks the parsed regex: runs of literal characters at the top level, inside groups,
+    inside repeats of at least one, and any-of sets from alternations whose every branch
+    has one. Case-insensitive patterns get none.
+    """
+    from re import _constants as C
+    from re import _parser as P
+
+    try:
+        parsed = P.parse(text)
+    except re.error:
+        return None
+    if parsed.state.flags & (re.IGNORECASE | re.VERBOSE):
+        return None
+
+    def required(items: Any) -> list[list[str]]:
+        cands: list[list[str]] = []
+        run: list[str] = []
+
+        def flush() -> None:
+            if run:
+                cands.append(["".join(run)])
+                run.clear()
+
+        for op, av in items:
+            if op is C.LITERAL:
+                run.append(chr(av))
+                continue
+            flush()
+            sub: list[str] | None = None
+            if op is C.SUBPATTERN:
+                if av[1] or av[2]:  # inline flags on the group
+                    continue
+                sub = best(required(av[3]))
+            elif op is C.BRANCH:
+                alts = [best(required(a)) for a in av[1]]
+                if all(alts):
+                    sub = [n for a in alts if a for n in a]
+            elif op in (C.MAX_REPEAT, C.MIN_REPEAT) and av[0] >= 1:
+                sub = best(required(av[2]))
+            if sub:
+                cands.append(sub)
+        flush()
+        return cands
+
+    def best(cands: list[list[str]]) -> list[str] | None:
+        cands = [c for c in cands if c]
+        if not cands:
+            return None
+        return max(cands, key=lambda c: (min(len(n) for n in c), -len(c)))
+
+    got = best(required(parsed))
+    if not got or min(len(n) for n in got) < MIN_NEEDLE:
+        return None
+    return tuple(n.encode("utf-8") for n in got)

@@ -107,6 +107,7 @@ class Scanner:
         self.catalog = catalog
         self._sigs: list[Signature] = list(catalog)
         self._combined = catalog.combined()
+        self._gate = catalog.gate()
         self._states: dict[str, _SigState] = {s.id: _SigState() for s in self._sigs}
         self._hosts: set[str] = set()
         self._tag_host: dict[int, str] = {}  # launcher rank → host
@@ -132,26 +133,43 @@ class Scanner:
         name = label or str(path)
         self.files.append(name)
         prefix_match = _PREFIX.match
-        combined = self._combined
+        combined = self._gate or self._combined
         sigs = self._sigs
         states = self._states
         hosts = self._hosts
+        cache: dict[bytes, tuple[str, int, int | None] | None] = {}
         stopped = False
+        lineno = 0
         for lineno, raw in reader:
             if deadline is not None and not lineno & 0xFFFF and time.monotonic() > deadline:
                 stopped = True
                 break
-            m = prefix_match(raw) if b"NCCL " in raw else None
-            if m is not None:
-                host = m.group("host").decode("ascii", "replace")
-                pid = int(m.group("pid"))
-                level = m.group("level").decode("ascii")
-                text = m.group("msg")
-                if host not in hosts:
-                    hosts.add(host)
-                tr = _tag_of(m)
-                if tr is not None:
-                    self._tag_host.setdefault(tr, host)
+            i = raw.find(b" NCCL ")
+            info = None
+            if i > 0:
+                # The prefix before " NCCL " repeats for every line of a process: parse it once.
+                key = raw[:i]
+                if key in cache:
+                    info = cache[key]
+                else:
+                    m = prefix_match(raw)
+                    if m is not None:
+                        info = (
+                            m.group("host").decode("ascii", "replace"),
+                            int(m.group("pid")),
+                            _tag_of(m),
+                        )
+                        hosts.add(info[0])
+                        if info[2] is not None:
+                            self._tag_host.setdefault(info[2], info[0])
+                    if len(cache) > 50_000:
+                        cache.clear()
+                    cache[key] = info
+            if info is not None:
+                host, pid, tr = info
+                lv = raw[i + 6 : i + 10]
+                level = "TRACE" if lv == b"TRAC" else lv.decode("ascii", "replace")
+                text = raw[i + (12 if lv == b"TRAC" else 11) :].rstrip(b"\r")
                 if b"anks " in text:
                     im = _INIT.search(text)
                     if im is not None:
@@ -163,7 +181,7 @@ class Scanner:
             if combined is not None and combined.search(text) is None:
                 continue
             for sig in sigs:
-                if m is None and sig.scope == "nccl":
+                if info is None and sig.scope == "nccl":
                     continue
                 if sig.level is not None and level != sig.level:
                     continue
@@ -183,12 +201,12 @@ class Scanner:
                     st.values.setdefault(value, {}).setdefault(key, rec)
                     if pat.weak:
                         st.weak.add(value)
-        self.lines += reader.lines
+        self.lines += lineno
         self.bytes += reader.bytes_read
         self.long_lines += reader.truncated_lines
         if stopped:
             reader.close()
-            self.problems.append(ReadProblem(name, reader.lines, "time limit reached"))
+            self.problems.append(ReadProblem(name, lineno, "time limit reached"))
         elif reader.problem is not None:
             self.problems.append(ReadProblem(name, reader.problem.line, reader.problem.cause))
 

@@ -44,8 +44,7 @@ _PREFIX = re.compile(
     rb"(?:\[\d{4}-\d\d-\d\d[ T][\d:.,]+\] )?"
     rb"(?P<host>[A-Za-z0-9_.\-]+):(?P<pid>\d+):(?P<tid>\d+) \[(?P<dev>-?\d+)\] "
     rb"(?:[\d.]+ )?(?:(?P<src>[\w./+\-]+:\d+) )?"
-    rb"NCCL (?P<level>INFO|WARN|TRACE) ?(?P<msg>.*?)\r?\n?$",
-    re.DOTALL,
+    rb"NCCL (?P<level>INFO|WARN|TRACE) ?(?P<msg>[^\r\n]*)",
 )
 _TAG_ONLY = re.compile(rb"^" + _TAG)
 
@@ -163,43 +162,49 @@ class LogReader:
         self.close()
 
     def __iter__(self) -> Iterator[tuple[int, bytes]]:
+        """Lines without their end-of-line, numbered from 1; read in 1 MiB chunks."""
         lineno = 0
-        readline = self._stream.readline
+        carry = b""
+        skipping = False  # inside an over-long line: discard up to its newline
+        read = self._stream.read
         try:
             while True:
                 try:
-                    raw = readline(MAX_LINE)
+                    chunk = read(_CHUNK)
                 except (EOFError, gzip.BadGzipFile, zlib.error, OSError) as e:
                     self.problem = ReadProblem(self.path, lineno, _describe(e, self.compressed))
-                    return
-                if not raw:
-                    return
-                self.bytes_read += len(raw)
-                if len(raw) == MAX_LINE and not raw.endswith(b"\n"):
-                    self.truncated_lines += 1
-                    if not self._skip_rest():
-                        lineno += 1
-                        self.lines = lineno
-                        yield lineno, raw
-                        return
-                lineno += 1
+                    break
+                if not chunk:
+                    break
+                self.bytes_read += len(chunk)
+                if skipping:
+                    j = chunk.find(b"\n")
+                    if j < 0:
+                        continue
+                    chunk = chunk[j + 1 :]
+                    skipping = False
+                parts = chunk.split(b"\n")
+                parts[0] = carry + parts[0]
+                carry = parts.pop()
+                for raw in parts:
+                    lineno += 1
+                    if len(raw) > MAX_LINE:
+                        self.truncated_lines += 1
+                        raw = raw[:MAX_LINE]
+                    yield lineno, raw
                 self.lines = lineno
-                yield lineno, raw
+                if len(carry) > MAX_LINE:
+                    lineno += 1
+                    self.truncated_lines += 1
+                    yield lineno, carry[:MAX_LINE]
+                    carry = b""
+                    skipping = True
+            if carry and not skipping:
+                lineno += 1
+                yield lineno, carry
         finally:
+            self.lines = lineno
             self.close()
-
-    def _skip_rest(self) -> bool:
-        """Discard the rest of an over-long line; False at end of file or on error."""
-        while True:
-            try:
-                rest = self._stream.readline(_CHUNK)
-            except (EOFError, gzip.BadGzipFile, zlib.error, OSError):
-                return False
-            if not rest:
-                return False
-            self.bytes_read += len(rest)
-            if rest.endswith(b"\n"):
-                return True
 
 
 def _describe(e: BaseException, compressed: bool) -> str:

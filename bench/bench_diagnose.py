@@ -1,0 +1,175 @@
+#!/usr/bin/env python3
+"""How long ``ncclguard diagnose`` takes on a big log, and how much memory it holds.
+
+Generates a log of ``--size`` (default 2 GiB) in a temporary directory (a 16-host
+job with NCCL_DEBUG=INFO: banners and plugin lines per host, then training output
+interleaved with NCCL INFO lines, and a version mismatch near the end), then runs, each
+in its own child process so that peak RSS is measured per phase (``wait4`` rusage):
+
+  baseline-wc     ``wc -l`` over the file
+  baseline-loop   a plain Python ``for line in file`` loop counting lines
+  diagnose        the real scanner + catalog + diagnosis (no inventory)
+
+and prints time and peak RSS of ``diagnose`` as ratios against the baselines of the
+same run, plus the absolute peak RSS against the 100 MB bound.
+
+    .venv/bin/python bench/bench_diagnose.py              # 2 GiB
+    .venv/bin/python bench/bench_diagnose.py --size 200M  # a quick run
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+RSS_BOUND_MB = 100.0
+
+
+def parse_size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    t = text.strip().upper().rstrip("B").rstrip("I")
+    if t and t[-1] in units:
+        return int(float(t[:-1]) * units[t[-1]])
+    return int(t)
+
+
+def generate(path: Path, size: int) -> int:
+    """Write about ``size`` bytes, streaming; returns the number of lines."""
+    hosts = [f"n{i}" for i in range(1, 17)]
+    head = []
+    for i, h in enumerate(hosts):
+        ver = "2.18.3+cuda12.1" if h == "n3" else "2.21.5+cuda12.4"
+        head.append(f"{h}:{1000 + i}:{1000 + i} [0] NCCL INFO Bootstrap : Using ib0:10.0.0.{i}<0>")
+        head.append(f"{h}:{1000 + i}:{1000 + i} [0] NCCL INFO NCCL version {ver}")
+        head.append(
+            f"{h}:{1000 + i}:{1040 + i} [0] NCCL INFO NET/Plugin: Using internal network plugin."
+        )
+        head.append(f"{h}:{1000 + i}:{1040 + i} [0] NCCL INFO Using network IB")
+    block = []
+    for k in range(64):
+        h = hosts[k % 16]
+        block.append(
+            f"epoch 3 step {k} loss 1.{k:04d} lr 3.0e-04 tokens/s 181234 grad_norm 0.{k:03d}"
+        )
+        block.append(
+            f"{h}:{1000 + k % 16}:{1040 + k % 16} [{k % 8}] NCCL INFO Channel {k % 32:02d}/0 : "
+            f"{k} [{k % 8}] -> {k + 1} [{(k + 1) % 8}] [send] via NET/IB/{k % 4}/GDRDMA"
+        )
+        block.append(f"[rank{k}]:[W1130 01:02:03.{k:06d} ProcessGroupNCCL.cpp:4561] heartbeat ok")
+    chunk = ("\n".join(block) + "\n").encode()
+    tail = (
+        b"\nn1:1000:1040 [0] bootstrap.cc:73 NCCL WARN Message truncated : received 2136 bytes "
+        b"instead of 1728\nRuntimeError: NCCL error in: ProcessGroupNCCL.cpp:1275, unhandled "
+        b"system error (run with NCCL_DEBUG=INFO for details), NCCL version 2.21.5\n"
+    )
+    lines = 0
+    with open(path, "wb") as f:
+        data = ("\n".join(head) + "\n").encode()
+        f.write(data)
+        written = len(data)
+        lines += len(head)
+        big = chunk * 256
+        big_lines = len(block) * 256
+        while written + len(big) + len(tail) <= size:
+            f.write(big)
+            written += len(big)
+            lines += big_lines
+        while written + len(chunk) + len(tail) <= size:
+            f.write(chunk)
+            written += len(chunk)
+            lines += len(block)
+        f.write(tail)
+        lines += 3
+    return lines
+
+
+def child(phase: str, path: str) -> int:
+    if phase == "loop":
+        n = 0
+        with open(path, "rb") as f:
+            for _ in f:
+                n += 1
+        print(n)
+        return 0
+    if phase == "diagnose":
+        from ncclguard.diagnose import load_catalog, run
+
+        report = run([path], catalog=load_catalog())
+        ids = ",".join(d.signature.id for d in report.diagnoses)
+        print(f"{report.evidence.lines} {ids}")
+        return 0
+    raise SystemExit(f"unknown phase {phase}")
+
+
+def measure(argv: list[str]) -> tuple[float, float, str]:
+    """(seconds, peak RSS in MB, stdout) of one child process."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    _, status, rusage = os.wait4(proc.pid, 0)
+    elapsed = time.perf_counter() - t0
+    out = proc.stdout.read().decode() if proc.stdout else ""
+    err = proc.stderr.read().decode() if proc.stderr else ""
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        raise SystemExit(f"{argv}: exit {proc.returncode}: {err.strip()}")
+    return elapsed, rusage.ru_maxrss / 1024.0, out.strip()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description="diagnose on a big log: time and peak RSS")
+    ap.add_argument("--size", default="2G", help="log size (2G, 500M, ...)")
+    ap.add_argument("--keep", action="store_true", help="keep the generated log")
+    ap.add_argument("--phase", help=argparse.SUPPRESS)
+    ap.add_argument("file", nargs="?", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.phase:
+        return child(a.phase, a.file)
+    size = parse_size(a.size)
+    tmp = Path(tempfile.mkdtemp(prefix="ncclguard-bench-"))
+    try:
+        log = tmp / "job.log"
+        t0 = time.perf_counter()
+        lines = generate(log, size)
+        gen_s = time.perf_counter() - t0
+        real = log.stat().st_size
+        print(f"log: {real / (1 << 20):.0f} MiB, {lines} lines (generated in {gen_s:.1f} s)")
+        me = [sys.executable, str(Path(__file__).resolve())]
+        results = {}
+        wc = shutil.which("wc")
+        if wc:
+            results["baseline-wc"] = measure([wc, "-l", str(log)])
+        results["baseline-loop"] = measure([*me, "--phase", "loop", str(log)])
+        results["diagnose"] = measure([*me, "--phase", "diagnose", str(log)])
+        for name, (sec, rss, out) in results.items():
+            mbps = real / (1 << 20) / sec
+            print(
+                f"{name:14s} {sec:8.2f} s  {mbps:8.1f} MiB/s  peak RSS {rss:7.1f} MB  [{out[:80]}]"
+            )
+        d_s, d_rss, d_out = results["diagnose"]
+        for base in ("baseline-loop", "baseline-wc"):
+            if base in results:
+                b_s, b_rss, _ = results[base]
+                print(f"diagnose / {base}: time x{d_s / b_s:.2f}, peak RSS x{d_rss / b_rss:.2f}")
+        ok = d_rss < RSS_BOUND_MB
+        print(
+            f"peak RSS bound {RSS_BOUND_MB:.0f} MB: {'OK' if ok else 'EXCEEDED'} ({d_rss:.1f} MB)"
+        )
+        if "nccl-version-differs" not in d_out:
+            print("unexpected diagnosis: " + d_out)
+            return 1
+        return 0 if ok else 1
+    finally:
+        if not a.keep:
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            print(f"kept {tmp}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
