@@ -49,7 +49,7 @@ def _open_for_append(path: Path) -> int:
     if not d.exists():
         d.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
     _check_dir(d)
-    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+    flags = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
     try:
         fd = os.open(path, flags, FILE_MODE)
     except OSError as e:
@@ -81,6 +81,9 @@ def append(path: str | os.PathLike[str], record: dict[str, Any]) -> None:
     fd = _open_for_append(Path(path))
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            data = b"\n" + data  # a torn last line (a writer killed mid-write) stays alone
         os.write(fd, data)
     finally:
         os.close(fd)

@@ -1,0 +1,147 @@
+"""What the gate costs: the prolog process against bare Python, and jobs through Slurm.
+
+1. Process cost. A 16,384-node inventory is built once (cached under --work). Then,
+   alternating in one run so that machine noise hits both alike, we time
+   ``python -I -c pass`` (the baseline) and the real gate process
+   (``python -I -m prolog.gate`` with a PrologSlurmctld-like environment) for an
+   allocation of 1,024 and of 16,384 nodes. Targets: <= 2.5x and <= 5x the baseline.
+2. Cluster cost. The time to push N short two-node batch jobs through the real dev
+   cluster (munged + slurmctld + 4 slurmd) without and with the gate as PrologSlurmctld.
+
+    .venv/bin/python bench/bench_prolog.py             # both parts
+    .venv/bin/python bench/bench_prolog.py --no-cluster --runs 15
+
+Prints ratios; never asserts (timed tests are not tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+INVENTORY_NODES = 16384
+
+
+def build_inventory(db: Path, n: int) -> None:
+    from policy_fingerprints import fingerprint
+
+    from ncclguard.store import Inventory
+
+    if db.exists():
+        with Inventory(db, readonly=True) as inv:
+            if len(inv.hosts()) == n:
+                return
+        db.unlink()
+    t = time.perf_counter()
+    now = time.time()
+    with Inventory(db) as inv:
+        for i in range(1, n + 1):
+            inv.upsert(fingerprint(f"n{i:05d}"), now=now)
+    print(f"built a {n}-node inventory in {time.perf_counter() - t:.1f}s: {db}")
+
+
+def timed(argv: list[str], env: dict[str, str]) -> float:
+    t = time.perf_counter()
+    r = subprocess.run(argv, env=env, capture_output=True, timeout=60)
+    dt = time.perf_counter() - t
+    if r.returncode != 0:
+        raise SystemExit(f"{argv} -> {r.returncode}: {r.stderr.decode()[-2000:]}")
+    return dt
+
+
+def process_cost(work: Path, runs: int) -> None:
+    db = work / "inventory.db"
+    build_inventory(db, INVENTORY_NODES)
+    conf = work / "bench.toml"
+    conf.write_text(f'[gate]\naudit_log = "{work / "decisions.jsonl"}"\n')
+    py = sys.executable
+    base_env = {"PATH": "/usr/bin:/bin", "LANG": "C"}
+    baseline_argv = [py, "-I", "-c", "pass"]
+    gate_argv = [py, "-I", "-m", "prolog.gate"]
+    print(f"\nprocess cost, median of {runs} (interleaved), python {sys.version.split()[0]}")
+    for size, target in ((1024, 2.5), (16384, 5.0)):
+        env = {
+            **base_env,
+            "NCCLGUARD_CONFIG": str(conf),
+            "NCCLGUARD_DB": str(db),
+            "SLURM_JOB_ID": "4242",
+            "SLURM_JOB_NODELIST": f"n[00001-{size:05d}]",
+            "SLURM_JOB_NUM_NODES": str(size),
+            "SLURM_JOB_PARTITION": "debug",
+            "SLURM_JOB_USER": "bench",
+            "SLURM_JOB_UID": "1000",
+            "SLURM_SCRIPT_CONTEXT": "prolog_slurmctld",
+        }
+        timed(gate_argv, env)  # warm the page cache and the .pyc files
+        base, gate = [], []
+        for _ in range(runs):
+            base.append(timed(baseline_argv, base_env))
+            gate.append(timed(gate_argv, env))
+        b, g = statistics.median(base), statistics.median(gate)
+        verdict = "OK" if g / b <= target else "OVER"
+        print(
+            f"  {size:>6} nodes: baseline {b * 1000:6.1f} ms, gate {g * 1000:6.1f} ms, "
+            f"ratio {g / b:4.2f}x (target <= {target}x) {verdict}"
+        )
+
+
+def cluster_cost(work: Path, jobs: int) -> None:
+    from policy_fingerprints import fingerprint
+
+    from ncclguard.devcluster import DevCluster
+    from ncclguard.store import Inventory
+
+    print(f"\ncluster cost: {jobs} two-node batch jobs (sbatch -N2 --wrap true), 4 slurmd")
+    results = {}
+    for with_gate in (False, True):
+        root = Path(tempfile.mkdtemp(prefix="bench-cluster-", dir=work))
+        c = DevCluster(root, prolog=with_gate)
+        with Inventory(c.db) as inv:
+            for host in c.node_names:
+                inv.upsert(fingerprint(host))
+        c.write_gate_config("")
+        with c:
+            t = time.perf_counter()
+            ids = [c.sbatch(["-N2", "--wrap", "true"]) for _ in range(jobs)]
+
+            def done(c: DevCluster = c) -> bool:
+                r = c.run(["squeue", "-h", "-o", "%i"], check=False)
+                return not r.stdout.strip()
+
+            c._wait(done, 1800, "all jobs to finish", interval=0.5)
+            dt = time.perf_counter() - t
+            bad = [j for j in ids[-5:] if c.job_field(j, "JobState") != "COMPLETED"]
+            if bad:
+                print(f"  warning: jobs not COMPLETED: {bad}")
+        results[with_gate] = dt
+        print(f"  {'with' if with_gate else 'without'} the gate: {dt:6.1f} s")
+    print(f"  ratio with/without: {results[True] / results[False]:4.2f}x")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "ncclguard-bench")
+    p.add_argument("--runs", type=int, default=21)
+    p.add_argument("--jobs", type=int, default=200)
+    p.add_argument("--no-cluster", action="store_true")
+    p.add_argument("--no-process", action="store_true")
+    a = p.parse_args()
+    a.work.mkdir(parents=True, exist_ok=True)
+    os.chdir(a.work)
+    if not a.no_process:
+        process_cost(a.work, a.runs)
+    if not a.no_cluster:
+        cluster_cost(a.work, a.jobs)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,238 @@
+"""The gate end to end: a real slurmctld + 4 slurmd + munged, the gate as PrologSlurmctld.
+
+Inventory for most tests: n1, n2, n4 on NCCL 2.21.5, n3 on 2.18.3 (refuse-level).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from policy_fingerprints import fingerprint
+
+from ncclguard.devcluster import DevCluster
+from ncclguard.store import Inventory
+from prolog import audit, steer
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+ODD = {"n3": "2.18.3"}
+
+
+def make_inventory(
+    cluster: DevCluster, versions: dict[str, str] | None = None, stale: tuple[str, ...] = ()
+) -> None:
+    versions = versions or {}
+    for p in cluster.db.parent.glob(cluster.db.name + "*"):
+        p.unlink()
+    now = time.time()
+    with Inventory(cluster.db) as inv:
+        for host in cluster.node_names:
+            fp = fingerprint(host, nccl=versions.get(host, "2.21.5"))
+            inv.upsert(fp, now=now - 100_000 if host in stale else now)
+
+
+def gate_config(cluster: DevCluster, extra: str = "", policy: str = "") -> None:
+    text = f'[gate]\naudit_log = "{cluster.audit_path}"\nsteer_wait_s = 30\n{extra}\n'
+    if policy:
+        text += f"[policy]\n{policy}\n"
+    cluster.write_gate_config(text)
+
+
+def records(cluster: DevCluster, job: int) -> list[dict]:
+    return audit.read(cluster.audit_path, job=job)
+
+
+def admin_comment(cluster: DevCluster, job: int) -> str:
+    info = cluster.slurm().job(job)
+    assert info is not None, f"job {job} unknown to squeue"
+    return info.admin_comment
+
+
+def wait_for(pred, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    end = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.25)
+
+
+@pytest.fixture
+def odd_cluster(cluster: DevCluster) -> DevCluster:
+    make_inventory(cluster, ODD)
+    gate_config(cluster)
+    return cluster
+
+
+def test_compatible_batch_job_runs(odd_cluster: DevCluster) -> None:
+    c = odd_cluster
+    job = c.sbatch(["-N2", "-w", "n[1-2]", "--wrap", "true"])
+    assert c.wait_job(job, {"COMPLETED", "FAILED"}, 60) == "COMPLETED"
+    (rec,) = records(c, job)
+    assert rec["decision"] == "accept" and rec["nodes"] == "n[1-2]" and rec["user"] == "root"
+    assert admin_comment(c, job) == ""
+
+
+def test_incompatible_batch_job_is_steered_and_completes(odd_cluster: DevCluster) -> None:
+    c = odd_cluster
+    # three nodes: the scheduler's first pick is n[1-3], which holds the odd n3
+    job = c.sbatch(["-N3", "--wrap", "hostname"])
+    assert c.wait_job(job, {"COMPLETED", "FAILED"}, 90) == "COMPLETED"
+    recs = records(c, job)
+    refusal = next(r for r in recs if r.get("decision") == "refuse")
+    assert refusal["nodes"] == "n[1-3]" and refusal["odd_nodes"] == ["n3"]
+    assert refusal["action"] == "steer"
+    assert refusal["findings"][0]["rule"] == "nccl-version"
+    followup = next(r for r in recs if r.get("decision") == "followup")
+    assert followup["result"] == "done" and followup["excluded"] == "n3"
+    assert recs[-1]["decision"] == "accept" and recs[-1]["nodes"] == "n[1-2,4]"
+    comment = admin_comment(c, job)
+    assert comment.startswith("ncclguard: refuse, odd n3: nccl-version")
+    assert "requeued without n3" in comment
+    assert c.job_field(job, "ExcNodeList") == "n3"
+    assert c.job_field(job, "NodeList") == "n[1-2,4]"
+
+
+def test_steer_merges_the_users_exclusions(odd_cluster: DevCluster) -> None:
+    c = odd_cluster
+    job = c.sbatch(["-N2", "-x", "n4", "--hold", "--wrap", "true"])
+    assert steer.steer(c.slurm(), job, ["n3"]) == "n[3-4]"
+    assert c.job_field(job, "ExcNodeList") == "n[3-4]"
+
+
+def test_users_exclusions_count_against_the_compatible_class(odd_cluster: DevCluster) -> None:
+    c = odd_cluster
+    job = c.sbatch(["-N3", "-x", "n1", "--wrap", "true"])  # lands on n[2-4], odd n3
+    wait_for(lambda: c.job_field(job, "Reason").startswith("JobHeld"), 40, "the hold")
+    comment = admin_comment(c, job)
+    assert "without n3 has 2 nodes, the job needs 3" in comment
+
+
+def test_pinned_job_on_incompatible_set_is_held(odd_cluster: DevCluster) -> None:
+    c = odd_cluster
+    job = c.sbatch(["-N2", "-w", "n[2-3]", "--wrap", "true"])
+    wait_for(lambda: c.job_field(job, "Reason").startswith("JobHeld"), 40, "the hold")
+    comment = admin_comment(c, job)
+    assert comment.startswith("ncclguard: refuse")
+    assert "held: pinned with -w to n3" in comment
+    assert c.job_field(job, "JobState") == "PENDING"
+    recs = records(c, job)
+    assert recs[0]["action"] == "hold"
+    assert any(r.get("decision") == "followup" and r["result"] == "done" for r in recs)
+
+
+def test_job_larger_than_the_compatible_class_is_held(odd_cluster: DevCluster) -> None:
+    c = odd_cluster
+    job = c.sbatch(["-N4", "--wrap", "true"])
+    wait_for(lambda: c.job_field(job, "Reason").startswith("JobHeld"), 40, "the hold")
+    comment = admin_comment(c, job)
+    assert "largest compatible class in partition debug without n3 has 3 nodes" in comment
+    assert "needs 4" in comment
+
+
+def test_srun_on_incompatible_set_is_killed_with_the_reason(odd_cluster: DevCluster) -> None:
+    c = odd_cluster
+    r = c.run(["srun", "-N2", "-w", "n[3-4]", "true"], check=False, timeout=60)
+    assert r.returncode != 0
+    assert "ncclguard: refuse, odd n3: nccl-version" in r.stderr  # the user's terminal
+    assert "PrologSlurmctld failed" in r.stderr
+    rec = audit.read(c.audit_path, refused=True)[-1]
+    assert rec["action"] == "kill" and rec["batch"] is False
+
+
+def test_srun_on_compatible_set_runs(odd_cluster: DevCluster) -> None:
+    r = odd_cluster.run(["srun", "-N2", "-w", "n[1-2]", "hostname"], check=False, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "ncclguard" not in r.stderr
+
+
+def test_missing_inventory_fails_open_and_logs(odd_cluster: DevCluster) -> None:
+    c = odd_cluster
+    c.db.unlink()
+    job = c.sbatch(["-N2", "-w", "n[3-4]", "--wrap", "true"])
+    assert c.wait_job(job, {"COMPLETED", "FAILED"}, 60) == "COMPLETED"
+    log = c.gate_log.read_text()
+    assert f"[job {job}]: ERROR: inventory:" in log and "-> accept" in log
+    (rec,) = records(c, job)
+    assert rec["decision"] == "error" and rec["action"] == "accept"
+    assert "inventory" in rec["error"]
+
+
+def test_missing_inventory_fails_closed_when_configured(odd_cluster: DevCluster) -> None:
+    c = odd_cluster
+    c.db.unlink()
+    gate_config(c, 'on_error = "refuse"')
+    r = c.run(["srun", "-N2", "-w", "n[1-2]", "true"], check=False, timeout=60)
+    assert r.returncode != 0
+    assert "ncclguard: refused, gate error (inventory" in r.stderr
+
+
+def test_corrupt_inventory_fails_open(odd_cluster: DevCluster) -> None:
+    c = odd_cluster
+    c.db.write_bytes(b"this is not a database" * 100)
+    r = c.run(["srun", "-N2", "-w", "n[3-4]", "true"], check=False, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "ERROR: inventory:" in c.gate_log.read_text()
+
+
+def test_broken_config_fails_open(odd_cluster: DevCluster) -> None:
+    c = odd_cluster
+    c.write_gate_config('[gate]\nsteering = "sideways"\n')
+    r = c.run(["srun", "-N2", "-w", "n[3-4]", "true"], check=False, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "gate.steering = 'sideways'" in c.gate_log.read_text()
+
+
+def test_stale_record_warns(odd_cluster: DevCluster) -> None:
+    c = odd_cluster
+    make_inventory(c, stale=("n2",))
+    job = c.sbatch(["-N2", "-w", "n[1-2]", "--wrap", "true"])
+    assert c.wait_job(job, {"COMPLETED", "FAILED"}, 60) == "COMPLETED"
+    (rec,) = records(c, job)
+    assert rec["decision"] == "warn" and rec["stale"] == ["n2"]
+    assert admin_comment(c, job).startswith("ncclguard: warn")
+
+
+def test_stale_record_refuses_when_configured(odd_cluster: DevCluster) -> None:
+    c = odd_cluster
+    make_inventory(c, stale=("n2",))
+    gate_config(c, policy='severity = { "unknown-node" = "refuse" }')
+    r = c.run(["srun", "-N2", "-w", "n[1-2]", "true"], check=False, timeout=60)
+    assert r.returncode != 0
+    assert "ncclguard: refuse" in r.stderr
+
+
+def test_opt_out_by_comment(odd_cluster: DevCluster) -> None:
+    c = odd_cluster
+    job = c.sbatch(["-N2", "-w", "n[3-4]", "--comment", "ncclguard=off", "--wrap", "true"])
+    assert c.wait_job(job, {"COMPLETED", "FAILED"}, 60) == "COMPLETED"
+    (rec,) = records(c, job)
+    assert rec["action"] == "opt-out" and rec["decision"] == "accept"
+
+
+def test_opt_out_ignored_when_not_allowed(odd_cluster: DevCluster) -> None:
+    c = odd_cluster
+    gate_config(c, "allow_opt_out = false")
+    r = c.run(
+        ["srun", "-N2", "-w", "n[3-4]", "--comment", "ncclguard=off", "true"],
+        check=False,
+        timeout=60,
+    )
+    assert r.returncode != 0 and "ncclguard: refuse" in r.stderr
+
+
+def test_steering_hold_mode(odd_cluster: DevCluster) -> None:
+    c = odd_cluster
+    gate_config(c, 'steering = "hold"')
+    job = c.sbatch(["-N3", "--wrap", "true"])
+    wait_for(lambda: c.job_field(job, "Reason").startswith("JobHeld"), 40, "the hold")
+    assert "held: incompatible nodes (gate.steering = hold)" in admin_comment(c, job)
+
+
+def test_audit_is_private_and_listable(odd_cluster: DevCluster, tmp_path: Path) -> None:
+    c = odd_cluster
+    r = c.run(["srun", "-N2", "-w", "n[1-2]", "true"], check=False, timeout=60)
+    assert r.returncode == 0
+    assert (c.audit_path.stat().st_mode & 0o777) == 0o640
+    assert audit.read(c.audit_path, since=time.time() - 60)

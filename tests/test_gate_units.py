@@ -1,0 +1,266 @@
+"""The gate without a cluster: Job from env, the audit file, error outcomes, the deadline.
+
+The gate runs as a real process (``python -I -m prolog.gate``), as Slurm would start it.
+Slurm commands, where a path needs them, are absent or stand-ins that hang.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from policy_fingerprints import fingerprint
+
+from ncclguard.store import Inventory
+from prolog import audit
+from prolog.job import Job, JobError
+
+ENV = {
+    "SLURM_JOB_ID": "77",
+    "SLURM_JOB_NODELIST": "n[1-3]",
+    "SLURM_JOB_NUM_NODES": "3",
+    "SLURM_JOB_PARTITION": "debug",
+    "SLURM_JOB_USER": "alice",
+    "SLURM_JOB_UID": "1000",
+}
+
+
+# ---------------------------------------------------------------------------- Job
+
+
+def test_job_from_env() -> None:
+    job = Job.from_env({**ENV, "SLURM_JOB_STDOUT": "/x", "SLURM_JOB_RESTART_COUNT": "2"})
+    assert job.job_id == 77 and job.nodes == ("n1", "n2", "n3") and job.num_nodes == 3
+    assert job.batch and job.restart_count == 2 and job.uid == 1000 and job.user == "alice"
+    assert not Job.from_env(ENV).batch
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"SLURM_JOB_NODELIST": "n[1-3"}, "invalid hostlist 'n[1-3'"),
+        ({"SLURM_JOB_NODELIST": ""}, "SLURM_JOB_NODELIST is empty"),
+        ({"SLURM_JOB_ID": ""}, "not a job id"),
+        ({"SLURM_JOB_ID": "12; rm"}, "not a job id"),
+        ({"SLURM_JOB_NUM_NODES": "4"}, "names 3 nodes but SLURM_JOB_NUM_NODES=4"),
+    ],
+)
+def test_job_from_bad_env(env: dict[str, str], message: str) -> None:
+    with pytest.raises(JobError, match=message.replace("[", r"\[")):
+        Job.from_env({**ENV, **env})
+
+
+@pytest.mark.parametrize(
+    ("comment", "extra", "off"),
+    [
+        ("ncclguard=off", "", True),
+        ("debug run, ncclguard=off", "", True),
+        ("", "ncclguard=OFF", True),
+        ("ncclguard=offline", "", False),
+        ("xncclguard=off", "", False),
+        ("", "", False),
+    ],
+)
+def test_opt_out(comment: str, extra: str, off: bool) -> None:
+    env = {**ENV, "SLURM_JOB_COMMENT": comment, "SLURM_JOB_EXTRA": extra}
+    assert Job.from_env(env).opted_out is off
+
+
+# ---------------------------------------------------------------------------- audit
+
+
+def test_audit_append_and_read(tmp_path: Path) -> None:
+    path = tmp_path / "sub" / "decisions.jsonl"
+    audit.append(path, {"job": 1, "decision": "accept"})
+    audit.append(path, {"job": 2, "decision": "refuse"})
+    with open(path, "a") as f:
+        f.write('{"job": 3, "decis')  # a torn line is skipped, not fatal
+    audit.append(path, {"job": 2, "decision": "followup"})
+    assert (path.stat().st_mode & 0o777) == 0o640
+    assert [r["job"] for r in audit.read(path)] == [1, 2, 2]
+    assert [r["decision"] for r in audit.read(path, job=2)] == ["refuse", "followup"]
+    assert [r["job"] for r in audit.read(path, refused=True)] == [2]
+    assert audit.read(path, since=time.time() + 60) == []
+    assert len(audit.read(path, since="2000-01-01T00:00:00Z")) == 3
+    assert audit.read(tmp_path / "none.jsonl") == []
+    with pytest.raises(ValueError, match="since='yesterday'"):
+        audit.read(path, since="yesterday")
+
+
+def test_audit_refuses_unsafe_paths(tmp_path: Path) -> None:
+    target = tmp_path / "target"
+    target.write_text("")
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(target)
+    with pytest.raises(audit.AuditError, match="cannot open"):
+        audit.append(link, {"job": 1})
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    open_dir.chmod(0o777)
+    with pytest.raises(audit.AuditError, match="writable by everyone"):
+        audit.append(open_dir / "d.jsonl", {"job": 1})
+    assert target.read_text() == ""
+
+
+def test_audit_concurrent_appends_stay_whole(tmp_path: Path) -> None:
+    path = tmp_path / "d.jsonl"
+    code = (
+        "import sys; from prolog import audit\n"
+        "for i in range(100): audit.append(sys.argv[1], {'job': i, 'pad': 'x' * 3000})\n"
+    )
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(path)]) for _ in range(4)]
+    assert all(p.wait(60) == 0 for p in procs)
+    assert len(audit.read(path)) == 400
+
+
+# ---------------------------------------------------------------------------- gate
+
+
+def run_gate(
+    tmp_path: Path, config: str = "", env: dict[str, str] | None = None, timeout: float = 30
+) -> tuple[subprocess.CompletedProcess[str], float]:
+    conf = tmp_path / "gate.toml"
+    conf.write_text(f'[gate]\naudit_log = "{tmp_path / "audit.jsonl"}"\n{config}\n')
+    full = {
+        "PATH": "/usr/bin:/bin",
+        "NCCLGUARD_CONFIG": str(conf),
+        "NCCLGUARD_DB": str(tmp_path / "inventory.db"),
+        **ENV,
+        **(env or {}),
+    }
+    t = time.monotonic()
+    r = subprocess.run(
+        [sys.executable, "-I", "-m", "prolog.gate"],
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return r, time.monotonic() - t
+
+
+def inventory(tmp_path: Path, odd: dict[str, str] | None = None) -> None:
+    with Inventory(tmp_path / "inventory.db") as inv:
+        for h in ("n1", "n2", "n3", "n4"):
+            inv.upsert(fingerprint(h, nccl=(odd or {}).get(h, "2.21.5")))
+
+
+def last(tmp_path: Path) -> dict:
+    return audit.read(tmp_path / "audit.jsonl")[-1]
+
+
+def test_accept_makes_no_slurm_call(tmp_path: Path) -> None:
+    inventory(tmp_path)
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    r, _ = run_gate(tmp_path, f'slurm_bin_dir = "{empty}"')
+    assert r.returncode == 0, r.stderr
+    assert "accept n[1-3]" in r.stderr and "ERROR" not in r.stderr
+    assert last(tmp_path)["decision"] == "accept"
+
+
+@pytest.mark.parametrize(
+    ("setup", "what"),
+    [
+        ("missing", "inventory"),
+        ("corrupt", "inventory"),
+        ("badlist", "job"),
+        ("badconfig", "config"),
+    ],
+)
+def test_errors_fail_open_loudly(tmp_path: Path, setup: str, what: str) -> None:
+    env: dict[str, str] = {}
+    config = ""
+    if setup == "corrupt":
+        (tmp_path / "inventory.db").write_bytes(b"garbage" * 1000)
+    elif setup == "badlist":
+        inventory(tmp_path)
+        env = {"SLURM_JOB_NODELIST": "n[1-3"}
+    elif setup == "badconfig":
+        config = "deadline_s = -1"
+    r, _ = run_gate(tmp_path, config, env)
+    assert r.returncode == 0
+    assert f"ERROR: {what}:" in r.stderr and "-> accept (gate.on_error = accept)" in r.stderr
+    if setup != "badconfig":  # a broken config cannot say where the audit goes
+        rec = last(tmp_path)
+        assert rec["decision"] == "error" and rec["error"].startswith(what)
+
+
+def test_errors_fail_closed_when_configured(tmp_path: Path) -> None:
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    r, _ = run_gate(tmp_path, f'on_error = "refuse"\nslurm_bin_dir = "{empty}"')
+    assert r.returncode == 1
+    assert "-> refuse (gate.on_error = refuse)" in r.stderr
+    assert "scontrol: not found" in r.stderr  # the comment could not be set: said so
+
+
+def test_locked_inventory_fails_open_within_the_deadline(tmp_path: Path) -> None:
+    import sqlite3
+
+    inventory(tmp_path)
+    conn = sqlite3.connect(tmp_path / "inventory.db")
+    conn.execute("BEGIN EXCLUSIVE")
+    try:
+        r, dt = run_gate(tmp_path, "deadline_s = 2")
+    finally:
+        conn.rollback()
+        conn.close()
+    assert r.returncode == 0
+    assert "ERROR: inventory" in r.stderr or "ERROR: deadline" in r.stderr
+    assert dt < 5
+
+
+def test_deadline_bounds_hanging_slurm_commands(tmp_path: Path) -> None:
+    inventory(tmp_path, {"n3": "2.18.3"})
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("scontrol", "squeue", "sinfo"):
+        p = bin_dir / name
+        p.write_text("#!/bin/sh\nexec sleep 60\n")
+        p.chmod(0o700)
+    r, dt = run_gate(tmp_path, f'deadline_s = 1.5\nslurm_bin_dir = "{bin_dir}"')
+    assert dt < 4, r.stderr
+    assert "timed out" in r.stderr or "no time left" in r.stderr or "deadline" in r.stderr
+    assert r.returncode == 1  # the refusal itself stands; only the Slurm calls were cut
+
+
+def test_unguarded_partition_is_not_checked(tmp_path: Path) -> None:
+    r, _ = run_gate(tmp_path, '[policy]\npartitions = ["gpu"]')
+    assert r.returncode == 0  # no inventory at all, and no error: not even opened
+    rec = last(tmp_path)
+    assert rec["action"] == "skip" and "not guarded" in rec["summary"]
+
+
+def test_interactive_refusal_exits_nonzero(tmp_path: Path) -> None:
+    inventory(tmp_path, {"n3": "2.18.3"})
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    r, _ = run_gate(tmp_path, f'slurm_bin_dir = "{empty}"')
+    assert r.returncode == 1
+    rec = last(tmp_path)
+    assert rec["decision"] == "refuse" and rec["action"] == "kill" and rec["odd_nodes"] == ["n3"]
+    assert rec["user"] == "alice" and rec["nodes"] == "n[1-3]"
+
+
+def test_gate_does_not_import_heavy_modules(tmp_path: Path) -> None:
+    inventory(tmp_path)
+    code = (
+        "import sys; from prolog.gate import main; rc = main();"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('click', 'sqlite_utils', 'subprocess', 'psutil', 'elftools')))"
+    )
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "NCCLGUARD_DB": str(tmp_path / "inventory.db"),
+        "NCCLGUARD_CONFIG": str(tmp_path / "c.toml"),
+        **ENV,
+    }
+    (tmp_path / "c.toml").write_text(f'[gate]\naudit_log = "{tmp_path / "a.jsonl"}"\n')
+    r = subprocess.run([sys.executable, "-I", "-c", code], env=env, capture_output=True, text=True)
+    assert r.stdout.strip() == "[]", r.stdout + r.stderr
+    assert os.path.exists(tmp_path / "a.jsonl")
