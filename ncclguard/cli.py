@@ -1022,3 +1022,7 @@ def _register_optional() -> None:
 
 
 _register_optional()
+
+
+if __name__ == "__main__":  # python -m ncclguard.cli
+    main()
