@@ -250,6 +250,20 @@ class ElfReader:
 
         return self._guard("program headers", run)
 
+    def section_ranges(self, names: frozenset[str]) -> list[tuple[int, int]]:
+        """File ranges ``(start, end)`` of the named sections that have contents."""
+
+        def run() -> list[tuple[int, int]]:
+            out = []
+            for sec in self._elf.iter_sections():
+                if sec.name in names and sec["sh_type"] != "SHT_NOBITS":
+                    start, size = sec["sh_offset"], sec["sh_size"]
+                    if self._in_file(start, size):
+                        out.append((start, start + size))
+            return sorted(out)
+
+        return self._guard("section headers", run)
+
     def pointed_string(self, vaddr: int) -> str | None:
         """The string that the pointer stored at ``vaddr`` points to (e.g. a struct's name)."""
         target = self.pointer_target(vaddr)

@@ -193,3 +193,14 @@ def test_ncclgetversion_option_cross_checks(tmp_path: Path, nccl_lib) -> None:
     libs = nccl.probe(NodeFS(root), errors, cfg, FileCache(None))
     assert errors.entries == []
     assert libs[0]["version_code"] == 22105 and libs[0]["version_source"] == "banner"
+
+
+def test_scan_skips_device_code_but_hashes_it() -> None:
+    pad = b"\xff" * nccl.CHUNK
+    data = b"\0ncclNetPlugin_v5\0" + pad + pad + b"\0ncclNetPlugin_v9\0" + pad + pad
+    skipped = nccl.scan(io.BytesIO(data), [(nccl.CHUNK, 3 * nccl.CHUNK)])
+    whole = nccl.scan(io.BytesIO(data))
+    assert whole["abis"]["net"] == [9, 5]
+    assert skipped["abis"]["net"] == [5]  # v9 lies wholly inside the skipped chunks
+    assert skipped["sha256"] == whole["sha256"] == hashlib.sha256(data).hexdigest()
+    assert skipped["size"] == len(data)

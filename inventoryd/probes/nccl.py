@@ -26,7 +26,6 @@ import subprocess
 import sys
 from typing import Any, BinaryIO
 
-from inventoryd.elf import ElfError, ElfReader
 from inventoryd.filecache import FileCache
 from inventoryd.nodefs import ErrorLog, NodeFS
 from inventoryd.probes import linker
@@ -41,6 +40,8 @@ CHUNK = 1 << 20
 OVERLAP = 256  # longer than any string searched for, so none is lost at a chunk boundary
 MAX_LIBRARIES = 256
 GETVERSION_TIMEOUT_S = 10.0
+# CUDA device code (fatbins of cubins and PTX) holds no host string literal
+DEVICE_CODE_SECTIONS = frozenset({".nv_fatbin", "__nv_relfatbin"})
 
 _BANNER = re.compile(
     rb"NCCL version (\d{1,3})\.(\d{1,3})\.(\d{1,3})\+cuda(\d{1,3})\.(\d{1,3})(?!\d)"
@@ -111,48 +112,63 @@ class _Scanner:
             self.abis[kind].add(int(m.group(1)))
 
 
-def scan(f: BinaryIO) -> dict[str, Any]:
-    """sha256, size, banner, git version and plugin ABIs of one open file, in one pass."""
+def scan(f: BinaryIO, skip: list[tuple[int, int]] | None = None) -> dict[str, Any]:
+    """sha256, size, banner, git version and plugin ABIs of one open file, in one pass.
+
+    Every byte is hashed; the strings are not searched for in chunks that lie wholly in a
+    ``skip`` range (CUDA device code: 95 % of a libnccl, and no host string literal).
+    """
     h = hashlib.sha256()
     sc = _Scanner()
     buf = bytearray(OVERLAP + CHUNK)
     view = memoryview(buf)
     keep = 0
-    size = 0
+    pos = 0
+    ranges = skip or []
     while True:
         n = f.readinto(view[keep : keep + CHUNK])  # type: ignore[attr-defined]
         if not n:
             sc.feed(buf, keep, eof=True)
             break
         h.update(view[keep : keep + n])
-        size += n
+        start, pos = pos, pos + n
+        if any(a <= start and pos <= b for a, b in ranges):
+            sc.feed(buf, keep, eof=True)  # the text before the skipped part ends here
+            keep = 0
+            continue
         end = keep + n
         sc.feed(buf, end, eof=False)
         keep = min(OVERLAP, end)
         buf[:keep] = buf[end - keep : end]
     view.release()
     abis = {k: sorted(v, reverse=True) for k, v in sc.abis.items()}
-    return {"sha256": h.hexdigest(), "size": size, "banner": sc.banner, "git": sc.git,
+    return {"sha256": h.hexdigest(), "size": pos, "banner": sc.banner, "git": sc.git,
             "abis": abis}
 
 
 def analyze(f: BinaryIO, label: str) -> dict[str, Any]:
     """The file-only facts of one libnccl (cacheable): the schema fields but path/default."""
-    s = scan(f)
+    from inventoryd.elf import ElfError, ElfReader  # only on a cache miss: a warm run skips it
+
+    problem = None
+    skip: list[tuple[int, int]] = []
+    if f.read(1) == b"":
+        problem = "empty file (0 bytes)"
+    else:
+        try:
+            f.seek(0)
+            elf = ElfReader(f, label)
+            problem = elf.truncation()
+            skip = [] if problem else elf.section_ranges(DEVICE_CODE_SECTIONS)
+        except ElfError as e:
+            problem = str(e).removeprefix(f"{label}: ")
+    f.seek(0)
+    s = scan(f, skip)
     out: dict[str, Any] = {
         "size": s["size"], "sha256": s["sha256"], "version": None, "version_code": None,
         "cuda_version": None, "version_source": None, "version_error": None,
         "git_version": s["git"], "abis": s["abis"],
     }
-    problem = None
-    if s["size"] == 0:
-        problem = "empty file (0 bytes)"
-    else:
-        try:
-            f.seek(0)
-            problem = ElfReader(f, label).truncation()
-        except ElfError as e:
-            problem = str(e).removeprefix(f"{label}: ")
     if problem:
         out["version_error"] = f"{problem}; no version read"
         return out

@@ -29,7 +29,6 @@ import hashlib
 import re
 from typing import Any, BinaryIO
 
-from inventoryd.elf import ElfError, ElfReader
 from inventoryd.filecache import FileCache
 from inventoryd.nodefs import ErrorLog, NodeFS
 from inventoryd.probes import linker
@@ -95,6 +94,8 @@ def _version(lib: dict[str, Any] | None) -> Version | None:
 
 def analyze(f: BinaryIO, label: str) -> dict[str, Any]:
     """The file-only facts of one plugin (cacheable): size, sha256, abis, names, error."""
+    from inventoryd.elf import ElfError, ElfReader  # only on a cache miss: a warm run skips it
+
     h = hashlib.sha256()
     size = 0
     while chunk := f.read(1 << 20):
