@@ -166,7 +166,9 @@ class LogReader:
         lineno = 0
         carry = b""
         skipping = False  # inside an over-long line: discard up to its newline
-        read = self._stream.read
+        # read1 on gzip: one decompression step per call, so that a stream that breaks
+        # off loses only the step that failed, not a whole chunk of good lines
+        read = self._stream.read1 if self.compressed else self._stream.read
         try:
             while True:
                 try:
