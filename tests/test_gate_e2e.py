@@ -133,9 +133,9 @@ def test_job_larger_than_the_compatible_class_is_held(odd_cluster: DevCluster) -
 
 def test_srun_on_incompatible_set_is_killed_with_the_reason(odd_cluster: DevCluster) -> None:
     c = odd_cluster
-    r = c.run(["srun", "-N2", "-w", "n[3-4]", "true"], check=False, timeout=60)
+    r = c.run(["srun", "-N3", "-w", "n[2-4]", "true"], check=False, timeout=60)
     assert r.returncode != 0
-    assert "ncclguard: refuse, odd n3: nccl-version" in r.stderr  # the user's terminal
+    assert "srun: ncclguard: refuse, odd n3: nccl-version" in r.stderr  # the user's terminal
     assert "PrologSlurmctld failed" in r.stderr
     rec = audit.read(c.audit_path, refused=True)[-1]
     assert rec["action"] == "kill" and rec["batch"] is False

@@ -85,7 +85,7 @@ def test_controller_down_is_a_clear_error(tmp_path: Path) -> None:
     s = Slurm(conf=str(conf), timeout=20)
     with pytest.raises(SlurmError) as err:
         s.nodes()
-    assert "sinfo" in str(err.value) and err.value.returncode not in (0, None)
+    assert str(err.value).startswith("sinfo")
 
 
 def test_missing_binaries(tmp_path: Path) -> None:
