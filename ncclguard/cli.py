@@ -127,7 +127,7 @@ class NodeSet:
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "source": self.source, "size": len(self.hosts),
-                "hosts": compress(self.hosts) if self.hosts else "", "note": self.note or None}
+                "note": self.note or None}
 
     def describe(self) -> str:
         what = {"slurm": "Slurm (sinfo)", "--nodes": "--nodes",
@@ -394,29 +394,31 @@ def parse_where(items: Sequence[str]) -> dict[str, Any]:
     return where
 
 
+_ROW_KEYS = ("host", "nccl_version", "net_plugin", "net_plugin_name", "net_abi", "transport",
+             "rdma_ports_up", "rdma_ports_total", "driver", "error_count", "compat_key")
+
+
 def _node_row(r: Mapping[str, Any], now: float, ttl: float) -> dict[str, Any]:
     hb = r.get("last_heartbeat")
     age = None if hb is None else now - hb
-    stale = hb is None or age is None or age > ttl
+    stale = age is None or age > ttl
     versions = r.get("nccl_versions") or []
     nccl = r.get("nccl_version")
-    others = [v for v in versions if v != nccl]
-    shown = (nccl or "-") + (f" (+{','.join(others)})" if others else "")
-    return {
-        **{k: r.get(k) for k in ("host", "nccl_version", "net_plugin", "net_plugin_name",
-                                 "net_abi", "transport", "rdma_ports_up", "rdma_ports_total",
-                                 "driver", "error_count", "compat_key")},
-        "nccl_versions": list(versions),
-        "last_heartbeat": out.iso(hb),
-        "age_s": None if age is None else round(age, 1),
-        "stale": stale,
-        "status": "stale" if stale else ("errors" if r.get("error_count") else "ok"),
+    shown = nccl or "-"
+    if len(versions) > 1 or (versions and versions[0] != nccl):
+        others = [v for v in versions if v != nccl]
+        shown += f" (+{','.join(others)})" if others else ""
+    when = out.iso(hb)
+    row = {k: r.get(k) for k in _ROW_KEYS}
+    row.update(
+        nccl_versions=list(versions), last_heartbeat=when,
+        age_s=None if age is None else round(age, 1), stale=stale,
+        status="stale" if stale else ("errors" if r.get("error_count") else "ok"),
         # table-only cells
-        "nccl": shown,
-        "rdma": f"{r.get('rdma_ports_up', 0)}/{r.get('rdma_ports_total', 0)}",
-        "heartbeat": out.iso(hb),
-        "age": out.age(age),
-    }
+        nccl=shown, rdma=f"{r.get('rdma_ports_up', 0)}/{r.get('rdma_ports_total', 0)}",
+        heartbeat=when, age=out.age(age),
+    )
+    return row
 
 
 def _missing_row(host: str) -> dict[str, Any]:
@@ -443,7 +445,8 @@ def nodes(partition: str | None, nodes_opt: str | None, where: tuple[str, ...], 
     filters = parse_where(where)
     sets = resolve_sets(c, partition, nodes_opt)
     rows = c.inv("nodes", filters or None)
-    result = [_node_row(r, c.now, c.stale_after) for r in rows]
+    now, ttl = c.now, c.stale_after
+    result = [_node_row(r, now, ttl) for r in rows]
     node_set = sets[0] if sets else None
     if node_set is not None:
         members = set(node_set.hosts)
@@ -881,7 +884,7 @@ def gather_facts(c: Ctx, hosts: Sequence[str]) -> tuple[dict[str, Any], dict[str
     from ncclguard.drain import NodeFacts, active_ports
 
     wanted = set(hosts)
-    cls = c.inv("classes", list(hosts))
+    cls = c.inv("classes", None)  # all of them: cheaper than a 16,000-name filter
     values = {k.compat_key: k.values for k in cls}
     rows = [r for r in c.inv("nodes", None) if r["host"] in wanted]
     with_errors = [r["host"] for r in rows if r.get("error_count")]
@@ -1009,19 +1012,46 @@ def drain_recommend(partition: str | None, nodes_opt: str | None, do_apply: bool
 
 # --------------------------------------------------------------------------- plug-ins
 
-
-def _register_optional() -> None:
-    """Subcommands that live in other packages (``diagnose``, issue 7), when installed."""
-    try:
-        from ncclguard.diagnose.cli import diagnose as diagnose_cmd
-    except ModuleNotFoundError as e:
-        if e.name not in ("ncclguard.diagnose", "ncclguard.diagnose.cli"):
-            raise
-        return
-    main.add_command(diagnose_cmd, "diagnose")
+#: Subcommands that live in other packages, imported only when they are run (or listed
+#: by --help), so that they cost the other commands nothing: name -> (module, attribute).
+LAZY_COMMANDS = {"diagnose": ("ncclguard.diagnose.cli", "diagnose")}  # issue 7
 
 
-_register_optional()
+def _lazy_available(name: str) -> bool:
+    import importlib.util
+
+    module = LAZY_COMMANDS[name][0]
+    parent, _, leaf = module.rpartition(".")
+    spec = importlib.util.find_spec(parent.split(".")[0])
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    from pathlib import Path
+
+    base = Path(next(iter(spec.submodule_search_locations)))
+    rel = Path(*parent.split(".")[1:]) / f"{leaf}.py"
+    return (base / rel).is_file()
+
+
+def _lazy_list(self: click.Group, ctx: click.Context) -> list[str]:
+    names = set(click.Group.list_commands(self, ctx))
+    names.update(n for n in LAZY_COMMANDS if _lazy_available(n))
+    return sorted(names)
+
+
+def _lazy_get(self: click.Group, ctx: click.Context, name: str) -> click.Command | None:
+    cmd = click.Group.get_command(self, ctx, name)
+    if cmd is not None or name not in LAZY_COMMANDS or not _lazy_available(name):
+        return cmd
+    import importlib
+
+    module, attr = LAZY_COMMANDS[name]
+    found = getattr(importlib.import_module(module), attr)
+    self.add_command(found, name)
+    return found
+
+
+_Group.list_commands = _lazy_list  # type: ignore[method-assign]
+_Group.get_command = _lazy_get  # type: ignore[method-assign]
 
 
 if __name__ == "__main__":  # python -m ncclguard.cli

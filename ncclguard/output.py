@@ -8,6 +8,7 @@ hands them here; nothing else in the CLI formats text. Table cells are strings m
 from __future__ import annotations
 
 import csv
+import functools
 import io
 import json
 import math
@@ -24,6 +25,8 @@ Column = tuple[str, str]
 
 def cell(value: Any) -> str:
     """One table or CSV cell: ``None`` shows as ``-``, lists are comma-joined."""
+    if type(value) is str:  # the common case first: tables of 16,000 rows
+        return value
     if value is None:
         return "-"
     if isinstance(value, bool):
@@ -41,11 +44,10 @@ def cell(value: Any) -> str:
 def table(rows: Iterable[Mapping[str, Any]], columns: Sequence[Column]) -> str:
     """A plain aligned table with a header line; an empty table still has its header."""
     header = [h for _, h in columns]
-    body = [[cell(r.get(k)) for k, _ in columns] for r in rows]
-    widths = [len(h) for h in header]
-    for line in body:
-        for i, text in enumerate(line):
-            widths[i] = max(widths[i], len(text))
+    keys = [k for k, _ in columns]
+    body = [[cell(r.get(k)) for k in keys] for r in rows]
+    widths = [max(len(h), *(len(line[i]) for line in body)) if body else len(h)
+              for i, h in enumerate(header)]
     out = []
     for line in [header, *body]:
         out.append("  ".join(t.ljust(w) for t, w in zip(line, widths, strict=True)).rstrip())
@@ -79,7 +81,13 @@ def iso(epoch: float | None) -> str | None:
     """Epoch seconds as UTC ISO-8601 with a ``Z`` (the fingerprint's convention)."""
     if epoch is None:
         return None
-    return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return _iso_second(int(epoch // 1))
+
+
+@functools.lru_cache(maxsize=4096)
+def _iso_second(second: int) -> str:
+    # heartbeats of thousands of nodes fall on a few hundred distinct seconds
+    return datetime.fromtimestamp(second, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def age(seconds: float | None) -> str | None:
