@@ -21,10 +21,26 @@ from collections.abc import Collection, Mapping, Sequence
 
 from ncclguard.config import DEFAULT_SEVERITY, PolicyConfig
 from prolog.rules import COMPARISONS, unknown_node
-from prolog.rules.base import Rule, Values, aspects, compare, value_of
+from prolog.rules.base import ANY, Rule, Values, aspects, compare, value_of
 from prolog.verdict import SEVERITY_RANK, Finding, Verdict
 
-__all__ = ["evaluate", "in_scope", "odd_nodes"]
+__all__ = ["NODE_VALUES", "evaluate", "in_scope", "node_values", "odd_nodes"]
+
+#: The marker (and format version) of a :func:`node_values` record.
+NODE_VALUES = "ncclguard_node_values"
+
+
+def node_values(fp: dict) -> dict:
+    """Everything the rules read from one fingerprint, as a small JSON-ready record.
+
+    ``{"ncclguard_node_values": 1, "rules": {rule: {aspect: value}}}``. :func:`evaluate`
+    takes it in place of the fingerprint and gives the same verdict. Computed where the
+    fingerprint is written (inventoryd / the store), it takes the per-node work off the
+    gate's path: nodes with equal records (equal :func:`json.dumps` with sorted keys) can
+    share one decoded object, and then cost one comparison together.
+    """
+    values = _rule_values(fp, COMPARISONS)
+    return {NODE_VALUES: 1, "rules": {r.name: v for r, v in zip(COMPARISONS, values, strict=True)}}
 
 
 def in_scope(config: PolicyConfig, partition: str | None, node_count: int) -> str | None:
@@ -46,6 +62,21 @@ def _severity(config: PolicyConfig, rule: str) -> str:
     return config.severity.get(rule, DEFAULT_SEVERITY.get(rule, "warn"))
 
 
+def _rule_values(fp: dict, rules: Sequence[Rule]) -> list[Values]:
+    """Each rule's values for one fingerprint; a shared source is read once."""
+    shared: dict[object, Values] = {}
+    out: list[Values] = []
+    for rule in rules:
+        if rule.source is None:
+            out.append(rule.values(fp))
+            continue
+        src = shared.get(rule.source)
+        if src is None:
+            src = shared[rule.source] = rule.source(fp)
+        out.append(rule.project(src, computed=True))
+    return out
+
+
 def _classes(
     fingerprints: Mapping[str, dict], rules: Sequence[Rule]
 ) -> list[tuple[list[Values], list[str]]]:
@@ -55,7 +86,11 @@ def _classes(
         by_object.setdefault(id(fp), (fp, []))[1].append(host)
     merged: dict[tuple, tuple[list[Values], list[str]]] = {}
     for fp, hosts in by_object.values():
-        per_rule = [rule.values(fp) for rule in rules]
+        if NODE_VALUES in fp:
+            known = fp["rules"]
+            per_rule = [known.get(rule.name) or {ANY: None} for rule in rules]
+        else:
+            per_rule = _rule_values(fp, rules)
         key = tuple(tuple(sorted(v.items())) for v in per_rule)
         entry = merged.get(key)
         if entry is None:
@@ -141,7 +176,10 @@ def evaluate(
     stale: Collection[str] = (),
     partition: str | None = None,
 ) -> Verdict:
-    """The verdict for one allocation. ``fingerprints[host] is None``: no record."""
+    """The verdict for one allocation. ``fingerprints[host] is None``: no record.
+
+    A value may also be a :func:`node_values` record instead of the fingerprint.
+    """
     nodes = list(fingerprints)
     note = in_scope(config, partition, len(nodes))
     if note is not None:

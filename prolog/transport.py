@@ -133,7 +133,9 @@ def _selected_ports(
     """
     rdma = part(fp, "rdma")
     devices = rdma.get("devices") if isinstance(rdma, dict) else None
-    if devices is None or errored(fp, "rdma.devices", exact=True):
+    # the error fields, looked up exactly: the probes name each field they could not read
+    bad = {e.get("field") for e in fp.get("errors") or ()}
+    if devices is None or "rdma.devices" in bad:
         return None
     spec = parse_if_list(settings.get("NCCL_IB_HCA"))
     out: list[tuple[str, dict, bool | None, str | None]] = []
@@ -141,9 +143,9 @@ def _selected_ports(
         name = dev.get("name")
         if not isinstance(name, str):
             return None
-        field = f"rdma.devices.{name}"
+        field = f"rdma.devices.{name}" if bad else ""
         ports = dev.get("ports")
-        if ports is None or errored(fp, field, exact=True) or errored(fp, field + ".ports", True):
+        if ports is None or (bad and (field in bad or field + ".ports" in bad)):
             if hca_matches(spec, name, -1):
                 out.append((name, {}, None, None))
             continue
@@ -151,15 +153,17 @@ def _selected_ports(
             num = p.get("port")
             if not hca_matches(spec, name, num if isinstance(num, int) else -1):
                 continue
-            pfield = f"{field}.ports.{num}"
-            state, code = p.get("state"), p.get("state_code")
+            state, code, ll = p.get("state"), p.get("state_code"), p.get("link_layer")
             active: bool | None = state == "ACTIVE" or code == 4
-            if (state is None and code is None) or errored(fp, pfield + ".state"):
+            kind = None if ll is None else _LINK_LAYERS.get(ll, "")
+            if state is None and code is None:
                 active = None
-            ll = p.get("link_layer")
-            kind = None if ll is None or errored(fp, pfield + ".link_layer") else (
-                _LINK_LAYERS.get(ll, "")
-            )
+            if bad:
+                pfield = f"{field}.ports.{num}"
+                if pfield + ".state" in bad:
+                    active = None
+                if pfield + ".link_layer" in bad:
+                    kind = None
             out.append((name, p, active, kind))
     return out
 

@@ -11,15 +11,28 @@ No dataclasses: this is on the prolog's hot path (standard library + hostlist on
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from functools import lru_cache
 from typing import Any
 
-from ncclguard.hostlist import compress, expand
+from ncclguard.hostlist import compress as _compress
+from ncclguard.hostlist import expand
 
 __all__ = ["DECISIONS", "SUMMARY_MAX", "Finding", "Verdict"]
 
 DECISIONS = ("accept", "warn", "refuse")
 SEVERITY_RANK = {"ignore": 0, "warn": 1, "refuse": 2}
 SUMMARY_MAX = 250  # Slurm's AdminComment is a free string; keep it one short line
+
+
+@lru_cache(maxsize=128)
+def _compress_set(names: frozenset[str]) -> str:
+    return _compress(names)
+
+
+def compress(names: Iterable[str]) -> str:
+    """A Slurm hostlist of ``names`` (``ncclguard.hostlist.compress``), memoised: one
+    verdict names the same node sets in several findings, the summary and the JSON."""
+    return _compress_set(frozenset(names))
 
 
 class Finding:
@@ -46,8 +59,8 @@ class Finding:
         """Build from ``(label, host names)`` pairs; names are compressed here."""
         out = []
         for label, hosts in groups:
-            names = list(hosts)
-            out.append((label, compress(names), len(set(names))))
+            names = frozenset(hosts)
+            out.append((label, _compress_set(names), len(names)))
         return cls(rule, severity, message, out)
 
     def groups_text(self) -> str:

@@ -7,6 +7,7 @@ fingerprint is ``inventoryd.collect.collect`` on it, exactly what inventoryd sto
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from inventoryd.collect import collect
 from ncclguard.config import DEFAULT_SEVERITY, InventorydConfig, PolicyConfig
 from ncclguard.nodetree import LIBDIR, build_node
 from prolog.compat import compat_key, compat_values
-from prolog.policy import evaluate
+from prolog.policy import evaluate, node_values
 from prolog.transport import effective_transport
 
 PLUGIN_PATH = f"{LIBDIR}/libnccl-net.so"
@@ -63,6 +64,9 @@ def test_nccl_version_from_real_libraries(node: Callable[..., dict]) -> None:
     fps = {"n1": node("n1"), "n2": node("n2"), "n3": node("n3", nccl="2.18.3"),
            "n4": node("n4")}
     v = evaluate(fps, DEFAULT)
+    # the per-node records the store can keep give the same verdict, through JSON
+    records = {h: json.loads(json.dumps(node_values(fp))) for h, fp in fps.items()}
+    assert evaluate(records, DEFAULT) == v
     assert v.decision == "refuse"
     assert rules_found(v)[0] == (
         "nccl-version", "refuse", "nccl 2.18.3: n3 | nccl 2.21.5: n[1-2,4]"

@@ -31,23 +31,40 @@ class Rule:
 
     Aspects in ``warn_only`` are reported at most as warnings, never count for the odd
     nodes, and are left out when another aspect of the same rule already differs.
+
+    Rules of one family that read the same fields share a ``source``: one function that
+    returns the values of all of them, so that the policy reads each fingerprint once per
+    family; such a rule's ``values`` are the ``pick`` aspects of its source.
     """
 
-    __slots__ = ("label", "message", "name", "values", "warn_only")
+    __slots__ = ("label", "message", "name", "pick", "source", "values", "warn_only")
 
     def __init__(
         self,
         name: str,
-        values: Callable[[dict], Values],
+        values: Callable[[dict], Values] | None,
         message: Callable[[str], str],
         label: Callable[[str, str], str] = _label,
         warn_only: Iterable[str] = (),
+        source: Callable[[dict], Values] | None = None,
+        pick: Iterable[str] = (),
     ) -> None:
         self.name = name
-        self.values = values
         self.message = message
         self.label = label
         self.warn_only = frozenset(warn_only)
+        self.source = source
+        self.pick = tuple(pick)
+        if values is None:
+            if source is None:
+                raise ValueError(f"rule {name}: give values or source")
+            values = self.project
+        self.values: Callable[[dict], Values] = values
+
+    def project(self, fp_or_source_values: dict, computed: bool = False) -> Values:
+        """This rule's values from a fingerprint (or, ``computed``, from its source's)."""
+        src = fp_or_source_values if computed else self.source(fp_or_source_values)  # type: ignore[misc]
+        return {k: src.get(k) for k in self.pick}
 
     def __repr__(self) -> str:
         return f"Rule({self.name!r})"

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from prolog.fields import ABSENT, errored
+from prolog.fields import ABSENT, errored, part
 from prolog.rules.base import Rule, Values, check_rule
 from prolog.verdict import Finding
 
 
 def _gpu_field(fp: dict, key: str) -> str | None:
-    gpu = fp.get("gpu")
+    gpu = part(fp, "gpu")
     if gpu is None:
         return None
     value = gpu.get(key)
@@ -26,21 +26,24 @@ def _gpu_field(fp: dict, key: str) -> str | None:
     return str(value)
 
 
-def driver_values(fp: dict) -> Values:
-    return {"driver": _gpu_field(fp, "driver_version")}
-
-
-def gpudirect_values(fp: dict) -> Values:
-    return {"peermem": _gpu_field(fp, "peermem")}
+def gpu_values(fp: dict) -> Values:
+    """``driver`` (NVIDIA driver version) and ``peermem`` (the GPUDirect RDMA module)."""
+    return {"driver": _gpu_field(fp, "driver_version"), "peermem": _gpu_field(fp, "peermem")}
 
 
 DRIVER = Rule(
-    "gpu-driver", driver_values, lambda _: "NVIDIA driver versions differ between nodes"
+    "gpu-driver",
+    None,
+    lambda _: "NVIDIA driver versions differ between nodes",
+    source=gpu_values,
+    pick=("driver",),
 )
 GPUDIRECT = Rule(
     "gpudirect",
-    gpudirect_values,
+    None,
     lambda _: "GPUDirect RDMA (nvidia_peermem) is loaded on some nodes only",
+    source=gpu_values,
+    pick=("peermem",),
 )
 
 

@@ -5,8 +5,9 @@ NCCL fact (docs/nccl-facts.md, "Which transport a node ends up on" and "sysfs fo
 devices"): NCCL uses the ports that are ACTIVE, have link layer InfiniBand or Ethernet and
 are selected by ``NCCL_IB_HCA``. A ring or tree runs at the pace of its slowest link, so
 fewer or slower ports on one node, or another firmware, is a warning, not a refusal.
-Only those ports count (:func:`prolog.transport.nccl_ib_ports`); an unreadable rate or
-firmware version is unknown, not different.
+Only those ports count (:func:`prolog.transport.nccl_ib_ports`); ``rdma-rate`` compares
+the set of distinct rates (how many ports is ``rdma-port-count``'s business). An
+unreadable rate or firmware version is unknown, not different.
 """
 
 from __future__ import annotations
@@ -18,57 +19,52 @@ from prolog.transport import nccl_ib_ports
 from prolog.verdict import Finding
 
 
-def _ports(fp: dict) -> list[dict] | None:
-    return nccl_ib_ports(fp)
-
-
-def rate_values(fp: dict) -> Values:
-    ports = _ports(fp)
+def rdma_values(fp: dict) -> Values:
+    """``rate`` (distinct rates), ``ports`` (count) and ``firmware`` of the ports NCCL uses."""
+    ports = nccl_ib_ports(fp)
     if ports is None:
-        return {"rate": None}
-    rates = [p.get("rate_gbps") for p in ports]
-    if any(r is None for r in rates):
-        return {"rate": None}
-    distinct = sorted({float(r) for r in rates})  # type: ignore[arg-type]
-    if not distinct:
-        return {"rate": "none"}
-    return {"rate": ",".join(f"{r:g}" for r in distinct) + " Gb/s"}
-
-
-def port_count_values(fp: dict) -> Values:
-    ports = _ports(fp)
-    return {"ports": None if ports is None else str(len(ports))}
-
-
-def firmware_values(fp: dict) -> Values:
-    ports = _ports(fp)
-    if ports is None:
-        return {"firmware": None}
+        return {"rate": None, "ports": None, "firmware": None}
+    out: Values = {"ports": str(len(ports))}
+    rates = {p.get("rate_gbps") for p in ports}
+    if None in rates:
+        out["rate"] = None
+    elif not rates:
+        out["rate"] = "none"
+    else:
+        out["rate"] = ",".join(f"{r:g}" for r in sorted(rates)) + " Gb/s"
     used = {p["device"] for p in ports}
     versions: set[str] = set()
     for dev in (fp.get("rdma") or {}).get("devices") or ():
         if dev.get("name") in used:
             fw = dev.get("fw_ver")
             if fw is None:
-                return {"firmware": None}
+                out["firmware"] = None
+                return out
             versions.add(fw)
-    return {"firmware": ",".join(sorted(versions)) or "none"}
+    out["firmware"] = ",".join(sorted(versions)) or "none"
+    return out
 
 
 RATE = Rule(
     "rdma-rate",
-    rate_values,
+    None,
     lambda _: "RDMA port rates differ: collectives run at the slowest node's rate",
+    source=rdma_values,
+    pick=("rate",),
 )
 PORT_COUNT = Rule(
     "rdma-port-count",
-    port_count_values,
+    None,
     lambda _: "nodes have different numbers of usable RDMA ports: less bandwidth on some",
+    source=rdma_values,
+    pick=("ports",),
 )
 FIRMWARE = Rule(
     "rdma-firmware",
-    firmware_values,
+    None,
     lambda _: "RDMA adapters run different firmware versions",
+    source=rdma_values,
+    pick=("firmware",),
 )
 
 

@@ -1,0 +1,118 @@
+"""How much of the prolog's budget the policy takes: ratios to a bare interpreter start.
+
+The gate's whole process must stay within 2.5x ``python3 -I -c pass`` at 1,024 nodes.
+This measures, in one run and against a baseline taken here and now:
+
+- ``import prolog.policy`` in a fresh ``-I`` interpreter, after ``import
+  ncclguard.config`` (which the gate loads anyway): the policy's own share;
+- ``evaluate()`` on 1,024 nodes: all identical (one dict object per node, as JSON
+  decoding gives), the same with the store's shared objects, and three classes with a
+  refusal and odd nodes to find; 16,384 nodes as the upper bound; and the same on
+  ``node_values()`` records (computed where fingerprints are written), shared by equal
+  nodes, which is how the gate should feed it.
+
+Run: ``.venv/bin/python bench/bench_policy.py [--repeat N]``. It prints ratios; it asserts
+nothing (timings belong in a bench, not in tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from policy_fingerprints import device, fingerprint, plugin  # noqa: E402
+
+from ncclguard.config import PolicyConfig  # noqa: E402
+from prolog.policy import evaluate, node_values  # noqa: E402
+
+
+def wall(fn: Callable[[], object], repeat: int) -> float:
+    """Fastest seconds of ``fn()`` over ``repeat`` runs (the least disturbed by other load
+    on a shared machine; the baseline is measured the same way)."""
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def run_python(code: str, repeat: int) -> float:
+    cmd = [sys.executable, "-I", "-c", code]
+    return wall(lambda: subprocess.run(cmd, check=True, cwd="/"), repeat)
+
+
+def node_fp(host: str, **kw: object) -> dict:
+    devices = [device(f"mlx5_{i}") for i in range(8)]
+    return fingerprint(host, devices=devices, plugins=[plugin()], **kw)  # type: ignore[arg-type]
+
+
+def distinct_objects(n: int, template: dict) -> dict[str, dict]:
+    """One decoded dict per node, as ``json.loads`` of each stored row gives."""
+    text = json.dumps(template)
+    return {f"n{i:05d}": json.loads(text) for i in range(n)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeat", type=int, default=15)
+    args = ap.parse_args()
+    r = args.repeat
+    config = PolicyConfig()
+
+    base = run_python("pass", r)
+    cfg = run_python("import ncclguard.config", r)
+    imp = run_python("import ncclguard.config, prolog.policy", r)
+    print(f"baseline: python3 -I -c pass                 {base * 1e3:8.2f} ms  (1.00)")
+    print(f"import ncclguard.config                      {cfg * 1e3:8.2f} ms  ({cfg / base:.2f}x)")
+    print(f"import ncclguard.config, prolog.policy       {imp * 1e3:8.2f} ms  ({imp / base:.2f}x;"
+          f" policy alone +{(imp - cfg) / base:.2f}x)")
+
+    template = node_fp("x")
+    same = distinct_objects(1024, template)
+    shared_obj = copy.deepcopy(template)
+    shared = {h: shared_obj for h in same}
+    mixed = distinct_objects(1024, template)
+    for i, h in enumerate(list(mixed)):
+        if i % 97 == 0:
+            mixed[h] = node_fp(h, nccl="2.18.3")
+        elif i % 89 == 0:
+            mixed[h] = node_fp(h, conf={"NCCL_IB_DISABLE": "1"})
+    big = distinct_objects(16384, template)
+    # the store keeps node_values() per node; equal records decoded once and shared
+    record = node_values(template)
+    records = {h: record for h in same}
+    records_mixed: dict[str, dict] = {}
+    decoded: dict[str, dict] = {}
+    for h, fp in mixed.items():
+        text = json.dumps(node_values(fp), sort_keys=True)
+        records_mixed[h] = decoded.setdefault(text, json.loads(text))
+
+    cases: list[tuple[str, dict[str, dict]]] = [
+        ("1024 identical, one dict per node", same),
+        ("1024 identical, shared dict (store classes)", shared),
+        ("1024 in 3 classes, refuse + odd nodes", mixed),
+        ("16384 identical, one dict per node", big),
+        ("1024 node_values records, shared", records),
+        ("1024 node_values records, 3 classes, refuse", records_mixed),
+        ("16384 node_values records, shared", {f"n{i:05d}": record for i in range(16384)}),
+    ]
+    for label, fps in cases:
+        v = evaluate(fps, config)
+        t = wall(lambda fps=fps: evaluate(fps, config), max(3, r // 3))
+        print(f"evaluate: {label:44s} {t * 1e3:8.2f} ms  ({t / base:.2f}x of baseline)"
+              f"  -> {v.decision}, odd {len(v.odd_nodes)}")
+
+
+if __name__ == "__main__":
+    main()
