@@ -255,3 +255,10 @@ def test_unwritable_cache_dir_keeps_the_run_correct(tmp_path: Path) -> None:
     cache.put("k/1", "/x", blocker.stat(), {"v": 1})
     err = cache.save()
     assert err is not None and str(blocker / "sub" / "filecache.json") in err
+
+
+def test_dangling_link_is_not_a_library(tmp_path: Path) -> None:
+    (tmp_path / LIBDIR).mkdir(parents=True)
+    (tmp_path / LIBDIR / "libnccl.so").symlink_to("libnccl.so.2.99.9")  # a -dev link alone
+    libs, errors = _libs(tmp_path)
+    assert libs == [] and errors.entries == []

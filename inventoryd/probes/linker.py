@@ -154,7 +154,7 @@ def read_small(fs: NodeFS, node_path: str, limit: int) -> tuple[bytes, bool]:
     return data[:limit], len(data) > limit
 
 
-def _join(d: str, name: str) -> str:
+def join_path(d: str, name: str) -> str:
     return d.rstrip("/") + "/" + name if d != "/" else "/" + name
 
 
@@ -183,7 +183,7 @@ def glob(
         nxt: list[str] = []
         for d in current:
             if not _is_magic(part):
-                nxt.append(_join(d, part))
+                nxt.append(join_path(d, part))
                 continue
             try:
                 with os.scandir(fs.host(resolve(fs, d))) as it:
@@ -195,7 +195,7 @@ def glob(
             hidden_ok = part.startswith(".")
             for n in names:
                 if (hidden_ok or not n.startswith(".")) and fnmatch.fnmatchcase(n, part):
-                    nxt.append(_join(d, n))
+                    nxt.append(join_path(d, n))
         if len(nxt) > limit:
             if errors is not None:
                 errors.add(probe, field_ or pattern, pattern,
@@ -216,7 +216,7 @@ def _lexists(fs: NodeFS, node_path: str) -> bool:
     directory resolved inside the root."""
     parent, _, name = node_path.rpartition("/")
     try:
-        os.lstat(fs.host(_join(resolve(fs, parent or "/"), name)))
+        os.lstat(fs.host(join_path(resolve(fs, parent or "/"), name)))
         return True
     except (OSError, ValueError):
         return False
@@ -333,7 +333,7 @@ def _conf_file(
                            f"includes nested deeper than {MAX_INCLUDE_DEPTH}; ignored")
                 continue
             for pat in rest.split():
-                pat = pat if pat.startswith("/") else _join(here, pat)
+                pat = pat if pat.startswith("/") else join_path(here, pat)
                 for inc in glob(fs, pat, errors, probe, "ld.so.conf"):
                     _conf_file(fs, errors, probe, inc, depth + 1, dirs, seen)
         elif word == "hwcap":
@@ -394,7 +394,7 @@ class LinkerView:
             if is_file(self.fs, p):
                 return p
         for d in self.std:
-            p = _join(d, name)
+            p = join_path(d, name)
             if is_file(self.fs, p):
                 return p
         return None
@@ -432,7 +432,7 @@ class LinkerView:
         for d in self.dirs():
             for n in self.listing(d) or []:
                 if fnmatch.fnmatchcase(n, name_glob):
-                    p = _join(d, n)
+                    p = join_path(d, n)
                     if p not in out:
                         out.append(p)
         return out

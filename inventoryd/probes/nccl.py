@@ -221,7 +221,7 @@ def _candidates(
                 errors.add(PROBE, "libnccl", p, e)
                 continue
             if is_dir:
-                for q in linker.glob(fs, linker._join(p, NAME_GLOB), errors, PROBE, "libnccl"):
+                for q in linker.glob(fs, linker.join_path(p, NAME_GLOB), errors, PROBE, "libnccl"):
                     found.setdefault(q, "config")
             elif _matches_name(p):
                 found.setdefault(p, "config")

@@ -176,7 +176,7 @@ def _config_plugins(
                 continue
             if fs.host(real).is_dir():
                 for kind, prefix in PREFIXES.items():
-                    for q in linker.glob(fs, linker._join(p, f"{prefix}*.so*"), errors,
+                    for q in linker.glob(fs, linker.join_path(p, f"{prefix}*.so*"), errors,
                                          PROBE, "plugins"):
                         if _kind_of(q) == kind:
                             out.append((kind, q))
