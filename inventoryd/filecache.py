@@ -37,9 +37,8 @@ def cache_dir(config: configmod.InventorydConfig | None = None) -> Path:
     env = os.environ.get("NCCLGUARD_CACHE_DIR")
     if env:
         return Path(env)
-    configured = getattr(config, "cache_dir", "") if config is not None else ""
-    if configured:
-        return Path(configured)
+    if config is not None and config.cache_dir:
+        return Path(config.cache_dir)
     return configmod.default_db_path().parent / "cache"
 
 

@@ -189,20 +189,25 @@ class NodeFS:
         except OSError:
             return False
 
-    def resolve(self, node_path: str) -> str:
+    def resolve(self, node_path: str, strict: bool = False) -> str:
         """The node path with every symlink resolved *inside the node root*.
 
         An absolute link target is taken relative to the root (as on the node itself),
-        and ``..`` never climbs above it. Missing components are kept as they are (like
-        ``realpath -m``). More than :data:`MAX_SYMLINKS` links raise ``OSError(ELOOP)``.
+        and ``..`` never climbs above it. More than :data:`MAX_SYMLINKS` links raise
+        ``OSError(ELOOP)``, so a loop is an error and never a hang.
+
+        ``strict=False`` keeps missing components as they are (like ``realpath -m``);
+        ``strict=True`` raises ENOENT for a missing component and ENOTDIR for a
+        non-directory in the middle of the path.
         """
         if not node_path.startswith("/"):
             raise ValueError(f"node paths are absolute: {node_path!r}")
         todo = [c for c in node_path.split("/") if c]
+        todo.reverse()  # a stack: the next component is last
         done: list[str] = []
         hops = 0
         while todo:
-            part = todo.pop(0)
+            part = todo.pop()
             if part == ".":
                 continue
             if part == "..":
@@ -211,14 +216,22 @@ class NodeFS:
                 continue
             candidate = "/" + "/".join([*done, part])
             try:
-                target = os.readlink(self.host(candidate))
-            except OSError:  # not a link, or not there: keep the name
+                st = os.lstat(self.host(candidate))
+            except OSError:
+                if strict:
+                    raise
+                done.append(part)  # not there: keep the name
+                continue
+            if not stat.S_ISLNK(st.st_mode):
+                if strict and todo and not stat.S_ISDIR(st.st_mode):
+                    raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), candidate)
                 done.append(part)
                 continue
             hops += 1
             if hops > MAX_SYMLINKS:
                 raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), node_path)
+            target = os.readlink(self.host(candidate))
             if target.startswith("/"):
                 done = []
-            todo = [c for c in target.split("/") if c] + todo
+            todo.extend(reversed([c for c in target.split("/") if c]))
         return "/" + "/".join(done)

@@ -89,6 +89,7 @@ class InventorydConfig:
     plugin_search_paths: tuple[str, ...] = ()  # extra dirs/globs holding NCCL plugins
     ncclgetversion: bool = False  # also dlopen each libnccl in a subprocess to cross-check
     textfile_dir: str = ""  # node_exporter textfile collector dir; empty: off
+    cache_dir: str = ""  # per-node cache of file-only results; empty: <state dir>/cache
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ The linker resolves a bare name (``libnccl.so.2``, ``libnccl-net.so``) through
 
 Paths are node paths. Symlinks are resolved as ``chroot`` would: an absolute target is
 taken inside the root and ``..`` never climbs out of it; more than
-:data:`MAX_SYMLINK_HOPS` links is ELOOP, so a loop is an error and never a hang. Every
+:data:`inventoryd.nodefs.MAX_SYMLINKS` links is ELOOP, so a loop is an error and never a hang. Every
 file is opened without blocking and must be a regular file (a FIFO named like a library
 must not stall the collector). Globs are expanded here too, chroot-style, and bounded.
 """
@@ -29,7 +29,6 @@ from inventoryd.nodefs import ErrorLog, NodeFS
 PROBE = "linker"
 LD_SO_CACHE = "/etc/ld.so.cache"
 LD_SO_CONF = "/etc/ld.so.conf"
-MAX_SYMLINK_HOPS = 40  # the kernel's limit
 MAX_CACHE_BYTES = 16 * 1024 * 1024  # real caches are ~100 KB
 MAX_CONF_BYTES = 1024 * 1024
 MAX_CONF_FILES = 256
@@ -80,37 +79,9 @@ def arch_flags(machine: str | None = None) -> int | None:
 def resolve(fs: NodeFS, node_path: str) -> str:
     """The node path with every symlink resolved inside the root. Raises OSError.
 
-    A missing component raises ENOENT, more than :data:`MAX_SYMLINK_HOPS` links ELOOP.
+    A missing component raises ENOENT, a loop ELOOP (see :meth:`NodeFS.resolve`).
     """
-    if not node_path.startswith("/"):
-        raise ValueError(f"node paths are absolute: {node_path!r}")
-    todo = [c for c in node_path.split("/") if c]
-    todo.reverse()  # a stack: the next component is last
-    done: list[str] = []
-    hops = 0
-    while todo:
-        part = todo.pop()
-        if part == ".":
-            continue
-        if part == "..":
-            if done:
-                done.pop()
-            continue
-        candidate = "/" + "/".join([*done, part])
-        st = os.lstat(fs.host(candidate))
-        if not stat.S_ISLNK(st.st_mode):
-            if todo and not stat.S_ISDIR(st.st_mode):
-                raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), candidate)
-            done.append(part)
-            continue
-        hops += 1
-        if hops > MAX_SYMLINK_HOPS:
-            raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), node_path)
-        target = os.readlink(fs.host(candidate))
-        if target.startswith("/"):
-            done = []
-        todo.extend(reversed([c for c in target.split("/") if c]))
-    return "/" + "/".join(done)
+    return fs.resolve(node_path, strict=True)
 
 
 def open_regular(fs: NodeFS, node_path: str) -> tuple[BinaryIO, os.stat_result, str]:
