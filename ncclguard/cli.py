@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -207,7 +208,11 @@ class Ctx:
         csv_columns: Sequence[out.Column] | None = None,
     ) -> None:
         if self.fmt == "json":
-            click.echo(out.json_text(doc), nl=False)
+            if callable(doc):
+                doc = doc()
+            # indented for a person at a terminal, one fast line for a pipe (jq, scripts)
+            pretty = bool(getattr(sys.stdout, "isatty", lambda: False)())
+            click.echo(out.json_text(doc, pretty=pretty), nl=False)
         elif self.fmt == "csv":
             r = csv_rows if csv_rows is not None else rows
             c = csv_columns if csv_columns is not None else columns
@@ -459,12 +464,15 @@ def nodes(partition: str | None, nodes_opt: str | None, where: tuple[str, ...], 
         result = [r for r in result if r["stale"]]
     if errors:
         result = [r for r in result if r.get("error_count")]
-    doc = {
-        "node_set": node_set.to_dict() if node_set else None,
-        "filters": {"where": filters, "stale": stale, "errors": errors},
-        "count": len(result),
-        "nodes": [{k: r.get(k) for k, _ in NODE_CSV} | {"stale": r["stale"]} for r in result],
-    }
+    def doc() -> dict[str, Any]:  # built only for --json
+        return {
+            "node_set": node_set.to_dict() if node_set else None,
+            "filters": {"where": filters, "stale": stale, "errors": errors},
+            "count": len(result),
+            "nodes": [{k: r.get(k) for k, _ in NODE_CSV} | {"stale": r["stale"]}
+                      for r in result],
+        }
+
     text = None
     if c.fmt == "table":
         head = f"{node_set.describe()}\n" if node_set else ""

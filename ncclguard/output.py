@@ -59,14 +59,22 @@ def csv_text(rows: Iterable[Mapping[str, Any]], columns: Sequence[Column]) -> st
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     w.writerow([k for k, _ in columns])
+    keys = [k for k, _ in columns]
     for r in rows:
-        w.writerow(["" if r.get(k) is None else cell(r.get(k)) for k, _ in columns])
+        values = [r.get(k) for k in keys]
+        w.writerow([v if type(v) is str else "" if v is None else cell(v) for v in values])
     return buf.getvalue()
 
 
-def json_text(doc: Any) -> str:
-    """Indented JSON with a trailing newline. Sets become sorted lists."""
-    return json.dumps(doc, indent=2, sort_keys=False, default=_json_default) + "\n"
+def json_text(doc: Any, *, pretty: bool = True) -> str:
+    """JSON with a trailing newline; indented when ``pretty``. Sets become sorted lists.
+
+    ``pretty=False`` is one line: the json module's C encoder, several times faster on
+    16,000 rows (its indenting encoder is pure Python).
+    """
+    if pretty:
+        return json.dumps(doc, indent=2, default=_json_default) + "\n"
+    return json.dumps(doc, separators=(",", ":"), default=_json_default) + "\n"
 
 
 def _json_default(o: Any) -> Any:
