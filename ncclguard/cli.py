@@ -399,11 +399,8 @@ def parse_where(items: Sequence[str]) -> dict[str, Any]:
     return where
 
 
-_ROW_KEYS = ("host", "nccl_version", "net_plugin", "net_plugin_name", "net_abi", "transport",
-             "rdma_ports_up", "rdma_ports_total", "driver", "error_count", "compat_key")
-
-
-def _node_row(r: Mapping[str, Any], now: float, ttl: float) -> dict[str, Any]:
+def _node_row(r: dict[str, Any], now: float, ttl: float) -> dict[str, Any]:
+    """The store's row (ours to change) with the derived cells added."""
     hb = r.get("last_heartbeat")
     age = None if hb is None else now - hb
     stale = age is None or age > ttl
@@ -414,16 +411,16 @@ def _node_row(r: Mapping[str, Any], now: float, ttl: float) -> dict[str, Any]:
         others = [v for v in versions if v != nccl]
         shown += f" (+{','.join(others)})" if others else ""
     when = out.iso(hb)
-    row = {k: r.get(k) for k in _ROW_KEYS}
-    row.update(
-        nccl_versions=list(versions), last_heartbeat=when,
-        age_s=None if age is None else round(age, 1), stale=stale,
-        status="stale" if stale else ("errors" if r.get("error_count") else "ok"),
-        # table-only cells
-        nccl=shown, rdma=f"{r.get('rdma_ports_up', 0)}/{r.get('rdma_ports_total', 0)}",
-        heartbeat=when, age=out.age(age),
-    )
-    return row
+    r["last_heartbeat"] = when
+    r["age_s"] = None if age is None else round(age, 1)
+    r["stale"] = stale
+    r["status"] = "stale" if stale else ("errors" if r.get("error_count") else "ok")
+    # table-only cells
+    r["nccl"] = shown
+    r["rdma"] = f"{r.get('rdma_ports_up', 0)}/{r.get('rdma_ports_total', 0)}"
+    r["heartbeat"] = when
+    r["age"] = out.age(age)
+    return r
 
 
 def _missing_row(host: str) -> dict[str, Any]:

@@ -25,8 +25,11 @@ Column = tuple[str, str]
 
 def cell(value: Any) -> str:
     """One table or CSV cell: ``None`` shows as ``-``, lists are comma-joined."""
-    if type(value) is str:  # the common case first: tables of 16,000 rows
+    t = type(value)
+    if t is str:  # the common cases first: tables of 16,000 rows
         return value
+    if t is int:
+        return str(value)
     if value is None:
         return "-"
     if isinstance(value, bool):
