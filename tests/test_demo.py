@@ -136,6 +136,13 @@ def test_demo_end_to_end_twice(demo_env: dict[str, str], tmp_path: Path) -> None
     reco = {ln.split()[-1] for ln in drain.splitlines() if ln.strip().startswith("ncclguard:")}
     assert reco == {"n1", "n6", "n7"}
 
+    # -- the README's terminal capture is what the demo prints (job ids aside)
+    capture = (REPO / "README.md").read_text().split("```\n", 2)[1].split("```", 1)[0]
+    printed = {ln.strip() for ln in out.splitlines()}
+    for line in filter(None, (ln.strip() for ln in capture.splitlines())):
+        line = re.sub(r"\bjob 1\b", f"job {job}", line)
+        assert line in printed, f"README line not printed by the demo: {line}"
+
     # -- left running, with the line that says how to use it, and one that stops it
     m = re.search(r"export SLURM_CONF=(\S+) NCCLGUARD_CONFIG=(\S+)", out)
     assert m and m[1] == state["slurm_conf"] and m[2] == state["config"]
