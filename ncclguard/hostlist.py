@@ -25,6 +25,7 @@ from collections.abc import Iterable
 import hostlist as _hl
 
 _TRAILING_DIGITS = re.compile(r"^(.*?)([0-9]+)$")
+_NOT_IN_NAMES = re.compile(r"[\[\],\s]")
 
 MAX_HOSTS = 65536  # Slurm's own limit on one range ("Too many hosts in range")
 
@@ -109,12 +110,7 @@ def compress(hosts: Iterable[str]) -> str:
     padded: set[tuple[str, int]] = set()
     split: list[tuple[str, str]] = []
     for name in names:
-        if (
-            not isinstance(name, str)
-            or not name
-            or any(c in name for c in "[],")
-            or any(c.isspace() for c in name)
-        ):
+        if not isinstance(name, str) or not name or _NOT_IN_NAMES.search(name):
             raise HostlistError(
                 ",".join(map(str, sorted(names, key=str))), f"{name!r} is not a host name"
             )

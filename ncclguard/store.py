@@ -190,7 +190,26 @@ def _migrate_0_to_1(conn: sqlite3.Connection) -> None:
         conn.execute(sql)
 
 
-MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_migrate_0_to_1,)
+def _migrate_1_to_2(conn: sqlite3.Connection) -> None:
+    """Add ``nodes.policy_values``: what the policy reads of each node, for the gate.
+
+    The gate loads up to 16,384 nodes per job; decoding every full fingerprint cost it
+    seconds. :func:`prolog.policy.node_values` is small and equal for the nodes of a
+    class, so the gate decodes each distinct record once. Existing rows are backfilled.
+    """
+    from prolog.policy import node_values
+
+    conn.execute("ALTER TABLE nodes ADD COLUMN policy_values TEXT")
+    rows = conn.execute("SELECT host, fingerprint FROM nodes").fetchall()
+    for host, fp_json in rows:
+        try:
+            values = canonical_json(node_values(json.loads(fp_json)))
+        except ValueError:
+            values = None  # an unreadable fingerprint: the gate falls back to "unknown"
+        conn.execute("UPDATE nodes SET policy_values = ? WHERE host = ?", (values, host))
+
+
+MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_migrate_0_to_1, _migrate_1_to_2)
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
@@ -282,6 +301,7 @@ def _host_of(fp: dict[str, Any]) -> str:
 def _derive(fp: dict[str, Any]) -> dict[str, Any]:
     """The compatibility key and the query columns of one fingerprint."""
     from prolog.compat import compat_key, compat_values  # the policy owns these
+    from prolog.policy import node_values
     from prolog.transport import effective_transport
 
     libs = [x for x in fp.get("libnccl") or [] if isinstance(x, dict)]
@@ -307,6 +327,7 @@ def _derive(fp: dict[str, Any]) -> dict[str, Any]:
     return {
         "compat_key": str(compat_key(fp)),
         "compat_values": canonical_json(values),
+        "policy_values": canonical_json(node_values(fp)),
         "nccl_version": default_lib.get("version") if default_lib else None,
         "nccl_versions": ",".join(versions),
         "net_plugin": net_plugin,
@@ -804,6 +825,43 @@ class Inventory:
                 )
                 for host, fpj, h, ck, first, coll, hb in rows:
                     out[host] = NodeRecord(host, json.loads(fpj), h, ck, first, coll, hb)
+
+        self._reading("load nodes", q)
+        return out
+
+    def load_values(self, hosts: Iterable[str]) -> dict[str, tuple[dict, float] | None]:
+        """The gate's read: per host, ``(policy values, last heartbeat)`` or None.
+
+        The values are :func:`prolog.policy.node_values` records, stored at write time.
+        Nodes whose records are equal share one decoded dict, so that an allocation
+        of 1,024 identical nodes costs one ``json.loads`` here and one comparison in
+        the policy. A record whose values cannot be read is returned as a values
+        record with no rules, which the policy treats as unknown on every rule.
+        """
+        from prolog.policy import NODE_VALUES  # a constant; prolog.policy is loaded anyway
+
+        wanted = list(dict.fromkeys(hosts))
+        out: dict[str, tuple[dict, float] | None] = dict.fromkeys(wanted)
+        decoded: dict[str, dict] = {}
+
+        def q(conn: sqlite3.Connection) -> None:
+            for chunk in _chunks(wanted):
+                rows = conn.execute(
+                    "SELECT host, policy_values, last_heartbeat FROM nodes "
+                    "WHERE host IN (SELECT value FROM json_each(?))",
+                    (json.dumps(chunk),),
+                )
+                for host, text, hb in rows:
+                    values = decoded.get(text or "")
+                    if values is None:
+                        try:
+                            values = json.loads(text) if text else None
+                        except ValueError:
+                            values = None
+                        if not isinstance(values, dict) or NODE_VALUES not in values:
+                            values = {NODE_VALUES: 1, "rules": {}}
+                        decoded[text or ""] = values
+                    out[host] = (values, hb)
 
         self._reading("load nodes", q)
         return out

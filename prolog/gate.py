@@ -1,6 +1,6 @@
 """``ncclguard-prolog``: the Slurm ``PrologSlurmctld`` gate. See docs/gate.md.
 
-    SLURM_* env ─▶ Job ─▶ Inventory(readonly).load(nodes) ─▶ policy.evaluate ─▶ Verdict
+    SLURM_* env ─▶ Job ─▶ Inventory(readonly).load_values(nodes) ─▶ policy.evaluate ─▶ Verdict
                                                                    │
         accept: log + audit, exit 0 (no Slurm call)                │
         warn:   AdminComment, log + audit, exit 0                  ▼
@@ -136,14 +136,13 @@ def decide(run: Run, job: Job) -> int:
     assert cfg is not None
     try:
         with Inventory(readonly=True, config=cfg.inventory) as inv:
-            records = inv.load(job.nodes)
+            records = inv.load_values(job.nodes)
     except InventoryError as e:
         return run.fail("inventory", e)
-    now = time.time()
-    ttl = cfg.inventory.stale_after_s
-    stale = [h for h, r in records.items() if r is not None and r.last_heartbeat < now - ttl]
-    fps = {h: (r.fingerprint if r is not None else None) for h, r in records.items()}
-    verdict = evaluate(fps, cfg.policy, stale=stale, partition=job.partition or None)
+    oldest = time.time() - cfg.inventory.stale_after_s
+    stale = [h for h, r in records.items() if r is not None and r[1] < oldest]
+    values = {h: (r[0] if r is not None else None) for h, r in records.items()}
+    verdict = evaluate(values, cfg.policy, stale=stale, partition=job.partition or None)
     run.record.update(
         decision=verdict.decision,
         summary=verdict.summary(),

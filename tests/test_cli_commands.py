@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner, Result
+from test_cli_inventory import NodeSpec, build, standard
 
 from ncclguard.cli import main, parse_since
 from prolog import audit
-from tests.test_cli_inventory import NodeSpec, build, standard
 
 Run = Callable[..., Result]
 

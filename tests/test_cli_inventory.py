@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import policy_fingerprints as pf
+
 from ncclguard.store import Inventory
-from tests import policy_fingerprints as pf
 
 
 @dataclass

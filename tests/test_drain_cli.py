@@ -9,9 +9,9 @@ import json
 from pathlib import Path
 
 from click.testing import CliRunner, Result
+from test_cli_inventory import NodeSpec, build, standard
 
 from ncclguard.cli import main
-from tests.test_cli_inventory import NodeSpec, build, standard
 
 
 def run(tmp_path: Path, specs: dict[str, NodeSpec], config: str, *args: str) -> Result:

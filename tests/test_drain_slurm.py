@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner, Result
+from conftest_slurm import require_slurm
+from test_cli_inventory import NodeSpec, base_fingerprint, build
 
 from ncclguard.cli import main
 from ncclguard.devcluster import DevCluster
 from ncclguard.slurm import NodeInfo
 from ncclguard.store import Inventory
-from tests.conftest_slurm import require_slurm
-from tests.test_cli_inventory import NodeSpec, base_fingerprint, build
 
 pytestmark = pytest.mark.slurm
 

@@ -362,3 +362,47 @@ def test_the_gate_path_uses_plain_sqlite3_only(db: Path) -> None:
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True,
                          capture_output=True, text=True).stdout
     assert json.loads(out) == ["n1", False, False]
+
+
+def test_migration_to_v2_backfills_the_gate_values(tmp_path: Path) -> None:
+    """v1 rows get ``policy_values``; the gate's read then matches the policy's own."""
+    from ncclguard.config import PolicyConfig
+    from prolog.policy import evaluate, node_values
+
+    p = tmp_path / "inventory.db"
+    fps = {"n1": make_fp("n1"), "n2": make_fp("n2"), "n3": make_fp("n3", nccl="2.18.3")}
+    with Inventory(p) as inv:
+        for fp in fps.values():
+            inv.upsert(fp, now=1)
+    conn = sqlite3.connect(p, isolation_level=None)  # take the file back to schema v1
+    conn.execute("ALTER TABLE nodes DROP COLUMN policy_values")
+    conn.execute("PRAGMA user_version = 1")
+    conn.close()
+    with Inventory(p) as inv:
+        assert inv.schema_version() == SCHEMA_VERSION
+    with Inventory(p, readonly=True) as inv:
+        got = inv.load_values(["n1", "n2", "n3", "n9"])
+    assert got["n9"] is None
+    for host, fp in fps.items():
+        values, heartbeat = got[host]  # type: ignore[misc]
+        assert values == node_values(fp)
+        assert heartbeat == 1
+    assert got["n1"][0] is got["n2"][0]  # equal records are decoded once, shared
+    values = {h: (r[0] if r else None) for h, r in got.items() if h != "n9"}
+    assert evaluate(values, PolicyConfig()).to_dict() == evaluate(fps, PolicyConfig()).to_dict()
+
+
+def test_unreadable_gate_values_are_unknown_not_different(db: Path) -> None:
+    from ncclguard.config import PolicyConfig
+    from prolog.policy import evaluate
+
+    with Inventory(db) as inv:
+        inv.upsert(make_fp("n1"), now=1)
+        inv.upsert(make_fp("n2", nccl="2.18.3"), now=1)
+    conn = sqlite3.connect(db, isolation_level=None)
+    conn.execute("UPDATE nodes SET policy_values = '{not json' WHERE host = 'n2'")
+    conn.close()
+    with Inventory(db, readonly=True) as inv:
+        got = inv.load_values(["n1", "n2"])
+    verdict = evaluate({h: r[0] for h, r in got.items() if r}, PolicyConfig())
+    assert verdict.decision == "accept"  # n2's version is unknown, so nothing differs
