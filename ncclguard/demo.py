@@ -269,11 +269,10 @@ class Demo:
         (self.base / "state.json").write_text(json.dumps(self.state, indent=2) + "\n")
 
     def job_story(self, cluster: DevCluster) -> None:
-        script = "#!/bin/sh\necho \"ran on $SLURM_JOB_NODELIST\"\n"
-        argv = ["sbatch", f"-N{JOB_NODES}", "-J", "demo-allreduce", "--wrap",
-                script.split("\n")[1]]
-        job = cluster.sbatch(argv[1:])
-        say(f"    $ {' '.join(argv[:-1])} '{argv[-1]}'")
+        wrap = 'echo "ran on $SLURM_JOB_NODELIST"'
+        args = [f"-N{JOB_NODES}", "-J", "demo-allreduce", "--wrap", wrap]
+        job = cluster.sbatch(args)
+        say(f"    $ sbatch {' '.join(args[:-1])} '{wrap}'")
         say(f"      Submitted batch job {job}")
         self.state["job"] = job
         self.save_state()
@@ -281,8 +280,7 @@ class Demo:
         refusal = self.wait_refusal(job)
         say(f"    job {job} allocated {refusal.get('nodes')}: the gate said "
             f"{refusal.get('decision')} -> {refusal.get('action')}")
-        comment = cluster.job_field(job, "AdminComment")
-        say(f"    AdminComment: {cluster_admin_comment(cluster, job) or comment}")
+        say(f"    AdminComment: {cluster_admin_comment(cluster, job)}")
         self.state["refusal"] = refusal
 
         try:

@@ -42,6 +42,11 @@ def scontrol_job(env: dict[str, str], job: int) -> dict[str, str]:
     return {k: v.strip() for k, v in pairs}
 
 
+def failed(r: subprocess.CompletedProcess[str]) -> str:
+    return (f"scripts/demo.sh exited {r.returncode}\n--- stderr:\n{r.stderr[-6000:]}\n"
+            f"--- stdout (end):\n{r.stdout[-3000:]}")
+
+
 def alive(pid: int) -> bool:
     """Running (not gone, not a zombie waiting for init to reap it)."""
     try:
@@ -70,13 +75,13 @@ def demo_env(tmp_path: Path) -> Iterator[dict[str, str]]:
 def test_demo_end_to_end_twice(demo_env: dict[str, str], tmp_path: Path) -> None:
     base = tmp_path / "demo"
     first = run_demo(demo_env)
-    assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-4000:]
+    assert first.returncode == 0, failed(first)
     first_pids = set(demo_pids(base))
     assert len(first_pids) == 1 + 1 + 7  # munged, slurmctld, 7 slurmd
 
     r = run_demo(demo_env)  # run twice, works twice
     out = r.stdout
-    assert r.returncode == 0, out[-4000:] + r.stderr[-4000:]
+    assert r.returncode == 0, failed(r)
     assert f"stopped the demo that was running in {base}" in out
     pids = set(demo_pids(base))
     assert len(pids) == 9 and not pids & first_pids
