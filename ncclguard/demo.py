@@ -41,7 +41,7 @@ from typing import Any
 
 from ncclguard.devcluster import ClusterError, DevCluster, find_program, missing_programs
 from ncclguard.ncclwheels import PartUnavailable, build_plugin, extract_nccl, nccl_path
-from ncclguard.nodetree import build_node
+from ncclguard.nodetree import NodeTreeError, build_node
 
 NODES = 7
 JOB_NODES = 4
@@ -423,12 +423,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     try:
         return Demo(base).run()
-    except (DemoError, PartUnavailable) as e:
+    except (DemoError, PartUnavailable, ClusterError, NodeTreeError, OSError,
+            subprocess.SubprocessError) as e:
         print(f"demo: {e}", file=sys.stderr, flush=True)
-        if find_program("slurmctld") and stop(base, quiet=True):
-            print("demo: stopped its cluster; logs are in "
-                  f"{(base / 'cluster' / 'log').resolve()}", file=sys.stderr)
+        _stop_after_failure(base)
         return 1
+    except BaseException:  # a bug or ^C: no daemons left behind either
+        _stop_after_failure(base)
+        raise
+
+
+def _stop_after_failure(base: Path) -> None:
+    if find_program("slurmctld") and stop(base, quiet=True):
+        print("demo: stopped its cluster; logs are in "
+              f"{(base / 'cluster' / 'log').resolve()}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":
