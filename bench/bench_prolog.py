@@ -37,7 +37,7 @@ def build_inventory(db: Path, n: int) -> None:
     from ncclguard.store import Inventory
 
     if db.exists():
-        with Inventory(db, readonly=True) as inv:
+        with Inventory(db) as inv:  # a writer: migrates a cached inventory of an older schema
             if len(inv.hosts()) == n:
                 return
         db.unlink()

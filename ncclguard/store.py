@@ -191,22 +191,54 @@ def _migrate_0_to_1(conn: sqlite3.Connection) -> None:
 
 
 def _migrate_1_to_2(conn: sqlite3.Connection) -> None:
-    """Add ``nodes.policy_values``: what the policy reads of each node, for the gate.
+    """Add the gate's narrow tables: ``gate_nodes`` and ``policy_values``.
 
-    The gate loads up to 16,384 nodes per job; decoding every full fingerprint cost it
-    seconds. :func:`prolog.policy.node_values` is small and equal for the nodes of a
-    class, so the gate decodes each distinct record once. Existing rows are backfilled.
+    The gate loads up to 16,384 nodes per job. Reading them from ``nodes`` cost it
+    seconds: every column stored after the fingerprint sits behind that blob's overflow
+    pages. ``gate_nodes`` holds per host only the key of its policy values
+    (:func:`prolog.policy.node_values`) and its heartbeat; ``policy_values`` holds each
+    distinct record once, so the gate decodes one record per class, not per node.
+    Existing rows are backfilled.
     """
+    conn.execute(
+        "CREATE TABLE gate_nodes (host TEXT PRIMARY KEY, policy_key TEXT NOT NULL, "
+        "last_heartbeat REAL NOT NULL) WITHOUT ROWID"
+    )
+    conn.execute("CREATE INDEX idx_gate_nodes_policy_key ON gate_nodes (policy_key)")
+    conn.execute(
+        "CREATE TABLE policy_values (policy_key TEXT PRIMARY KEY, policy_values TEXT NOT NULL) "
+        "WITHOUT ROWID"
+    )
+    rows = conn.execute("SELECT host, fingerprint, last_heartbeat FROM nodes").fetchall()
+    for host, fp_json, heartbeat in rows:
+        try:
+            fp = json.loads(fp_json)
+        except ValueError:
+            continue  # an unreadable fingerprint: the gate sees no record, i.e. unknown
+        _write_gate_row(conn, host, _policy_values(fp), heartbeat)
+
+
+def _policy_values(fp: dict[str, Any]) -> tuple[str, str]:
+    """``(key, canonical JSON)`` of what the policy reads of one fingerprint."""
     from prolog.policy import node_values
 
-    conn.execute("ALTER TABLE nodes ADD COLUMN policy_values TEXT")
-    rows = conn.execute("SELECT host, fingerprint FROM nodes").fetchall()
-    for host, fp_json in rows:
-        try:
-            values = canonical_json(node_values(json.loads(fp_json)))
-        except ValueError:
-            values = None  # an unreadable fingerprint: the gate falls back to "unknown"
-        conn.execute("UPDATE nodes SET policy_values = ? WHERE host = ?", (values, host))
+    text = canonical_json(node_values(fp))
+    return hashlib.sha256(text.encode()).hexdigest()[:32], text
+
+
+def _write_gate_row(
+    conn: sqlite3.Connection, host: str, values: tuple[str, str], heartbeat: float
+) -> None:
+    key, text = values
+    old = conn.execute("SELECT policy_key FROM gate_nodes WHERE host = ?", (host,)).fetchone()
+    conn.execute("INSERT OR IGNORE INTO policy_values VALUES (?, ?)", (key, text))
+    conn.execute("INSERT OR REPLACE INTO gate_nodes VALUES (?, ?, ?)", (host, key, heartbeat))
+    if old is not None and old[0] != key:  # drop a record that no node uses any more
+        conn.execute(
+            "DELETE FROM policy_values WHERE policy_key = ? AND NOT EXISTS "
+            "(SELECT 1 FROM gate_nodes WHERE policy_key = ?)",
+            (old[0], old[0]),
+        )
 
 
 MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_migrate_0_to_1, _migrate_1_to_2)
@@ -301,7 +333,6 @@ def _host_of(fp: dict[str, Any]) -> str:
 def _derive(fp: dict[str, Any]) -> dict[str, Any]:
     """The compatibility key and the query columns of one fingerprint."""
     from prolog.compat import compat_key, compat_values  # the policy owns these
-    from prolog.policy import node_values
     from prolog.transport import effective_transport
 
     libs = [x for x in fp.get("libnccl") or [] if isinstance(x, dict)]
@@ -327,7 +358,6 @@ def _derive(fp: dict[str, Any]) -> dict[str, Any]:
     return {
         "compat_key": str(compat_key(fp)),
         "compat_values": canonical_json(values),
-        "policy_values": canonical_json(node_values(fp)),
         "nccl_version": default_lib.get("version") if default_lib else None,
         "nccl_versions": ",".join(versions),
         "net_plugin": net_plugin,
@@ -738,9 +768,10 @@ class Inventory:
             return "unchanged"
 
         derived: dict[str, Any] | None = None
+        gate_values: tuple[str, str] | None = None
 
         def body(conn: sqlite3.Connection) -> str:
-            nonlocal derived
+            nonlocal derived, gate_values
             cur = conn.execute(
                 "SELECT fp_hash, last_heartbeat, fingerprint FROM nodes WHERE host = ?", (host,)
             ).fetchone()
@@ -751,9 +782,13 @@ class Inventory:
                     "UPDATE nodes SET last_heartbeat = ?, collected_at = ? WHERE host = ?",
                     (now, collected, host),
                 )
+                conn.execute(
+                    "UPDATE gate_nodes SET last_heartbeat = ? WHERE host = ?", (now, host)
+                )
                 return "heartbeat"
             if derived is None:
                 derived = _derive(fp)
+                gate_values = _policy_values(fp)
             fp_json = canonical_json(fp)
             cols = {
                 "fp_hash": h, "fingerprint": fp_json, "collected_at": collected,
@@ -783,6 +818,8 @@ class Inventory:
                 conn.execute(_DETAIL_DELETE[table], (host,))
                 if rows:
                     conn.executemany(_DETAIL_INSERT[table], rows)
+            assert gate_values is not None
+            _write_gate_row(conn, host, gate_values, now)
             conn.execute(
                 "INSERT INTO history (host, at, old_hash, new_hash, diff, fingerprint) "
                 "VALUES (?, ?, ?, ?, ?, ?)",
@@ -805,6 +842,7 @@ class Inventory:
 
         def body(conn: sqlite3.Connection) -> str:
             cur = conn.execute("UPDATE nodes SET last_heartbeat = ? WHERE host = ?", (now, host))
+            conn.execute("UPDATE gate_nodes SET last_heartbeat = ? WHERE host = ?", (now, host))
             return "heartbeat" if cur.rowcount else "unknown"
 
         return self._retrying(self._conn, body, f"heartbeat {host}") == "heartbeat"
@@ -832,36 +870,42 @@ class Inventory:
     def load_values(self, hosts: Iterable[str]) -> dict[str, tuple[dict, float] | None]:
         """The gate's read: per host, ``(policy values, last heartbeat)`` or None.
 
-        The values are :func:`prolog.policy.node_values` records, stored at write time.
-        Nodes whose records are equal share one decoded dict, so that an allocation
-        of 1,024 identical nodes costs one ``json.loads`` here and one comparison in
-        the policy. A record whose values cannot be read is returned as a values
-        record with no rules, which the policy treats as unknown on every rule.
+        The values are :func:`prolog.policy.node_values` records, stored at write time
+        in the narrow ``gate_nodes`` / ``policy_values`` tables. Nodes with equal records
+        share one decoded dict, so that an allocation of 1,024 identical nodes costs one
+        ``json.loads`` here and one comparison in the policy. A record that cannot be
+        decoded is returned with no rules, which the policy treats as unknown.
         """
-        from prolog.policy import NODE_VALUES  # a constant; prolog.policy is loaded anyway
+        from prolog.policy import NODE_VALUES  # a constant; the gate has loaded it anyway
 
         wanted = list(dict.fromkeys(hosts))
         out: dict[str, tuple[dict, float] | None] = dict.fromkeys(wanted)
-        decoded: dict[str, dict] = {}
 
         def q(conn: sqlite3.Connection) -> None:
+            rows: list[tuple[str, str, float]] = []
             for chunk in _chunks(wanted):
-                rows = conn.execute(
-                    "SELECT host, policy_values, last_heartbeat FROM nodes "
+                rows += conn.execute(
+                    "SELECT host, policy_key, last_heartbeat FROM gate_nodes "
                     "WHERE host IN (SELECT value FROM json_each(?))",
                     (json.dumps(chunk),),
-                )
-                for host, text, hb in rows:
-                    values = decoded.get(text or "")
-                    if values is None:
-                        try:
-                            values = json.loads(text) if text else None
-                        except ValueError:
-                            values = None
-                        if not isinstance(values, dict) or NODE_VALUES not in values:
-                            values = {NODE_VALUES: 1, "rules": {}}
-                        decoded[text or ""] = values
-                    out[host] = (values, hb)
+                ).fetchall()
+            keys = list({key for _, key, _ in rows})
+            decoded: dict[str, dict] = {}
+            for key, text in conn.execute(
+                "SELECT policy_key, policy_values FROM policy_values "
+                "WHERE policy_key IN (SELECT value FROM json_each(?))",
+                (json.dumps(keys),),
+            ):
+                try:
+                    values = json.loads(text)
+                except ValueError:
+                    values = None
+                if not isinstance(values, dict) or NODE_VALUES not in values:
+                    values = {NODE_VALUES: 1, "rules": {}}
+                decoded[key] = values
+            unknown = {NODE_VALUES: 1, "rules": {}}
+            for host, key, heartbeat in rows:
+                out[host] = (decoded.get(key, unknown), heartbeat)
 
         self._reading("load nodes", q)
         return out

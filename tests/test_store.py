@@ -375,7 +375,8 @@ def test_migration_to_v2_backfills_the_gate_values(tmp_path: Path) -> None:
         for fp in fps.values():
             inv.upsert(fp, now=1)
     conn = sqlite3.connect(p, isolation_level=None)  # take the file back to schema v1
-    conn.execute("ALTER TABLE nodes DROP COLUMN policy_values")
+    conn.execute("DROP TABLE gate_nodes")
+    conn.execute("DROP TABLE policy_values")
     conn.execute("PRAGMA user_version = 1")
     conn.close()
     with Inventory(p) as inv:
@@ -388,6 +389,15 @@ def test_migration_to_v2_backfills_the_gate_values(tmp_path: Path) -> None:
         assert values == node_values(fp)
         assert heartbeat == 1
     assert got["n1"][0] is got["n2"][0]  # equal records are decoded once, shared
+    with Inventory(p) as inv:  # n3 joins the majority: its old record is dropped
+        inv.upsert(make_fp("n3"), now=2)
+        inv.heartbeat("n1", now=5)
+    conn = sqlite3.connect(p)
+    assert conn.execute("SELECT count(*) FROM policy_values").fetchone()[0] == 1
+    conn.close()
+    with Inventory(p, readonly=True) as inv:
+        again = inv.load_values(["n1", "n3"])
+    assert again["n1"][1] == 5 and again["n3"][1] == 2  # type: ignore[index]
     values = {h: (r[0] if r else None) for h, r in got.items() if h != "n9"}
     assert evaluate(values, PolicyConfig()).to_dict() == evaluate(fps, PolicyConfig()).to_dict()
 
@@ -400,7 +410,10 @@ def test_unreadable_gate_values_are_unknown_not_different(db: Path) -> None:
         inv.upsert(make_fp("n1"), now=1)
         inv.upsert(make_fp("n2", nccl="2.18.3"), now=1)
     conn = sqlite3.connect(db, isolation_level=None)
-    conn.execute("UPDATE nodes SET policy_values = '{not json' WHERE host = 'n2'")
+    conn.execute(
+        "UPDATE policy_values SET policy_values = '{not json' WHERE policy_key = "
+        "(SELECT policy_key FROM gate_nodes WHERE host = 'n2')"
+    )
     conn.close()
     with Inventory(db, readonly=True) as inv:
         got = inv.load_values(["n1", "n2"])
