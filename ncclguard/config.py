@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import tomllib
-from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +44,49 @@ DEFAULT_SEVERITY = {
 }
 
 
+class _Settings:
+    """A frozen record of settings: the annotated class attributes are the fields and
+    their defaults (a dict default is copied per instance).
+
+    Not a dataclass: the prolog imports this module for every job, and ``dataclasses``
+    (with ``inspect``) plus generating the methods of seven classes cost it about a
+    third of its start-up.
+    """
+
+    def __init__(self, **values: Any) -> None:
+        for name in self.field_names():
+            value = values.pop(name) if name in values else getattr(type(self), name)
+            object.__setattr__(self, name, dict(value) if isinstance(value, dict) else value)
+        if values:
+            raise TypeError(f"{type(self).__name__}: unknown field(s) {', '.join(values)}")
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(n for n in cls.__annotations__ if not n.startswith("_"))
+
+    @classmethod
+    def field_type(cls, name: str) -> str:
+        return str(cls.__annotations__[name])
+
+    def replace(self, **changes: Any) -> Any:
+        """A copy with some fields changed (like ``dataclasses.replace``)."""
+        return type(self)(**{**{n: getattr(self, n) for n in self.field_names()}, **changes})
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"{type(self).__name__} is frozen: cannot set {name}")
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and all(
+            getattr(self, n) == getattr(other, n) for n in self.field_names()
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{n}={getattr(self, n)!r}" for n in self.field_names())
+        return f"{type(self).__name__}({inner})"
+
+
 class ConfigError(Exception):
     """A config file that cannot be used. The message names file, key and value."""
 
@@ -65,8 +107,7 @@ def default_audit_path() -> Path:
     return default_db_path().with_name("decisions.jsonl")
 
 
-@dataclass(frozen=True)
-class InventoryConfig:
+class InventoryConfig(_Settings):
     db: str = ""  # empty: default_db_path()
     journal_mode: str = "delete"  # "delete" (shared filesystems) or "wal" (local disk only)
     busy_timeout_ms: int = 2000
@@ -80,8 +121,7 @@ class InventoryConfig:
         return Path(self.db) if self.db else default_db_path()
 
 
-@dataclass(frozen=True)
-class InventorydConfig:
+class InventorydConfig(_Settings):
     interval_s: float = 60.0  # time between two collections
     jitter: float = 0.1  # +- share of interval_s, so that 16,000 nodes don't write in step
     heartbeat_s: float = 300.0  # an unchanged fingerprint is still confirmed this often
@@ -92,15 +132,13 @@ class InventorydConfig:
     cache_dir: str = ""  # per-node cache of file-only results; empty: <state dir>/cache
 
 
-@dataclass(frozen=True)
-class PolicyConfig:
+class PolicyConfig(_Settings):
     partitions: tuple[str, ...] = ()  # guarded partitions; empty: all
     min_nodes: int = 2
-    severity: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_SEVERITY))
+    severity: dict[str, str] = DEFAULT_SEVERITY  # copied per instance
 
 
-@dataclass(frozen=True)
-class GateConfig:
+class GateConfig(_Settings):
     on_error: str = "accept"  # "accept" (fail open) or "refuse" (fail closed)
     deadline_s: float = 5.0  # hard bound on one prolog run, Slurm calls included
     steering: str = "steer"  # "steer", "requeue" or "hold"
@@ -115,26 +153,23 @@ class GateConfig:
         return Path(self.audit_log) if self.audit_log else default_audit_path()
 
 
-@dataclass(frozen=True)
-class DrainConfig:
+class DrainConfig(_Settings):
     max_share: float = 0.10  # never recommend more than this share of a partition
     majority: float = 0.5  # the baseline class must hold more than this share
 
 
-@dataclass(frozen=True)
-class DiagnoseConfig:
+class DiagnoseConfig(_Settings):
     signature_files: tuple[str, ...] = ()  # extra signature catalogs (TOML)
 
 
-@dataclass(frozen=True)
-class Config:
-    inventory: InventoryConfig = field(default_factory=InventoryConfig)
-    inventoryd: InventorydConfig = field(default_factory=InventorydConfig)
-    policy: PolicyConfig = field(default_factory=PolicyConfig)
-    gate: GateConfig = field(default_factory=GateConfig)
-    drain: DrainConfig = field(default_factory=DrainConfig)
-    diagnose: DiagnoseConfig = field(default_factory=DiagnoseConfig)
-    baseline: dict[str, str] = field(default_factory=dict)  # pinned baseline, e.g. nccl
+class Config(_Settings):
+    inventory: InventoryConfig = InventoryConfig()
+    inventoryd: InventorydConfig = InventorydConfig()
+    policy: PolicyConfig = PolicyConfig()
+    gate: GateConfig = GateConfig()
+    drain: DrainConfig = DrainConfig()
+    diagnose: DiagnoseConfig = DiagnoseConfig()
+    baseline: dict[str, str] = {}  # noqa: RUF012 - copied per instance; pinned baseline, e.g. nccl
     source: str = "<defaults>"  # the file this came from
 
 
@@ -216,14 +251,13 @@ def _baseline(value: Any, source: str) -> dict[str, str]:
 
 
 def _section(cls: type, section: str, values: dict[str, Any], source: str) -> Any:
-    specs = {f.name: f for f in fields(cls)}
+    specs = cls.field_names()
     kwargs: dict[str, Any] = {}
     for key, value in values.items():
         where = f"{source}: {section}.{key} = {value!r}"
-        spec = specs.get(key)
-        if spec is None:
+        if key not in specs:
             raise ConfigError(f"{source}: {section}.{key}: unknown key (known: {', '.join(specs)})")
-        kwargs[key] = _check(section, key, spec.type, value, where)
+        kwargs[key] = _check(section, key, cls.field_type(key), value, where)
     return cls(**kwargs)
 
 

@@ -25,7 +25,6 @@ return the list of what they did (and did not do, and why).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -307,7 +306,7 @@ def policy_judge(representatives: Mapping[str, Mapping[str, Any]], config: Confi
     from prolog.policy import evaluate
 
     # judge every pair, whatever the guarded partitions and min_nodes say about jobs
-    policy = dataclasses.replace(config.policy, partitions=(), min_nodes=2)
+    policy = config.policy.replace(partitions=(), min_nodes=2)
 
     def judge(base_key: str, other_key: str) -> list[tuple[str, str]]:
         fps = {"baseline": dict(representatives[base_key]),

@@ -13,7 +13,6 @@ lazily, where the schema is created or migrated, and the policy modules
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import random
@@ -22,10 +21,9 @@ import stat
 import time
 import urllib.parse
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from ncclguard.config import InventoryConfig, default_db_path
 
@@ -97,8 +95,7 @@ class InventoryFull(InventoryError):
 # --------------------------------------------------------------------------- values
 
 
-@dataclass(frozen=True)
-class NodeRecord:
+class NodeRecord(NamedTuple):
     host: str
     fingerprint: dict[str, Any]
     fp_hash: str
@@ -108,11 +105,10 @@ class NodeRecord:
     last_heartbeat: float
 
 
-@dataclass(frozen=True)
-class CompatClass:
+class CompatClass(NamedTuple):
     compat_key: str
     values: dict[str, Any]
-    hosts: list[str] = field(default_factory=list)
+    hosts: list[str]
 
 
 # --------------------------------------------------------------------------- schema
@@ -223,6 +219,8 @@ def _policy_values(fp: dict[str, Any]) -> tuple[str, str]:
     from prolog.policy import node_values
 
     text = canonical_json(node_values(fp))
+    import hashlib  # writers only: the gate's read path does not pay for OpenSSL
+
     return hashlib.sha256(text.encode()).hexdigest()[:32], text
 
 
@@ -263,6 +261,8 @@ def _without_volatile(fp: dict[str, Any]) -> dict[str, Any]:
 
 def fingerprint_hash(fp: dict[str, Any]) -> str:
     """sha256 of the canonical JSON, without the fields that change every collection."""
+    import hashlib  # writers only: the gate's read path does not pay for OpenSSL
+
     return hashlib.sha256(canonical_json(_without_volatile(fp)).encode()).hexdigest()
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from ncclguard.hostlist import HostlistError, expand
 
@@ -23,8 +23,9 @@ class JobError(ValueError):
     """The environment does not describe a job we can check (the message says why)."""
 
 
-@dataclass(frozen=True)
-class Job:
+class Job(NamedTuple):
+    """One job as PrologSlurmctld sees it (a NamedTuple: the gate's imports stay light)."""
+
     job_id: int
     nodelist: str  # as Slurm gave it (compressed)
     nodes: tuple[str, ...]  # expanded, in order, without duplicates
