@@ -17,59 +17,25 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
-import zipfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-CACHE = Path(os.environ.get("NCCLGUARD_TEST_CACHE") or Path.home() / ".cache" / "ncclguard")
-WHEELS = CACHE / "wheels"
-LIBS = CACHE / "nccl"
-WHEEL_MEMBER = "nvidia/nccl/lib/libnccl.so.2"
+from ncclguard import ncclwheels
+from ncclguard.ncclwheels import PartUnavailable
 
-# version -> PyPI project. Facts (docs/nccl-facts.md), checked on these very files.
-NCCL_WHEELS: dict[str, str] = {
-    "2.18.3": "nvidia-nccl-cu12",
-    "2.21.5": "nvidia-nccl-cu11",
-    "2.26.2": "nvidia-nccl-cu12",
-}
-
-
-def _wheel_for(project: str, version: str) -> Path | None:
-    stem = project.replace("-", "_")
-    found = sorted(WHEELS.glob(f"{stem}-{version}-*.whl"))
-    return found[0] if found else None
-
-
-def _download(project: str, version: str) -> Path:
-    WHEELS.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--dest", str(WHEELS), f"{project}=={version}"]
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    except subprocess.TimeoutExpired:
-        pytest.skip(f"pip download {project}=={version} timed out (no network?)")
-    wheel = _wheel_for(project, version)
-    if r.returncode != 0 or wheel is None:
-        tail = (r.stderr or r.stdout).strip().splitlines()[-1:] or ["no output"]
-        pytest.skip(f"cannot download {project}=={version} (no network?): {tail[0]}")
-    return wheel
+# The real parts (NCCL wheels, gcc-built plugins) come from ncclguard.ncclwheels, which
+# the demo uses too; here a part that cannot be had becomes a skip that says why.
 
 
 def extract_nccl(version: str) -> Path:
-    project = NCCL_WHEELS[version]
-    dest = LIBS / f"{project.replace('-', '_')}-{version}" / "libnccl.so.2"
-    if dest.is_file():
-        return dest
-    wheel = _wheel_for(project, version) or _download(project, version)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".libnccl.so.2.{os.getpid()}")
-    with zipfile.ZipFile(wheel) as z, z.open(WHEEL_MEMBER) as src, open(tmp, "wb") as out:
-        shutil.copyfileobj(src, out, 1 << 20)
-    os.replace(tmp, dest)
-    return dest
+    """The path of a real ``libnccl.so.2`` of ``version`` (downloaded and cached once)."""
+    try:
+        return ncclwheels.extract_nccl(version)
+    except PartUnavailable as e:
+        pytest.skip(str(e))
 
 
 @pytest.fixture(scope="session")
@@ -96,72 +62,13 @@ def place_file() -> Callable[[Path, str, Path], Path]:
     return place
 
 
-_PLUGIN_TYPE = "typedef struct { const char *name; void *fn[16]; } ncclguard_test_plugin_t;\n"
-
-
-def _c_source(
-    exports: Sequence[tuple[str, str]], reloc: str, writable: bool
-) -> str:
-    lines = [_PLUGIN_TYPE]
-    qual = "" if writable else "const "
-    for i, (symbol, name) in enumerate(exports):
-        literal = '"' + name.replace("\\", "\\\\").replace('"', '\\"') + '"'
-        if reloc == "symbol":
-            # a pointer to an exported string: an R_X86_64_64 against that symbol
-            lines.append(f"const char ncclguard_name_{i}[] = {literal};")
-            init = f"ncclguard_name_{i}"
-        else:
-            init = literal
-        lines.append(
-            f"__attribute__((visibility(\"default\"))) {qual}ncclguard_test_plugin_t "
-            f"{symbol} = {{ {init}, {{0}} }};"
-        )
-    return "\n".join(lines) + "\n"
-
-
-def build_plugin(
-    out_dir: Path,
-    net_abis: Sequence[int] = (),
-    name: str = "testnet",
-    tuner_abis: Sequence[int] = (),
-    collnet: Sequence[int] = (),
-    profiler_abis: Sequence[int] = (),
-    collnet_name: str = "testcoll",
-    tuner_name: str = "testtuner",
-    profiler_name: str = "testprof",
-    filename: str = "libnccl-net.so",
-    reloc: str = "relative",
-    writable: bool = False,
-    executable: bool = False,
-) -> Path:
-    """Compile a plugin with gcc. ``reloc``: "relative" (a string literal: R_X86_64_RELATIVE),
-    "symbol" (an exported string: R_X86_64_64), "relr" (packed relative relocations).
-    ``executable``: a non-PIE executable exporting the structs (-rdynamic)."""
-    if shutil.which("gcc") is None:
-        pytest.skip("gcc is not installed")
-    exports = [(f"ncclNetPlugin_v{v}", name) for v in net_abis]
-    exports += [(f"ncclCollNetPlugin_v{v}", collnet_name) for v in collnet]
-    exports += [(f"ncclTunerPlugin_v{v}", tuner_name) for v in tuner_abis]
-    exports += [(f"ncclProfiler_v{v}", profiler_name) for v in profiler_abis]
-    out_dir.mkdir(parents=True, exist_ok=True)
-    src = out_dir / (filename + ".c")
-    body = _c_source(exports, reloc, writable)
-    if executable:
-        body += "int main(void) { return 0; }\n"
-    src.write_text(body)
-    out = out_dir / filename
-    if executable:
-        cmd = ["gcc", "-O1", "-no-pie", "-fno-pie", "-rdynamic", "-o", str(out), str(src)]
-    else:
-        cmd = ["gcc", "-O1", "-shared", "-fPIC", "-o", str(out), str(src)]
-        if reloc == "relr":
-            cmd.insert(1, "-Wl,-z,pack-relative-relocs")
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    if r.returncode != 0:
-        if reloc == "relr":
-            pytest.skip(f"this linker cannot pack relative relocations: {r.stderr.strip()}")
-        raise AssertionError(f"gcc failed: {r.stderr}")
-    return out
+def build_plugin(out_dir: Path, net_abis: Sequence[int] = (), name: str = "testnet",
+                 **options: Any) -> Path:
+    """Compile a plugin with gcc (see :func:`ncclguard.ncclwheels.build_plugin`)."""
+    try:
+        return ncclwheels.build_plugin(out_dir, net_abis, name, **options)
+    except PartUnavailable as e:
+        pytest.skip(str(e))
 
 
 @pytest.fixture
