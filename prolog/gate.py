@@ -49,6 +49,7 @@ class Run:
         self.config: Config | None = None
         self.record: dict[str, Any] = {"job": _int_or(self.job_id)}
         self.finished = False
+        self.members: dict[str, list[str]] = {}  # partition -> node names (one sinfo a run)
 
     @property
     def on_error(self) -> str:
@@ -143,6 +144,13 @@ def decide(run: Run, job: Job) -> int:
     stale = [h for h, r in records.items() if r is not None and r[1] < oldest]
     values = {h: (r[0] if r is not None else None) for h, r in records.items()}
     verdict = evaluate(values, cfg.policy, stale=stale, partition=job.partition or None)
+    if verdict.odd_tie:  # refuse path only: several minimum odd sets, ask which to keep
+        prefer, source = _majority(run, job)
+        if prefer:
+            verdict = evaluate(
+                values, cfg.policy, stale=stale, partition=job.partition or None, prefer=prefer
+            )
+        run.record["tie_break"] = source
     run.record.update(
         decision=verdict.decision,
         summary=verdict.summary(),
@@ -161,6 +169,50 @@ def decide(run: Run, job: Job) -> int:
         run.audit(action="none")
         return EXIT_OK
     return refuse(run, job, verdict)
+
+
+def _partition_nodes(run: Run, partition: str) -> list[str]:
+    """The nodes of ``partition`` (``a,b``: of either), asked of Slurm once per run."""
+    members = run.members.get(partition)
+    if members is None:
+        wanted = {p for p in partition.split(",") if p}
+        names = [n.name for n in _slurm(run).nodes() if wanted & set(n.partitions)]
+        members = run.members[partition] = sorted(set(names))
+    return members
+
+
+def _majority(run: Run, job: Job) -> tuple[set[str], str]:
+    """The job's nodes in the largest compatibility class of its partition (of the whole
+    inventory when the partition's nodes are unknown), and a note saying whence.
+
+    Nothing is preferred when the largest classes tie or a lookup fails: the odd set
+    is then the one chosen by name order.
+    """
+    from ncclguard.slurm import SlurmError
+    from ncclguard.store import Inventory, InventoryError
+
+    cfg = run.config
+    assert cfg is not None
+    members: list[str] = []
+    scope = "the inventory"
+    if job.partition:
+        try:
+            members = _partition_nodes(run, job.partition)
+            scope = f"partition {job.partition}"
+        except SlurmError as e:
+            run.log(f"tie-break: partition nodes unknown ({e}); using the whole inventory")
+    try:
+        with Inventory(readonly=True, config=cfg.inventory) as inv:
+            classes = inv.classes(members) if members else inv.classes()
+    except InventoryError as e:
+        run.log(f"tie-break: {e}; odd nodes chosen by name", error=True)
+        return set(), f"none ({e})"
+    if not classes:
+        return set(), f"none (no nodes of {scope} in the inventory)"
+    if len(classes) > 1 and len(classes[0].hosts) == len(classes[1].hosts):
+        return set(), f"none (the largest classes of {scope} tie)"
+    prefer = set(classes[0].hosts) & set(job.nodes)
+    return prefer, f"majority class of {scope} ({len(classes[0].hosts)} nodes)"
 
 
 def _comment(verdict: Verdict, suffix: str) -> str:
@@ -236,7 +288,7 @@ def _cannot_steer(run: Run, job: Job, odd: list[str]) -> str:
         return f"pinned with -w to {compress(pinned)}"
     excluded = set(expand(info.excluded_nodes)) if info and info.excluded_nodes else set()
     partition = job.partition or (info.partition if info else "")
-    members = slurm.partition_nodes(partition) if partition else []
+    members = _partition_nodes(run, partition) if partition else []
     candidates = sorted(set(members) - excluded - set(odd))
     with Inventory(readonly=True, config=cfg.inventory) as inv:
         classes = inv.classes(candidates) if candidates else []

@@ -12,7 +12,7 @@
    identical nodes cost one comparison.
 4. Each rule's findings get the configured severity; the decision is the worst of them.
 5. ``odd_nodes``: the fewest nodes whose removal leaves no refuse-level finding
-   (:func:`odd_nodes`).
+   (:func:`odd_nodes`); among several such sets, the one that keeps most of ``prefer``.
 """
 
 from __future__ import annotations
@@ -100,7 +100,10 @@ def _classes(
     return list(merged.values())
 
 
-def odd_nodes(signatures: Sequence[tuple[Sequence[str | None], Sequence[str]]]) -> list[str]:
+def odd_nodes(
+    signatures: Sequence[tuple[Sequence[str | None], Sequence[str]]],
+    prefer: Collection[str] = (),
+) -> list[str]:
     """The fewest hosts whose removal leaves the rest agreeing on every position.
 
     ``signatures`` are ``(values, hosts)`` classes; ``values`` has one entry per compared
@@ -108,20 +111,50 @@ def odd_nodes(signatures: Sequence[tuple[Sequence[str | None], Sequence[str]]]) 
     one known value per position, so the search branches only where classes disagree:
     at the first disagreeing position, keep each value in turn (with the unknowns) and
     recurse; a branch that cannot beat the best kept count is cut. With no unknowns this
-    is "keep the largest class". Ties go to the kept set whose sorted host names come
-    first, so the answer does not depend on input order.
-    """
-    weights = [len(set(hosts)) for _, hosts in signatures]
-    width = len(signatures[0][0]) if signatures else 0
-    best: list[tuple[int, list[str]] | None] = [None]
+    is "keep the largest class".
 
-    def better(weight: int, kept: list[int]) -> bool:
+    Ties (several minimum odd sets): the kept set with the most hosts in ``prefer`` wins
+    (the gate passes the nodes of the partition's majority class), then the one whose
+    sorted host names come first, so the answer does not depend on input order.
+    """
+    return _odd_search(signatures, prefer)[0]
+
+
+def _odd_search(
+    signatures: Sequence[tuple[Sequence[str | None], Sequence[str]]],
+    prefer: Collection[str] = (),
+) -> tuple[list[str], bool]:
+    """:func:`odd_nodes`, and whether several minimum odd sets existed (a tie)."""
+    weights = [len(set(hosts)) for _, hosts in signatures]
+    preferred = set(prefer)
+    liked = [len(preferred.intersection(hosts)) for _, hosts in signatures] if preferred else []
+    width = len(signatures[0][0]) if signatures else 0
+    # best: (kept weight, kept preferred hosts, kept host names, kept class indexes)
+    best: list[tuple[int, int, list[str], frozenset[int]] | None] = [None]
+    tie = [False]
+
+    def consider(weight: int, cands: list[int]) -> None:
         current = best[0]
-        if current is None or weight > current[0]:
-            return True
-        if weight < current[0]:
-            return False
-        return _kept_hosts(signatures, kept) < current[1]
+        if current is not None and weight < current[0]:
+            return
+        idx = frozenset(cands)
+        if current is not None and weight == current[0]:
+            if idx == current[3]:
+                return
+            tie[0] = True
+        else:
+            tie[0] = False
+        score = sum(liked[c] for c in cands) if liked else 0
+        if current is not None and weight == current[0]:
+            if score < current[1]:
+                return
+            if score == current[1]:
+                hosts = _kept_hosts(signatures, cands)
+                if hosts >= current[2]:
+                    return
+                best[0] = (weight, score, hosts, idx)
+                return
+        best[0] = (weight, score, _kept_hosts(signatures, cands), idx)
 
     def search(cands: list[int], start: int) -> None:
         weight = sum(weights[c] for c in cands)
@@ -133,12 +166,11 @@ def odd_nodes(signatures: Sequence[tuple[Sequence[str | None], Sequence[str]]]) 
                 for value in sorted(known):  # type: ignore[type-var]
                     search([c for c in cands if signatures[c][0][pos] in (value, None)], pos + 1)
                 return
-        if better(weight, cands):
-            best[0] = (weight, _kept_hosts(signatures, cands))
+        consider(weight, cands)
 
     search(list(range(len(signatures))), 0)
-    kept = set(best[0][1]) if best[0] is not None else set()
-    return sorted({h for _, hosts in signatures for h in hosts} - kept)
+    kept = set(best[0][2]) if best[0] is not None else set()
+    return sorted({h for _, hosts in signatures for h in hosts} - kept), tie[0]
 
 
 def _kept_hosts(
@@ -175,10 +207,13 @@ def evaluate(
     config: PolicyConfig,
     stale: Collection[str] = (),
     partition: str | None = None,
+    prefer: Collection[str] = (),
 ) -> Verdict:
     """The verdict for one allocation. ``fingerprints[host] is None``: no record.
 
     A value may also be a :func:`node_values` record instead of the fingerprint.
+    ``prefer``: hosts to keep when several minimum odd sets exist (:func:`odd_nodes`);
+    ``Verdict.odd_tie`` says whether there was such a choice.
     """
     nodes = list(fingerprints)
     note = in_scope(config, partition, len(nodes))
@@ -209,6 +244,8 @@ def evaluate(
     decision = ("accept", "warn", "refuse")[worst]
 
     odd: list[str] = []
+    tie = False
     if decision == "refuse":
-        odd = forced_odd + odd_nodes(_refuse_signatures(rules, severities, classes))
-    return Verdict(decision, findings, odd, nodes, partition=partition)
+        found_odd, tie = _odd_search(_refuse_signatures(rules, severities, classes), prefer)
+        odd = forced_odd + found_odd
+    return Verdict(decision, findings, odd, nodes, partition=partition, odd_tie=tie)

@@ -104,9 +104,13 @@ class Finding:
 class Verdict:
     """``decision`` ("accept" | "warn" | "refuse"), ``findings`` (refuse first),
     ``odd_nodes`` (the fewest nodes whose removal leaves no refuse-level finding),
-    ``nodes`` (all nodes judged), ``notes`` (e.g. why the allocation was not checked)."""
+    ``nodes`` (all nodes judged), ``notes`` (e.g. why the allocation was not checked).
 
-    __slots__ = ("decision", "findings", "nodes", "notes", "odd_nodes", "partition")
+    ``odd_tie``: several minimum odd sets existed, and ``odd_nodes`` is the one chosen by
+    the caller's preference, then by name. It is a hint for the caller (the gate then
+    asks which nodes to prefer); it is not part of :meth:`to_dict` or equality."""
+
+    __slots__ = ("decision", "findings", "nodes", "notes", "odd_nodes", "odd_tie", "partition")
 
     def __init__(
         self,
@@ -116,6 +120,7 @@ class Verdict:
         nodes: Iterable[str] = (),
         notes: Sequence[str] = (),
         partition: str | None = None,
+        odd_tie: bool = False,
     ) -> None:
         if decision not in DECISIONS:
             raise ValueError(f"decision {decision!r}: expected one of {', '.join(DECISIONS)}")
@@ -125,6 +130,7 @@ class Verdict:
         self.nodes = sorted(set(nodes))
         self.notes = list(notes)
         self.partition = partition
+        self.odd_tie = odd_tie
 
     @property
     def accepted(self) -> bool:

@@ -94,6 +94,31 @@ def test_incompatible_batch_job_is_steered_and_completes(odd_cluster: DevCluster
     assert c.job_field(job, "NodeList") == "n[1-2,4]"
 
 
+def test_tie_steers_away_from_the_odd_node_not_the_good_one(odd_cluster: DevCluster) -> None:
+    """A 2-node job on n3 (2.18.3) + n4 (2.21.5): removing either leaves one node, so both
+    are minimum odd sets. The partition's majority (2.21.5) keeps n4, and n3 goes."""
+    c = odd_cluster
+    blocker = c.sbatch(["-N2", "-w", "n[1-2]", "--exclusive", "--wrap", "sleep 120"])
+    assert c.wait_job(blocker, {"RUNNING"}, 60) == "RUNNING"
+    job = c.sbatch(["-N2", "--wrap", "hostname"])  # only n3 and n4 are free
+    wait_for(
+        lambda: any(r.get("decision") == "followup" for r in records(c, job)), 60, "the follow-up"
+    )
+    recs = records(c, job)
+    refusal = next(r for r in recs if r.get("decision") == "refuse")
+    assert refusal["nodes"] == "n[3-4]" and refusal["odd_nodes"] == ["n3"]
+    assert refusal["tie_break"] == "majority class of partition debug (3 nodes)"
+    assert refusal["action"] == "steer"
+    followup = next(r for r in recs if r.get("decision") == "followup")
+    assert followup["result"] == "done" and followup["excluded"] == "n3"
+    assert c.job_field(job, "ExcNodeList") == "n3"
+    assert "requeued without n3" in admin_comment(c, job)
+    c.run(["scancel", str(blocker)])
+    assert c.wait_job(job, {"COMPLETED", "FAILED"}, 90) == "COMPLETED"
+    assert "n3" not in c.slurm().hostnames(c.job_field(job, "NodeList"))
+    assert records(c, job)[-1]["decision"] == "accept"
+
+
 def test_steer_merges_the_users_exclusions(odd_cluster: DevCluster) -> None:
     c = odd_cluster
     job = c.sbatch(["-N2", "-x", "n4", "--hold", "--wrap", "true"])

@@ -247,6 +247,31 @@ def test_interactive_refusal_exits_nonzero(tmp_path: Path) -> None:
     assert rec["user"] == "alice" and rec["nodes"] == "n[1-3]"
 
 
+def test_tie_break_without_slurm_keeps_the_inventory_majority(tmp_path: Path) -> None:
+    """n3 (odd) + n4: either could go. Slurm is absent, so the partition's nodes are
+    unknown: the whole inventory's majority (2.21.5: n1, n2, n4) keeps n4."""
+    inventory(tmp_path, {"n3": "2.18.3"})
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    env = {"SLURM_JOB_NODELIST": "n[3-4]", "SLURM_JOB_NUM_NODES": "2"}
+    r, _ = run_gate(tmp_path, f'slurm_bin_dir = "{empty}"', env)
+    assert r.returncode == 1
+    assert "tie-break: partition nodes unknown" in r.stderr
+    rec = last(tmp_path)
+    assert rec["decision"] == "refuse" and rec["odd_nodes"] == ["n3"]
+    assert rec["tie_break"] == "majority class of the inventory (3 nodes)"
+    assert rec["summary"].startswith("ncclguard: refuse, odd n3:")
+
+
+def test_no_tie_no_tie_break(tmp_path: Path) -> None:
+    inventory(tmp_path, {"n3": "2.18.3"})
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    r, _ = run_gate(tmp_path, f'slurm_bin_dir = "{empty}"')
+    assert r.returncode == 1 and "tie-break" not in r.stderr
+    assert "tie_break" not in last(tmp_path)
+
+
 def test_gate_does_not_import_heavy_modules(tmp_path: Path) -> None:
     inventory(tmp_path)
     code = (
