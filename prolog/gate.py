@@ -190,6 +190,7 @@ def _majority(run: Run, job: Job) -> tuple[set[str], str]:
     """
     from ncclguard.slurm import SlurmError
     from ncclguard.store import Inventory, InventoryError
+    from prolog.policy import majority
 
     cfg = run.config
     assert cfg is not None
@@ -207,12 +208,10 @@ def _majority(run: Run, job: Job) -> tuple[set[str], str]:
     except InventoryError as e:
         run.log(f"tie-break: {e}; odd nodes chosen by name", error=True)
         return set(), f"none ({e})"
-    if not classes:
-        return set(), f"none (no nodes of {scope} in the inventory)"
-    if len(classes) > 1 and len(classes[0].hosts) == len(classes[1].hosts):
-        return set(), f"none (the largest classes of {scope} tie)"
-    prefer = set(classes[0].hosts) & set(job.nodes)
-    return prefer, f"majority class of {scope} ({len(classes[0].hosts)} nodes)"
+    largest = majority([c.hosts for c in classes])
+    if not largest:
+        return set(), f"none (no single largest class in {scope})"
+    return largest & set(job.nodes), f"majority class of {scope} ({len(largest)} nodes)"
 
 
 def _comment(verdict: Verdict, suffix: str) -> str:

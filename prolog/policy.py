@@ -24,7 +24,7 @@ from prolog.rules import COMPARISONS, unknown_node
 from prolog.rules.base import ANY, Rule, Values, aspects, compare, value_of
 from prolog.verdict import SEVERITY_RANK, Finding, Verdict
 
-__all__ = ["NODE_VALUES", "evaluate", "in_scope", "node_values", "odd_nodes"]
+__all__ = ["NODE_VALUES", "evaluate", "in_scope", "majority", "node_values", "odd_nodes"]
 
 #: The marker (and format version) of a :func:`node_values` record.
 NODE_VALUES = "ncclguard_node_values"
@@ -118,6 +118,15 @@ def odd_nodes(
     sorted host names come first, so the answer does not depend on input order.
     """
     return _odd_search(signatures, prefer)[0]
+
+
+def majority(groups: Sequence[Collection[str]]) -> set[str]:
+    """The hosts of the one largest group (e.g. ``Inventory.classes()``' host lists): the
+    ``prefer`` for :func:`evaluate`. Empty when there is none, or the largest ones tie."""
+    sizes = sorted((len(set(g)) for g in groups), reverse=True)
+    if not sizes or (len(sizes) > 1 and sizes[0] == sizes[1]):
+        return set()
+    return next(set(g) for g in groups if len(set(g)) == sizes[0])
 
 
 def _odd_search(

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from policy_fingerprints import error, fingerprint, plugin
 
 from ncclguard.config import DEFAULT_SEVERITY, PolicyConfig
-from prolog.policy import evaluate, node_values
+from prolog.policy import evaluate, majority, node_values
 
 # min_nodes=1 so that "compatible" below means "no refuse-level finding" for any subset
 CONFIGS = {
@@ -161,3 +161,10 @@ def test_tie_break_keeps_the_preferred_node() -> None:
     fps["n5"] = fps["n4"]
     v = evaluate(fps, config, prefer={"n3"})
     assert v.odd_nodes == ["n3"] and not v.odd_tie
+
+
+def test_majority_is_the_one_largest_group() -> None:
+    assert majority([["n1", "n2", "n4"], ["n3"]]) == {"n1", "n2", "n4"}
+    assert majority([["n3"], ["n1", "n2"]]) == {"n1", "n2"}
+    assert majority([["n1"], ["n2"], ["n3", "n4"], ["n5", "n6"]]) == set()  # a tie: none
+    assert majority([]) == set()
