@@ -82,6 +82,15 @@ class JobInfo:
     admin_comment: str = ""
     comment: str = ""
     priority: int = 0
+    name: str = ""
+    start_time: float | None = None  # epoch seconds; None while pending (Slurm says 0)
+    end_time: float | None = None  # epoch; running: the expected end (start + time limit)
+    work_dir: str = ""
+    batch_host: str = ""  # the node that runs the batch script ("" while pending)
+    array_job_id: int = 0  # 0: not an array job
+    array_task_id: int | None = None
+    std_out: str = ""  # the StdOut file (output_path: %j etc. expanded, %N left)
+    std_err: str = ""  # the StdErr file, the same way (StdOut's file when not given)
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
 
@@ -230,7 +239,12 @@ class Slurm:
         return [n.name for n in self.nodes() if partition in n.partitions]
 
     def job(self, job_id: int | str) -> JobInfo | None:
-        """One job (``squeue --json``), or None when Slurm no longer knows it."""
+        """One job (``squeue --json``), or None when Slurm no longer knows it.
+
+        22.05: ``squeue --json`` ignores ``-j`` (we pick the job out), and lists finished
+        jobs until ``MinJobAge`` after their end, as ``scontrol show job`` does; its times
+        are epoch seconds, where ``scontrol`` prints local time without a zone.
+        """
         try:
             data = self._json("squeue", ["-j", _job_id(job_id)])
         except SlurmError as e:
@@ -313,12 +327,100 @@ def _int(v: Any) -> int:
         return 0
 
 
+def _epoch(v: Any) -> float | None:
+    if isinstance(v, dict):  # v0.0.39+: {"set": true, "number": 5}
+        if v.get("set") is False:
+            return None
+        v = v.get("number")
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return f if f > 0 else None
+
+
+def output_path(
+    pattern: str,
+    *,
+    job_id: int,
+    name: str = "",
+    user: str = "",
+    array_job_id: int = 0,
+    array_task_id: int | None = None,
+    work_dir: str = "",
+    batch: bool = True,
+) -> str:
+    """The file a batch job writes for the ``--output``/``--error`` ``pattern``.
+
+    ``pattern`` "" is Slurm's default, ``slurm-%j.out`` (``slurm-%A_%a.out`` for an array
+    task) in the working directory; interactive jobs have none. A relative pattern is
+    taken from ``work_dir``. ``%A %a %j %J %u %x`` are expanded, with a width
+    (``%5j``: zero-padded) and ``%%`` as ``%``, as the node does when it opens the file
+    (``scontrol show job`` on 22.05 expands the same letters but leaves widths and ``%%``
+    as written). ``%N`` (and the step-level ``%n %s %t``) stay: only the node knows them,
+    and ``%N`` there is its short host name, not always the node name.
+    """
+    in_array = array_task_id is not None and array_job_id > 0
+    if not pattern:
+        if not batch:
+            return ""
+        pattern = "slurm-%A_%a.out" if in_array else "slurm-%j.out"
+    subs = {
+        "A": str(array_job_id if in_array else job_id),
+        "a": str(array_task_id if in_array else 4294967294),  # NO_VAL, as Slurm prints it
+        "j": str(job_id),
+        "J": str(job_id),
+        "u": user,
+        "x": name,
+    }
+    out: list[str] = []
+    i = 0
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "%" and i + 1 < len(pattern):
+            if pattern[i + 1] == "%":
+                out.append("%")
+                i += 2
+                continue
+            j = i + 1
+            while j < len(pattern) and pattern[j].isdigit():
+                j += 1
+            key = pattern[j] if j < len(pattern) else ""
+            if key in subs:
+                width = min(int(pattern[i + 1 : j] or 0), 10)
+                val = subs[key]
+                out.append(val.zfill(width) if key in "AajJ" and width else val)
+                i = j + 1
+                continue
+        out.append(c)
+        i += 1
+    path = "".join(out)
+    if work_dir and not path.startswith("/"):
+        path = os.path.join(work_dir, path)
+    return path
+
+
 def _job_info(j: dict[str, Any]) -> JobInfo:
     state = j.get("job_state")
     if isinstance(state, list):  # v0.0.39+
         state = state[0] if state else ""
+    task = j.get("array_task_id")
+    if isinstance(task, dict):  # v0.0.39+
+        task = task.get("number") if task.get("set") else None
+    array_task = None if task is None or _int(task) >= 4294967294 else _int(task)
+    array_job = _int(j.get("array_job_id"))
+    job_id = _int(j.get("job_id"))
+    where: dict[str, Any] = {
+        "job_id": job_id,
+        "name": _text(j.get("name")),
+        "user": _text(j.get("user_name")),
+        "array_job_id": array_job,
+        "array_task_id": array_task,
+        "work_dir": _text(j.get("current_working_directory")),
+        "batch": bool(j.get("batch_flag")),
+    }
     return JobInfo(
-        job_id=_int(j.get("job_id")),
+        job_id=job_id,
         state=_text(state).upper(),
         user=_text(j.get("user_name")),
         partition=_text(j.get("partition")),
@@ -340,5 +442,17 @@ def _job_info(j: dict[str, Any]) -> JobInfo:
             else j.get("comment")
         ),
         priority=_int(j.get("priority")),
+        name=_text(j.get("name")),
+        start_time=_epoch(j.get("start_time")),
+        end_time=_epoch(j.get("end_time")),
+        work_dir=_text(j.get("current_working_directory")),
+        batch_host=_text(j.get("batch_host")),
+        array_job_id=array_job,
+        array_task_id=array_task,
+        std_out=output_path(_text(j.get("standard_output")), **where),
+        # no --error: the same file as StdOut
+        std_err=output_path(
+            _text(j.get("standard_error")) or _text(j.get("standard_output")), **where
+        ),
         raw=j,
     )

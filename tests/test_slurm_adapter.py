@@ -55,6 +55,69 @@ def test_job_info_and_updates(cluster: DevCluster) -> None:
     cluster.run(["scancel", str(job)])
 
 
+def _scontrol(cluster: DevCluster, job: int) -> dict[str, str]:
+    out = cluster.run(["scontrol", "-o", "show", "job", str(job)]).stdout
+    return dict(tok.partition("=")[::2] for tok in out.split() if "=" in tok)
+
+
+def test_job_times_and_output_paths(cluster: DevCluster) -> None:
+    """22.05: squeue --json has the times as epoch seconds and the output patterns raw
+    ("" for the default, %j unexpanded); the adapter names the files the node writes,
+    pending, running and (until MinJobAge) finished alike."""
+    s = cluster.slurm()
+    tmp = cluster.root / "tmp"
+    before = time.time()
+    job = int(
+        cluster.run(
+            ["sbatch", "--parsable", "-N1", "-J", "typed", "-o", f"{tmp}/out-%j-%x-%N.log",
+             "-e", f"{tmp}/err-%5j-%%.log", "--hold", "--wrap", "echo out; echo err >&2"]
+        ).stdout
+    )  # fmt: skip
+    default = int(cluster.run(["sbatch", "--parsable", "-N1", "--hold", "--wrap", "true"]).stdout)
+    info = s.job(job)
+    assert info is not None and info.state == "PENDING"
+    assert info.start_time is None and info.batch_host == "" and info.name == "typed"
+    assert info.raw["standard_output"] == f"{tmp}/out-%j-%x-%N.log"  # the raw pattern
+    assert info.std_out == f"{tmp}/out-{job}-typed-%N.log"  # %N: the node expands it
+    assert info.std_err == f"{tmp}/err-{job:05d}-%.log"
+    assert info.work_dir == str(tmp)
+    sc = _scontrol(cluster, job)
+    assert info.std_out == sc["StdOut"]
+    assert sc["StdErr"] == f"{tmp}/err-%5j-%%.log"  # 22.05's scontrol: no widths, no %%
+    d = s.job(default)
+    assert d is not None and d.raw["standard_output"] == ""  # Slurm's default: not stored
+    assert d.std_out == d.std_err == f"{tmp}/slurm-{default}.out"
+    sc = _scontrol(cluster, default)
+    assert (d.std_out, d.std_err) == (sc["StdOut"], sc["StdErr"])
+    cluster.run(["scancel", str(default)])
+
+    s.release(job)
+    assert cluster.wait_job(job, {"COMPLETED"}, 60) == "COMPLETED"
+    done = s.job(job)  # squeue --json still lists it, as scontrol does
+    assert done is not None and done.state == "COMPLETED"
+    assert done.start_time is not None and before - 1 <= done.start_time <= time.time() + 1
+    assert done.end_time is not None and done.end_time >= done.start_time
+    assert done.batch_host == done.nodes
+    assert (done.std_out, done.std_err) == (info.std_out, info.std_err)
+    # the node wrote StdErr as named, and StdOut with %N as its short host name
+    assert Path(done.std_err).read_text() == "err\n"
+    written = list(tmp.glob(f"out-{job}-typed-*.log"))
+    assert len(written) == 1 and written[0].read_text() == "out\n"
+
+
+def test_running_job_has_its_start_time(cluster: DevCluster) -> None:
+    s = cluster.slurm()
+    before = time.time()
+    job = cluster.sbatch(["-N2", "--wrap", "sleep 30"])
+    assert cluster.wait_job(job, {"RUNNING"}, 60) == "RUNNING"
+    info = s.job(job)
+    assert info is not None and info.state == "RUNNING"
+    assert info.start_time is not None and before - 1 <= info.start_time <= time.time() + 1
+    assert info.batch_host == cluster.slurm().hostnames(info.nodes)[0]
+    assert info.std_out == info.std_err == str(cluster.root / "tmp" / f"slurm-{job}.out")
+    cluster.run(["scancel", str(job)])
+
+
 def test_unknown_job(cluster: DevCluster) -> None:
     s = cluster.slurm()
     assert s.job(999999) is None

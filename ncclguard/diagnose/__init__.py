@@ -27,6 +27,7 @@ __all__ = [
     "Report",
     "job_logs",
     "load_catalog",
+    "resolve_output",
     "run",
 ]
 
@@ -55,75 +56,67 @@ class JobLogs:
         }
 
 
-def _num(v: Any) -> float | None:
-    if isinstance(v, dict):  # openapi v0.0.39+: {"set": true, "number": 5}
-        if v.get("set") is False:
-            return None
-        v = v.get("number")
-    try:
-        f = float(v)
-    except (TypeError, ValueError):
-        return None
-    return f if f > 0 else None
+def resolve_output(path: str, node: str) -> str:
+    """The file a job wrote for ``path`` (a :attr:`JobInfo.std_out`): ``%N`` is the short
+    host name of the node that opened it, taken to be ``node`` (the batch host). When no
+    such file exists but exactly one file matches with ``%N`` as a wildcard, that one
+    (several slurmd on one host, or a host name that is not the node name)."""
+    if "%N" not in path:
+        return path
+    guess = path.replace("%N", node) if node else path
+    if os.path.exists(guess):
+        return guess
+    import glob
 
-
-def expand_output_path(pattern: str, job_id: str, raw: dict[str, Any], first_node: str) -> str:
-    """Slurm's filename pattern (sbatch --output): %j %J %A %a %x %u %N %%."""
-    if "%" not in pattern:
-        return pattern
-    subs = {
-        "j": job_id,
-        "J": job_id,
-        "A": str(raw.get("array_job_id") or job_id),
-        "a": str(raw.get("array_task_id") or "0"),
-        "x": str(raw.get("name") or ""),
-        "u": str(raw.get("user_name") or ""),
-        "N": first_node,
-        "%": "%",
-    }
-    out, i = [], 0
-    while i < len(pattern):
-        c = pattern[i]
-        if c == "%" and i + 1 < len(pattern):
-            j = i + 1
-            while j < len(pattern) and pattern[j].isdigit():  # %5j: zero-padded
-                j += 1
-            key = pattern[j] if j < len(pattern) else ""
-            if key in subs:
-                width = int(pattern[i + 1 : j] or 0)
-                val = subs[key]
-                out.append(val.zfill(width) if key in "jJAa" and width else val)
-                i = j + 1
-                continue
-        out.append(c)
-        i += 1
-    return "".join(out)
+    matches = glob.glob("*".join(glob.escape(part) for part in path.split("%N")))
+    return matches[0] if len(matches) == 1 else guess
 
 
 def job_logs(slurm: Any, job_id: str) -> JobLogs | None:
-    """The job's nodes, start time and output files from Slurm; None when Slurm forgot it."""
+    """The job's nodes, start time and output files from Slurm; None when Slurm forgot it.
+
+    One ``squeue --json`` (:meth:`ncclguard.slurm.Slurm.job`): on 22.05 it lists pending,
+    running and finished jobs alike until ``MinJobAge`` seconds after their end,
+    as long as ``scontrol show job`` does, and its times are epoch seconds.
+    """
     from ncclguard.hostlist import expand
 
     info = slurm.job(job_id)
     if info is None:
         return None
-    raw = info.raw or {}
     nodes = tuple(expand(info.nodes)) if info.nodes else ()
     files: list[str] = []
-    for key in ("standard_output", "standard_error"):
-        p = raw.get(key)
-        if isinstance(p, str) and p:
-            path = expand_output_path(p, str(info.job_id), raw, nodes[0] if nodes else "")
-            if path not in files and path != "/dev/null":
-                files.append(path)
+    for pattern in (info.std_out, info.std_err):
+        if not pattern:
+            continue
+        path = resolve_output(pattern, info.batch_host or (nodes[0] if nodes else ""))
+        if path not in files and path != "/dev/null":
+            files.append(path)
     return JobLogs(
         job_id=str(info.job_id),
         nodes=nodes,
-        start_time=_num(raw.get("start_time")),
+        start_time=info.start_time,
         files=tuple(files),
         partition=info.partition or None,
         state=info.state,
     )
+
+
+def _preferring_majority(inv: Any) -> Callable[..., Any]:
+    """The policy's ``evaluate``, which on a tie between minimum odd sets keeps the nodes
+    of the inventory's majority class (as the gate does when it cannot list the
+    partition's nodes), so that both name the same odd nodes."""
+    from prolog.policy import evaluate, majority
+
+    def preferring(fps: Any, config: Any, **kw: Any) -> Any:
+        verdict = evaluate(fps, config, **kw)
+        if verdict.odd_tie:
+            prefer = majority([c.hosts for c in inv.classes()])
+            if prefer:
+                verdict = evaluate(fps, config, prefer=prefer, **kw)
+        return verdict
+
+    return preferring
 
 
 def run(
@@ -167,7 +160,7 @@ def run(
     try:
         inv = open_inventory()
         if evaluate is None:
-            from prolog.policy import evaluate as evaluate
+            evaluate = _preferring_majority(inv)
         view = inventory_view(
             node_list, at, inv, policy_config, evaluate, job.partition if job else None
         )

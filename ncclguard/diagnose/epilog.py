@@ -7,7 +7,8 @@
 
 For a job that failed (``SLURM_JOB_EXIT_CODE`` / ``SLURM_JOB_DERIVED_EC`` non-zero, or
 the state from Slurm), it reads the job's StdOut/StdErr (``SLURM_JOB_STDOUT`` /
-``SLURM_JOB_STDERR``, else Slurm), diagnoses them, correlates with the inventory as of
+``SLURM_JOB_STDERR``, else the typed ``std_out`` / ``std_err`` / ``start_time`` of
+``Slurm.job`` through :func:`job_logs`), diagnoses them, correlates with the inventory as of
 the job's start, and appends one record ``{"action": "diagnose", ...}`` to the audit
 trail, so that ``ncclguard decisions --job ID`` shows it.
 
@@ -110,7 +111,7 @@ def _run(a: argparse.Namespace, env: Mapping[str, str], job_id: str, t0: float) 
     from ncclguard import config as cfgmod
     from prolog import audit
 
-    from . import JobLogs, job_logs, load_catalog, run
+    from . import JobLogs, job_logs, load_catalog, resolve_output, run
     from .logparse import LogError
 
     if not job_id.isdigit():
@@ -121,13 +122,18 @@ def _run(a: argparse.Namespace, env: Mapping[str, str], job_id: str, t0: float) 
         return 0
     cfg = cfgmod.load(a.config)
     deadline = t0 + max(a.budget, 1.0)
-    files = [env[k] for k in ("SLURM_JOB_STDOUT", "SLURM_JOB_STDERR") if env.get(k)]
-    files = [f for i, f in enumerate(files) if f not in files[:i] and f != "/dev/null"]
     nodes: tuple[str, ...] = ()
     if env.get("SLURM_JOB_NODELIST"):
         from ncclguard.hostlist import expand
 
         nodes = tuple(expand(env["SLURM_JOB_NODELIST"]))
+    # a %N left in these is the batch host: the first node
+    files = [
+        resolve_output(env[k], nodes[0] if nodes else "")
+        for k in ("SLURM_JOB_STDOUT", "SLURM_JOB_STDERR")
+        if env.get(k)
+    ]
+    files = [f for i, f in enumerate(files) if f not in files[:i] and f != "/dev/null"]
     start = _float(env.get("SLURM_JOB_START_TIME"))
     job: JobLogs | None = None
     if not files or start is None:
