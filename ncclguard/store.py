@@ -198,7 +198,7 @@ def _migrate_1_to_2(conn: sqlite3.Connection) -> None:
     """
     conn.execute(
         "CREATE TABLE gate_nodes (host TEXT PRIMARY KEY, policy_key TEXT NOT NULL, "
-        "last_heartbeat REAL NOT NULL) WITHOUT ROWID"
+        "last_heartbeat REAL NOT NULL, values_version INTEGER NOT NULL) WITHOUT ROWID"
     )
     conn.execute("CREATE INDEX idx_gate_nodes_policy_key ON gate_nodes (policy_key)")
     conn.execute(
@@ -216,21 +216,28 @@ def _migrate_1_to_2(conn: sqlite3.Connection) -> None:
 
 def _policy_values(fp: dict[str, Any]) -> tuple[str, str]:
     """``(key, canonical JSON)`` of what the policy reads of one fingerprint."""
+    import hashlib  # writers only: the gate's read path does not pay for OpenSSL
+
+    from prolog.compat import VALUES_VERSION
     from prolog.policy import node_values
 
     text = canonical_json(node_values(fp))
-    import hashlib  # writers only: the gate's read path does not pay for OpenSSL
-
-    return hashlib.sha256(text.encode()).hexdigest()[:32], text
+    key = hashlib.sha256(f"{VALUES_VERSION}:{text}".encode()).hexdigest()[:32]
+    return key, text
 
 
 def _write_gate_row(
     conn: sqlite3.Connection, host: str, values: tuple[str, str], heartbeat: float
 ) -> None:
+    from prolog.compat import VALUES_VERSION
+
     key, text = values
     old = conn.execute("SELECT policy_key FROM gate_nodes WHERE host = ?", (host,)).fetchone()
     conn.execute("INSERT OR IGNORE INTO policy_values VALUES (?, ?)", (key, text))
-    conn.execute("INSERT OR REPLACE INTO gate_nodes VALUES (?, ?, ?)", (host, key, heartbeat))
+    conn.execute(
+        "INSERT OR REPLACE INTO gate_nodes VALUES (?, ?, ?, ?)",
+        (host, key, heartbeat, VALUES_VERSION),
+    )
     if old is not None and old[0] != key:  # drop a record that no node uses any more
         conn.execute(
             "DELETE FROM policy_values WHERE policy_key = ? AND NOT EXISTS "
@@ -755,16 +762,23 @@ class Inventory:
         h = fingerprint_hash(fp)
         collected = _epoch((fp.get("host") or {}).get("collected_at"), now)
 
+        from prolog.compat import VALUES_VERSION
+
         # a cheap read first: most cycles write nothing and need no write lock
+        current = (
+            "SELECT n.fp_hash, n.last_heartbeat, g.values_version FROM nodes n "
+            "LEFT JOIN gate_nodes g ON g.host = n.host WHERE n.host = ?"
+        )
         try:
-            row = self._conn.execute(
-                "SELECT fp_hash, last_heartbeat FROM nodes WHERE host = ?", (host,)
-            ).fetchone()
+            row = self._conn.execute(current, (host,)).fetchone()
         except sqlite3.Error as e:
             if not _busy(e):
                 raise _translate(e, self.path, "read the node") from None
             row = None  # decide under the write lock below
-        if row is not None and row[0] == h and not self._heartbeat_due(row[1], now):
+        if (
+            row is not None and row[0] == h and row[2] == VALUES_VERSION
+            and not self._heartbeat_due(row[1], now)
+        ):
             return "unchanged"
 
         derived: dict[str, Any] | None = None
@@ -772,23 +786,33 @@ class Inventory:
 
         def body(conn: sqlite3.Connection) -> str:
             nonlocal derived, gate_values
-            cur = conn.execute(
-                "SELECT fp_hash, last_heartbeat, fingerprint FROM nodes WHERE host = ?", (host,)
-            ).fetchone()
+            cur = conn.execute(current, (host,)).fetchone()
+            if derived is None and (cur is None or cur[0] != h or cur[2] != VALUES_VERSION):
+                derived = _derive(fp)
+                gate_values = _policy_values(fp)
             if cur is not None and cur[0] == h:
-                if not self._heartbeat_due(cur[1], now):
+                stale_values = cur[2] != VALUES_VERSION
+                if not stale_values and not self._heartbeat_due(cur[1], now):
                     return "unchanged"
                 conn.execute(
                     "UPDATE nodes SET last_heartbeat = ?, collected_at = ? WHERE host = ?",
                     (now, collected, host),
                 )
-                conn.execute(
-                    "UPDATE gate_nodes SET last_heartbeat = ? WHERE host = ?", (now, host)
-                )
+                if stale_values:  # written by an older policy: derive them again
+                    assert derived is not None and gate_values is not None
+                    names = list(derived)
+                    conn.execute(
+                        f"UPDATE nodes SET {', '.join(f'{n} = ?' for n in names)} "  # noqa: S608 - fixed names
+                        "WHERE host = ?",
+                        (*derived.values(), host),
+                    )
+                    _write_gate_row(conn, host, gate_values, now)
+                else:
+                    conn.execute(
+                        "UPDATE gate_nodes SET last_heartbeat = ? WHERE host = ?", (now, host)
+                    )
                 return "heartbeat"
-            if derived is None:
-                derived = _derive(fp)
-                gate_values = _policy_values(fp)
+            assert derived is not None and gate_values is not None
             fp_json = canonical_json(fp)
             cols = {
                 "fp_hash": h, "fingerprint": fp_json, "collected_at": collected,
@@ -804,13 +828,16 @@ class Inventory:
                 diff: list[dict[str, Any]] = []
                 old_hash = None
             else:
+                (old_json,) = conn.execute(
+                    "SELECT fingerprint FROM nodes WHERE host = ?", (host,)
+                ).fetchone()
                 conn.execute(
                     f"UPDATE nodes SET {', '.join(f'{n} = ?' for n in names)} "  # noqa: S608 - fixed names
                     "WHERE host = ?",
                     (*cols.values(), host),
                 )
                 try:
-                    diff = fingerprint_diff(json.loads(cur[2]), fp)
+                    diff = fingerprint_diff(json.loads(old_json), fp)
                 except ValueError:
                     diff = [{"field": "", "old": None, "new": "(previous fingerprint unreadable)"}]
                 old_hash = cur[0]
@@ -818,7 +845,6 @@ class Inventory:
                 conn.execute(_DETAIL_DELETE[table], (host,))
                 if rows:
                     conn.executemany(_DETAIL_INSERT[table], rows)
-            assert gate_values is not None
             _write_gate_row(conn, host, gate_values, now)
             conn.execute(
                 "INSERT INTO history (host, at, old_hash, new_hash, diff, fingerprint) "
@@ -873,23 +899,29 @@ class Inventory:
         The values are :func:`prolog.policy.node_values` records, stored at write time
         in the narrow ``gate_nodes`` / ``policy_values`` tables. Nodes with equal records
         share one decoded dict, so that an allocation of 1,024 identical nodes costs one
-        ``json.loads`` here and one comparison in the policy. A record that cannot be
-        decoded is returned with no rules, which the policy treats as unknown.
+        ``json.loads`` here and one comparison in the policy.
+
+        A record written by another :data:`prolog.compat.VALUES_VERSION` (a node whose
+        daemon has not run since an upgrade), or one that cannot be decoded, is never
+        trusted: its values are computed again from the stored fingerprint (slower, for
+        those nodes only). A node whose fingerprint cannot be read either is returned as
+        None, i.e. unknown.
         """
-        from prolog.policy import NODE_VALUES  # a constant; the gate has loaded it anyway
+        from prolog.compat import VALUES_VERSION
+        from prolog.policy import NODE_VALUES, node_values
 
         wanted = list(dict.fromkeys(hosts))
         out: dict[str, tuple[dict, float] | None] = dict.fromkeys(wanted)
 
         def q(conn: sqlite3.Connection) -> None:
-            rows: list[tuple[str, str, float]] = []
+            rows: list[tuple[str, str, float, int]] = []
             for chunk in _chunks(wanted):
                 rows += conn.execute(
-                    "SELECT host, policy_key, last_heartbeat FROM gate_nodes "
+                    "SELECT host, policy_key, last_heartbeat, values_version FROM gate_nodes "
                     "WHERE host IN (SELECT value FROM json_each(?))",
                     (json.dumps(chunk),),
                 ).fetchall()
-            keys = list({key for _, key, _ in rows})
+            keys = list({key for _, key, _, version in rows if version == VALUES_VERSION})
             decoded: dict[str, dict] = {}
             for key, text in conn.execute(
                 "SELECT policy_key, policy_values FROM policy_values "
@@ -899,13 +931,24 @@ class Inventory:
                 try:
                     values = json.loads(text)
                 except ValueError:
-                    values = None
-                if not isinstance(values, dict) or NODE_VALUES not in values:
-                    values = {NODE_VALUES: 1, "rules": {}}
-                decoded[key] = values
-            unknown = {NODE_VALUES: 1, "rules": {}}
-            for host, key, heartbeat in rows:
-                out[host] = (decoded.get(key, unknown), heartbeat)
+                    continue
+                if isinstance(values, dict) and NODE_VALUES in values:
+                    decoded[key] = values
+            redo: dict[str, float] = {}
+            for host, key, heartbeat, _version in rows:
+                values = decoded.get(key)
+                if values is None:
+                    redo[host] = heartbeat
+                else:
+                    out[host] = (values, heartbeat)
+            if redo:
+                for host, text in conn.execute(
+                    "SELECT host, fingerprint FROM nodes "
+                    "WHERE host IN (SELECT value FROM json_each(?))",
+                    (json.dumps(list(redo)),),
+                ):
+                    with contextlib.suppress(ValueError):  # unreadable too: None (unknown)
+                        out[host] = (node_values(json.loads(text)), redo[host])
 
         self._reading("load nodes", q)
         return out

@@ -12,6 +12,7 @@ class per key and the policy compares classes, not nodes.
         "/opt/nccl/lib/libnccl.so.2": "2.18.3"   # None: that file's version is unknown
       },                             # None: the libnccl probe failed
       "net_plugin": "IBext_v8",      # name of the default net plugin; "none": no plugin
+                                     # or one that NCCL ignores (no common ABI)
       "net_abi": 8,                  # effective ncclNetPlugin_vN; 0: no plugin in use
       "transport": "IB"              # prolog.transport.effective_transport
     }
@@ -24,12 +25,20 @@ from __future__ import annotations
 
 import json
 
-from prolog.fields import nccl_version, net_plugin
+from prolog.fields import ABSENT, nccl_version, net_plugin
 from prolog.transport import effective_transport
 
-__all__ = ["COMPAT_FIELDS", "compat_key", "compat_values"]
+__all__ = ["COMPAT_FIELDS", "VALUES_VERSION", "compat_key", "compat_values"]
 
 COMPAT_FIELDS = ("nccl", "nccl_paths", "net_plugin", "net_abi", "transport")
+
+#: The version of what the store derives from a fingerprint at write time (these compat
+#: values, the query columns, ``prolog.policy.node_values``). **Bump it whenever a rule's
+#: values function, a field reader in ``prolog.fields`` or the transport logic changes
+#: meaning**: the daemon then rewrites each node's derived values at its next cycle, and
+#: until then the gate recomputes them from the stored fingerprint instead of trusting
+#: what an older version wrote.
+VALUES_VERSION = 2
 
 
 def _configured_paths(fp: dict) -> dict[str, str | None] | None:
@@ -46,6 +55,8 @@ def _configured_paths(fp: dict) -> dict[str, str | None] | None:
 def compat_values(fp: dict) -> dict:
     """The values that the refuse-by-default rules compare (see the module doc)."""
     plugin = net_plugin(fp)
+    if plugin is not None and plugin[1] == 0:
+        plugin = (ABSENT, 0)  # no common ABI: NCCL ignores the plugin, as if it were absent
     return {
         "nccl": nccl_version(fp),
         "nccl_paths": _configured_paths(fp),

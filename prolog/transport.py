@@ -110,15 +110,41 @@ def hca_matches(spec: str | IfList | None, device: str, port: int = -1) -> bool:
 def parse_ib_disable(value: str | None) -> bool:
     """``NCCL_IB_DISABLE`` as NCCL reads an integer parameter: non-zero disables IB.
 
-    A value that is not a whole number is ignored by NCCL (the default, 0, stays).
+    NCCL parses it with ``strtoll(value, NULL, 0)`` and rejects it only when ``errno`` is
+    set (an overflow): leading white space and a sign are skipped, ``0x`` means hex, a
+    leading ``0`` octal, and the longest valid prefix counts (``"1 # off"`` is 1, ``"08"``
+    is 0, ``"abc"`` is 0). See :func:`strtoll_base0`.
     """
     if value is None:
         return False
-    s = value.lstrip(" \t\n\v\f\r")
-    try:
-        return int(s, 16 if s[:2].lower() in ("0x",) else 10) != 0
-    except ValueError:
-        return False
+    parsed = strtoll_base0(value)
+    return parsed is not None and parsed != 0
+
+
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+def strtoll_base0(text: str) -> int | None:
+    """C's ``strtoll(text, NULL, 0)``; ``None`` where it sets ``errno`` (out of range)."""
+    i, n = 0, len(text)
+    while i < n and text[i] in " \t\n\v\f\r":
+        i += 1
+    sign = 1
+    if i < n and text[i] in "+-":
+        sign = -1 if text[i] == "-" else 1
+        i += 1
+    base, digits = 10, "0123456789"
+    if text[i : i + 2].lower() == "0x" and i + 2 < n and text[i + 2] in "0123456789abcdefABCDEF":
+        base, digits, i = 16, "0123456789abcdefABCDEF", i + 2
+    elif text[i : i + 1] == "0":
+        base, digits = 8, "01234567"
+    j = i
+    while j < n and text[j] in digits:
+        j += 1
+    if j == i:
+        return 0  # no conversion: strtoll returns 0 (glibc leaves errno alone)
+    value = sign * int(text[i:j], base)
+    return value if _INT64_MIN <= value <= _INT64_MAX else None
 
 
 def _selected_ports(

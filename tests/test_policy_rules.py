@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from policy_fingerprints import device, error, fingerprint, libnccl, plugin, port
 
+from prolog.compat import compat_values
 from prolog.rules import gpu, nccl_conf, nccl_version, net_plugin, rdma, transport, unknown_node
 
 
@@ -73,6 +74,16 @@ def test_net_plugin_presence_abi_name_and_sha() -> None:
     rebuilt_old = fingerprint("n2", libs=[libnccl("2.18.3")], plugins=[plugin(sha256="bbbb")])
     found = net_plugin.check({"n1": with_plugin, "n2": rebuilt_old})
     assert [(f.rule, f.severity) for f in found] == [("net-plugin", "refuse")]
+
+
+def test_net_plugin_without_common_abi_is_as_absent_but_warned() -> None:
+    """NCCL ignores a plugin that shares no ABI with it: for the job that is no plugin."""
+    ignored = fingerprint("n1", libs=[libnccl("2.18.3")], plugins=[plugin(abis=[9, 8])])
+    found = net_plugin.check({"n1": ignored, "n2": fingerprint("n2")})
+    assert [(f.rule, f.severity) for f in found] == [("net-plugin", "warn")]
+    assert "ignores" in found[0].message
+    assert compat_values(ignored)["net_plugin"] == "none"
+    assert compat_values(ignored) == compat_values(fingerprint("n1", libs=[libnccl("2.18.3")]))
 
 
 def test_net_plugin_unreadable_is_unknown() -> None:

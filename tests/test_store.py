@@ -402,20 +402,41 @@ def test_migration_to_v2_backfills_the_gate_values(tmp_path: Path) -> None:
     assert evaluate(values, PolicyConfig()).to_dict() == evaluate(fps, PolicyConfig()).to_dict()
 
 
-def test_unreadable_gate_values_are_unknown_not_different(db: Path) -> None:
+def test_gate_values_never_trust_an_unreadable_or_older_record(db: Path) -> None:
+    """Undecodable values, or values of another VALUES_VERSION, are computed again from
+    the fingerprint; a node whose fingerprint is unreadable too is unknown (None)."""
     from ncclguard.config import PolicyConfig
-    from prolog.policy import evaluate
+    from prolog.compat import VALUES_VERSION
+    from prolog.policy import evaluate, node_values
 
+    fps = {"n1": make_fp("n1"), "n2": make_fp("n2", nccl="2.18.3"), "n3": make_fp("n3")}
     with Inventory(db) as inv:
-        inv.upsert(make_fp("n1"), now=1)
-        inv.upsert(make_fp("n2", nccl="2.18.3"), now=1)
+        for fp in fps.values():
+            inv.upsert(fp, now=1)
     conn = sqlite3.connect(db, isolation_level=None)
     conn.execute(
         "UPDATE policy_values SET policy_values = '{not json' WHERE policy_key = "
         "(SELECT policy_key FROM gate_nodes WHERE host = 'n2')"
     )
+    conn.execute("UPDATE gate_nodes SET values_version = ? WHERE host = 'n3'",
+                 (VALUES_VERSION - 1,))
     conn.close()
     with Inventory(db, readonly=True) as inv:
-        got = inv.load_values(["n1", "n2"])
+        got = inv.load_values(["n1", "n2", "n3"])
+    assert got["n2"][0] == node_values(fps["n2"])  # type: ignore[index]
+    assert got["n3"][0] == node_values(fps["n3"])  # type: ignore[index]
     verdict = evaluate({h: r[0] for h, r in got.items() if r}, PolicyConfig())
-    assert verdict.decision == "accept"  # n2's version is unknown, so nothing differs
+    assert verdict.decision == "refuse" and verdict.odd_nodes == ["n2"]
+
+    # the next daemon cycle rewrites the older record, though the fingerprint is the same
+    with Inventory(db) as inv:
+        assert inv.upsert(fps["n3"], now=2) == "heartbeat"
+        assert inv.upsert(fps["n3"], now=3) == "unchanged"
+    conn = sqlite3.connect(db, isolation_level=None)
+    assert conn.execute(
+        "SELECT values_version FROM gate_nodes WHERE host = 'n3'").fetchone()[0] == VALUES_VERSION
+    conn.execute(
+        "UPDATE nodes SET fingerprint = '{broken' WHERE host = 'n2'")
+    conn.close()
+    with Inventory(db, readonly=True) as inv:
+        assert inv.load_values(["n2"])["n2"] is None  # nothing readable: unknown

@@ -53,7 +53,11 @@ def test_parse_if_list() -> None:
 @pytest.mark.parametrize(
     ("value", "disabled"),
     [(None, False), ("0", False), ("1", True), ("2", True), ("yes", False), (" 1", True),
-     ("0x1", True), ("", False)],
+     ("0x1", True), ("", False),
+     # strtoll(value, NULL, 0) keeps the longest valid prefix; no trimming in nccl.conf
+     ("1 # no IB", True), ("1;", True), ("1.0", True), ("2x", True), ("1\r", True),
+     ("08", False), ("010", True), ("0x", False), ("-1", True), ("+0", False),
+     ("99999999999999999999", False)],  # ERANGE: NCCL keeps its default, 0
 )
 def test_parse_ib_disable(value: str | None, disabled: bool) -> None:
     assert parse_ib_disable(value) is disabled
