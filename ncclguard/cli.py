@@ -852,7 +852,7 @@ def decisions(job: str | None, since: float | None, refused: bool, audit_log: st
     c = _ctx(as_json, as_csv)
     if job is not None and not job.isdigit():
         fail(f"--job {job!r}: expected a numeric job id")
-    path = audit_log or str(c.config.gate.audit_path())
+    path = audit_log or str(c.config.gate.audit_path(c.config.inventory))
     try:
         records = list(audit.read(path, job=int(job) if job else None, since=since,
                                   refused=refused))

@@ -104,7 +104,8 @@ def default_db_path() -> Path:
 
 
 def default_audit_path() -> Path:
-    return default_db_path().with_name("decisions.jsonl")
+    """``decisions.jsonl`` next to the inventory (``$NCCLGUARD_DB`` or the default)."""
+    return InventoryConfig().db_path().with_name("decisions.jsonl")
 
 
 class InventoryConfig(_Settings):
@@ -149,8 +150,12 @@ class GateConfig(_Settings):
     slurm_bin_dir: str = ""  # where scontrol/squeue live; empty: PATH, then /usr/bin
     slurm_conf: str = ""  # slurm.conf for the Slurm commands; empty: $SLURM_CONF, then Slurm's own
 
-    def audit_path(self) -> Path:
-        return Path(self.audit_log) if self.audit_log else default_audit_path()
+    def audit_path(self, inventory: InventoryConfig | None = None) -> Path:
+        """``audit_log``, else ``decisions.jsonl`` next to the inventory, so that the gate
+        (as SlurmUser) and the admins' ``ncclguard decisions`` find the same file."""
+        if self.audit_log:
+            return Path(self.audit_log)
+        return (inventory or InventoryConfig()).db_path().with_name("decisions.jsonl")
 
 
 class DrainConfig(_Settings):

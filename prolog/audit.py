@@ -32,11 +32,14 @@ class AuditError(OSError):
     """The audit file cannot be written safely (the message names the path and why)."""
 
 
+LOCK_TIMEOUT_S = 1.0  # another writer holding the lock longer than this: give up, loudly
+
+
 def _check_dir(d: Path) -> None:
     st = os.stat(d)
     if not stat.S_ISDIR(st.st_mode):
         raise AuditError(f"{d}: not a directory")
-    if st.st_mode & 0o002 and not st.st_mode & stat.S_ISVTX:
+    if st.st_mode & 0o002:  # sticky or not (/tmp): anyone could plant or pre-create the file
         raise AuditError(f"{d}: writable by everyone; refusing to write the audit log there")
     if st.st_mode & 0o022 and st.st_uid not in (0, os.geteuid()):
         raise AuditError(f"{d}: owned by uid {st.st_uid} and group/world-writable")
@@ -67,20 +70,55 @@ def now_fields(ts: float | None = None) -> dict[str, Any]:
     return {"time": iso, "ts": round(t, 3)}
 
 
-def append(path: str | os.PathLike[str], record: dict[str, Any]) -> None:
-    """Append one record (``time``/``ts`` added when missing) as one JSON line."""
+_ESSENTIAL = ("time", "ts", "job", "user", "partition", "num_nodes", "decision", "action",
+              "error", "refusal", "duration_ms")
+
+
+def _line(rec: dict[str, Any]) -> str:
+    """One JSON line of at most MAX_LINE characters: fields are dropped, never text cut."""
+    line = json.dumps(rec, separators=(",", ":"), sort_keys=False, default=str)
+    if len(line) <= MAX_LINE:
+        return line
+    keep = {k: v for k, v in rec.items() if k not in ("findings", "diagnoses")}
+    keep["truncated"] = True
+    line = json.dumps(keep, separators=(",", ":"), default=str)
+    if len(line) <= MAX_LINE:
+        return line
+    small: dict[str, Any] = {k: rec[k] for k in _ESSENTIAL if k in rec}
+    small["summary"] = str(rec.get("summary", ""))[:1000]
+    small["truncated"] = True
+    return json.dumps(small, separators=(",", ":"), default=str)[:MAX_LINE]
+
+
+def _lock(fd: int, path: Path, timeout: float) -> None:
+    """``flock(LOCK_EX)``, waiting at most ``timeout`` s: a stuck writer (or a stalled
+    network filesystem) must never hold the prolog past its deadline."""
     import fcntl
 
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= end:
+                raise AuditError(
+                    f"{path}: locked by another writer for more than {timeout:g} s; "
+                    "record not written"
+                ) from None
+            time.sleep(0.01)
+
+
+def append(
+    path: str | os.PathLike[str], record: dict[str, Any], lock_timeout: float = LOCK_TIMEOUT_S
+) -> None:
+    """Append one record (``time``/``ts`` added when missing) as one JSON line."""
     rec = {**now_fields(), **record} if "ts" not in record else dict(record)
-    line = json.dumps(rec, separators=(",", ":"), sort_keys=False, default=str)
-    if len(line) > MAX_LINE:
-        keep = {k: rec[k] for k in rec if k not in ("findings",)}
-        keep["findings_truncated"] = True
-        line = json.dumps(keep, separators=(",", ":"), default=str)[:MAX_LINE]
-    data = (line + "\n").encode()
-    fd = _open_for_append(Path(path))
+    data = (_line(rec) + "\n").encode()
+    p = Path(path)
+    fd = _open_for_append(p)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        _lock(fd, p, lock_timeout)
         size = os.fstat(fd).st_size
         if size and os.pread(fd, 1, size - 1) != b"\n":
             data = b"\n" + data  # a torn last line (a writer killed mid-write) stays alone

@@ -73,33 +73,54 @@ class Run:
         except OSError:
             pass
 
-    def audit(self, **fields: Any) -> None:
+    def audit(self, lock_timeout: float = 1.0, **fields: Any) -> None:
         self.record.update(fields)
         self.record["duration_ms"] = self.elapsed_ms()
-        path = self.config.gate.audit_path() if self.config else None
-        if path is None:
+        if self.config:
+            path = self.config.gate.audit_path(self.config.inventory)
+        else:
             from ncclguard.config import default_audit_path
 
             path = default_audit_path()
         try:
             from prolog import audit
 
-            audit.append(path, self.record)
+            audit.append(path, self.record, lock_timeout=lock_timeout)
         except (OSError, ValueError) as e:
             self.log(f"cannot write the audit log {path}: {e}", error=True)
 
-    def fail(self, what: str, err: BaseException | str) -> int:
-        """An error: the configured outcome (default: accept), loudly."""
+    def fail(self, what: str, err: BaseException | str, late: bool = False) -> int:
+        """An error: the configured outcome (default: accept), loudly.
+
+        ``late``: called from the deadline handler; the audit write then waits at most
+        0.1 s for its lock and no Slurm call is made (their time is up).
+        """
         outcome = self.on_error
         self.log(f"{what}: {err} -> {outcome} (gate.on_error = {outcome})", error=True)
-        self.audit(decision="error", action=outcome, error=f"{what}: {err}")
+        self.audit(decision="error", action=outcome, error=f"{what}: {err}",
+                   lock_timeout=0.1 if late else 1.0)
         if outcome == "accept":
             return EXIT_OK
         text = f"ncclguard: refused, gate error ({what}: {err})"
+        batch = "SLURM_JOB_STDOUT" in self.env or "SLURM_JOB_STDERR" in self.env
+        if batch and self.config and self._error_refusals() >= self.config.gate.max_refusals:
+            # fail closed must not requeue a batch job for ever: hold it, as for refusals
+            text += f" | held: refused {self._error_refusals()} times"
+            if not late:
+                try:
+                    _spawn(self, self.job_id, "hold", [], text)
+                except OSError as e:
+                    self.log(f"cannot start the follow-up: {e}", error=True)
+        if late:
+            return EXIT_REFUSE
         _best_effort(self, lambda s: s.set_admin_comment(self.job_id, text))
-        if "SLURM_JOB_STDOUT" not in self.env:
+        if not batch:
             _best_effort(self, lambda s: s.notify(self.job_id, text))
         return EXIT_REFUSE
+
+    def _error_refusals(self) -> int:
+        restarts = self.env.get("SLURM_JOB_RESTART_COUNT", "")
+        return (int(restarts) if restarts.isdigit() else 0) + 1
 
 
 def _int_or(v: str) -> int | str:
@@ -221,6 +242,7 @@ def _comment(verdict: Verdict, suffix: str) -> str:
 def refuse(run: Run, job: Job, verdict: Verdict) -> int:
     from ncclguard.hostlist import compress
     from ncclguard.slurm import SlurmError
+    from ncclguard.store import InventoryError
 
     cfg = run.config
     assert cfg is not None
@@ -237,6 +259,7 @@ def refuse(run: Run, job: Job, verdict: Verdict) -> int:
     count = job.restart_count + 1  # this refusal; restarts count the earlier ones
     odd = verdict.odd_nodes
     hold_reason = ""
+    steerable = True
     if count >= gate.max_refusals:
         hold_reason = f"refused {count} times (gate.max_refusals = {gate.max_refusals})"
     elif gate.steering == "hold":
@@ -247,13 +270,15 @@ def refuse(run: Run, job: Job, verdict: Verdict) -> int:
         else:
             try:
                 hold_reason = _cannot_steer(run, job, odd)
-            except (SlurmError, OSError, ValueError) as e:
+            except (SlurmError, InventoryError, OSError, ValueError) as e:
+                # without the check, steering could leave the job PENDING for ever
+                # (BadConstraints): requeue it plainly, and max_refusals still bounds it
                 run.log(f"steering check failed: {e}; requeueing without steering", error=True)
-                hold_reason = ""
+                steerable = False
     if hold_reason:
         action = "hold"
         suffix = f" | held: {hold_reason}"
-    elif gate.steering == "steer" and odd:
+    elif gate.steering == "steer" and odd and steerable:
         action = "steer"
         suffix = f" | requeued without {compress(odd)} (refusal {count}/{gate.max_refusals})"
     else:
@@ -302,6 +327,10 @@ def _cannot_steer(run: Run, job: Job, odd: list[str]) -> str:
 
 def spawn_followup(run: Run, job: Job, action: str, odd: list[str], comment: str) -> None:
     """Start prolog/steer.py detached (own session, no inherited fds), and return."""
+    _spawn(run, job.job_id, action, odd, comment)
+
+
+def _spawn(run: Run, job_id: int | str, action: str, odd: list[str], comment: str) -> None:
     import subprocess
 
     from ncclguard.hostlist import compress
@@ -311,9 +340,9 @@ def spawn_followup(run: Run, job: Job, action: str, odd: list[str], comment: str
     slurm = _slurm(run)
     argv = [
         sys.executable, "-I", "-m", "prolog.steer",
-        "--job", str(job.job_id), "--action", action,
+        "--job", str(job_id), "--action", action,
         "--wait", str(cfg.gate.steer_wait_s),
-        "--audit", str(cfg.gate.audit_path()),
+        "--audit", str(cfg.gate.audit_path(cfg.inventory)),
     ]  # fmt: skip
     if odd:
         argv += ["--exclude", compress(odd)]
@@ -344,7 +373,7 @@ def _arm_deadline(run: Run, seconds: float) -> None:
         if run.finished:
             return
         run.finished = True
-        code = run.fail("deadline", f"gate.deadline_s = {seconds:g} s reached")
+        code = run.fail("deadline", f"gate.deadline_s = {seconds:g} s reached", late=True)
         os._exit(code)
 
     signal.signal(signal.SIGALRM, expired)

@@ -289,3 +289,80 @@ def test_gate_does_not_import_heavy_modules(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-I", "-c", code], env=env, capture_output=True, text=True)
     assert r.stdout.strip() == "[]", r.stdout + r.stderr
     assert os.path.exists(tmp_path / "a.jsonl")
+
+
+# ------------------------------------------------------------ review fixes: no hang, no loop
+
+
+def _fake_slurm(tmp_path: Path, script: str) -> Path:
+    """Stand-ins for scontrol/squeue/sinfo that log their arguments, then run ``script``."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    log = tmp_path / "slurm-calls.log"
+    for name in ("scontrol", "squeue", "sinfo"):
+        p = bin_dir / name
+        p.write_text(f'#!/bin/sh\necho "{name} $*" >> {log}\n{script}\n')
+        p.chmod(0o700)
+    return bin_dir
+
+
+def test_a_held_audit_lock_cannot_hang_the_gate(tmp_path: Path) -> None:
+    """Another writer holding the audit file's lock costs the record, never the deadline."""
+    import fcntl
+
+    inventory(tmp_path)
+    path = tmp_path / "audit.jsonl"
+    audit.append(path, {"job": 1, "decision": "accept"})
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        r, dt = run_gate(tmp_path, "deadline_s = 1", timeout=20)
+    assert r.returncode == 0 and dt < 4, r.stderr
+    assert "locked by another writer" in r.stderr
+    assert [x["job"] for x in audit.read(path)] == [1]  # nothing torn, nothing half-written
+
+
+def test_audit_refuses_a_sticky_world_writable_directory(tmp_path: Path) -> None:
+    tmpdir_like = tmp_path / "tmp"
+    tmpdir_like.mkdir()
+    tmpdir_like.chmod(0o1777)
+    with pytest.raises(audit.AuditError, match="writable by everyone"):
+        audit.append(tmpdir_like / "decisions.jsonl", {"job": 1})
+
+
+def test_an_oversized_record_drops_fields_and_stays_valid_json(tmp_path: Path) -> None:
+    path = tmp_path / "d.jsonl"
+    big = {"rule": "x", "message": "y" * 5000}
+    audit.append(path, {"job": 5, "decision": "refuse", "findings": [big] * 40,
+                        "summary": "s" * 200_000})
+    (rec,) = audit.read(path)  # read() skips lines that are not JSON: this one is whole
+    assert rec["job"] == 5 and rec["decision"] == "refuse" and rec["truncated"] is True
+    assert "findings" not in rec and len(rec["summary"]) == 1000
+
+
+def test_a_failed_steering_check_requeues_without_steering(tmp_path: Path) -> None:
+    """Without the BadConstraints check, an ExcNodeList could strand the job: requeue."""
+    inventory(tmp_path, {"n3": "2.18.3"})
+    bin_dir = _fake_slurm(tmp_path, 'echo "slurm_load_jobs error: Socket timed out" >&2\nexit 1')
+    r, _ = run_gate(tmp_path, f'slurm_bin_dir = "{bin_dir}"', {"SLURM_JOB_STDOUT": "/o"})
+    assert r.returncode == 1
+    assert "steering check failed" in r.stderr
+    rec = last(tmp_path)
+    assert rec["decision"] == "refuse" and rec["action"] == "requeue", rec
+
+
+def test_fail_closed_holds_a_batch_job_after_max_refusals(tmp_path: Path) -> None:
+    """on_error = refuse must not requeue a batch job for ever while the inventory is down."""
+    bin_dir = _fake_slurm(tmp_path, 'case "$*" in *"-o %T"*) echo PENDING;; esac\nexit 0')
+    config = f'on_error = "refuse"\nmax_refusals = 3\nslurm_bin_dir = "{bin_dir}"'
+    batch = {"SLURM_JOB_STDOUT": "/o"}
+    r, _ = run_gate(tmp_path, config, {**batch, "SLURM_JOB_RESTART_COUNT": "0"})
+    assert r.returncode == 1 and "held" not in r.stderr
+    r, _ = run_gate(tmp_path, config, {**batch, "SLURM_JOB_RESTART_COUNT": "2"})
+    assert r.returncode == 1
+    log = tmp_path / "slurm-calls.log"
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and "scontrol hold 77" not in log.read_text():
+        time.sleep(0.2)  # the follow-up is detached: it holds the job once it is PENDING
+    calls = log.read_text()
+    assert "scontrol hold 77" in calls, calls
+    assert "held: refused 3 times" in calls  # the AdminComment says why

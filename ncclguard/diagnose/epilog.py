@@ -154,7 +154,7 @@ def _run(a: argparse.Namespace, env: Mapping[str, str], job_id: str, t0: float) 
         job = JobLogs(job_id, nodes, start, tuple(files), env.get("SLURM_JOB_PARTITION") or None)
     readable = [f for f in files if os.path.isfile(f)]
     problems = [f"{f}: log file not found" for f in files if f not in readable]
-    audit_path = cfg.gate.audit_path()
+    audit_path = cfg.gate.audit_path(cfg.inventory)
     if not readable:
         audit.append(
             audit_path,
