@@ -164,6 +164,13 @@ def iter_records(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
                 yield rec
 
 
+def _is_refusal(rec: dict[str, Any]) -> bool:
+    """A refused job: by the policy, or by a gate error with ``on_error = "refuse"``."""
+    return rec.get("decision") == "refuse" or (
+        rec.get("decision") == "error" and rec.get("action") == "refuse"
+    )
+
+
 def read(
     path: str | os.PathLike[str],
     job: int | str | None = None,
@@ -178,7 +185,7 @@ def read(
             continue
         if t0 is not None and float(rec.get("ts") or 0) < t0:
             continue
-        if refused and rec.get("decision") != "refuse":
+        if refused and not _is_refusal(rec):
             continue
         out.append(rec)
     return out

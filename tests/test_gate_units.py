@@ -86,6 +86,10 @@ def test_audit_append_and_read(tmp_path: Path) -> None:
     assert [r["job"] for r in audit.read(path, refused=True)] == [2]
     assert audit.read(path, since=time.time() + 60) == []
     assert len(audit.read(path, since="2000-01-01T00:00:00Z")) == 3
+    # a job refused by a gate error (on_error = refuse) is a refusal too; fail-open is not
+    audit.append(path, {"job": 4, "decision": "error", "action": "refuse"})
+    audit.append(path, {"job": 5, "decision": "error", "action": "accept"})
+    assert [r["job"] for r in audit.read(path, refused=True)] == [2, 4]
     assert audit.read(tmp_path / "none.jsonl") == []
     with pytest.raises(ValueError, match="since='yesterday'"):
         audit.read(path, since="yesterday")
