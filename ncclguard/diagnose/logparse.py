@@ -163,6 +163,19 @@ class LogReader:
 
     def __iter__(self) -> Iterator[tuple[int, bytes]]:
         """Lines without their end-of-line, numbered from 1; read in 1 MiB chunks."""
+        for before, count, block in self.blocks():
+            if count == 1:
+                yield before + 1, block
+            else:
+                yield from enumerate(block.split(b"\n"), before + 1)
+
+    def blocks(self) -> Iterator[tuple[int, int, bytes]]:
+        """The log as runs of whole lines: ``(lines before it, lines in it, block)``.
+
+        A block is one or more lines joined by ``\n`` (no final newline), each at most
+        :data:`MAX_LINE` bytes: a longer line is cut and is a block of its own. A line is
+        never split between blocks, so that a caller may search a whole block at once.
+        """
         lineno = 0
         carry = b""
         skipping = False  # inside an over-long line: discard up to its newline
@@ -185,28 +198,51 @@ class LogReader:
                         continue
                     chunk = chunk[j + 1 :]
                     skipping = False
-                parts = chunk.split(b"\n")
-                parts[0] = carry + parts[0]
-                carry = parts.pop()
-                for raw in parts:
-                    lineno += 1
-                    if len(raw) > MAX_LINE:
-                        self.truncated_lines += 1
-                        raw = raw[:MAX_LINE]
-                    yield lineno, raw
-                self.lines = lineno
+                if carry:
+                    chunk = carry + chunk
+                j = chunk.rfind(b"\n")
+                if j < 0:
+                    carry = chunk
+                else:
+                    carry = chunk[j + 1 :]
+                    for count, block in self._bounded(chunk[:j]):
+                        yield lineno, count, block
+                        lineno += count
+                        self.lines = lineno
                 if len(carry) > MAX_LINE:
-                    lineno += 1
                     self.truncated_lines += 1
-                    yield lineno, carry[:MAX_LINE]
+                    yield lineno, 1, carry[:MAX_LINE]
+                    lineno += 1
                     carry = b""
                     skipping = True
+                self.lines = lineno
             if carry and not skipping:
+                yield lineno, 1, carry
                 lineno += 1
-                yield lineno, carry
         finally:
             self.lines = lineno
             self.close()
+
+    def _bounded(self, data: bytes) -> Iterator[tuple[int, bytes]]:
+        """``data`` (whole lines joined by ``\n``) as blocks whose lines fit MAX_LINE."""
+        end = len(data)
+        start = p = 0  # start of the pending run of short lines; start of the line at hand
+        while end - p > MAX_LINE:  # only then can a line from p on be too long
+            q = data.rfind(b"\n", p, p + MAX_LINE + 1)
+            if q >= 0:
+                p = q + 1  # every line in [p, q) fits
+                continue
+            if p > start:
+                run = data[start : p - 1]
+                yield run.count(b"\n") + 1, run
+            self.truncated_lines += 1
+            yield 1, data[p : p + MAX_LINE]
+            q = data.find(b"\n", p + MAX_LINE)
+            if q < 0:
+                return
+            start = p = q + 1
+        run = data[start:] if start else data
+        yield run.count(b"\n") + 1, run
 
 
 def _describe(e: BaseException, compressed: bool) -> str:
