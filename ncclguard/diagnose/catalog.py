@@ -14,6 +14,7 @@ import string
 import tomllib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from difflib import SequenceMatcher
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -107,19 +108,42 @@ class Catalog:
             return re.compile(b"(?!)")
         return re.compile(b"|".join(re.escape(n) for n in sorted(needles, key=len, reverse=True)))
 
+    def literals(self) -> tuple[bytes, ...] | None:
+        """The fewest plain literals one of which is in every line any pattern matches:
+        what a whole chunk of log is searched for (``bytes.find``) before any line is
+        looked at. ``None`` when a pattern has no required literal (an admin's
+        ``(?i)…`` or ``\\d+ lost``): then every line must be tried.
+
+        Each search costs a pass over the chunk, so literals that share a long enough
+        piece (``NET/Plugin``, `` interface found``) are searched for by that piece
+        (:func:`cover`): a line with a literal has every piece of it.
+        """
+        needles: set[bytes] = set()
+        for s in self.signatures:
+            for p in s.patterns:
+                if not p.needles:
+                    return None
+                needles.update(p.needles)
+        return cover(needles)
+
     def combined(self) -> re.Pattern[bytes] | None:
         """One regex that matches wherever any signature pattern could: a prefilter.
 
         ``None`` when the patterns cannot be joined (a back-reference to a named
-        group); the caller then tries every signature on every line.
+        group; an unnamed group, whose number would shift); the caller then tries every
+        signature on every line.
         """
+        pats = [p for s in self.signatures for p in s.patterns]
+        if any(p.regex.groups != len(p.regex.groupindex) for p in pats):
+            return None
         parts = [_UNNAME.sub("(?:", p.text) for s in self.signatures for p in s.patterns]
         if not parts:
             return re.compile(b"(?!)")
         try:
-            return re.compile("|".join(f"(?:{t})" for t in parts).encode("utf-8"))
+            rx = re.compile("|".join(f"(?:{t})" for t in parts).encode("utf-8"))
         except re.error:
             return None
+        return rx if rx.groups == 0 else None
 
 
 def builtin_path() -> Path:
@@ -286,40 +310,69 @@ def _patterns(raw: Any, where: str) -> tuple[Pattern, ...]:
 
 # ---------------------------------------------------------------------------- needles
 MIN_NEEDLE = 4  # a shorter literal is no faster than the regex
+MIN_COVER = 8  # a shared piece shorter than this would pick too many lines
+
+
+def cover(needles: Iterable[bytes]) -> tuple[bytes, ...]:
+    """Fewer literals, one of which is in each of ``needles``: a needle that contains
+    another is dropped, and needles that share a piece of :data:`MIN_COVER` bytes or
+    more are replaced by it, the piece shared by most first."""
+    rest = sorted(set(needles))
+    rest = [n for n in rest if not any(m != n and m in n for m in rest)]
+    pieces: set[bytes] = set()
+    for i, a in enumerate(rest):
+        for b in rest[i + 1 :]:
+            m = SequenceMatcher(None, a, b, autojunk=False).find_longest_match(0, len(a), 0, len(b))
+            if m.size >= MIN_COVER:
+                pieces.add(a[m.a : m.a + m.size])
+    out: list[bytes] = []
+    while pieces:
+        best = max(sorted(pieces), key=lambda c: (sum(c in n for n in rest), len(c)))
+        covered = [n for n in rest if best in n]
+        if len(covered) < 2:
+            break
+        out.append(best)
+        rest = [n for n in rest if best not in n]
+        pieces = {c for c in pieces if sum(c in n for n in rest) >= 2}
+    return tuple(sorted(out + rest))
 
 
 def needles_of(text: str) -> tuple[bytes, ...] | None:
     """Literals of which every match of ``text`` contains one (None: none worth it).
 
-    Walks the parsed regex: runs of literal characters at the top level, inside groups,
-    inside repeats of at least one, and any-of sets from alternations whose every branch
-    has one. Case-insensitive patterns get none.
+    Walks the parsed regex (parsed as the bytes pattern that is compiled, so that an
+    escape such as ``\\xe9`` is the byte it matches): runs of literal bytes at the top
+    level, inside groups, inside repeats of at least one, and any-of sets from
+    alternations whose every branch has one. Anything else (classes, optional parts,
+    look-arounds, conditionals, scoped flags, an opcode this walk does not know) gives
+    no literal, so the answer errs towards ``None`` (every line is tried), never
+    towards a literal a match may lack. Case-insensitive and verbose patterns get none.
     """
-    from re import _constants as C
-    from re import _parser as P
-
     try:
-        parsed = P.parse(text)
-    except re.error:
+        from re import _constants as C
+        from re import _parser as P
+
+        parsed = P.parse(text.encode("utf-8"))
+    except Exception:  # a regex this walk cannot read: no literal, never a wrong one
         return None
     if parsed.state.flags & (re.IGNORECASE | re.VERBOSE):
         return None
 
-    def required(items: Any) -> list[list[str]]:
-        cands: list[list[str]] = []
-        run: list[str] = []
+    def required(items: Any) -> list[list[bytes]]:
+        cands: list[list[bytes]] = []
+        run = bytearray()
 
         def flush() -> None:
             if run:
-                cands.append(["".join(run)])
+                cands.append([bytes(run)])
                 run.clear()
 
         for op, av in items:
             if op is C.LITERAL:
-                run.append(chr(av))
+                run.append(av)
                 continue
             flush()
-            sub: list[str] | None = None
+            sub: list[bytes] | None = None
             if op is C.SUBPATTERN:
                 if av[1] or av[2]:  # inline flags on the group
                     continue
@@ -335,13 +388,16 @@ def needles_of(text: str) -> tuple[bytes, ...] | None:
         flush()
         return cands
 
-    def best(cands: list[list[str]]) -> list[str] | None:
+    def best(cands: list[list[bytes]]) -> list[bytes] | None:
         cands = [c for c in cands if c]
         if not cands:
             return None
         return max(cands, key=lambda c: (min(len(n) for n in c), -len(c)))
 
-    got = best(required(parsed))
+    try:
+        got = best(required(parsed))
+    except Exception:
+        return None
     if not got or min(len(n) for n in got) < MIN_NEEDLE:
         return None
-    return tuple(n.encode("utf-8") for n in got)
+    return tuple(dict.fromkeys(got))
