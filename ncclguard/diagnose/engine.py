@@ -100,23 +100,53 @@ class LogEvidence:
     resolve: Callable[[_Raw], Evidence]
 
 
-class Scanner:
-    """Feed it log files, one after the other; it keeps bounded state."""
+_REV_KEY = re.compile(rb" LCCN ([^\n]*)")  # on a reversed block: a line's text before " NCCL "
+_SEP = b" NCCL "
+_RANKS = b"anks "  # in NCCL's "comm 0x… rank R nranks N" / "nRanks N" lines
+_CACHE = 50_000  # entries kept in each prefix cache before it is emptied
 
-    def __init__(self, catalog: Catalog) -> None:
+
+class Scanner:
+    """Feed it log files, one after the other; it keeps bounded state.
+
+    A log is read in blocks of whole lines (about 1 MiB). When every catalog pattern
+    has a required literal (:meth:`Catalog.literals`), a block is searched for those
+    literals with ``bytes.find`` and only the lines that hold one (and NCCL's ``comm …
+    nranks`` lines, for the ranks) get per-line work; the hosts are read from the
+    distinct NCCL prefixes of the block, found by one regex over it. Otherwise every
+    line gets the per-line work (the slow path, never a missed line).
+    """
+
+    def __init__(self, catalog: Catalog, prefilter: bool = True) -> None:
+        """``prefilter=False``: every line gets the per-line work (for comparison)."""
         self.catalog = catalog
         self._sigs: list[Signature] = list(catalog)
         self._combined = catalog.combined()
         self._gate = catalog.gate()
+        self._prefilter = self._gate or self._combined  # one regex per line before the rest
+        lits = catalog.literals() if prefilter else None
+        self._literals: tuple[bytes, ...] | None = (
+            None if lits is None else tuple(dict.fromkeys((*lits, _RANKS)))
+        )
         self._states: dict[str, _SigState] = {s.id: _SigState() for s in self._sigs}
         self._hosts: set[str] = set()
         self._tag_host: dict[int, str] = {}  # launcher rank → host
         self._pid_rank: dict[tuple[str, int], int] = {}  # (host, pid) → NCCL rank
+        # NCCL's prefix repeats for every line of a process: parse each distinct one once.
+        # Keyed by the line up to 5 bytes past " NCCL " (what the prefix regex reads).
+        self._prefixes: dict[bytes, tuple[str, int, int | None] | None] = {}
+        self._first_of: dict[bytes, bytes] = {}  # reversed text before the last " NCCL "
+        self._settled: set[bytes] = set()  # prefixes whose host is registered (or none)
         self.files: list[str] = []
         self.lines = 0
         self.bytes = 0
         self.problems: list[ReadProblem] = []
         self.long_lines = 0
+
+    @property
+    def fast(self) -> bool:
+        """Whether blocks are prefiltered by literals (else every line is tried)."""
+        return self._literals is not None
 
     def feed(
         self,
@@ -127,88 +157,173 @@ class Scanner:
         """Scan one log. Raises :class:`~.logparse.LogError` when it cannot be opened.
 
         ``deadline`` (a ``time.monotonic()`` value): stop reading there, keep what was
-        read and record it as a problem (the Epilog's bound).
+        read and record it as a problem (the Epilog's bound). It is checked between
+        blocks, after the first.
         """
         reader = LogReader(path)
         name = label or str(path)
         self.files.append(name)
-        prefix_match = _PREFIX.match
-        combined = self._gate or self._combined
-        sigs = self._sigs
-        states = self._states
-        hosts = self._hosts
-        cache: dict[bytes, tuple[str, int, int | None] | None] = {}
+        fast = self._literals is not None
+        line = self._line
         stopped = False
         lineno = 0
-        for lineno, raw in reader:
-            if deadline is not None and not lineno & 0xFFFF and time.monotonic() > deadline:
+        blocks = reader.blocks()
+        for before, count, block in blocks:
+            if deadline is not None and before and time.monotonic() > deadline:
                 stopped = True
                 break
-            i = raw.find(b" NCCL ")
-            info = None
-            if i > 0:
-                # The prefix before " NCCL " repeats for every line of a process: parse it once.
-                key = raw[:i]
-                if key in cache:
-                    info = cache[key]
-                else:
-                    m = prefix_match(raw)
-                    if m is not None:
-                        info = (
-                            m.group("host").decode("ascii", "replace"),
-                            int(m.group("pid")),
-                            _tag_of(m),
-                        )
-                        hosts.add(info[0])
-                        if info[2] is not None:
-                            self._tag_host.setdefault(info[2], info[0])
-                    if len(cache) > 50_000:
-                        cache.clear()
-                    cache[key] = info
-            if info is not None:
-                host, pid, tr = info
-                lv = raw[i + 6 : i + 10]
-                level = "TRACE" if lv == b"TRAC" else lv.decode("ascii", "replace")
-                text = raw[i + (12 if lv == b"TRAC" else 11) :].rstrip(b"\r")
-                if b"anks " in text:
-                    im = _INIT.search(text)
-                    if im is not None:
-                        self._pid_rank[(host, pid)] = int(im.group("rank"))
+            if count == 1:
+                line(name, before + 1, block)
+            elif fast:
+                self._block(name, before, block)
             else:
-                host, pid, level = None, None, None
-                text = strip_tag(raw) if raw[:1] in b" 0123456789[" else raw
-                tr = launcher_rank(raw) if text is not raw else None
-            if combined is not None and combined.search(text) is None:
-                continue
-            for sig in sigs:
-                if info is None and sig.scope == "nccl":
-                    continue
-                if sig.level is not None and level != sig.level:
-                    continue
-                hit = sig.match(text)
-                if hit is None:
-                    continue
-                st = states[sig.id]
-                st.count += 1
-                rec = _Raw(name, lineno, _clip(raw), host, pid, tr)
-                if len(st.samples) < MAX_SAMPLES:
-                    st.samples.append(rec)
-                key = host if host is not None else (f"#rank{tr}" if tr is not None else None)
-                st.printers.setdefault(key, rec)
-                pat, pm = hit
-                value = pat.render(pm)
-                if value is not None:
-                    st.values.setdefault(value, {}).setdefault(key, rec)
-                    if pat.weak:
-                        st.weak.add(value)
+                for n, raw in enumerate(block.split(b"\n"), before + 1):
+                    line(name, n, raw)
+            lineno = before + count
         self.lines += lineno
         self.bytes += reader.bytes_read
         self.long_lines += reader.truncated_lines
         if stopped:
-            reader.close()
+            blocks.close()
             self.problems.append(ReadProblem(name, lineno, "time limit reached"))
         elif reader.problem is not None:
             self.problems.append(ReadProblem(name, reader.problem.line, reader.problem.cause))
+
+    # -------------------------------------------------------------- the fast path
+    def _block(self, name: str, before: int, block: bytes) -> None:
+        """A block of several lines: hosts from its NCCL prefixes, then only the lines
+        that hold a literal of the catalog."""
+        if _SEP in block:
+            self._register_hosts(block)
+        starts: set[int] = set()
+        find = block.find
+        rfind = block.rfind
+        for lit in self._literals or ():
+            p = find(lit)
+            while p >= 0:
+                starts.add(rfind(b"\n", 0, p) + 1)
+                e = find(b"\n", p + len(lit))
+                if e < 0:
+                    break
+                p = find(lit, e + 1)
+        if not starts:
+            return
+        n = before + 1
+        at = 0
+        for s in sorted(starts):
+            n += block.count(b"\n", at, s)
+            at = s
+            e = find(b"\n", s)
+            self._line(name, n, block[s:e] if e >= 0 else block[s:])
+
+    def _register_hosts(self, block: bytes) -> None:
+        """Register the host (and launcher tag) of every distinct NCCL prefix in
+        ``block``, in the order of the lines that first carry each, as the per-line
+        path would."""
+        first_of = self._first_of
+        settled = self._settled
+        found: dict[bytes, tuple[int, bytes]] = {}
+        rev_block = bytearray(block)
+        rev_block.reverse()
+        for rev in set(_REV_KEY.findall(rev_block)):
+            head = first_of.get(rev)
+            if head is None:
+                before_last = rev[::-1]
+                # the prefix is the text before the *first* " NCCL " of the line
+                head = before_last[: (before_last + _SEP).find(_SEP)]
+                if len(first_of) > _CACHE:
+                    first_of.clear()
+                first_of[rev] = head
+            if head in settled or head in found:
+                continue
+            if _PREFIX.match(head + b" NCCL INFO") is None:
+                settled.add(head)  # no NCCL prefix, whatever follows
+                continue
+            hit = self._first_valid(block, head)
+            if hit is not None:
+                found[head] = hit
+        if len(settled) > _CACHE:
+            settled.clear()
+        for _, key in sorted(found.values()):
+            self._prefix(key)
+        settled.update(found)
+
+    def _first_valid(self, block: bytes, head: bytes) -> tuple[int, bytes] | None:
+        """(offset, prefix key) of the first line of ``block`` that starts with ``head``
+        and NCCL's prefix (a level NCCL prints), or None."""
+        lead = head + _SEP
+        nl_lead = b"\n" + lead
+        size = len(head) + 11
+        p = 0 if block.startswith(lead) else block.find(nl_lead) + 1 or -1
+        while p >= 0:
+            key = block[p : p + size]
+            nl = key.find(b"\n")
+            if nl >= 0:
+                key = key[:nl]
+            if _PREFIX.match(key) is not None:
+                return p, key
+            p = block.find(nl_lead, p) + 1 or -1
+        return None
+
+    # -------------------------------------------------------------- one line
+    def _prefix(self, key: bytes) -> tuple[str, int, int | None] | None:
+        """Host, pid and launcher tag of an NCCL prefix (cached); registers the host."""
+        prefixes = self._prefixes
+        if key in prefixes:
+            return prefixes[key]
+        info = None
+        m = _PREFIX.match(key)
+        if m is not None:
+            info = (m.group("host").decode("ascii", "replace"), int(m.group("pid")), _tag_of(m))
+            self._hosts.add(info[0])
+            if info[2] is not None:
+                self._tag_host.setdefault(info[2], info[0])
+        if len(prefixes) > _CACHE:
+            prefixes.clear()
+        prefixes[key] = info
+        return info
+
+    def _line(self, name: str, lineno: int, raw: bytes) -> None:
+        i = raw.find(_SEP)
+        info = self._prefix(raw[: i + 11]) if i > 0 else None
+        if info is not None:
+            host, pid, tr = info
+            lv = raw[i + 6 : i + 10]
+            level = "TRACE" if lv == b"TRAC" else lv.decode("ascii", "replace")
+            text = raw[i + (12 if lv == b"TRAC" else 11) :].rstrip(b"\r")
+            if _RANKS in text:
+                im = _INIT.search(text)
+                if im is not None:
+                    self._pid_rank[(host, pid)] = int(im.group("rank"))
+        else:
+            host, pid, level = None, None, None
+            text = strip_tag(raw) if raw[:1] in b" 0123456789[" else raw
+            tr = launcher_rank(raw) if text is not raw else None
+        combined = self._prefilter
+        if combined is not None and combined.search(text) is None:
+            return
+        states = self._states
+        for sig in self._sigs:
+            if info is None and sig.scope == "nccl":
+                continue
+            if sig.level is not None and level != sig.level:
+                continue
+            hit = sig.match(text)
+            if hit is None:
+                continue
+            st = states[sig.id]
+            st.count += 1
+            rec = _Raw(name, lineno, _clip(raw), host, pid, tr)
+            if len(st.samples) < MAX_SAMPLES:
+                st.samples.append(rec)
+            key = host if host is not None else (f"#rank{tr}" if tr is not None else None)
+            st.printers.setdefault(key, rec)
+            pat, pm = hit
+            value = pat.render(pm)
+            if value is not None:
+                st.values.setdefault(value, {}).setdefault(key, rec)
+                if pat.weak:
+                    st.weak.add(value)
 
     def evidence(self) -> LogEvidence:
         problems = [str(p) for p in self.problems]
