@@ -746,11 +746,38 @@ def check(hostlist: str, partition: str | None, as_json: bool, as_csv: bool) -> 
     stale = [h for h, r in recs.items()
              if r is not None and c.now - r.last_heartbeat > c.stale_after]
     verdict = evaluate(fps, c.config.policy, stale=stale, partition=partition)
+    tie_break = None
+    if verdict.odd_tie:  # as the gate: keep the majority class of the partition (or all)
+        verdict, tie_break = _tie_break(c, fps, stale, partition, verdict)
     decision = str(verdict.decision)
     doc = verdict.to_dict()
+    if tie_break is not None:
+        doc["tie_break"] = tie_break
     c.emit(doc, text=verdict.format_text().rstrip("\n") + "\n" if c.fmt == "table" else None)
     ctx = click.get_current_context()
     ctx.exit(DECISION_EXIT.get(decision, EXIT_ERROR))
+
+
+def _tie_break(c: Ctx, fps: Mapping[str, Any], stale: list[str], partition: str | None,
+               verdict: Any) -> tuple[Any, str]:
+    """The gate's tie-break for ``check``: prefer the hosts of the majority class of the
+    partition's nodes (from Slurm), else of the whole inventory."""
+    from prolog.policy import evaluate, majority
+
+    members: list[str] = []
+    scope = "the inventory"
+    if partition:
+        try:
+            members = _partitions(c).get(partition, [])
+            scope = f"partition {partition}"
+        except _SlurmUnreachable:
+            pass
+    classes = c.inv("classes", members) if members else c.inv("classes")
+    largest = majority([k.hosts for k in classes])
+    if not largest:
+        return verdict, f"none (no single largest class in {scope})"
+    again = evaluate(fps, c.config.policy, stale=stale, partition=partition, prefer=largest)
+    return again, f"majority class of {scope} ({len(largest)} nodes)"
 
 
 # --------------------------------------------------------------------------- history

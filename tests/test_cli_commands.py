@@ -316,6 +316,18 @@ def test_check_json_is_the_gates_verdict(run: Run, env: tuple[Path, Path]) -> No
     assert verdict.to_dict() == doc
 
 
+def test_check_breaks_a_tie_like_the_gate(run: Run) -> None:
+    """n14 (2.18.3) with n15 (baseline class): either could be "the odd one" in these two
+    nodes, and host-name order alone would keep n14; like the gate, check keeps the
+    inventory's majority class and names n14."""
+    for order in ("n[14-15]", "n15,n14"):
+        doc = json.loads(ok(run("check", order, "--json"), 2).stdout)
+        assert doc["odd_nodes"] == "n14", doc
+        assert doc["tie_break"].startswith("majority class of the inventory")
+    doc = json.loads(ok(run("check", "n[01-04,14]", "--json"), 2).stdout)
+    assert doc["odd_nodes"] == "n14" and "tie_break" not in doc  # no tie: no look-up
+
+
 def test_check_errors_exit_3(run: Run) -> None:
     assert ok(run("check", "n[1-"), 3).stderr
     assert "--csv" in ok(run("check", "n[01-02]", "--csv"), 3).stderr
