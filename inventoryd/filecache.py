@@ -19,8 +19,12 @@ import logging
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, BinaryIO
+
+if TYPE_CHECKING:
+    from inventoryd.nodefs import NodeFS
 
 from ncclguard import config as configmod
 
@@ -122,6 +126,29 @@ class FileCache:
     def put(self, kind: str, path: str, st: os.stat_result, value: dict[str, Any]) -> None:
         self._entries[_key(kind, path, st)] = {"used": int(time.time()), "value": value}
         self._dirty = True
+
+    def facts(
+        self,
+        fs: NodeFS,
+        node_path: str,
+        kind: str,
+        analyze: Callable[[BinaryIO, str], dict[str, Any]],
+    ) -> tuple[dict[str, Any], os.stat_result, str]:
+        """``(facts, stat, resolved node path)`` of one node file.
+
+        The file is opened safely (:func:`inventoryd.probes.linker.open_regular`); its
+        facts come from this cache when (dev, ino, size, mtime) match, else from
+        ``analyze(file, node_path)`` and are then cached. Raises ``OSError``.
+        """
+        from inventoryd.probes.linker import open_regular
+
+        f, st, real = open_regular(fs, node_path)
+        with f:
+            value = self.get(kind, real, st)
+            if value is None:
+                value = analyze(f, node_path)
+                self.put(kind, real, st, value)
+        return value, st, real
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -913,7 +913,8 @@ def gather_facts(c: Ctx, hosts: Sequence[str]) -> tuple[dict[str, Any], dict[str
     Fingerprints are loaded only where the query columns cannot answer: nodes with probe
     errors (is a port's state unknown?).
     """
-    from ncclguard.drain import NodeFacts, active_ports
+    from ncclguard.drain import NodeFacts
+    from ncclguard.fpdiff import active_ports
 
     wanted = set(hosts)
     cls = c.inv("classes", None)  # all of them: cheaper than a 16,000-name filter

@@ -310,7 +310,11 @@ class DevCluster:
         self._procs.clear()
 
     def __enter__(self) -> DevCluster:
-        return self.start()
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()  # a daemon that did start must not outlive a failed start
+            raise
 
     def __exit__(
         self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None

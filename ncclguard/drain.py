@@ -338,23 +338,6 @@ def values_judge(values: Mapping[str, Mapping[str, Any]], config: Config) -> Jud
 # --- facts from fingerprints --------------------------------------------------------------
 
 
-def active_ports(fp: Mapping[str, Any] | None) -> int | None:
-    """The number of ACTIVE RDMA ports; ``None`` when any port's state is unknown."""
-    if not fp:
-        return None
-    rdma = fp.get("rdma")
-    if not isinstance(rdma, Mapping):
-        return None
-    n = 0
-    for dev in rdma.get("devices") or []:
-        for port in dev.get("ports") or []:
-            state = port.get("state")
-            if state is None:
-                return None
-            n += state == "ACTIVE"
-    return n
-
-
 # --- carrying a plan out through Slurm ----------------------------------------------------
 
 

@@ -71,30 +71,28 @@ def severity_for(rule: str | None, severity: Mapping[str, str] | None = None) ->
     return table.get(rule, DEFAULT_SEVERITY.get(rule, INFO))
 
 
-def _active_ports(fp: Mapping[str, Any]) -> int | None:
-    rdma = fp.get("rdma")
+def active_ports(fp: Mapping[str, Any] | None) -> int | None:
+    """The number of ACTIVE RDMA ports; ``None`` when any port's state is unknown."""
+    rdma = fp.get("rdma") if fp else None
     if not isinstance(rdma, Mapping):
         return None
     n = 0
     for dev in rdma.get("devices") or []:
         for port in dev.get("ports") or []:
-            if port.get("state") is None:
+            state = port.get("state")
+            if state is None:
                 return None
-            if port.get("state") == "ACTIVE":
-                n += 1
+            n += state == "ACTIVE"
     return n
 
 
 def derived(fp: Mapping[str, Any]) -> dict[str, Any]:
     """The values the refuse-level rules compare, as fields ``compat.*``, and active ports."""
-    try:
-        from prolog.compat import compat_values
+    from prolog.compat import compat_values
 
-        values = compat_values(dict(fp))
-    except ImportError:  # the policy package is not installed next to the CLI
-        values = {}
+    values = compat_values(dict(fp))
     out = {f"compat.{k}": v for k, v in values.items()}
-    out["rdma.active_ports"] = _active_ports(fp)
+    out["rdma.active_ports"] = active_ports(fp)
     return out
 
 

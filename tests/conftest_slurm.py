@@ -31,16 +31,8 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevClust
     """One private cluster (n1..n4, partition ``debug``) with the gate as PrologSlurmctld."""
     require_slurm()
     root = tmp_path_factory.mktemp("slurm")
-    cluster = DevCluster(root, nodes=4, prolog=True)
-    try:
-        cluster.start()
-    except Exception:
-        cluster.stop()
-        raise
-    try:
+    with DevCluster(root, nodes=4, prolog=True) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
 
 
 @pytest.fixture

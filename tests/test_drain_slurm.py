@@ -30,16 +30,8 @@ HAND_REASON = "bad DIMM, ticket 42"
 def cl(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevCluster]:
     require_slurm()
     root = tmp_path_factory.mktemp("drainslurm")
-    cluster = DevCluster(root, nodes=6, prolog=False, partitions={"gpu": "n[1-6]"})
-    try:
-        cluster.start()
-    except Exception:
-        cluster.stop()
-        raise
-    try:
+    with DevCluster(root, nodes=6, prolog=False, partitions={"gpu": "n[1-6]"}) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
 
 
 def nodes_now(cluster: DevCluster) -> dict[str, NodeInfo]:

@@ -248,21 +248,12 @@ def describe(
 ) -> dict[str, Any] | None:
     """The schema record of one libnccl node path; None for a dangling symlink."""
     try:
-        f, st, real = linker.open_regular(fs, path)
+        facts, st, real = cache.facts(fs, path, KIND, analyze)
     except FileNotFoundError:
         return None  # a dangling link (a -dev symlink without its target): not loadable
     except OSError as e:
         errors.add(PROBE, "libnccl", path, e)
         return _empty(path, origin, f"cannot read: {_oserror(e)}")
-    with f:
-        facts = cache.get(KIND, real, st)
-        if facts is None:
-            try:
-                facts = analyze(f, path)
-            except OSError as e:
-                errors.add(PROBE, "libnccl", path, e)
-                return _empty(path, origin, f"cannot read: {_oserror(e)}")
-            cache.put(KIND, real, st, facts)
     if getversion and facts["size"]:
         _cross_check(fs, errors, path, real, st, facts, cache)
     return {"path": path, "realpath": real, **facts, "default": False, "origin": origin}

@@ -137,21 +137,11 @@ def describe(
         "default": False, "origin": origin, "error": None,
     }
     try:
-        f, st, real = linker.open_regular(fs, path)
+        facts, _, real = cache.facts(fs, path, KIND, analyze)
     except OSError as e:
         rec["error"] = f"{path}: cannot read: {e.strerror or e}"
         errors.add(PROBE, f"plugins.{kind}", path, e)
         return rec
-    with f:
-        facts = cache.get(KIND, real, st)
-        if facts is None:
-            try:
-                facts = analyze(f, path)
-            except OSError as e:
-                rec["error"] = f"{path}: cannot read: {e.strerror or e}"
-                errors.add(PROBE, f"plugins.{kind}", path, e)
-                return rec
-            cache.put(KIND, real, st, facts)
     rec.update(realpath=real, **facts)
     rec["name"] = rec["names"].get(kind)
     if rec["error"]:
