@@ -83,8 +83,12 @@ def _random_log(seed: int) -> bytes:
     out = []
     for _ in range(3000):
         pick = rng.random()
-        if pick < 0.5:
+        if pick < 0.4:
             line = rng.choice(corpus)
+        elif pick < 0.5:  # 2.26's timestamp: a new prefix every second
+            ts = f"[2026-11-30 02:{rng.randrange(60):02d}:{rng.randrange(60):02d}] "
+            host = f"n{rng.randrange(1, 20)}:{rng.randrange(3)}:4 [0] "
+            line = (ts + host).encode() + rng.choice([b"NCCL INFO x", b"NCCL WARN y", b"NCCL Z"])
         elif pick < 0.995:
             line = rng.choice(NOISE)
         else:

@@ -104,6 +104,7 @@ _REV_KEY = re.compile(rb" LCCN ([^\n]*)")  # on a reversed block: a line's text 
 _SEP = b" NCCL "
 _RANKS = b"anks "  # in NCCL's "comm 0x… rank R nranks N" / "nRanks N" lines
 _CACHE = 50_000  # entries kept in each prefix cache before it is emptied
+_MANY_NEW = 64  # new prefixes in one block past which its lines are registered one by one
 
 
 class Scanner:
@@ -239,6 +240,9 @@ class Scanner:
             if _PREFIX.match(head + b" NCCL INFO") is None:
                 settled.add(head)  # no NCCL prefix, whatever follows
                 continue
+            if len(found) >= _MANY_NEW:  # 2.26's timestamps: a new prefix every second
+                self._register_each_line(block)
+                return
             hit = self._first_valid(block, head)
             if hit is not None:
                 found[head] = hit
@@ -247,6 +251,23 @@ class Scanner:
         for _, key in sorted(found.values()):
             self._prefix(key)
         settled.update(found)
+
+    def _register_each_line(self, block: bytes) -> None:
+        """The per-line registration, for a block with many new prefixes: each line's
+        prefix up to its first " NCCL ", in order."""
+        find = block.find
+        prefix = self._prefix
+        p = find(_SEP)
+        while p >= 0:
+            start = block.rfind(b"\n", 0, p) + 1
+            end = find(b"\n", p)
+            if p > start:
+                key = block[start : p + 11]
+                nl = key.find(b"\n")
+                prefix(key[:nl] if nl >= 0 else key)
+            if end < 0:
+                break
+            p = find(_SEP, end + 1)
 
     def _first_valid(self, block: bytes, head: bytes) -> tuple[int, bytes] | None:
         """(offset, prefix key) of the first line of ``block`` that starts with ``head``
