@@ -9,12 +9,15 @@ in its own child process so that peak RSS is measured per phase (``wait4`` rusag
   baseline-wc     ``wc -l`` over the file
   baseline-loop   a plain Python ``for line in file`` loop counting lines
   diagnose        the real scanner + catalog + diagnosis (no inventory)
+  every-line      (with --every-line) the same with the block prefilter off: every
+                  line gets the per-line work, as before the prefilter
 
 and prints time and peak RSS of ``diagnose`` as ratios against the baselines of the
 same run, plus the absolute peak RSS against the 100 MB bound.
 
     .venv/bin/python bench/bench_diagnose.py              # 2 GiB
     .venv/bin/python bench/bench_diagnose.py --size 200M  # a quick run
+    .venv/bin/python bench/bench_diagnose.py --size 500M --every-line  # prefilter vs not
 """
 
 from __future__ import annotations
@@ -104,6 +107,17 @@ def child(phase: str, path: str) -> int:
         ids = ",".join(d.signature.id for d in report.diagnoses)
         print(f"{report.evidence.lines} {ids}")
         return 0
+    if phase == "every-line":
+        from ncclguard.diagnose import load_catalog
+        from ncclguard.diagnose.engine import Scanner, diagnose
+
+        catalog = load_catalog()
+        scanner = Scanner(catalog, prefilter=False)
+        scanner.feed(path)
+        ev = scanner.evidence()
+        ids = ",".join(d.signature.id for d in diagnose(ev, catalog))
+        print(f"{ev.lines} {ids}")
+        return 0
     raise SystemExit(f"unknown phase {phase}")
 
 
@@ -125,6 +139,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description="diagnose on a big log: time and peak RSS")
     ap.add_argument("--size", default="2G", help="log size (2G, 500M, ...)")
     ap.add_argument("--keep", action="store_true", help="keep the generated log")
+    ap.add_argument(
+        "--every-line", action="store_true", help="also run with the prefilter off (slow)"
+    )
     ap.add_argument("--phase", help=argparse.SUPPRESS)
     ap.add_argument("file", nargs="?", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -146,13 +163,15 @@ def main() -> int:
             results["baseline-wc"] = measure([wc, "-l", str(log)])
         results["baseline-loop"] = measure([*me, "--phase", "loop", str(log)])
         results["diagnose"] = measure([*me, "--phase", "diagnose", str(log)])
+        if a.every_line:
+            results["every-line"] = measure([*me, "--phase", "every-line", str(log)])
         for name, (sec, rss, out) in results.items():
             mbps = real / (1 << 20) / sec
             print(
                 f"{name:14s} {sec:8.2f} s  {mbps:8.1f} MiB/s  peak RSS {rss:7.1f} MB  [{out[:80]}]"
             )
         d_s, d_rss, d_out = results["diagnose"]
-        for base in ("baseline-loop", "baseline-wc"):
+        for base in ("every-line", "baseline-loop", "baseline-wc"):
             if base in results:
                 b_s, b_rss, _ = results[base]
                 print(f"diagnose / {base}: time x{d_s / b_s:.2f}, peak RSS x{d_rss / b_rss:.2f}")
@@ -162,6 +181,9 @@ def main() -> int:
         )
         if "nccl-version-differs" not in d_out:
             print("unexpected diagnosis: " + d_out)
+            return 1
+        if "every-line" in results and results["every-line"][2] != d_out:
+            print("the prefilter changed the diagnosis: " + results["every-line"][2])
             return 1
         return 0 if ok else 1
     finally:
