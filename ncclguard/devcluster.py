@@ -361,7 +361,10 @@ class DevCluster:
         return Slurm(conf=str(self.conf), timeout=timeout)
 
     def sbatch(self, args: Iterable[str]) -> int:
-        r = self.run(["sbatch", "--parsable", "-o", str(self.root / "tmp" / "slurm-%j.out"), *args])
+        """Submit as a user would (no ``-o``: the output goes to ``tmp/slurm-%j.out``, the
+        working directory). Slurm then gives PrologSlurmctld ``SLURM_JOB_STDIN`` but no
+        ``SLURM_JOB_STDOUT``; the gate must still see a batch job."""
+        r = self.run(["sbatch", "--parsable", *args])
         return int(r.stdout.strip().split(";")[0])
 
     def job_field(self, job_id: int, field: str) -> str:

@@ -71,6 +71,7 @@ class JobInfo:
     job_id: int
     state: str  # "PENDING", "RUNNING", "COMPLETED", ...
     user: str = ""
+    user_id: int | None = None  # the job's uid (squeue --json "user_id")
     partition: str = ""
     nodes: str = ""  # allocated hostlist ("" while pending)
     node_count: int = 0
@@ -423,6 +424,7 @@ def _job_info(j: dict[str, Any]) -> JobInfo:
         job_id=job_id,
         state=_text(state).upper(),
         user=_text(j.get("user_name")),
+        user_id=_int(j["user_id"]) if isinstance(j.get("user_id"), int) else None,
         partition=_text(j.get("partition")),
         nodes=_text(j.get("nodes")),
         node_count=_int(j.get("node_count")),

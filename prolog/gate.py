@@ -102,7 +102,9 @@ class Run:
         if outcome == "accept":
             return EXIT_OK
         text = f"ncclguard: refused, gate error ({what}: {err})"
-        batch = "SLURM_JOB_STDOUT" in self.env or "SLURM_JOB_STDERR" in self.env
+        from prolog.job import is_batch
+
+        batch = is_batch(self.env)
         if batch and self.config and self._error_refusals() >= self.config.gate.max_refusals:
             # fail closed must not requeue a batch job for ever: hold it, as for refusals
             text += f" | held: refused {self._error_refusals()} times"

@@ -2,7 +2,8 @@
 
 Slurm 22.05 sets (see slurm-facts.md): ``SLURM_JOB_ID``, ``SLURM_JOB_NODELIST``
 (compressed), ``SLURM_JOB_NUM_NODES``, ``SLURM_JOB_PARTITION``, ``SLURM_JOB_USER``,
-``SLURM_JOB_UID``, ``SLURM_JOB_RESTART_COUNT``; batch jobs also ``SLURM_JOB_STDOUT``;
+``SLURM_JOB_UID``, ``SLURM_JOB_RESTART_COUNT``; batch jobs also ``SLURM_JOB_STDIN`` (see
+:func:`is_batch`);
 when set by the user ``SLURM_JOB_COMMENT``; 23.02+ ``SLURM_JOB_EXTRA``.
 
 Hot path: standard library and ncclguard.hostlist only.
@@ -17,6 +18,19 @@ from typing import NamedTuple
 from ncclguard.hostlist import HostlistError, expand
 
 OPT_OUT = "ncclguard=off"
+
+
+BATCH_VARIABLES = ("SLURM_JOB_STDIN", "SLURM_JOB_STDOUT", "SLURM_JOB_STDERR")
+
+
+def is_batch(env: Mapping[str, str]) -> bool:
+    """A batch job (sbatch), as PrologSlurmctld's environment shows it.
+
+    Seen on 22.05.8: a batch job always has ``SLURM_JOB_STDIN`` (``/dev/null`` by
+    default), and ``SLURM_JOB_STDOUT``/``STDERR`` only when ``-o``/``-e`` was given;
+    ``srun`` and ``salloc`` allocations have none of the three.
+    """
+    return any(k in env for k in BATCH_VARIABLES)
 
 
 class JobError(ValueError):
@@ -78,7 +92,7 @@ class Job(NamedTuple):
             partition=e.get("SLURM_JOB_PARTITION", ""),
             num_nodes=len(nodes),
             restart_count=int(restarts) if restarts.isdigit() else 0,
-            batch="SLURM_JOB_STDOUT" in e or "SLURM_JOB_STDERR" in e,
+            batch=is_batch(e),
             comment=e.get("SLURM_JOB_COMMENT", ""),
             extra=e.get("SLURM_JOB_EXTRA", ""),
             name=e.get("SLURM_JOB_NAME", ""),

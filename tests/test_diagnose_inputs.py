@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -343,7 +344,7 @@ def test_epilog_records_the_diagnosis_in_the_audit_trail(tmp_path):
     env = {
         "SLURM_JOB_ID": "77", "SLURM_JOB_EXIT_CODE": "256", "SLURM_JOB_NODELIST": "n[1-16]",
         "SLURM_JOB_STDOUT": str(out), "SLURM_JOB_STDERR": str(out),
-        "SLURM_JOB_START_TIME": "2000",
+        "SLURM_JOB_START_TIME": "2000", "SLURM_JOB_UID": str(os.getuid()),
     }  # fmt: skip
     assert epilog.main(["--config", str(conf)], env=env) == 0
     recs = audit.read(audit_path, job=77)
@@ -359,6 +360,34 @@ def test_epilog_records_the_diagnosis_in_the_audit_trail(tmp_path):
     assert epilog.main(["--config", str(conf)], env=ok) == 0
     assert audit.read(audit_path, job=78) == []
     assert epilog.main(["--config", str(tmp_path / "missing.toml")], env=env) == 0
+
+
+def test_epilog_reads_only_the_job_users_own_files(tmp_path):
+    """The Epilog runs as SlurmUser on paths the user chose: never through a symlink, never
+    a file of another user (here: a 'secret' of uid 65534 and a link to it)."""
+    from ncclguard.diagnose import epilog
+    from prolog import audit
+
+    audit_path = tmp_path / "state" / "decisions.jsonl"
+    conf = tmp_path / "c.toml"
+    conf.write_text(f'[gate]\naudit_log = "{audit_path}"\n[inventory]\ndb = "{tmp_path}/no.db"\n')
+    secret = tmp_path / "secret.out"
+    shutil.copy(MISMATCH, secret)
+    os.chown(secret, 65534, 65534)
+    link = tmp_path / "slurm-79.out"
+    link.symlink_to(secret)
+    base = {"SLURM_JOB_EXIT_CODE": "256", "SLURM_JOB_NODELIST": "n[1-16]",
+            "SLURM_JOB_START_TIME": "2000", "SLURM_JOB_UID": str(os.getuid())}
+    for job, path, why in ((79, link, "cannot open"), (80, secret, "owned by uid 65534")):
+        env = {**base, "SLURM_JOB_ID": str(job), "SLURM_JOB_STDOUT": str(path)}
+        assert epilog.main(["--config", str(conf)], env=env) == 0
+        (rec,) = audit.read(audit_path, job=job)
+        assert why in rec["error"] and "diagnoses" not in rec, rec
+    # no uid at all: nothing is trusted
+    env = {**base, "SLURM_JOB_ID": "81", "SLURM_JOB_STDOUT": str(secret)}
+    del env["SLURM_JOB_UID"]
+    assert epilog.main(["--config", str(conf)], env=env) == 0
+    assert "not by the job's user (uid -1)" in audit.read(audit_path, job=81)[0]["error"]
 
 
 def test_epilog_failed_detection():

@@ -37,6 +37,8 @@ def test_job_from_env() -> None:
     assert job.job_id == 77 and job.nodes == ("n1", "n2", "n3") and job.num_nodes == 3
     assert job.batch and job.restart_count == 2 and job.uid == 1000 and job.user == "alice"
     assert not Job.from_env(ENV).batch
+    # a plain sbatch (no -o/-e): 22.05 sets SLURM_JOB_STDIN=/dev/null and no STDOUT
+    assert Job.from_env({**ENV, "SLURM_JOB_STDIN": "/dev/null"}).batch
 
 
 @pytest.mark.parametrize(

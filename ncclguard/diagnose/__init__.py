@@ -42,6 +42,7 @@ class JobLogs:
     files: tuple[str, ...]  # StdOut / StdErr paths, expanded, deduplicated
     partition: str | None = None
     state: str = ""
+    uid: int | None = None  # the job's user: the Epilog reads only that user's files
 
     def to_dict(self) -> dict[str, Any]:
         from ncclguard.hostlist import compress
@@ -99,6 +100,7 @@ def job_logs(slurm: Any, job_id: str) -> JobLogs | None:
         files=tuple(files),
         partition=info.partition or None,
         state=info.state,
+        uid=info.user_id,
     )
 
 
@@ -130,6 +132,7 @@ def run(
     policy_config: Any = None,
     evaluate: Callable[..., Any] | None = None,
     deadline: float | None = None,
+    owner_uid: int | None = None,
 ) -> Report:
     """Scan ``files``, diagnose, and correlate with the inventory when one is given.
 
@@ -137,12 +140,13 @@ def run(
     ``when``: the time to read the inventory at (default: the job's start, else now).
     ``open_inventory``: returns an ``Inventory``; its errors become a note in the report,
     never a failure of the diagnosis. ``deadline`` (``time.monotonic()``): stop reading
-    there and say so (the Epilog's bound). Raises :class:`LogError` for a file that
-    cannot be opened.
+    there and say so (the Epilog's bound). ``owner_uid``: read only regular files of that
+    user, never through a final symlink (the Epilog). Raises :class:`LogError` for a
+    file that cannot be opened.
     """
     scanner = Scanner(catalog)
     for f in files:
-        scanner.feed(f, deadline=deadline)
+        scanner.feed(f, deadline=deadline, owner_uid=owner_uid)
     ev = scanner.evidence()
     diags = diagnose(ev, catalog)
     report = Report(ev, diags, job=job.to_dict() if job else None)

@@ -154,14 +154,15 @@ class Scanner:
         path: str | os.PathLike[str],
         label: str | None = None,
         deadline: float | None = None,
+        owner_uid: int | None = None,
     ) -> None:
         """Scan one log. Raises :class:`~.logparse.LogError` when it cannot be opened.
 
         ``deadline`` (a ``time.monotonic()`` value): stop reading there, keep what was
         read and record it as a problem (the Epilog's bound). It is checked between
-        blocks, after the first.
+        blocks, after the first. ``owner_uid``: see :class:`~.logparse.LogReader`.
         """
-        reader = LogReader(path)
+        reader = LogReader(path, owner_uid=owner_uid)
         name = label or str(path)
         self.files.append(name)
         fast = self._literals is not None

@@ -183,6 +183,7 @@ def _run(a: argparse.Namespace, env: Mapping[str, str], job_id: str, t0: float) 
             open_inventory=opener,
             policy_config=cfg.policy,
             deadline=deadline,
+            owner_uid=_job_uid(env, job),
         )
     except LogError as e:
         problems.append(str(e))
@@ -195,6 +196,19 @@ def _run(a: argparse.Namespace, env: Mapping[str, str], job_id: str, t0: float) 
     rec = record(report, job_id, int((time.monotonic() - t0) * 1000))
     audit.append(audit_path, rec)
     return 0
+
+
+def _job_uid(env: Mapping[str, str], job: Any) -> int:
+    """The job's uid: the Epilog (as SlurmUser) reads only output files that user owns.
+
+    From ``SLURM_JOB_UID``, else from Slurm's record of the job; without either no file
+    is trusted (uid -1 matches no file).
+    """
+    uid = env.get("SLURM_JOB_UID", "")
+    if uid.isdigit():
+        return int(uid)
+    known = getattr(job, "uid", None)
+    return known if isinstance(known, int) else -1
 
 
 def _float(v: str | None) -> float | None:

@@ -22,8 +22,10 @@ from a launcher's tag (``srun -l``: ``3: ``; torchrun: ``[rank3]:``; Open MPI
 from __future__ import annotations
 
 import gzip
+import io
 import os
 import re
+import stat
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -116,6 +118,23 @@ class ReadProblem:
         return f"{self.file}: {self.cause} after line {self.line}; only lines 1-{self.line} read"
 
 
+def _open_owned(p: Path, uid: int) -> io.BufferedReader:
+    """Open ``p`` for reading if it is a regular file owned by ``uid`` (no final symlink)."""
+    fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise LogError(f"{p}: not a regular file; not read")
+        if st.st_uid != uid:
+            raise LogError(f"{p}: owned by uid {st.st_uid}, not by the job's user "
+                           f"(uid {uid}); not read")
+        os.set_blocking(fd, True)
+        return open(fd, "rb", closefd=True)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 class LogReader:
     """Iterate ``(lineno, bytes)`` over a plain or gzip log, streaming.
 
@@ -125,7 +144,10 @@ class LogReader:
     :attr:`problem`, so that the caller diagnoses what was read and says so.
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], owner_uid: int | None = None) -> None:
+        """``owner_uid``: read the file only if it is a regular file owned by that user,
+        opened without following a final symlink (the Epilog, which runs as SlurmUser,
+        reads paths that the job's user chose)."""
         self.path = str(path)
         self.problem: ReadProblem | None = None
         self.truncated_lines = 0  # lines longer than MAX_LINE
@@ -133,7 +155,12 @@ class LogReader:
         self.lines = 0  # lines yielded so far
         p = Path(path)
         try:
-            self._fh = open(p, "rb")  # noqa: SIM115 (closed in __iter__/close)
+            if owner_uid is None:
+                self._fh = open(p, "rb")  # noqa: SIM115 (closed in __iter__/close)
+            else:
+                self._fh = _open_owned(p, owner_uid)
+        except LogError:
+            raise
         except FileNotFoundError:
             raise LogError(f"{p}: log file not found") from None
         except IsADirectoryError:
