@@ -1,4 +1,4 @@
-"""``ncclguard-inventoryd``: ``once`` prints this node's fingerprint, ``run`` keeps it current.
+"""ncclguard-inventoryd: "once" prints this node's fingerprint, "run" keeps it current.
 
 argparse rather than click: the daemon runs on every node, and stays small.
 """
@@ -7,13 +7,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from ncclguard import config as configmod
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ncclguard-inventoryd", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="ncclguard-inventoryd",
+        description="Fingerprint this node's NCCL communication stack (libnccl, NCCL "
+        "plugins and their ABIs, RDMA ports, /etc/nccl.conf, GPU driver) and keep it in "
+        "the shared ncclguard inventory. See docs/fingerprint.md for the JSON schema.",
+    )
     sub = p.add_subparsers(dest="command", required=True)
     for name, text in (
         ("once", "collect this node's fingerprint once"),
@@ -39,8 +45,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ncclguard-inventoryd: {e}", file=sys.stderr)
         return 2
     if args.db:
-        import os
-
         os.environ["NCCLGUARD_DB"] = args.db
     if args.command == "once":
         from inventoryd.collect import collect
@@ -53,8 +57,12 @@ def main(argv: list[str] | None = None) -> int:
             if rc:
                 return rc
         if args.json or not args.store:
-            json.dump(fp, sys.stdout, indent=2, sort_keys=True)
-            sys.stdout.write("\n")
+            try:
+                json.dump(fp, sys.stdout, indent=2, sort_keys=True)
+                sys.stdout.write("\n")
+                sys.stdout.flush()
+            except BrokenPipeError:  # `once --json | head`: the reader left, not an error
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     from inventoryd.service import run
 

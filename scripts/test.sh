@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
-# Install what the tests need (Slurm, munge, gcc, the venv) and run the whole suite,
+# Install what the tests need (Slurm, munge, gcc, python3-venv, the venv) and run the whole suite,
 # the real-Slurm tests included. `make test` and CI (.ci/run) call exactly this.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 need_apt=()
-for cmd in slurmctld:slurm-wlm slurmd:slurm-wlm munged:munge gcc:gcc systemd-analyze:systemd; do
+for cmd in slurmctld:slurm-wlm slurmd:slurm-wlm munged:munge gcc:gcc systemd-analyze:systemd \
+           ldconfig:libc-bin python3:python3; do
     command -v "${cmd%%:*}" >/dev/null 2>&1 || need_apt+=("${cmd##*:}")
 done
+# Debian's python3 has no venv/ensurepip without python3-venv
+if ! python3 -c 'import venv, ensurepip' >/dev/null 2>&1; then
+    need_apt+=(python3-venv)
+fi
 if ((${#need_apt[@]})); then
     if [[ $(id -u) -ne 0 ]] || ! command -v apt-get >/dev/null; then
         echo "scripts/test.sh: missing ${need_apt[*]}; install them as root with apt-get" >&2
