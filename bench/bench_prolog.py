@@ -59,6 +59,8 @@ def timed(argv: list[str], env: dict[str, str]) -> float:
     dt = time.perf_counter() - t
     if r.returncode != 0:
         raise SystemExit(f"{argv} -> {r.returncode}: {r.stderr.decode()[-2000:]}")
+    if b"ERROR" in r.stderr:  # a gate that failed open is fast, and measures nothing
+        raise SystemExit(f"{argv}: the gate reported an error: {r.stderr.decode()[-2000:]}")
     return dt
 
 
