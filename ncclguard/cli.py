@@ -766,12 +766,14 @@ def _tie_break(c: Ctx, fps: Mapping[str, Any], stale: list[str], partition: str 
 
     members: list[str] = []
     scope = "the inventory"
-    if partition:
+    if partition:  # "a,b": the nodes of either, as the gate does
         try:
-            members = _partitions(c).get(partition, [])
-            scope = f"partition {partition}"
+            parts = _partitions(c)
+            members = sorted({h for p in partition.split(",") if p for h in parts.get(p, [])})
         except _SlurmUnreachable:
             pass
+        if members:
+            scope = f"partition {partition}"
     classes = c.inv("classes", members) if members else c.inv("classes")
     largest = majority([k.hosts for k in classes])
     if not largest:

@@ -72,6 +72,7 @@ def now_fields(ts: float | None = None) -> dict[str, Any]:
 
 _ESSENTIAL = ("time", "ts", "job", "user", "partition", "num_nodes", "decision", "action",
               "error", "refusal", "duration_ms")
+# (each of these cut to 1,000 characters: the last fallback always fits in MAX_LINE)
 
 
 def _line(rec: dict[str, Any]) -> str:
@@ -84,10 +85,14 @@ def _line(rec: dict[str, Any]) -> str:
     line = json.dumps(keep, separators=(",", ":"), default=str)
     if len(line) <= MAX_LINE:
         return line
-    small: dict[str, Any] = {k: rec[k] for k in _ESSENTIAL if k in rec}
+    small: dict[str, Any] = {
+        k: (v[:1000] if isinstance(v, str) else v if isinstance(v, int | float) else str(v)[:1000])
+        for k in _ESSENTIAL
+        if (v := rec.get(k)) is not None
+    }
     small["summary"] = str(rec.get("summary", ""))[:1000]
     small["truncated"] = True
-    return json.dumps(small, separators=(",", ":"), default=str)[:MAX_LINE]
+    return json.dumps(small, separators=(",", ":"), default=str)  # ~12 KiB at most
 
 
 def _lock(fd: int, path: Path, timeout: float) -> None:

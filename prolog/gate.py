@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ncclguard.config import Config
     from ncclguard.slurm import Slurm
+    from ncclguard.store import Inventory
     from prolog.job import Job
     from prolog.verdict import Verdict
 
@@ -93,26 +94,33 @@ class Run:
         """An error: the configured outcome (default: accept), loudly.
 
         ``late``: called from the deadline handler; the audit write then waits at most
-        0.1 s for its lock and no Slurm call is made (their time is up).
+        0.1 s for its lock and no Slurm command is run (their time is up). A hold is
+        still arranged: starting the detached follow-up runs no Slurm command here.
         """
-        outcome = self.on_error
-        self.log(f"{what}: {err} -> {outcome} (gate.on_error = {outcome})", error=True)
-        self.audit(decision="error", action=outcome, error=f"{what}: {err}",
-                   lock_timeout=0.1 if late else 1.0)
-        if outcome == "accept":
-            return EXIT_OK
-        text = f"ncclguard: refused, gate error ({what}: {err})"
         from prolog.job import is_batch
 
+        outcome = self.on_error
+        lock_timeout = 0.1 if late else 1.0
+        self.log(f"{what}: {err} -> {outcome} (gate.on_error = {outcome})", error=True)
+        if outcome == "accept":
+            self.audit(decision="error", action=outcome, error=f"{what}: {err}",
+                       lock_timeout=lock_timeout)
+            return EXIT_OK
+        text = f"ncclguard: refused, gate error ({what}: {err})"
         batch = is_batch(self.env)
-        if batch and self.config and self._error_refusals() >= self.config.gate.max_refusals:
+        action = "refuse"
+        count = self._error_refusals()
+        if batch and self.config and count >= self.config.gate.max_refusals:
             # fail closed must not requeue a batch job for ever: hold it, as for refusals
-            text += f" | held: refused {self._error_refusals()} times"
-            if not late:
-                try:
-                    _spawn(self, self.job_id, "hold", [], text)
-                except OSError as e:
-                    self.log(f"cannot start the follow-up: {e}", error=True)
+            text += f" | held: refused {count} times (gate.max_refusals)"
+            try:
+                _spawn(self, self.job_id, "hold", [], text)
+                action = "hold"
+            except OSError as e:
+                self.log(f"cannot start the follow-up: {e}", error=True)
+            self.log(f"{text} -> hold", error=True)
+        self.audit(decision="error", action=action, error=f"{what}: {err}", refusal=count,
+                   lock_timeout=lock_timeout)
         if late:
             return EXIT_REFUSE
         _best_effort(self, lambda s: s.set_admin_comment(self.job_id, text))
@@ -152,14 +160,29 @@ def _best_effort(run: Run, call: Any) -> bool:
 # --------------------------------------------------------------------------- decision
 
 
+def _inventory(run: Run) -> Inventory:
+    """The inventory, read-only, its busy wait capped at what is left of the deadline.
+
+    SQLite waits for a lock inside C, where the deadline's signal handler cannot run;
+    uncapped, a locked inventory would hold the prolog for the whole busy timeout.
+    """
+    from ncclguard.store import Inventory
+
+    cfg = run.config
+    assert cfg is not None
+    left_ms = (cfg.gate.deadline_s - (time.monotonic() - run.t0) - 0.3) * 1000
+    busy_ms = int(max(min(cfg.inventory.busy_timeout_ms, left_ms), 0))
+    return Inventory(readonly=True, config=cfg.inventory.replace(busy_timeout_ms=busy_ms))
+
+
 def decide(run: Run, job: Job) -> int:
-    from ncclguard.store import Inventory, InventoryError
+    from ncclguard.store import InventoryError
     from prolog.policy import evaluate
 
     cfg = run.config
     assert cfg is not None
     try:
-        with Inventory(readonly=True, config=cfg.inventory) as inv:
+        with _inventory(run) as inv:
             records = inv.load_values(job.nodes)
     except InventoryError as e:
         return run.fail("inventory", e)
@@ -212,7 +235,7 @@ def _majority(run: Run, job: Job) -> tuple[set[str], str]:
     is then the one chosen by name order.
     """
     from ncclguard.slurm import SlurmError
-    from ncclguard.store import Inventory, InventoryError
+    from ncclguard.store import InventoryError
     from prolog.policy import majority
 
     cfg = run.config
@@ -226,7 +249,7 @@ def _majority(run: Run, job: Job) -> tuple[set[str], str]:
         except SlurmError as e:
             run.log(f"tie-break: partition nodes unknown ({e}); using the whole inventory")
     try:
-        with Inventory(readonly=True, config=cfg.inventory) as inv:
+        with _inventory(run) as inv:
             classes = inv.classes(members) if members else inv.classes()
     except InventoryError as e:
         run.log(f"tie-break: {e}; odd nodes chosen by name", error=True)
@@ -302,7 +325,6 @@ def refuse(run: Run, job: Job, verdict: Verdict) -> int:
 def _cannot_steer(run: Run, job: Job, odd: list[str]) -> str:
     """Why excluding ``odd`` cannot give the job a compatible set ('' if it can)."""
     from ncclguard.hostlist import compress, expand
-    from ncclguard.store import Inventory
 
     cfg = run.config
     assert cfg is not None
@@ -316,7 +338,7 @@ def _cannot_steer(run: Run, job: Job, odd: list[str]) -> str:
     partition = job.partition or (info.partition if info else "")
     members = _partition_nodes(run, partition) if partition else []
     candidates = sorted(set(members) - excluded - set(odd))
-    with Inventory(readonly=True, config=cfg.inventory) as inv:
+    with _inventory(run) as inv:
         classes = inv.classes(candidates) if candidates else []
     largest = max((len(c.hosts) for c in classes), default=0)
     if largest < job.num_nodes:

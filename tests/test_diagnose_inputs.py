@@ -383,6 +383,15 @@ def test_epilog_reads_only_the_job_users_own_files(tmp_path):
         assert epilog.main(["--config", str(conf)], env=env) == 0
         (rec,) = audit.read(audit_path, job=job)
         assert why in rec["error"] and "diagnoses" not in rec, rec
+    # one refused file does not cost the other's diagnosis
+    good = tmp_path / "slurm-82.out"
+    shutil.copy(MISMATCH, good)
+    env = {**base, "SLURM_JOB_ID": "82", "SLURM_JOB_STDOUT": str(good),
+           "SLURM_JOB_STDERR": str(link)}
+    assert epilog.main(["--config", str(conf)], env=env) == 0
+    (rec,) = audit.read(audit_path, job=82)
+    assert rec["diagnoses"][0]["id"] == "nccl-version-differs"
+    assert any(str(link) in p and "cannot open" in p for p in rec["problems"]), rec
     # no uid at all: nothing is trusted
     env = {**base, "SLURM_JOB_ID": "81", "SLURM_JOB_STDOUT": str(secret)}
     del env["SLURM_JOB_UID"]

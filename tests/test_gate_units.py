@@ -361,14 +361,63 @@ def test_fail_closed_holds_a_batch_job_after_max_refusals(tmp_path: Path) -> Non
     bin_dir = _fake_slurm(tmp_path, 'case "$*" in *"-o %T"*) echo PENDING;; esac\nexit 0')
     config = f'on_error = "refuse"\nmax_refusals = 3\nslurm_bin_dir = "{bin_dir}"'
     batch = {"SLURM_JOB_STDOUT": "/o"}
-    r, _ = run_gate(tmp_path, config, {**batch, "SLURM_JOB_RESTART_COUNT": "0"})
-    assert r.returncode == 1 and "held" not in r.stderr
-    r, _ = run_gate(tmp_path, config, {**batch, "SLURM_JOB_RESTART_COUNT": "2"})
-    assert r.returncode == 1
     log = tmp_path / "slurm-calls.log"
+    r, _ = run_gate(tmp_path, config, {**batch, "SLURM_JOB_RESTART_COUNT": "0"})
+    assert r.returncode == 1 and "-> hold" not in r.stderr
+    assert last(tmp_path)["action"] == "refuse"
+    time.sleep(1)  # a hold follow-up, had one been started, would have polled by now
+    assert "scontrol hold" not in (log.read_text() if log.exists() else "")
+    r, _ = run_gate(tmp_path, config, {**batch, "SLURM_JOB_RESTART_COUNT": "2"})
+    assert r.returncode == 1 and "-> hold" in r.stderr
+    rec = last(tmp_path)
+    assert rec["decision"] == "error" and rec["action"] == "hold" and rec["refusal"] == 3
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline and "scontrol hold 77" not in log.read_text():
         time.sleep(0.2)  # the follow-up is detached: it holds the job once it is PENDING
     calls = log.read_text()
     assert "scontrol hold 77" in calls, calls
     assert "held: refused 3 times" in calls  # the AdminComment says why
+
+
+def test_fail_closed_hold_is_arranged_even_when_the_deadline_fires(tmp_path: Path) -> None:
+    """A cause that recurs on every run would end each run in the deadline handler: the
+    hold must be arranged there too (no Slurm command is run from the handler; the
+    detached follow-up holds the job), or the job is requeued for ever."""
+    from ncclguard import config as configmod
+    from prolog import gate
+
+    bin_dir = _fake_slurm(tmp_path, 'case "$*" in *"-o %T"*) echo PENDING;; esac\nexit 0')
+    conf = tmp_path / "gate.toml"
+    conf.write_text(f'[gate]\naudit_log = "{tmp_path / "audit.jsonl"}"\non_error = "refuse"\n'
+                    f'max_refusals = 2\nslurm_bin_dir = "{bin_dir}"\n')
+    run = gate.Run({**ENV, "SLURM_JOB_STDIN": "/dev/null", "SLURM_JOB_RESTART_COUNT": "1"})
+    run.config = configmod.load(conf)
+    assert run.fail("deadline", "gate.deadline_s = 1 s reached", late=True) == gate.EXIT_REFUSE
+    rec = last(tmp_path)
+    assert rec["decision"] == "error" and rec["action"] == "hold" and rec["refusal"] == 2
+    log = tmp_path / "slurm-calls.log"
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and "scontrol hold 77" not in (
+        log.read_text() if log.exists() else ""
+    ):
+        time.sleep(0.2)
+    calls = log.read_text()
+    assert "scontrol hold 77" in calls
+    assert calls.splitlines()[0].startswith("squeue")  # the handler itself ran no scontrol
+
+
+def test_a_locked_inventory_cannot_outlast_the_deadline(tmp_path: Path) -> None:
+    """SQLite waits for a lock inside C, where the deadline's handler cannot run: the
+    gate caps that wait at what is left of its deadline, whatever busy_timeout_ms says."""
+    import sqlite3
+
+    inventory(tmp_path)
+    conn = sqlite3.connect(tmp_path / "inventory.db")
+    conn.execute("BEGIN EXCLUSIVE")
+    try:
+        r, dt = run_gate(tmp_path, "deadline_s = 1\n[inventory]\nbusy_timeout_ms = 20000")
+    finally:
+        conn.rollback()
+        conn.close()
+    assert r.returncode == 0 and dt < 3, (dt, r.stderr)
+    assert "ERROR: inventory" in r.stderr and "locked" in r.stderr

@@ -141,13 +141,20 @@ def run(
     ``open_inventory``: returns an ``Inventory``; its errors become a note in the report,
     never a failure of the diagnosis. ``deadline`` (``time.monotonic()``): stop reading
     there and say so (the Epilog's bound). ``owner_uid``: read only regular files of that
-    user, never through a final symlink (the Epilog). Raises :class:`LogError` for a
-    file that cannot be opened.
+    user, never through a final symlink (the Epilog). A file that cannot be opened is a
+    problem in the report; :class:`LogError` is raised only when none could be.
     """
     scanner = Scanner(catalog)
+    unopened: list[LogError] = []
     for f in files:
-        scanner.feed(f, deadline=deadline, owner_uid=owner_uid)
+        try:
+            scanner.feed(f, deadline=deadline, owner_uid=owner_uid)
+        except LogError as e:  # one unreadable file must not cost the others' diagnosis
+            unopened.append(e)
+    if unopened and len(unopened) == len(files):
+        raise unopened[0]
     ev = scanner.evidence()
+    ev.problems.extend(str(e) for e in unopened)
     diags = diagnose(ev, catalog)
     report = Report(ev, diags, job=job.to_dict() if job else None)
     if open_inventory is None:
