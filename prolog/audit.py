@@ -132,7 +132,9 @@ def append(
         os.close(fd)
 
 
-def _since_ts(since: float | str | datetime | None) -> float | None:
+def parse_time(since: float | str | datetime | None) -> float | None:
+    """Epoch seconds from epoch seconds (number or text), an ISO-8601 text (UTC when it
+    has no zone) or a datetime. Raises ValueError naming the value."""
     if since is None:
         return None
     if isinstance(since, datetime):
@@ -183,7 +185,7 @@ def read(
     refused: bool = False,
 ) -> list[dict[str, Any]]:
     """Records, oldest first, filtered by job id, time (epoch/ISO/datetime) and refusal."""
-    t0 = _since_ts(since)
+    t0 = parse_time(since)
     out = []
     for rec in iter_records(path):
         if job is not None and str(rec.get("job")) != str(job):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import sys
-from datetime import UTC, datetime
 from typing import Any
 
 import click
@@ -22,21 +21,14 @@ from .logparse import LogError
 
 
 def _parse_at(value: str | None) -> float | None:
-    if value is None:
-        return None
+    from prolog.audit import parse_time
+
     try:
-        return float(value)
-    except ValueError:
-        pass
-    try:
-        dt = datetime.fromisoformat(value.replace("Z", "+00:00"))
+        return parse_time(value)
     except ValueError:
         raise click.BadParameter(
             f"{value!r}: expected epoch seconds or ISO-8601 (2026-11-30T02:13:28Z)"
         ) from None
-    if dt.tzinfo is None:
-        dt = dt.replace(tzinfo=UTC)
-    return dt.timestamp()
 
 
 def _fail(message: str) -> None:
