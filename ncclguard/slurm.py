@@ -409,21 +409,19 @@ def _job_info(j: dict[str, Any]) -> JobInfo:
     if isinstance(task, dict):  # v0.0.39+
         task = task.get("number") if task.get("set") else None
     array_task = None if task is None or _int(task) >= 4294967294 else _int(task)
-    array_job = _int(j.get("array_job_id"))
-    job_id = _int(j.get("job_id"))
+    # the fields output_path() needs are JobInfo fields too: read them once
     where: dict[str, Any] = {
-        "job_id": job_id,
+        "job_id": _int(j.get("job_id")),
         "name": _text(j.get("name")),
         "user": _text(j.get("user_name")),
-        "array_job_id": array_job,
+        "array_job_id": _int(j.get("array_job_id")),
         "array_task_id": array_task,
         "work_dir": _text(j.get("current_working_directory")),
         "batch": bool(j.get("batch_flag")),
     }
     return JobInfo(
-        job_id=job_id,
+        **where,
         state=_text(state).upper(),
-        user=_text(j.get("user_name")),
         user_id=_int(j["user_id"]) if isinstance(j.get("user_id"), int) else None,
         partition=_text(j.get("partition")),
         nodes=_text(j.get("nodes")),
@@ -432,7 +430,6 @@ def _job_info(j: dict[str, Any]) -> JobInfo:
         excluded_nodes=_text(j.get("excluded_nodes")),
         state_reason=_text(j.get("state_reason")),
         restart_count=_int(j.get("restart_cnt")),
-        batch=bool(j.get("batch_flag")),
         admin_comment=_text(
             j.get("admin_comment") or (j.get("comment") or {}).get("administrator")
             if isinstance(j.get("comment"), dict)
@@ -444,13 +441,9 @@ def _job_info(j: dict[str, Any]) -> JobInfo:
             else j.get("comment")
         ),
         priority=_int(j.get("priority")),
-        name=_text(j.get("name")),
         start_time=_epoch(j.get("start_time")),
         end_time=_epoch(j.get("end_time")),
-        work_dir=_text(j.get("current_working_directory")),
         batch_host=_text(j.get("batch_host")),
-        array_job_id=array_job,
-        array_task_id=array_task,
         std_out=output_path(_text(j.get("standard_output")), **where),
         # no --error: the same file as StdOut
         std_err=output_path(
