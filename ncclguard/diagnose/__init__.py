@@ -121,6 +121,9 @@ def _preferring_majority(inv: Any) -> Callable[..., Any]:
     return preferring
 
 
+SLURM_TIME_RESOLUTION_S = 1.0
+
+
 def run(
     files: Sequence[str | os.PathLike[str]],
     *,
@@ -164,7 +167,11 @@ def run(
     if not node_list:
         report.inventory_note = "no nodes known (no --job, and no host names in the log)"
         return report
-    at = when if when is not None else (job.start_time if job and job.start_time else None)
+    at = when
+    if at is None and job and job.start_time:
+        # Slurm gives start times in whole seconds (truncated): a fingerprint written in
+        # the job's starting second was there when it started
+        at = job.start_time + SLURM_TIME_RESOLUTION_S
     if at is None:
         at = time.time()
         report.inventory_note = "no job start time (use --job or --at): inventory read as of now"

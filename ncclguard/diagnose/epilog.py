@@ -179,7 +179,6 @@ def _run(a: argparse.Namespace, env: Mapping[str, str], job_id: str, t0: float) 
             catalog=load_catalog(cfg.diagnose.signature_files),
             job=job,
             nodes=list(nodes) or None,
-            when=start,
             open_inventory=opener,
             policy_config=cfg.policy,
             deadline=deadline,
