@@ -245,9 +245,10 @@ def _majority(run: Run, job: Job) -> tuple[set[str], str]:
     if job.partition:
         try:
             members = _partition_nodes(run, job.partition)
-            scope = f"partition {job.partition}"
         except SlurmError as e:
             run.log(f"tie-break: partition nodes unknown ({e}); using the whole inventory")
+        if members:  # else the whole inventory, and the note says so
+            scope = f"partition {job.partition}"
     try:
         with _inventory(run) as inv:
             classes = inv.classes(members) if members else inv.classes()
