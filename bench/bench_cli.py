@@ -2,7 +2,7 @@
 16,384-node inventory (issue 5: each under 1 s).
 
 The inventory is made the way production makes it: a few real collections
-(``inventoryd.collect.collect`` on node trees from ``ncclguard.nodetree``, with the real
+(``inventoryd.collect.collect`` on node trees from ``devtools.nodetree``, with the real
 ``libnccl.so.2`` files when the test cache has them), then copies varied per node (host
 name, NCCL version on a few, a port down, a stale heartbeat), written with
 ``Inventory.upsert``.
@@ -31,9 +31,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from devtools.nodetree import build_node  # noqa: E402
 from inventoryd.collect import collect  # noqa: E402
 from ncclguard.config import InventoryConfig, InventorydConfig  # noqa: E402
-from ncclguard.nodetree import build_node  # noqa: E402
+from ncclguard.policy import GATE_VALUES  # noqa: E402
 from ncclguard.store import Inventory  # noqa: E402
 
 LIMIT_S = 1.0
@@ -43,7 +44,7 @@ def real_fingerprints(work: Path) -> dict[str, dict[str, Any]]:
     """A few real collections: one per NCCL version the cache holds (or none)."""
     libs: dict[str, Path | None] = {}
     try:
-        from ncclguard.ncclwheels import nccl_path
+        from devtools.ncclwheels import nccl_path
 
         for v in ("2.21.5", "2.18.3"):
             p = nccl_path(v)
@@ -70,7 +71,7 @@ def generate(db: Path, n: int, work: Path) -> dict[str, int]:
     old = bases.get("2.18.3")
     now = time.time()
     counts = {"nodes": n, "old_nccl": 0, "ports_down": 0, "stale": 0}
-    inv = Inventory(db, config=InventoryConfig(journal_mode="wal"))
+    inv = Inventory(db, values=GATE_VALUES, config=InventoryConfig(journal_mode="wal"))
     try:
         for i in range(n):
             host = f"gpu{i:05d}"

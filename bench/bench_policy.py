@@ -3,7 +3,7 @@
 The gate's whole process must stay within 2.5x ``python3 -I -c pass`` at 1,024 nodes.
 This measures, in one run and against a baseline taken here and now:
 
-- ``import prolog.policy`` in a fresh ``-I`` interpreter, after ``import
+- ``import ncclguard.policy`` in a fresh ``-I`` interpreter, after ``import
   ncclguard.config`` (which the gate loads anyway): the policy's own share;
 - ``evaluate()`` on 1,024 nodes: all identical (one dict object per node, as JSON
   decoding gives), the same with the store's shared objects, and three classes with a
@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from policy_fingerprints import device, fingerprint, plugin  # noqa: E402
 
 from ncclguard.config import PolicyConfig  # noqa: E402
-from prolog.policy import evaluate, node_values  # noqa: E402
+from ncclguard.policy import evaluate, node_values  # noqa: E402
 
 
 def wall(fn: Callable[[], object], repeat: int) -> float:
@@ -72,10 +72,10 @@ def main() -> None:
 
     base = run_python("pass", r)
     cfg = run_python("import ncclguard.config", r)
-    imp = run_python("import ncclguard.config, prolog.policy", r)
-    print(f"baseline: python3 -I -c pass                 {base * 1e3:8.2f} ms  (1.00)")
-    print(f"import ncclguard.config                      {cfg * 1e3:8.2f} ms  ({cfg / base:.2f}x)")
-    print(f"import ncclguard.config, prolog.policy       {imp * 1e3:8.2f} ms  ({imp / base:.2f}x;"
+    imp = run_python("import ncclguard.config, ncclguard.policy", r)
+    print(f"baseline: python3 -I -c pass                {base * 1e3:8.2f} ms  (1.00)")
+    print(f"import ncclguard.config                     {cfg * 1e3:8.2f} ms  ({cfg / base:.2f}x)")
+    print(f"import ncclguard.config, ncclguard.policy    {imp * 1e3:8.2f} ms  ({imp / base:.2f}x;"
           f" policy alone +{(imp - cfg) / base:.2f}x)")
 
     template = node_fp("x")

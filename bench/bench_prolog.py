@@ -34,16 +34,18 @@ INVENTORY_NODES = 16384
 def build_inventory(db: Path, n: int) -> None:
     from policy_fingerprints import fingerprint
 
+    from ncclguard.policy import GATE_VALUES
     from ncclguard.store import Inventory
 
     if db.exists():
-        with Inventory(db) as inv:  # a writer: migrates a cached inventory of an older schema
+        # a writer: migrates a cached inventory of an older schema
+        with Inventory(db, values=GATE_VALUES) as inv:
             if len(inv.hosts()) == n:
                 return
         db.unlink()
     t = time.perf_counter()
     now = time.time()
-    with Inventory(db) as inv:
+    with Inventory(db, values=GATE_VALUES) as inv:
         # the writer's own code path, in one transaction (one fsync, not 16,384)
         inv._retrying = lambda conn, body, doing: body(conn)  # type: ignore[method-assign]
         inv._conn.execute("BEGIN IMMEDIATE")
@@ -103,7 +105,8 @@ def process_cost(work: Path, runs: int) -> None:
 def cluster_cost(work: Path, jobs: int) -> None:
     from policy_fingerprints import fingerprint
 
-    from ncclguard.devcluster import DevCluster
+    from devtools.devcluster import DevCluster
+    from ncclguard.policy import GATE_VALUES
     from ncclguard.store import Inventory
 
     print(f"\ncluster cost: {jobs} two-node batch jobs (sbatch -N2 --wrap true), 4 slurmd")
@@ -111,7 +114,7 @@ def cluster_cost(work: Path, jobs: int) -> None:
     for with_gate in (False, True):
         root = Path(tempfile.mkdtemp(prefix="bench-cluster-", dir=work))
         c = DevCluster(root, prolog=with_gate)
-        with Inventory(c.db) as inv:
+        with Inventory(c.db, values=GATE_VALUES) as inv:
             for host in c.node_names:
                 inv.upsert(fingerprint(host))
         c.write_gate_config("")

@@ -30,7 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_store import make_fp
 
 from ncclguard.config import InventoryConfig
-from ncclguard.store import Inventory, InventoryLocked, canonical_json
+from ncclguard.fingerprint.canonical import canonical_json
+from ncclguard.policy import GATE_VALUES
+from ncclguard.store import Inventory, InventoryLocked
 
 
 def p99(xs: list[float]) -> float:
@@ -58,7 +60,8 @@ def baseline_commits(d: Path, n: int, journal: str) -> tuple[float, float]:
 
 
 def _writer(db: str, i: int, ops: int, journal: str, start: mp.Event, q: mp.Queue) -> None:  # type: ignore[type-arg]
-    inv = Inventory(db, config=InventoryConfig(journal_mode=journal), heartbeat_s=1e9)
+    inv = Inventory(db, values=GATE_VALUES, config=InventoryConfig(journal_mode=journal),
+                    heartbeat_s=1e9)
     fps = [make_fp(f"w{i:03d}", extra=f"NCCL_DEBUG=WARN{j}") for j in range(ops)]
     start.wait()
     lat = []
@@ -78,7 +81,8 @@ def _writer(db: str, i: int, ops: int, journal: str, start: mp.Event, q: mp.Queu
 
 def bench_writers(d: Path, writers: int, ops: int, journal: str) -> tuple[float, float, int]:
     db = d / f"w{writers}" / "inventory.db"
-    Inventory(db, config=InventoryConfig(journal_mode=journal)).close()  # schema first
+    # the schema first
+    Inventory(db, values=GATE_VALUES, config=InventoryConfig(journal_mode=journal)).close()
     ctx = mp.get_context("fork")
     start, q = ctx.Event(), ctx.Queue()
     procs = [ctx.Process(target=_writer, args=(str(db), i, ops, journal, start, q))
@@ -104,7 +108,7 @@ def bench_writers(d: Path, writers: int, ops: int, journal: str) -> tuple[float,
 def bench_reads(d: Path, nodes: int) -> dict[str, float]:
     db = d / "read" / "inventory.db"
     variants = [make_fp("x", v) for v in ("2.21.5", "2.21.5", "2.21.5", "2.18.3")]
-    with Inventory(db) as inv:
+    with Inventory(db, values=GATE_VALUES) as inv:
         conn = inv._conn
         conn.execute("BEGIN")
         for i in range(nodes):  # the writer's code path, in one transaction for speed
@@ -138,7 +142,7 @@ def bench_reads(d: Path, nodes: int) -> dict[str, float]:
             assert all(v is not None for v in got.values())
 
     def gate_load() -> None:
-        with Inventory(db, readonly=True) as ro:
+        with Inventory(db, readonly=True, values=GATE_VALUES) as ro:
             got = ro.load_values(hosts)
             assert all(v is not None for v in got.values())
 

@@ -9,18 +9,19 @@ results are kept in the :class:`~inventoryd.filecache.FileCache` between runs.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from inventoryd.filecache import FileCache
 from inventoryd.nodefs import ErrorLog, NodeFS
 from inventoryd.probes import gpu, host, nccl, ncclconf, netifs, plugins, rdma
 from ncclguard.config import InventorydConfig
+from ncclguard.fingerprint import model
+from ncclguard.fingerprint.shape import Fingerprint
 
-SCHEMA = 1
-T = TypeVar("T")
+SCHEMA = model.SCHEMA
 
 
-def _run(errors: ErrorLog, name: str, fn: Callable[[], T], empty: T) -> T:
+def _run(errors: ErrorLog, name: str, fn: Callable[[], Any], empty: Any) -> Any:
     try:
         return fn()
     except Exception as e:  # one broken probe must not cost the node's whole record
@@ -28,22 +29,12 @@ def _run(errors: ErrorLog, name: str, fn: Callable[[], T], empty: T) -> T:
         return empty
 
 
-def _empty_conf() -> dict[str, Any]:
-    return {"path": ncclconf.PATH, "present": False, "sha256": None, "raw": None,
-            "truncated": False, "settings": {}}
-
-
-def _empty_net() -> dict[str, Any]:
-    return {"libnccl": None, "plugin": None, "effective_net_abi": None,
-            "reason": "the plugin probe failed"}
-
-
 def collect(
     root: str = "/",
     hostname: str | None = None,
     config: InventorydConfig | None = None,
     cache: FileCache | None = None,
-) -> dict[str, Any]:
+) -> Fingerprint:
     """The fingerprint of the node whose files are under ``root``."""
     config = config or InventorydConfig()
     fs = NodeFS(root)
@@ -51,23 +42,22 @@ def collect(
     if cache is None:
         cache = FileCache.open(config)
     host_ = _run(errors, host.PROBE, lambda: host.probe(fs, errors, hostname),
-                 {"hostname": hostname, "kernel": None, "boot_id": None,
-                  "collected_at": host.utc_now(), "tool_version": None})
+                 model.empty_host(hostname, host.utc_now()))
     libnccl = _run(errors, nccl.PROBE, lambda: nccl.probe(fs, errors, config, cache), [])
-    conf = _run(errors, ncclconf.PROBE, lambda: ncclconf.probe(fs, errors), _empty_conf())
+    conf = _run(errors, ncclconf.PROBE, lambda: ncclconf.probe(fs, errors), model.empty_nccl_conf())
     settings = conf.get("settings") or {}
     plugins_, net = _run(
         errors, plugins.PROBE,
         lambda: plugins.probe(fs, errors, config, settings, libnccl, cache),
-        ([], _empty_net()),
+        ([], model.empty_net()),
     )
     rdma_ = _run(errors, rdma.PROBE, lambda: rdma.probe(fs, errors),
-                 {"abi_version": {"verbs": None, "mad": None}, "libibverbs": None,
-                  "providers": [], "devices": []})
+                 model.empty_rdma())
     netifs_ = _run(errors, netifs.PROBE, lambda: netifs.probe(fs, errors), [])
     gpu_ = _run(errors, gpu.PROBE, lambda: gpu.probe(fs, errors),
-                {"driver_version": None, "count": 0, "models": [], "peermem": None})
+                model.empty_gpu())
     cache.save()
+    # the probes build plain dicts of the parts' shapes (ncclguard.fingerprint.model)
     return {
         "schema": SCHEMA,
         "host": host_,

@@ -11,6 +11,7 @@ import os
 import sys
 
 from ncclguard import config as configmod
+from ncclguard.policy import load_config
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -40,7 +41,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        cfg = configmod.load(args.config)
+        cfg = load_config(args.config)
     except configmod.ConfigError as e:
         print(f"ncclguard-inventoryd: {e}", file=sys.stderr)
         return 2

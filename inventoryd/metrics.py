@@ -6,10 +6,13 @@ and renames it, so node_exporter never reads half a file.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Gauge, Info, write_to_textfile
+
+from ncclguard.fingerprint.model import obj
 
 FILE_NAME = "ncclguard.prom"
 
@@ -27,7 +30,7 @@ def _dicts(value: Any) -> list[dict[str, Any]]:
 
 
 def registry_for(
-    fp: dict[str, Any],
+    fp: Mapping[str, Any],
     *,
     last_change: float | None,
     store_ok: bool | None,
@@ -45,15 +48,15 @@ def registry_for(
     plugin = Info("ncclguard_plugin", "An NCCL plugin on this node", ["kind", "path"],
                   registry=reg)
     for x in _dicts(fp.get("plugins")):
-        abis = x.get("abis") if isinstance(x.get("abis"), dict) else {}
-        mine = [v for v in abis.get(x.get("kind"), []) or [] if isinstance(v, int)]
+        abis = obj(x, "abis")
+        mine = [v for v in abis.get(str(x.get("kind")), []) or [] if isinstance(v, int)]
         plugin.labels(kind=_s(x.get("kind")), path=_s(x.get("path"))).info({
             "name": _s(x.get("name")), "abi": _s(max(mine) if mine else None),
             "default": _s(bool(x.get("default"))), "error": _s(x.get("error")),
         })
     port = Info("ncclguard_rdma_port", "An RDMA port on this node", ["device", "port"],
                 registry=reg)
-    rdma = fp.get("rdma") if isinstance(fp.get("rdma"), dict) else {}
+    rdma = obj(fp, "rdma")
     for dev in _dicts(rdma.get("devices")):
         for p in _dicts(dev.get("ports")):
             port.labels(device=_s(dev.get("name")), port=_s(p.get("port"))).info({
@@ -77,7 +80,7 @@ def registry_for(
 
 def write_textfile(
     directory: Path | str,
-    fp: dict[str, Any],
+    fp: Mapping[str, Any],
     *,
     last_change: float | None = None,
     store_ok: bool | None = None,

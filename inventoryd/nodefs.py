@@ -13,7 +13,8 @@ import os
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+
+from ncclguard.fingerprint.shape import ProbeError
 
 MAX_SMALL_READ = 64 * 1024  # sysfs/procfs attributes are tiny; never read more
 MAX_SYMLINKS = 40  # as the kernel's own limit (ELOOP)
@@ -30,7 +31,7 @@ _KINDS = {
 class ErrorLog:
     """The fingerprint's ``errors`` list: what could not be read, and why."""
 
-    entries: list[dict[str, Any]] = field(default_factory=list)
+    entries: list[ProbeError] = field(default_factory=list)
 
     def add(self, probe: str, field_: str, path: str | None, error: BaseException | str) -> None:
         if isinstance(error, OSError) and error.strerror:
@@ -39,7 +40,7 @@ class ErrorLog:
             text = str(error) or type(error).__name__
         self.entries.append({"probe": probe, "field": field_, "path": path, "error": text})
 
-    def for_probe(self, probe: str) -> list[dict[str, Any]]:
+    def for_probe(self, probe: str) -> list[ProbeError]:
         return [e for e in self.entries if e["probe"] == probe]
 
 

@@ -22,16 +22,17 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import FrameType
 from typing import Any
 
 from inventoryd.sdnotify import Notifier
 from ncclguard import config as configmod
+from ncclguard.policy import GATE_VALUES, load_config
 from ncclguard.store import Inventory, InventoryError
 
 RETRY_S = 10.0  # after a failed write, try again this soon (or at interval_s if shorter)
-Collector = Callable[[str, str | None, configmod.InventorydConfig], dict[str, Any]]
+Collector = Callable[[str, str | None, configmod.InventorydConfig], Mapping[str, Any]]
 
 log = logging.getLogger("ncclguard.inventoryd")
 
@@ -50,17 +51,19 @@ def _short_hostname() -> str:
     return socket.gethostname().split(".")[0]
 
 
-def _host(fp: dict[str, Any], fallback: str) -> str:
-    h = fp.get("host") if isinstance(fp, dict) else None
+def _host(fp: Mapping[str, Any], fallback: str) -> str:
+    h = fp.get("host") if isinstance(fp, Mapping) else None
     name = h.get("hostname") if isinstance(h, dict) else None
     return name if isinstance(name, str) and name else fallback
 
 
 def _inventory(cfg: configmod.Config) -> Inventory:
-    return Inventory(config=cfg.inventory, heartbeat_s=cfg.inventoryd.heartbeat_s)
+    return Inventory(
+        config=cfg.inventory, values=GATE_VALUES, heartbeat_s=cfg.inventoryd.heartbeat_s
+    )
 
 
-def store_once(fp: dict[str, Any], cfg: configmod.Config) -> int:
+def store_once(fp: Mapping[str, Any], cfg: configmod.Config) -> int:
     """Write one fingerprint (``once --store``). 0 on success, 1 with a message otherwise."""
     host = _host(fp, _short_hostname())
     try:
@@ -88,7 +91,9 @@ def _default_collector() -> Collector:
 
     caches: dict[int, Any] = {}
 
-    def run(root: str, hostname: str | None, config: configmod.InventorydConfig) -> dict[str, Any]:
+    def run(
+        root: str, hostname: str | None, config: configmod.InventorydConfig
+    ) -> Mapping[str, Any]:
         c = None
         if cache is not None:
             c = caches.get(id(config))
@@ -139,7 +144,7 @@ class Daemon:
         self.reload = False
         self.notifier.reloading()
         try:
-            new = configmod.load(self.config_path)
+            new = load_config(self.config_path)
         except configmod.ConfigError as e:
             log.error("%s: config not reloaded, keeping the previous one: %s", self.node, e)
         else:
@@ -176,7 +181,7 @@ class Daemon:
         self._metrics(fp)
         return ok
 
-    def _store(self, fp: dict[str, Any]) -> bool:
+    def _store(self, fp: Mapping[str, Any]) -> bool:
         now = time.time()
         try:
             with _inventory(self.cfg) as inv:
@@ -209,7 +214,7 @@ class Daemon:
         )
         return True
 
-    def _metrics(self, fp: dict[str, Any]) -> None:
+    def _metrics(self, fp: Mapping[str, Any]) -> None:
         d = self.cfg.inventoryd.textfile_dir
         if not d:
             return

@@ -18,6 +18,7 @@ policy are imported before a decision; the Slurm adapter only when a call is nee
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import sys
@@ -28,10 +29,10 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ncclguard.config import Config
+    from ncclguard.policy.verdict import Verdict
     from ncclguard.slurm import Slurm
     from ncclguard.store import Inventory
     from prolog.job import Job
-    from prolog.verdict import Verdict
 
 EXIT_OK = 0
 EXIT_REFUSE = 1
@@ -84,7 +85,7 @@ class Run:
 
             path = default_audit_path()
         try:
-            from prolog import audit
+            from ncclguard import audit
 
             audit.append(path, self.record, lock_timeout=lock_timeout)
         except (OSError, ValueError) as e:
@@ -166,18 +167,21 @@ def _inventory(run: Run) -> Inventory:
     SQLite waits for a lock inside C, where the deadline's signal handler cannot run;
     uncapped, a locked inventory would hold the prolog for the whole busy timeout.
     """
+    from ncclguard.policy import GATE_VALUES
     from ncclguard.store import Inventory
 
     cfg = run.config
     assert cfg is not None
     left_ms = (cfg.gate.deadline_s - (time.monotonic() - run.t0) - 0.3) * 1000
     busy_ms = int(max(min(cfg.inventory.busy_timeout_ms, left_ms), 0))
-    return Inventory(readonly=True, config=cfg.inventory.replace(busy_timeout_ms=busy_ms))
+    return Inventory(
+        readonly=True, values=GATE_VALUES, config=cfg.inventory.replace(busy_timeout_ms=busy_ms)
+    )
 
 
 def decide(run: Run, job: Job) -> int:
+    from ncclguard.policy import evaluate
     from ncclguard.store import InventoryError
-    from prolog.policy import evaluate
 
     cfg = run.config
     assert cfg is not None
@@ -191,12 +195,7 @@ def decide(run: Run, job: Job) -> int:
     values = {h: (r[0] if r is not None else None) for h, r in records.items()}
     verdict = evaluate(values, cfg.policy, stale=stale, partition=job.partition or None)
     if verdict.odd_tie:  # refuse path only: several minimum odd sets, ask which to keep
-        prefer, source = _majority(run, job)
-        if prefer:
-            verdict = evaluate(
-                values, cfg.policy, stale=stale, partition=job.partition or None, prefer=prefer
-            )
-        run.record["tie_break"] = source
+        verdict, run.record["tie_break"] = _break_tie(run, job, verdict, values, stale)
     run.record.update(
         decision=verdict.decision,
         summary=verdict.summary(),
@@ -227,38 +226,36 @@ def _partition_nodes(run: Run, partition: str) -> list[str]:
     return members
 
 
-def _majority(run: Run, job: Job) -> tuple[set[str], str]:
-    """The job's nodes in the largest compatibility class of its partition (of the whole
-    inventory when the partition's nodes are unknown), and a note saying whence.
-
-    Nothing is preferred when the largest classes tie or a lookup fails: the odd set
-    is then the one chosen by name order.
-    """
+def _break_tie(
+    run: Run, job: Job, verdict: Verdict, values: Mapping[str, Any], stale: list[str]
+) -> tuple[Verdict, str | None]:
+    """The policy's one tie-break (:func:`ncclguard.policy.break_tie`): keep the largest
+    class of the job's partition, as Slurm lists its nodes (of the whole inventory when
+    Slurm cannot say). A failed inventory read keeps the choice by name."""
+    from ncclguard.policy import break_tie
     from ncclguard.slurm import SlurmError
     from ncclguard.store import InventoryError
-    from prolog.policy import majority
 
     cfg = run.config
     assert cfg is not None
-    members: list[str] = []
-    scope = "the inventory"
-    if job.partition:
+
+    def members(names: set[str]) -> list[str]:  # names: those of job.partition
         try:
-            members = _partition_nodes(run, job.partition)
+            return _partition_nodes(run, job.partition)
         except SlurmError as e:
             run.log(f"tie-break: partition nodes unknown ({e}); using the whole inventory")
-        if members:  # else the whole inventory, and the note says so
-            scope = f"partition {job.partition}"
+            return []
+
     try:
         with _inventory(run) as inv:
-            classes = inv.classes(members) if members else inv.classes()
+            return break_tie(
+                verdict, values, cfg.policy,
+                classes=lambda among: [c.hosts for c in inv.classes(among)],
+                members=members, stale=stale, partition=job.partition or None,
+            )
     except InventoryError as e:
         run.log(f"tie-break: {e}; odd nodes chosen by name", error=True)
-        return set(), f"none ({e})"
-    largest = majority([c.hosts for c in classes])
-    if not largest:
-        return set(), f"none (no single largest class in {scope})"
-    return largest & set(job.nodes), f"majority class of {scope} ({len(largest)} nodes)"
+        return verdict, f"none ({e})"
 
 
 def _comment(verdict: Verdict, suffix: str) -> str:
@@ -420,10 +417,11 @@ def main(env: Mapping[str, str] | None = None) -> int:
 
 
 def _main(run: Run) -> int:
-    from ncclguard.config import ConfigError, load
+    from ncclguard.config import ConfigError
+    from ncclguard.policy import load_config
 
     try:
-        run.config = load()
+        run.config = load_config()
     except ConfigError as e:
         return run.fail("config", e)
     # the configured deadline replaces the default one, counted from the start
@@ -449,7 +447,7 @@ def _main(run: Run) -> int:
         run.audit(decision="accept", action="opt-out", summary="ncclguard: accept: opted out")
         return EXIT_OK
 
-    from prolog.policy import in_scope
+    from ncclguard.policy import in_scope
 
     note = in_scope(run.config.policy, job.partition or None, job.num_nodes)
     if note is not None:  # no inventory read for single-node or unguarded jobs
@@ -458,5 +456,15 @@ def _main(run: Run) -> int:
     return decide(run, job)
 
 
-if __name__ == "__main__":
+def run() -> None:
+    """The program ``ncclguard-prolog``: :func:`main` in a process of its own.
+
+    One short-lived process per job that frees nothing before it exits: the cyclic garbage
+    collector would only cost it time (passes over the imports and the inventory's records).
+    """
+    gc.disable()
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    run()

@@ -24,9 +24,9 @@ import time
 from collections.abc import Sequence
 from types import FrameType
 
+from ncclguard import audit
 from ncclguard.hostlist import compress, expand
 from ncclguard.slurm import Slurm, SlurmError
-from prolog import audit
 
 POLL_S = 0.2
 GRACE_S = 10.0  # beyond --wait, for the updates themselves

@@ -24,7 +24,7 @@ esac
 
 if [[ $action == stop ]]; then
     if [[ -x .venv/bin/python ]]; then
-        exec .venv/bin/python -m ncclguard.demo stop --dir "$dir"
+        exec .venv/bin/python -m devtools.demo stop --dir "$dir"
     fi
     echo "no demo to stop: there is no .venv here, so none was started"
     exit 0
@@ -91,4 +91,4 @@ if [[ ! -x .venv/bin/ncclguard || "$(cat "$stamp" 2>/dev/null)" != "$want" ]]; t
     echo "$want" >"$stamp"
 fi
 
-exec .venv/bin/python -m ncclguard.demo run --dir "$dir"
+exec .venv/bin/python -m devtools.demo run --dir "$dir"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Install what the tests need (Slurm, munge, gcc, python3-venv, the venv) and run the whole suite,
-# the real-Slurm tests included. `make test` and CI (.ci/run) call exactly this.
+# Install what the tests need (Slurm, munge, gcc, python3-venv, the venv), run ruff, the
+# layering contract (import-linter) and mypy, then the whole suite, the real-Slurm tests
+# included. `make test` and CI (.ci/run) call exactly this.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -30,6 +31,9 @@ fi
 .venv/bin/python -m pip install -q -e '.[test]'
 
 .venv/bin/ruff check .
+# imports run one way (pyproject.toml, [tool.importlinter]), and the packages type-check
+.venv/bin/lint-imports --no-cache
+.venv/bin/mypy
 # The Slurm tests must run here: with this set, a Slurm test that would skip fails instead.
 export NCCLGUARD_REQUIRE_SLURM=1
 exec .venv/bin/python -m pytest "$@"

@@ -23,10 +23,10 @@ from typing import Any
 
 import pytest
 
-from ncclguard import ncclwheels
-from ncclguard.ncclwheels import PartUnavailable
+from devtools import ncclwheels
+from devtools.ncclwheels import PartUnavailable
 
-# The real parts (NCCL wheels, gcc-built plugins) come from ncclguard.ncclwheels, which
+# The real parts (NCCL wheels, gcc-built plugins) come from devtools.ncclwheels, which
 # the demo uses too; here a part that cannot be had becomes a skip that says why.
 
 
@@ -64,7 +64,7 @@ def place_file() -> Callable[[Path, str, Path], Path]:
 
 def build_plugin(out_dir: Path, net_abis: Sequence[int] = (), name: str = "testnet",
                  **options: Any) -> Path:
-    """Compile a plugin with gcc (see :func:`ncclguard.ncclwheels.build_plugin`)."""
+    """Compile a plugin with gcc (see :func:`devtools.ncclwheels.build_plugin`)."""
     try:
         return ncclwheels.build_plugin(out_dir, net_abis, name, **options)
     except PartUnavailable as e:

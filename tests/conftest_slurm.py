@@ -1,6 +1,6 @@
 """The ``slurm_cluster`` fixture: a real munged + slurmctld + 4 slurmd for this test session.
 
-A thin wrapper over :class:`ncclguard.devcluster.DevCluster` (the demo uses the same class).
+A thin wrapper over :class:`devtools.devcluster.DevCluster` (the demo uses the same class).
 Without Slurm installed the tests that use it are skipped with the reason, unless
 ``NCCLGUARD_REQUIRE_SLURM=1`` (CI): then they fail.
 """
@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from ncclguard.devcluster import DevCluster, missing_programs
+from devtools.devcluster import DevCluster, missing_programs
 
 REQUIRE_SLURM = os.environ.get("NCCLGUARD_REQUIRE_SLURM") == "1"
 

@@ -2,7 +2,7 @@
 
 ``fingerprint()`` builds one node's fingerprint the way the probes lay it out; keyword
 arguments change the parts a test is about. Tests that need what the real probes
-produce use ``inventoryd.collect.collect`` on trees from ``ncclguard.nodetree`` instead.
+produce use ``inventoryd.collect.collect`` on trees from ``devtools.nodetree`` instead.
 """
 
 from __future__ import annotations

@@ -14,8 +14,9 @@ import pytest
 from click.testing import CliRunner, Result
 from test_cli_inventory import NodeSpec, build, standard
 
-from ncclguard.cli import main, parse_since
-from prolog import audit
+from ncclguard import audit
+from ncclguard.cli import main
+from ncclguard.timeparse import parse_iso
 
 Run = Callable[..., Result]
 
@@ -300,8 +301,8 @@ def test_check_exit_codes_and_text(run: Run) -> None:
 
 def test_check_json_is_the_gates_verdict(run: Run, env: tuple[Path, Path]) -> None:
     from ncclguard import config as configmod
+    from ncclguard.policy import evaluate
     from ncclguard.store import Inventory
-    from prolog.policy import evaluate
 
     doc = json.loads(ok(run("check", "n[01-04,14,16,99]", "--json"), 2).stdout)
     assert doc["decision"] == "refuse" and doc["odd_nodes"]
@@ -368,19 +369,39 @@ def test_history_errors(run: Run) -> None:
     assert "n99" in ok(run("history", "n99"), 3).stderr
 
 
-@pytest.mark.parametrize(
-    ("text", "ago"),
-    [("7d", 7 * 86400), ("2h", 7200), ("30m", 1800), ("45s", 45), ("1w", 7 * 86400),
-     ("1.5h", 5400)],
-)
-def test_parse_since_relative(text: str, ago: float) -> None:
-    assert parse_since(text, now=1000000.0) == 1000000.0 - ago
+def _forms(ago: float) -> list[str]:
+    """One point in time, ``ago`` seconds back, in every form that a TIME option takes."""
+    t = int(time.time() - ago)
+    return [f"{int(ago)}s", f"{t}", f"@{t}",
+            time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))]
 
 
-def test_parse_since_absolute() -> None:
-    assert parse_since("2026-11-30") == parse_since("2026-11-30T00:00:00Z")
-    assert parse_since("2026-11-30T02:00:00+02:00") == parse_since("2026-11-30T00:00:00Z")
-    assert parse_since("@1700000000") == 1700000000.0
+def test_every_time_option_takes_the_same_forms(run: Run, tmp_path: Path) -> None:
+    """``history --since``, ``decisions --since`` and ``diagnose --at`` all parse TIME with
+    ncclguard.timeparse: an age, epoch seconds (bare or @) and an ISO time alike."""
+    for form in _forms(7200):
+        recent = js(run("history", "n05", "--since", form, "--json"))["changes"]
+        assert len(recent) == 1 and not recent[0]["first"], form
+    path = tmp_path / "audit.jsonl"  # its own trail: the module's is test_decisions'
+    for ago, job in ((5 * 86400, 7), (60, 8)):
+        audit.append(path, {**audit.now_fields(time.time() - ago), "job": job,
+                            "decision": "accept", "action": "none"})
+    for form in _forms(86400):
+        doc = js(run("decisions", "--audit-log", str(path), "--since", form, "--json"))
+        assert [d["job"] for d in doc["decisions"]] == [8], form
+    log = Path(__file__).parent / "diagnose_logs" / "clean-4-hosts.log"
+    as_of = set()
+    for form in _forms(3600)[1:]:  # the absolute forms name the same second
+        r = ok(run("diagnose", str(log), "--nodes", "n[01-02]", "--at", form, "--json"))
+        as_of.add(json.loads(r.stdout)["inventory"]["as_of"])
+    assert len(as_of) == 1
+    r = ok(run("diagnose", str(log), "--nodes", "n[01-02]", "--at", "1h", "--json"))
+    relative = parse_iso(json.loads(r.stdout)["inventory"]["as_of"])
+    assert relative is not None and abs(relative - (parse_iso(as_of.pop()) or 0)) < 60
+    for cmd in (["history", "--since"], ["decisions", "--since"],
+                ["diagnose", str(log), "--at"]):
+        r = ok(run(*cmd, "yesterday"), 3)
+        assert "'yesterday': expected an age" in r.stderr, cmd
 
 
 # --------------------------------------------------------------------------- decisions

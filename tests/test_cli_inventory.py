@@ -18,6 +18,7 @@ from typing import Any
 
 import policy_fingerprints as pf
 
+from ncclguard.policy import GATE_VALUES
 from ncclguard.store import Inventory
 
 
@@ -52,7 +53,7 @@ def build(path: Path, specs: Mapping[str, NodeSpec], now: float | None = None,
           history: Mapping[str, list[NodeSpec]] | None = None) -> Path:
     """Write an inventory at ``path``: each host's ``history`` specs (older), then its spec."""
     now = time.time() if now is None else now
-    inv = Inventory(path)
+    inv = Inventory(path, values=GATE_VALUES)
     try:
         for host, older in (history or {}).items():
             for i, spec in enumerate(older):

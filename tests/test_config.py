@@ -10,14 +10,16 @@ from pathlib import Path
 import pytest
 
 from ncclguard import config as configmod
+from ncclguard.policy.rules import RULES
+from ncclguard.policy.settings import BASELINE_KEYS, check_config, load_config
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "config.example.toml"
 
 
 def test_example_loads_and_equals_the_defaults() -> None:
-    cfg = configmod.load(EXAMPLE)
+    cfg = load_config(EXAMPLE)
     assert cfg.source == str(EXAMPLE)
-    assert cfg.replace(source="<defaults>") == configmod.Config()
+    assert cfg.replace(source="<defaults>") == check_config(configmod.Config())
 
 
 def test_example_names_every_key_of_every_section() -> None:
@@ -28,10 +30,10 @@ def test_example_names_every_key_of_every_section() -> None:
             if name not in data.get(section, {}):
                 missing.append(f"{section}.{name}")
     assert not missing, f"add to docs/config.example.toml: {missing}"
-    assert set(data["policy"]["severity"]) == set(configmod.RULES)
+    assert set(data["policy"]["severity"]) == {r.name for r in RULES}
     text = EXAMPLE.read_text()
     assert "[baseline]" in text
-    for key in configmod._BASELINE_KEYS:
+    for key in BASELINE_KEYS:
         assert re.search(rf"^# {key} = ", text, re.M), key
     top = set(configmod.Config.field_names()) - {"source", "baseline"}
     assert top == set(configmod._SECTIONS)
@@ -72,3 +74,31 @@ def test_environment_and_missing_files(tmp_path: Path, monkeypatch: pytest.Monke
     monkeypatch.setenv("NCCLGUARD_CONFIG", str(tmp_path / "missing.toml"))
     with pytest.raises(configmod.ConfigError, match="config file not found"):
         configmod.load()
+
+
+@pytest.mark.parametrize(
+    ("toml", "pattern"),
+    [
+        ('[policy.severity]\nnccl-versoin = "warn"\n',
+         r"policy\.severity: unknown rule 'nccl-versoin' \(known: nccl-version, "),
+        ('[policy.severity]\nnccl-version = "loud"\n',
+         r"nccl-version = 'loud': expected one of ignore, warn, refuse"),
+        ('[baseline]\nnccl_version = "2.21.5"\n',
+         r"baseline\.nccl_version: unknown key \(known: nccl, net_plugin, net_abi, transport\)"),
+    ],
+)
+def test_rule_names_and_baseline_keys_are_the_policys(
+    tmp_path: Path, toml: str, pattern: str
+) -> None:
+    """The names in [policy.severity] and [baseline] come from the rules themselves."""
+    p = tmp_path / "config.toml"
+    p.write_text(toml)
+    with pytest.raises(configmod.ConfigError, match=rf"^{re.escape(str(p))}: .*{pattern}"):
+        load_config(p)
+
+
+def test_every_rule_gets_its_default_severity() -> None:
+    cfg = load_config(EXAMPLE)
+    assert cfg.policy.severity == {r.name: r.severity for r in RULES}
+    assert cfg.policy.severity["nccl-version"] == "refuse"
+    assert cfg.policy.severity["gpudirect"] == "warn"

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from conftest_slurm import require_slurm
 
-from ncclguard.demo import demo_pids
+from devtools.demo import demo_pids
 from ncclguard.hostlist import expand
 from ncclguard.store import Inventory
 

@@ -14,11 +14,12 @@ import pytest
 from click.testing import CliRunner
 from policy_fingerprints import fingerprint
 
+from ncclguard.cli.diagnose import diagnose
 from ncclguard.diagnose import load_catalog, run
 from ncclguard.diagnose.catalog import CatalogError, needles_of
-from ncclguard.diagnose.cli import diagnose
 from ncclguard.diagnose.engine import version_of_code
 from ncclguard.diagnose.logparse import MAX_LINE, LogError, LogReader, parse_prefix
+from ncclguard.policy import GATE_VALUES
 from ncclguard.store import Inventory
 
 CORPUS = Path(__file__).parent / "diagnose_logs"
@@ -225,7 +226,7 @@ def test_builtin_catalog_is_package_data():
 # ------------------------------------------------------------------ the inventory
 def _inventory(tmp_path: Path, fps_then: dict, fps_now: dict | None = None) -> Path:
     db = tmp_path / "inv.db"
-    inv = Inventory(db)
+    inv = Inventory(db, values=GATE_VALUES)
     for fp in fps_then.values():
         inv.upsert(fp, now=1000.0)
     for fp in (fps_now or {}).values():
@@ -304,9 +305,9 @@ def test_cli_json_and_exit_codes(tmp_path):
     r = CliRunner().invoke(diagnose, [str(CORPUS / "clean-4-hosts.log"), "--no-inventory"])
     assert r.exit_code == 0 and "no communication-stack signature found" in r.output
     r = CliRunner().invoke(diagnose, [str(tmp_path / "x.log")])
-    assert r.exit_code == 2 and "x.log: log file not found" in r.output
+    assert r.exit_code == 3 and "x.log: log file not found" in r.output
     r = CliRunner().invoke(diagnose, ["--no-inventory"])
-    assert r.exit_code == 2 and "no log files" in r.output
+    assert r.exit_code == 3 and "no log files" in r.output
 
 
 def test_cli_bad_admin_catalog_from_config(tmp_path):
@@ -314,7 +315,7 @@ def test_cli_bad_admin_catalog_from_config(tmp_path):
     conf = tmp_path / "c.toml"
     conf.write_text(f'[diagnose]\nsignature_files = ["{bad}"]\n')
     r = CliRunner().invoke(diagnose, [str(MISMATCH), "--config", str(conf)])
-    assert r.exit_code == 2 and str(bad) in r.output and "title is required" in r.output
+    assert r.exit_code == 3 and str(bad) in r.output and "title is required" in r.output
 
 
 def test_cli_with_inventory(tmp_path):
@@ -333,8 +334,8 @@ def test_cli_with_inventory(tmp_path):
 
 # ------------------------------------------------------------------ the Epilog hook
 def test_epilog_records_the_diagnosis_in_the_audit_trail(tmp_path):
-    from ncclguard.diagnose import epilog
-    from prolog import audit
+    from ncclguard import audit
+    from prolog import epilog
 
     audit_path = tmp_path / "state" / "decisions.jsonl"
     conf = tmp_path / "c.toml"
@@ -365,8 +366,8 @@ def test_epilog_records_the_diagnosis_in_the_audit_trail(tmp_path):
 def test_epilog_reads_only_the_job_users_own_files(tmp_path):
     """The Epilog runs as SlurmUser on paths the user chose: never through a symlink, never
     a file of another user (here: a 'secret' of uid 65534 and a link to it)."""
-    from ncclguard.diagnose import epilog
-    from prolog import audit
+    from ncclguard import audit
+    from prolog import epilog
 
     audit_path = tmp_path / "state" / "decisions.jsonl"
     conf = tmp_path / "c.toml"
@@ -400,7 +401,7 @@ def test_epilog_reads_only_the_job_users_own_files(tmp_path):
 
 
 def test_epilog_failed_detection():
-    from ncclguard.diagnose.epilog import failed
+    from prolog.epilog import failed
 
     assert failed({"SLURM_JOB_EXIT_CODE": "0", "SLURM_JOB_DERIVED_EC": "0"}) is False
     assert failed({"SLURM_JOB_EXIT_CODE": "256"}) is True

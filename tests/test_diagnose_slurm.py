@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 from policy_fingerprints import fingerprint
 
-from ncclguard.devcluster import DevCluster
-from ncclguard.diagnose import epilog
+from devtools.devcluster import DevCluster
+from ncclguard import audit
+from ncclguard.policy import GATE_VALUES
 from ncclguard.store import Inventory
-from prolog import audit
+from prolog import epilog
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -51,7 +52,7 @@ def test_diagnose_job_finds_its_output_through_slurm(
     c = cluster
     for p in c.db.parent.glob(c.db.name + "*"):
         p.unlink()
-    with Inventory(c.db) as inv:
+    with Inventory(c.db, values=GATE_VALUES) as inv:
         for host in c.node_names:
             inv.upsert(fingerprint(host, nccl="2.18.3" if host == "n3" else "2.21.5"))
     script = c.root / "tmp" / "mixed.sh"
@@ -112,5 +113,5 @@ def test_diagnose_job_finds_its_output_through_slurm(
 
 def test_diagnose_unknown_job_without_files_says_so(cluster: DevCluster) -> None:
     r = diagnose(cluster, "--job", "999999")
-    assert r.returncode == 2
+    assert r.returncode == 3
     assert "job 999999: Slurm no longer knows this job; name its log files" in r.stderr

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from ncclguard import config as configmod
-from ncclguard.drain import (
+from ncclguard.hostlist import compress
+from ncclguard.policy.drain import (
     NodeFacts,
     plan_apply,
     plan_resume,
     recommend,
     values_judge,
 )
-from ncclguard.hostlist import compress
 from ncclguard.slurm import NodeInfo
 
 NOW = 1_800_000_000.0

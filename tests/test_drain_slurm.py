@@ -16,8 +16,9 @@ from click.testing import CliRunner, Result
 from conftest_slurm import require_slurm
 from test_cli_inventory import NodeSpec, base_fingerprint, build
 
+from devtools.devcluster import DevCluster
 from ncclguard.cli import main
-from ncclguard.devcluster import DevCluster
+from ncclguard.policy import GATE_VALUES
 from ncclguard.slurm import NodeInfo
 from ncclguard.store import Inventory
 
@@ -84,7 +85,7 @@ def test_apply_and_resume(cl: DevCluster, tmp_path: Path) -> None:
         assert nodes_now(cl)["n4"].reason == now["n4"].reason
 
         # fix n4 (new NCCL) and n5 (heartbeat back); n6 is still old
-        with Inventory(db) as inv:
+        with Inventory(db, values=GATE_VALUES) as inv:
             inv.upsert(base_fingerprint("n4", NodeSpec()), now=time.time())
             inv.upsert(base_fingerprint("n5", NodeSpec()), now=time.time())
         doc = js("drain-recommend", "--resume")

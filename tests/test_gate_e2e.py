@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 from policy_fingerprints import fingerprint
 
-from ncclguard.devcluster import DevCluster
+from devtools.devcluster import DevCluster
+from ncclguard import audit
+from ncclguard.policy import GATE_VALUES
 from ncclguard.store import Inventory
-from prolog import audit, steer
+from prolog import steer
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -27,7 +29,7 @@ def make_inventory(
     for p in cluster.db.parent.glob(cluster.db.name + "*"):
         p.unlink()
     now = time.time()
-    with Inventory(cluster.db) as inv:
+    with Inventory(cluster.db, values=GATE_VALUES) as inv:
         for host in cluster.node_names:
             fp = fingerprint(host, nccl=versions.get(host, "2.21.5"))
             inv.upsert(fp, now=now - 100_000 if host in stale else now)

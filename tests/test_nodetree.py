@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from devtools.nodetree import NodeTreeError, build_node, layouts
 from inventoryd.nodefs import ErrorLog, NodeFS
 from inventoryd.probes import gpu, host, ncclconf, netifs, rdma
-from ncclguard.nodetree import NodeTreeError, build_node, layouts
 
 
 def read_all(root: Path) -> tuple[dict, list[dict]]:

@@ -7,7 +7,7 @@ import re
 
 from policy_fingerprints import error, fingerprint, libnccl, plugin
 
-from prolog.compat import COMPAT_FIELDS, compat_key, compat_values
+from ncclguard.fingerprint.compat import COMPAT_FIELDS, compat_key, compat_values
 
 
 def test_values_of_a_plain_ib_node() -> None:

@@ -7,9 +7,9 @@ import json
 
 from policy_fingerprints import error, fingerprint, libnccl, plugin
 
-from ncclguard.config import DEFAULT_SEVERITY, PolicyConfig, from_dict
-from prolog.policy import evaluate, odd_nodes
-from prolog.verdict import SUMMARY_MAX, Verdict
+from ncclguard.config import PolicyConfig, from_dict
+from ncclguard.policy import DEFAULT_SEVERITY, evaluate, odd_nodes
+from ncclguard.policy.verdict import SUMMARY_MAX, Verdict
 
 DEFAULT = PolicyConfig()
 

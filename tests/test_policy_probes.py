@@ -1,6 +1,6 @@
 """Every rule on fingerprints that the real probes produce from node trees.
 
-Each node is a root tree from ``ncclguard.nodetree.build_node`` with real files (real
+Each node is a root tree from ``devtools.nodetree.build_node`` with real files (real
 ``libnccl.so.2`` from the NCCL wheels, gcc-built net plugins, the sysfs layouts); the
 fingerprint is ``inventoryd.collect.collect`` on it, exactly what inventoryd stores.
 """
@@ -14,12 +14,12 @@ from typing import Any
 
 import pytest
 
+from devtools.nodetree import LIBDIR, build_node
 from inventoryd.collect import collect
-from ncclguard.config import DEFAULT_SEVERITY, InventorydConfig, PolicyConfig
-from ncclguard.nodetree import LIBDIR, build_node
-from prolog.compat import compat_key, compat_values
-from prolog.policy import evaluate, node_values
-from prolog.transport import effective_transport
+from ncclguard.config import InventorydConfig, PolicyConfig
+from ncclguard.fingerprint.compat import compat_key, compat_values
+from ncclguard.fingerprint.transport import effective_transport
+from ncclguard.policy import DEFAULT_SEVERITY, evaluate, node_values
 
 PLUGIN_PATH = f"{LIBDIR}/libnccl-net.so"
 

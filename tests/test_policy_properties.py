@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from policy_fingerprints import error, fingerprint, plugin
 
-from ncclguard.config import DEFAULT_SEVERITY, PolicyConfig
-from prolog.policy import evaluate, majority, node_values
+from ncclguard.config import PolicyConfig
+from ncclguard.policy import DEFAULT_SEVERITY, evaluate, majority, node_values
 
 # min_nodes=1 so that "compatible" below means "no refuse-level finding" for any subset
 CONFIGS = {

@@ -4,8 +4,16 @@ from __future__ import annotations
 
 from policy_fingerprints import device, error, fingerprint, libnccl, plugin, port
 
-from prolog.compat import compat_values
-from prolog.rules import gpu, nccl_conf, nccl_version, net_plugin, rdma, transport, unknown_node
+from ncclguard.fingerprint.compat import compat_values
+from ncclguard.policy.rules import (
+    gpu,
+    nccl_conf,
+    nccl_version,
+    net_plugin,
+    rdma,
+    transport,
+    unknown_node,
+)
 
 
 def groups(findings: list) -> list[list[tuple[str, str]]]:

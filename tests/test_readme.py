@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from ncclguard.nodetree import build_node
+from devtools.nodetree import build_node
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
@@ -105,7 +105,7 @@ def _checkout_copy(dest: Path) -> Path:
 @pytest.mark.slow
 def test_install_from_checkout_and_wheel(tmp_path: Path) -> None:
     """`pip install <checkout>`, `pip wheel --no-deps -w dist <checkout>`, `pip install
-    <wheel>`, then the three programs, run from outside any checkout."""
+    <wheel>`, then the four programs, run from outside any checkout."""
     src = _checkout_copy(tmp_path / "checkout")
     venv = tmp_path / "opt-ncclguard"
     base_python = getattr(sys, "_base_executable", None) or shutil.which("python3") or "python3"
@@ -119,11 +119,12 @@ def test_install_from_checkout_and_wheel(tmp_path: Path) -> None:
         names = set(z.namelist())
         eps = z.read("ncclguard-0.1.0.dist-info/entry_points.txt").decode()
     for module in ("prolog/gate.py", "prolog/steer.py", "inventoryd/main.py",
-                   "ncclguard/cli.py", "ncclguard/diagnose/signatures.toml"):
+                   "ncclguard/cli/group.py", "ncclguard/diagnose/signatures.toml"):
         assert module in names
     for script in ("ncclguard = ncclguard.cli:main", "ncclguard-inventoryd = inventoryd.main:main",
-                   "ncclguard-prolog = prolog.gate:main"):
+                   "ncclguard-prolog = prolog.gate:run", "ncclguard-epilog = prolog.epilog:main"):
         assert script in eps
+    assert not any(n.startswith("devtools/") for n in names)  # the dev kit stays out
     _run([pip, "install", "-q", "--force-reinstall", "--no-deps", str(wheel)], tmp_path)
 
     # the installed programs, away from the checkout
@@ -153,6 +154,10 @@ def test_install_from_checkout_and_wheel(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     records = [json.loads(ln) for ln in audit.read_text().splitlines()]
     assert [(x["job"], x["decision"], x["nodes"]) for x in records] == [(7, "accept", "n[1-2]")]
+    epilog_env = {**env, "SLURM_JOB_ID": "7", "SLURM_JOB_EXIT_CODE": "0"}
+    r = subprocess.run([str(bindir / "ncclguard-epilog")], cwd=work, env=epilog_env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stderr == "", r.stderr  # a job that did not fail: nothing
     where = _run([str(bindir / "python"), "-c", "import ncclguard; print(ncclguard.__file__)"],
                  work, env).stdout.strip()
     assert where.startswith(str(venv)), where  # the installed copy, not a checkout

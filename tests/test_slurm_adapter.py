@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ncclguard.devcluster import DevCluster
+from devtools.devcluster import DevCluster
 from ncclguard.slurm import Slurm, SlurmError, SlurmNotFound, SlurmTimeout, clean_text
 
 pytestmark = pytest.mark.slurm

@@ -16,17 +16,17 @@ from typing import Any
 import pytest
 
 from ncclguard.config import InventoryConfig
+from ncclguard.fingerprint.canonical import fingerprint_diff, fingerprint_hash
+from ncclguard.policy import GATE_VALUES
 from ncclguard.store import (
-    MIGRATIONS,
     SCHEMA_VERSION,
     Inventory,
     InventoryCorrupt,
     InventoryMissing,
     InventoryReadOnly,
     InventoryUnsafe,
-    fingerprint_diff,
-    fingerprint_hash,
 )
+from ncclguard.store.schema import MIGRATIONS
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -102,7 +102,7 @@ def db(tmp_path: Path) -> Path:
 
 
 def test_fresh_database_has_schema_version_and_safe_modes(db: Path) -> None:
-    with Inventory(db) as inv:
+    with Inventory(db, values=GATE_VALUES) as inv:
         assert inv.schema_version() == SCHEMA_VERSION
         assert inv.integrity_check() == "ok"
     assert stat.S_IMODE(db.stat().st_mode) == 0o644
@@ -115,7 +115,7 @@ def test_fresh_database_has_schema_version_and_safe_modes(db: Path) -> None:
 
 
 def test_upsert_outcomes_and_heartbeat_interval(db: Path) -> None:
-    with Inventory(db, heartbeat_s=300) as inv:
+    with Inventory(db, values=GATE_VALUES, heartbeat_s=300) as inv:
         fp = make_fp("n1")
         assert inv.upsert(fp, now=1000) == "inserted"
         assert inv.upsert(fp, now=1100) == "unchanged"
@@ -136,7 +136,7 @@ def test_upsert_outcomes_and_heartbeat_interval(db: Path) -> None:
 
 
 def test_load_returns_none_for_unknown_hosts_and_reads_readonly(db: Path) -> None:
-    with Inventory(db) as inv:
+    with Inventory(db, values=GATE_VALUES) as inv:
         for i in range(5):
             inv.upsert(make_fp(f"n{i}"), now=1000)
     with Inventory(db, readonly=True) as ro:
@@ -152,7 +152,7 @@ def test_load_returns_none_for_unknown_hosts_and_reads_readonly(db: Path) -> Non
 
 
 def test_history_records_each_change_with_a_field_diff(db: Path) -> None:
-    with Inventory(db) as inv:
+    with Inventory(db, values=GATE_VALUES) as inv:
         inv.upsert(make_fp("n1", "2.21.5"), now=100)
         inv.upsert(make_fp("n2", "2.21.5"), now=100)
         inv.upsert(make_fp("n1", "2.21.5"), now=500)  # heartbeat: no history row
@@ -178,7 +178,7 @@ def test_history_records_each_change_with_a_field_diff(db: Path) -> None:
 
 
 def test_classes_group_by_compat_key(db: Path) -> None:
-    with Inventory(db) as inv:
+    with Inventory(db, values=GATE_VALUES) as inv:
         for i in range(6):
             inv.upsert(make_fp(f"n{i}", "2.21.5" if i < 4 else "2.18.3", driver=str(i)), now=1)
         classes = inv.classes()
@@ -190,7 +190,7 @@ def test_classes_group_by_compat_key(db: Path) -> None:
 
 
 def test_nodes_query_columns_and_filters(db: Path) -> None:
-    with Inventory(db) as inv:
+    with Inventory(db, values=GATE_VALUES) as inv:
         inv.upsert(make_fp("a", "2.21.5", ports_up=2), now=10)
         inv.upsert(make_fp("b", "2.18.3", plugin_abi=None, ports_up=1, driver="535"), now=20)
         rows = {r["host"]: r for r in inv.nodes()}
@@ -211,7 +211,7 @@ def test_nodes_query_columns_and_filters(db: Path) -> None:
 
 
 def test_stale_and_hosts(db: Path) -> None:
-    with Inventory(db) as inv:
+    with Inventory(db, values=GATE_VALUES) as inv:
         inv.upsert(make_fp("old"), now=100)
         inv.upsert(make_fp("new"), now=1000)
         assert inv.stale(now=1100, ttl=500) == ["old"]
@@ -227,7 +227,7 @@ def test_fingerprint_diff_ignores_collection_time() -> None:
 
 
 def test_upsert_rejects_a_fingerprint_without_hostname(db: Path) -> None:
-    with Inventory(db) as inv, pytest.raises(ValueError, match="hostname"):
+    with Inventory(db, values=GATE_VALUES) as inv, pytest.raises(ValueError, match="hostname"):
         inv.upsert({"schema": 1, "host": {}})
 
 
@@ -251,18 +251,18 @@ def test_readonly_refuses_an_empty_never_written_file(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("readonly", [False, True])
 def test_world_writable_file_is_refused(db: Path, readonly: bool) -> None:
-    Inventory(db).close()
+    Inventory(db, values=GATE_VALUES).close()
     os.chmod(db, 0o666)
     with pytest.raises(InventoryUnsafe, match=f"world-writable inventory at {db}: refusing"):
-        Inventory(db, readonly=readonly)
+        Inventory(db, values=GATE_VALUES, readonly=readonly)
 
 
 @pytest.mark.parametrize("readonly", [False, True])
 def test_world_writable_directory_is_refused(db: Path, readonly: bool) -> None:
-    Inventory(db).close()
+    Inventory(db, values=GATE_VALUES).close()
     os.chmod(db.parent, 0o777)
     with pytest.raises(InventoryUnsafe, match=r"refusing .*its directory"):
-        Inventory(db, readonly=readonly)
+        Inventory(db, values=GATE_VALUES, readonly=readonly)
 
 
 @pytest.mark.parametrize("readonly", [False, True])
@@ -272,13 +272,13 @@ def test_corrupt_file_is_named(tmp_path: Path, readonly: bool) -> None:
     os.chmod(p, 0o644)
     want = rf"corrupt inventory at {re.escape(str(p))}: .*not a database"
     with pytest.raises(InventoryCorrupt, match=want):
-        Inventory(p, readonly=readonly)
+        Inventory(p, values=GATE_VALUES, readonly=readonly)
 
 
 def test_a_directory_in_place_of_the_file_is_refused(tmp_path: Path) -> None:
     (tmp_path / "inventory.db").mkdir()
     with pytest.raises(InventoryCorrupt, match="not a regular file"):
-        Inventory(tmp_path / "inventory.db")
+        Inventory(tmp_path / "inventory.db", values=GATE_VALUES)
 
 
 # ---- schema versions
@@ -288,7 +288,7 @@ def _database_at_version(path: Path, version: int) -> None:
     conn = sqlite3.connect(path, isolation_level=None)
     conn.execute("BEGIN")
     for step in MIGRATIONS[:version]:
-        step(conn)
+        step(conn, GATE_VALUES)
     conn.execute(f"PRAGMA user_version = {version}")
     conn.execute("COMMIT")
     conn.close()
@@ -301,23 +301,23 @@ def test_migrates_from_every_earlier_version(tmp_path: Path, version: int) -> No
     _database_at_version(p, version)
     with pytest.raises(InventoryMissing if version == 0 else InventoryCorrupt):
         Inventory(p, readonly=True)  # readers never migrate
-    with Inventory(p) as inv:
+    with Inventory(p, values=GATE_VALUES) as inv:
         assert inv.schema_version() == SCHEMA_VERSION
         assert inv.upsert(make_fp("n1"), now=1) == "inserted"
-    with Inventory(p) as inv:  # a second open runs nothing again
+    with Inventory(p, values=GATE_VALUES) as inv:  # a second open runs nothing again
         assert inv.schema_version() == SCHEMA_VERSION
         assert inv.hosts() == ["n1"]
 
 
 @pytest.mark.parametrize("readonly", [False, True])
 def test_a_newer_schema_is_refused(db: Path, readonly: bool) -> None:
-    Inventory(db).close()
+    Inventory(db, values=GATE_VALUES).close()
     conn = sqlite3.connect(db)
     conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
     conn.commit()
     conn.close()
     with pytest.raises(InventoryCorrupt, match="newer than this ncclguard"):
-        Inventory(db, readonly=readonly)
+        Inventory(db, values=GATE_VALUES, readonly=readonly)
 
 
 # ---- paths
@@ -326,7 +326,7 @@ def test_a_newer_schema_is_refused(db: Path, readonly: bool) -> None:
 def test_ncclguard_db_overrides_the_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     target = tmp_path / "env" / "inventory.db"
     monkeypatch.setenv("NCCLGUARD_DB", str(target))
-    with Inventory(config=InventoryConfig(db=str(tmp_path / "cfg.db"))) as inv:
+    with Inventory(values=GATE_VALUES, config=InventoryConfig(db=str(tmp_path / "cfg.db"))) as inv:
         assert inv.path == target
     assert target.exists() and not (tmp_path / "cfg.db").exists()
 
@@ -339,8 +339,9 @@ def test_default_path_works_without_root_on_a_fresh_home(tmp_path: Path) -> None
         "from ncclguard.config import SYSTEM_STATE_DIR\n"
         "import ncclguard.config as c\n"
         "c.SYSTEM_STATE_DIR = c.Path('/nonexistent-ncclguard')\n"
+        "from ncclguard.policy import GATE_VALUES\n"
         "from ncclguard.store import Inventory\n"
-        "inv = Inventory(); print(inv.path)\n"
+        "inv = Inventory(values=GATE_VALUES); print(inv.path)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, check=True,
                          capture_output=True, text=True).stdout.strip()
@@ -349,7 +350,7 @@ def test_default_path_works_without_root_on_a_fresh_home(tmp_path: Path) -> None
 
 
 def test_the_gate_path_uses_plain_sqlite3_only(db: Path) -> None:
-    with Inventory(db) as inv:
+    with Inventory(db, values=GATE_VALUES) as inv:
         inv.upsert(make_fp("n1"), now=1)
     code = (
         "import sys, json\n"
@@ -357,7 +358,7 @@ def test_the_gate_path_uses_plain_sqlite3_only(db: Path) -> None:
         f"inv = Inventory({str(db)!r}, readonly=True)\n"
         "r = inv.load(['n1'])['n1']\n"
         "print(json.dumps([r.host, 'sqlite_utils' in sys.modules,"
-        " any(m.startswith('prolog') for m in sys.modules)]))\n"
+        " any(m.startswith(('prolog', 'ncclguard.policy')) for m in sys.modules)]))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True,
                          capture_output=True, text=True).stdout
@@ -367,11 +368,11 @@ def test_the_gate_path_uses_plain_sqlite3_only(db: Path) -> None:
 def test_migration_to_v2_backfills_the_gate_values(tmp_path: Path) -> None:
     """v1 rows get ``policy_values``; the gate's read then matches the policy's own."""
     from ncclguard.config import PolicyConfig
-    from prolog.policy import evaluate, node_values
+    from ncclguard.policy import evaluate, node_values
 
     p = tmp_path / "inventory.db"
     fps = {"n1": make_fp("n1"), "n2": make_fp("n2"), "n3": make_fp("n3", nccl="2.18.3")}
-    with Inventory(p) as inv:
+    with Inventory(p, values=GATE_VALUES) as inv:
         for fp in fps.values():
             inv.upsert(fp, now=1)
     conn = sqlite3.connect(p, isolation_level=None)  # take the file back to schema v1
@@ -379,9 +380,9 @@ def test_migration_to_v2_backfills_the_gate_values(tmp_path: Path) -> None:
     conn.execute("DROP TABLE policy_values")
     conn.execute("PRAGMA user_version = 1")
     conn.close()
-    with Inventory(p) as inv:
+    with Inventory(p, values=GATE_VALUES) as inv:
         assert inv.schema_version() == SCHEMA_VERSION
-    with Inventory(p, readonly=True) as inv:
+    with Inventory(p, readonly=True, values=GATE_VALUES) as inv:
         got = inv.load_values(["n1", "n2", "n3", "n9"])
     assert got["n9"] is None
     for host, fp in fps.items():
@@ -389,13 +390,14 @@ def test_migration_to_v2_backfills_the_gate_values(tmp_path: Path) -> None:
         assert values == node_values(fp)
         assert heartbeat == 1
     assert got["n1"][0] is got["n2"][0]  # equal records are decoded once, shared
-    with Inventory(p) as inv:  # n3 joins the majority: its old record is dropped
+    # n3 joins the majority: its old record is dropped
+    with Inventory(p, values=GATE_VALUES) as inv:
         inv.upsert(make_fp("n3"), now=2)
         inv.heartbeat("n1", now=5)
     conn = sqlite3.connect(p)
     assert conn.execute("SELECT count(*) FROM policy_values").fetchone()[0] == 1
     conn.close()
-    with Inventory(p, readonly=True) as inv:
+    with Inventory(p, readonly=True, values=GATE_VALUES) as inv:
         again = inv.load_values(["n1", "n3"])
     assert again["n1"][1] == 5 and again["n3"][1] == 2  # type: ignore[index]
     values = {h: (r[0] if r else None) for h, r in got.items() if h != "n9"}
@@ -403,14 +405,15 @@ def test_migration_to_v2_backfills_the_gate_values(tmp_path: Path) -> None:
 
 
 def test_gate_values_never_trust_an_unreadable_or_older_record(db: Path) -> None:
-    """Undecodable values, or values of another VALUES_VERSION, are computed again from
+    """Undecodable values, or values of another GATE_VALUES.version, are computed again from
     the fingerprint; a node whose fingerprint is unreadable too is unknown (None)."""
     from ncclguard.config import PolicyConfig
-    from prolog.compat import VALUES_VERSION
-    from prolog.policy import evaluate, node_values
+    from ncclguard.policy import evaluate, node_values
+
+    VALUES_VERSION = GATE_VALUES.version
 
     fps = {"n1": make_fp("n1"), "n2": make_fp("n2", nccl="2.18.3"), "n3": make_fp("n3")}
-    with Inventory(db) as inv:
+    with Inventory(db, values=GATE_VALUES) as inv:
         for fp in fps.values():
             inv.upsert(fp, now=1)
     conn = sqlite3.connect(db, isolation_level=None)
@@ -421,7 +424,7 @@ def test_gate_values_never_trust_an_unreadable_or_older_record(db: Path) -> None
     conn.execute("UPDATE gate_nodes SET values_version = ? WHERE host = 'n3'",
                  (VALUES_VERSION - 1,))
     conn.close()
-    with Inventory(db, readonly=True) as inv:
+    with Inventory(db, readonly=True, values=GATE_VALUES) as inv:
         got = inv.load_values(["n1", "n2", "n3"])
     assert got["n2"][0] == node_values(fps["n2"])  # type: ignore[index]
     assert got["n3"][0] == node_values(fps["n3"])  # type: ignore[index]
@@ -429,7 +432,7 @@ def test_gate_values_never_trust_an_unreadable_or_older_record(db: Path) -> None
     assert verdict.decision == "refuse" and verdict.odd_nodes == ["n2"]
 
     # the next daemon cycle rewrites the older record, though the fingerprint is the same
-    with Inventory(db) as inv:
+    with Inventory(db, values=GATE_VALUES) as inv:
         assert inv.upsert(fps["n3"], now=2) == "heartbeat"
         assert inv.upsert(fps["n3"], now=3) == "unchanged"
     conn = sqlite3.connect(db, isolation_level=None)
@@ -438,5 +441,5 @@ def test_gate_values_never_trust_an_unreadable_or_older_record(db: Path) -> None
     conn.execute(
         "UPDATE nodes SET fingerprint = '{broken' WHERE host = 'n2'")
     conn.close()
-    with Inventory(db, readonly=True) as inv:
+    with Inventory(db, readonly=True, values=GATE_VALUES) as inv:
         assert inv.load_values(["n2"])["n2"] is None  # nothing readable: unknown

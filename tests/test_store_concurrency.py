@@ -19,6 +19,7 @@ import pytest
 from test_store import make_fp
 
 from ncclguard.config import InventoryConfig
+from ncclguard.policy import GATE_VALUES
 from ncclguard.store import Inventory, InventoryLocked
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,7 +45,7 @@ def shm_dir() -> Iterator[Path]:
 def _writer(db: str, i: int, out: str) -> None:
     result: dict[str, object] = {"counts": {}, "error": None}
     try:
-        inv = Inventory(db, config=InventoryConfig(), heartbeat_s=300)
+        inv = Inventory(db, values=GATE_VALUES, config=InventoryConfig(), heartbeat_s=300)
         counts: dict[str, int] = {}
         host = f"w{i:02d}"
         fp = make_fp(host)
@@ -101,8 +102,9 @@ _KILLED_WRITER = r"""
 import os, sys, time
 sys.path.insert(0, {tests!r})
 from test_store import make_fp
+from ncclguard.policy import GATE_VALUES
 from ncclguard.store import Inventory, InventoryLocked
-inv = Inventory({db!r})
+inv = Inventory({db!r}, values=GATE_VALUES)
 inv.upsert(make_fp("n1", "2.21.5"), now=1000)
 # a tiny page cache makes SQLite spill changed pages into the database file before
 # COMMIT, so the kill leaves a half-written file and a hot journal behind
@@ -133,7 +135,7 @@ def test_writer_killed_inside_its_transaction_leaves_the_previous_record(tmp_pat
         Inventory(db, readonly=True, config=InventoryConfig(busy_timeout_ms=100))
 
     # the next writer rolls the hot journal back and finds the old record
-    with Inventory(db) as inv:
+    with Inventory(db, values=GATE_VALUES) as inv:
         assert inv.integrity_check() == "ok"
         rec = inv.load(["n1"])["n1"]
         assert rec is not None

@@ -19,6 +19,7 @@ import pytest
 from test_store import make_fp
 
 from ncclguard.config import InventoryConfig
+from ncclguard.policy import GATE_VALUES
 from ncclguard.store import (
     Inventory,
     InventoryCorrupt,
@@ -38,11 +39,11 @@ def test_missing_mount_is_not_papered_over(tmp_path: Path) -> None:
     must not create the tree under the mount point."""
     db = tmp_path / "mnt" / "shared" / "ncclguard" / "inventory.db"
     with pytest.raises(InventoryMissing, match=r"does not exist \(missing mount\?\)"):
-        Inventory(db)
+        Inventory(db, values=GATE_VALUES)
     assert not (tmp_path / "mnt").exists()
     # only the last directory is created when its parent is there
     (tmp_path / "mnt" / "shared").mkdir(parents=True)
-    with Inventory(db) as inv:
+    with Inventory(db, values=GATE_VALUES) as inv:
         assert inv.upsert(make_fp("n1"), now=1) == "inserted"
 
 
@@ -62,7 +63,7 @@ def _write_as_nobody(db: str, out: str) -> None:
     os.setgid(65534)
     os.setuid(65534)
     try:
-        Inventory(db).upsert(make_fp("n2"), now=5)
+        Inventory(db, values=GATE_VALUES).upsert(make_fp("n2"), now=5)
         result = "written"
     except InventoryError as e:
         result = f"{type(e).__name__} {e}"
@@ -72,7 +73,7 @@ def _write_as_nobody(db: str, out: str) -> None:
 def test_read_only_database_is_a_named_error() -> None:
     with _public_tmp() as d:
         db = d / "inv" / "inventory.db"
-        with Inventory(db) as inv:
+        with Inventory(db, values=GATE_VALUES) as inv:
             inv.upsert(make_fp("n1"), now=1)
         if IS_ROOT:  # root ignores mode bits: write as an unprivileged user instead
             r, w = os.pipe()
@@ -86,7 +87,7 @@ def test_read_only_database_is_a_named_error() -> None:
         else:
             os.chmod(db, 0o444)
             with pytest.raises(InventoryReadOnly, match=str(db)):
-                Inventory(db).upsert(make_fp("n2"), now=5)
+                Inventory(db, values=GATE_VALUES).upsert(make_fp("n2"), now=5)
         with Inventory(db, readonly=True) as ro:  # readers are not affected
             assert ro.hosts() == ["n1"]
 
@@ -112,10 +113,10 @@ def small_tmpfs() -> Iterator[Path]:
 
 def test_read_only_filesystem(small_tmpfs: Path) -> None:
     db = small_tmpfs / "inv" / "inventory.db"
-    with Inventory(db) as inv:
+    with Inventory(db, values=GATE_VALUES) as inv:
         inv.upsert(make_fp("n1"), now=1)
     assert _mount(["-o", "remount,ro", str(small_tmpfs)])
-    with pytest.raises(InventoryReadOnly, match=str(db)), Inventory(db) as inv:
+    with pytest.raises(InventoryReadOnly, match=str(db)), Inventory(db, values=GATE_VALUES) as inv:
         inv.upsert(make_fp("n1", "2.23.4"), now=2)
     with Inventory(db, readonly=True) as ro:
         rec = ro.load(["n1"])["n1"]
@@ -133,7 +134,7 @@ def _fill_until_full(inv: Inventory) -> tuple[int, InventoryError]:
 
 def test_disk_full_on_a_small_tmpfs(small_tmpfs: Path) -> None:
     db = small_tmpfs / "inv" / "inventory.db"
-    with Inventory(db) as inv:
+    with Inventory(db, values=GATE_VALUES) as inv:
         written, err = _fill_until_full(inv)
         assert isinstance(err, InventoryFull), err
         assert str(db) in str(err) and "disk full" in str(err)
@@ -145,7 +146,7 @@ def test_disk_full_on_a_small_tmpfs(small_tmpfs: Path) -> None:
 def test_disk_full_at_the_sqlite_limit(tmp_path: Path) -> None:
     """SQLITE_FULL without a small filesystem: the page limit makes SQLite hit it."""
     db = tmp_path / "inv" / "inventory.db"
-    with Inventory(db) as inv:
+    with Inventory(db, values=GATE_VALUES) as inv:
         inv._conn.execute("PRAGMA max_page_count = 40")
         written, err = _fill_until_full(inv)
         assert isinstance(err, InventoryFull), err
@@ -156,7 +157,7 @@ def test_disk_full_at_the_sqlite_limit(tmp_path: Path) -> None:
 
 def test_corruption_inside_a_database_is_named(tmp_path: Path) -> None:
     db = tmp_path / "inv" / "inventory.db"
-    with Inventory(db) as inv:
+    with Inventory(db, values=GATE_VALUES) as inv:
         for i in range(50):
             inv.upsert(make_fp(f"n{i}"), now=1)
     data = bytearray(db.read_bytes())
@@ -180,10 +181,10 @@ c.execute("ROLLBACK")
 
 def test_lock_held_longer_than_the_budget(tmp_path: Path) -> None:
     db = tmp_path / "inv" / "inventory.db"
-    with Inventory(db) as inv:
+    with Inventory(db, values=GATE_VALUES) as inv:
         inv.upsert(make_fp("n1"), now=1)
     cfg = InventoryConfig(busy_timeout_ms=100, write_retries=2)
-    inv = Inventory(db, config=cfg)  # the daemon's open connection
+    inv = Inventory(db, values=GATE_VALUES, config=cfg)  # the daemon's open connection
     ro = Inventory(db, readonly=True, config=cfg)
     holder = subprocess.Popen([sys.executable, "-c", _HOLDER.format(db=str(db))],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -191,7 +192,7 @@ def test_lock_held_longer_than_the_budget(tmp_path: Path) -> None:
     try:
         assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(InventoryLocked, match=str(db)):
-            Inventory(db, config=cfg)  # opening is bounded by the budget too
+            Inventory(db, values=GATE_VALUES, config=cfg)  # opening is bounded by the budget too
         with inv:
             t0 = time.monotonic()
             with pytest.raises(InventoryLocked, match=r"still busy after 3 tries") as ei:
@@ -219,7 +220,7 @@ def test_clock_skew_between_writers(tmp_path: Path) -> None:
     and history is read in write order, so no change hides behind an older timestamp."""
     db = tmp_path / "inv" / "inventory.db"
     t = 1_700_000_000.0
-    with Inventory(db, heartbeat_s=300) as inv:
+    with Inventory(db, values=GATE_VALUES, heartbeat_s=300) as inv:
         inv.upsert(make_fp("fast"), now=t + 3600)  # an hour ahead
         inv.upsert(make_fp("slow"), now=t - 3600)  # an hour behind
         inv.upsert(make_fp("ok"), now=t)

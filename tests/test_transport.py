@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from policy_fingerprints import device, error, fingerprint, libnccl, plugin, port
 
-from prolog.transport import (
+from ncclguard.fingerprint.transport import (
     effective_transport,
     hca_matches,
     nccl_ib_ports,

@@ -21,9 +21,10 @@ import hashlib
 from typing import Any
 
 from inventoryd.nodefs import ErrorLog, NodeFS
+from ncclguard.fingerprint.model import NCCL_CONF_PATH
 
 PROBE = "nccl_conf"
-PATH = "/etc/nccl.conf"
+PATH = NCCL_CONF_PATH
 MAX_RAW = 64 * 1024
 MAX_PARSE = 1024 * 1024
 NCCL_MAX = 1023  # envVar/envValue are char[1024]

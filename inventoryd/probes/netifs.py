@@ -139,13 +139,13 @@ def _from_procfs(fs: NodeFS, errors: ErrorLog) -> list[dict[str, Any]]:
     routes.sort(key=lambda r: r[1].prefixlen, reverse=True)
     for ip in parse_fib_trie_local(trie or ""):
         try:
-            addr = ipaddress.IPv4Address(ip)
+            v4 = ipaddress.IPv4Address(ip)
         except ValueError:
             continue
-        if addr.is_loopback:
+        if v4.is_loopback:
             owner: str | None = "lo"
         else:
-            owner = next((name for name, net in routes if addr in net), None)
+            owner = next((name for name, net in routes if v4 in net), None)
         if owner is None:
             errors.add(PROBE, f"netifs.{ip}", ROUTE,
                        f"IPv4 address {ip} is covered by no connected route: interface unknown")

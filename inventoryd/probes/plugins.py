@@ -170,8 +170,8 @@ def _config_plugins(
                                          PROBE, "plugins"):
                         if _kind_of(q) == kind:
                             out.append((kind, q))
-            elif (kind := _kind_of(p)) is not None:
-                out.append((kind, p))
+            elif (found := _kind_of(p)) is not None:
+                out.append((found, p))
     return out
 
 

@@ -105,18 +105,18 @@ def job_logs(slurm: Any, job_id: str) -> JobLogs | None:
 
 
 def _preferring_majority(inv: Any) -> Callable[..., Any]:
-    """The policy's ``evaluate``, which on a tie between minimum odd sets keeps the nodes
-    of the inventory's majority class (as the gate does when it cannot list the
-    partition's nodes), so that both name the same odd nodes."""
-    from prolog.policy import evaluate, majority
+    """The policy's ``evaluate`` followed by its one tie-break
+    (:func:`ncclguard.policy.break_tie`) over the inventory's classes, so that diagnose
+    names the same odd nodes as the gate when the partition's nodes are not listed."""
+    from ncclguard.policy import break_tie, evaluate
 
     def preferring(fps: Any, config: Any, **kw: Any) -> Any:
         verdict = evaluate(fps, config, **kw)
-        if verdict.odd_tie:
-            prefer = majority([c.hosts for c in inv.classes()])
-            if prefer:
-                verdict = evaluate(fps, config, prefer=prefer, **kw)
-        return verdict
+        return break_tie(
+            verdict, fps, config,
+            classes=lambda among: [c.hosts for c in inv.classes(among)],
+            stale=kw.get("stale", ()), partition=kw.get("partition"),
+        )[0]
 
     return preferring
 

@@ -19,7 +19,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from ncclguard.config import RULES
+from ncclguard.policy.rules import BY_NAME as RULES
 
 BUILTIN = "signatures.toml"
 KINDS = ("line", "differs")
@@ -265,6 +265,8 @@ def _patterns(raw: Any, where: str) -> tuple[Pattern, ...]:
     for j, item in enumerate(raw, 1):
         pw = f"{where}: patterns[{j}]"
         weak = False
+        text: Any
+        value: Any
         if isinstance(item, str):
             text, value = item, None
         elif isinstance(item, dict):
@@ -349,8 +351,10 @@ def needles_of(text: str) -> tuple[bytes, ...] | None:
     towards a literal a match may lack. Case-insensitive and verbose patterns get none.
     """
     try:
-        from re import _constants as C
-        from re import _parser as P
+        # CPython's own regex parser (private since 3.11, sre_parse before): typeshed has
+        # no stubs for it
+        from re import _constants as C  # type: ignore[attr-defined]
+        from re import _parser as P  # type: ignore[attr-defined]
 
         parsed = P.parse(text.encode("utf-8"))
     except Exception:  # a regex this walk cannot read: no literal, never a wrong one

@@ -595,11 +595,11 @@ def _differs(sig: Signature, st: _SigState, ev: LogEvidence) -> Diagnosis | None
     evidence: list[Evidence] = []
     for v, hs in ordered:
         for h in hs[:2]:
-            rec = first.get((h, v)) or next(
+            found = first.get((h, v)) or next(
                 (first[(h, x)] for x in per_host[h] if (h, x) in first), None
             )
-            if rec is not None:
-                evidence.append(ev.resolve(rec))
+            if found is not None:
+                evidence.append(ev.resolve(found))
     evidence.sort(key=lambda e: (e.file, e.line))
     hosts = sorted(host_value)
     values = {v: hs for v, hs in ordered}
@@ -644,7 +644,7 @@ class InventoryView:
     when: float
     nodes: list[str]
     fingerprints: dict[str, dict | None]
-    verdict: Any  # prolog.policy.Verdict
+    verdict: Any  # ncclguard.policy.Verdict
     error: str | None = None
 
     @property
@@ -709,7 +709,7 @@ def correlate(diagnoses: list[Diagnosis], ev: LogEvidence, view: InventoryView) 
 
 def disagreements(ev: LogEvidence, view: InventoryView) -> list[str]:
     """Where the log says one thing and the inventory another, host by host."""
-    from prolog.fields import ABSENT, nccl_version, net_plugin
+    from ncclguard.fingerprint.fields import ABSENT, nccl_version, net_plugin
 
     out: list[str] = []
     when = view.when_text

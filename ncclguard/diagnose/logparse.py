@@ -27,7 +27,7 @@ import os
 import re
 import stat
 import zlib
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -196,7 +196,7 @@ class LogReader:
             else:
                 yield from enumerate(block.split(b"\n"), before + 1)
 
-    def blocks(self) -> Iterator[tuple[int, int, bytes]]:
+    def blocks(self) -> Generator[tuple[int, int, bytes], None, None]:
         """The log as runs of whole lines: ``(lines before it, lines in it, block)``.
 
         A block is one or more lines joined by ``\n`` (no final newline), each at most

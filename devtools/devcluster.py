@@ -1,0 +1,406 @@
+"""A real, private Slurm cluster on one machine: munged, slurmctld and N slurmd.
+
+Used by the tests (``tests/conftest_slurm.py``), the benchmark and the demo. Everything
+lives under one directory: the munge key and socket, slurm.conf, state, spool, logs and
+the ``PrologSlurmctld`` wrapper that runs the gate with this Python and this config.
+Daemons run in the foreground as children of this process, each in its own session, and
+:meth:`DevCluster.stop` ends exactly those processes.
+
+    with DevCluster(Path("/tmp/c"), nodes=4, prolog=True) as c:
+        job = c.sbatch(["-N2", "--wrap", "true"])
+        c.wait_job(job, {"COMPLETED"})
+
+Slurm facts this rests on: ``/work/shared/docs/slurm-facts.md`` ("Running a real cluster
+on one machine"). Scripts that Slurm starts get neither ``PATH`` nor ``SLURM_CONF``, so
+the wrapper sets both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+
+from ncclguard.slurm import Slurm
+
+SBIN = ("/usr/sbin", "/usr/bin", "/sbin", "/bin")
+
+
+class ClusterError(RuntimeError):
+    """The cluster could not be started or did not reach the wanted state in time."""
+
+
+def find_program(name: str) -> str | None:
+    found = shutil.which(name)
+    if found:
+        return found
+    for d in SBIN:
+        p = Path(d) / name
+        if os.access(p, os.X_OK):
+            return str(p)
+    return None
+
+
+def missing_programs() -> list[str]:
+    """The programs a dev cluster needs that are not installed."""
+    need = ["munged", "slurmctld", "slurmd", "scontrol", "sbatch", "squeue", "sinfo", "srun"]
+    return [p for p in need if find_program(p) is None]
+
+
+def _free_port_block(count: int) -> int:
+    """The first of ``count`` consecutive TCP ports that are free now on 127.0.0.1."""
+    rng = secrets.SystemRandom()
+    for _ in range(200):
+        base = rng.randrange(20000, 60000 - count)
+        socks: list[socket.socket] = []
+        try:
+            for port in range(base, base + count):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise ClusterError(f"no block of {count} free ports found")
+
+
+class DevCluster:
+    """munged + slurmctld + ``nodes`` slurmd (n1..nN) under ``root``.
+
+    ``prolog``: install the gate as ``PrologSlurmctld`` (through a wrapper that sets
+    ``NCCLGUARD_CONFIG``, ``NCCLGUARD_DB``, ``SLURM_CONF`` and ``PATH``).
+    ``gate_config``: the TOML text the wrapper points ``NCCLGUARD_CONFIG`` at;
+    ``db``: the inventory path for ``NCCLGUARD_DB`` (default ``root/inventory.db``).
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        nodes: int = 4,
+        cpus: int = 2,
+        prolog: bool = True,
+        gate_config: str = "",
+        db: Path | None = None,
+        python: str | None = None,
+        partitions: Mapping[str, str] | None = None,
+        prolog_timeout_s: int = 30,
+        extra_conf: str = "",
+    ) -> None:
+        missing = missing_programs()
+        if missing:
+            raise ClusterError(
+                f"not installed: {', '.join(missing)} (apt-get install slurm-wlm munge)"
+            )
+        self.root = Path(root).resolve()
+        self.node_names = [f"n{i}" for i in range(1, nodes + 1)]
+        self.cpus = cpus
+        self.prolog = prolog
+        self.db = Path(db) if db else self.root / "inventory.db"
+        self.config_path = self.root / "ncclguard.toml"
+        self.gate_config = gate_config
+        self.audit_path = self.root / "decisions.jsonl"
+        self.python = python or sys.executable
+        self.partitions = dict(partitions or {"debug": f"n[1-{nodes}]"})
+        self.prolog_timeout_s = prolog_timeout_s
+        self.extra_conf = extra_conf
+        self.conf = self.root / "slurm.conf"
+        self.munge_socket = self.root / "munge" / "munge.socket"
+        self.wrapper = self.root / "ncclguard-prolog.sh"
+        self.gate_log = self.root / "gate.log"
+        self._procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.env: dict[str, str] = {
+            "SLURM_CONF": str(self.conf),
+            "PATH": os.pathsep.join(["/usr/bin", "/bin", "/usr/sbin", "/sbin"]),
+            "LANG": "C.UTF-8",
+            "HOME": str(self.root),
+        }
+
+    # ----------------------------------------------------------------- setup
+    def write_gate_config(self, text: str) -> None:
+        """Replace the gate's config; the next prolog run reads it (no restart needed)."""
+        self.gate_config = text
+        self.config_path.write_text(
+            f'[gate]\naudit_log = "{self.audit_path}"\n' + text
+            if "audit_log" not in text and "[gate]" not in text
+            else text
+        )
+
+    def _write_files(self) -> None:
+        for d in ("munge", "state", "spool", "log", "tmp"):
+            (self.root / d).mkdir(parents=True, exist_ok=True)
+        os.chmod(self.root / "munge", 0o700)
+        key = self.root / "munge" / "munge.key"
+        if not key.exists():
+            key.write_bytes(secrets.token_bytes(1024))
+        os.chmod(key, 0o400)
+        self.write_gate_config(self.gate_config)
+        base = _free_port_block(len(self.node_names) + 1)
+        self.ctld_port = base
+        first, last = base + 1, base + len(self.node_names)
+        n = len(self.node_names)
+        lines = [
+            f"ClusterName=ncg{base}",
+            "SlurmctldHost=localhost",
+            f"SlurmctldPort={self.ctld_port}",
+            "AuthType=auth/munge",
+            "CredType=cred/munge",
+            f"AuthInfo=socket={self.munge_socket}",
+            "SlurmUser=root",
+            "SlurmdUser=root",
+            f"StateSaveLocation={self.root / 'state'}",
+            f"SlurmdSpoolDir={self.root / 'spool'}/%n",
+            f"SlurmctldPidFile={self.root / 'slurmctld.pid'}",
+            f"SlurmdPidFile={self.root / 'log'}/slurmd-%n.pid",
+            f"SlurmctldLogFile={self.root / 'log' / 'slurmctld.log'}",
+            f"SlurmdLogFile={self.root / 'log'}/slurmd-%n.log",
+            "SlurmctldDebug=info",
+            "SlurmdDebug=info",
+            "ProctrackType=proctrack/linuxproc",
+            "TaskPlugin=task/none",
+            "SelectType=select/cons_tres",
+            "SelectTypeParameters=CR_Core",
+            "ReturnToService=2",
+            "AccountingStorageType=accounting_storage/none",
+            "JobAcctGatherType=jobacct_gather/none",
+            "JobCompType=jobcomp/none",
+            "MpiDefault=none",
+            "MailProg=/bin/true",
+            "SwitchType=switch/none",
+            "SchedulerType=sched/backfill",
+            "SchedulerParameters=sched_min_interval=0",
+            "MinJobAge=600",
+            "JobRequeue=1",
+            "InactiveLimit=0",
+            "KillWait=2",
+            f"PrologEpilogTimeout={self.prolog_timeout_s}",
+        ]
+        if self.prolog:
+            lines.append(f"PrologSlurmctld={self.wrapper}")
+        lines.append(
+            f"NodeName=n[1-{n}] NodeHostname=localhost NodeAddr=127.0.0.1 "
+            f"CPUs={self.cpus} RealMemory=1000 State=UNKNOWN Port=[{first}-{last}]"
+        )
+        for i, (name, nodes) in enumerate(self.partitions.items()):
+            default = " Default=YES" if i == 0 else ""
+            lines.append(f"PartitionName={name} Nodes={nodes}{default} MaxTime=INFINITE State=UP")
+        if self.extra_conf:
+            lines.append(self.extra_conf)
+        self.conf.write_text("\n".join(lines) + "\n")
+        # The wrapper Slurm starts: no PATH, no SLURM_CONF in its environment.
+        self.wrapper.write_text(
+            "#!/bin/sh\n"
+            "# Written by devtools.devcluster: PrologSlurmctld for this dev cluster.\n"
+            f"PATH={shlex.quote(self.env['PATH'])}\n"
+            f"SLURM_CONF={shlex.quote(str(self.conf))}\n"
+            f"NCCLGUARD_CONFIG={shlex.quote(str(self.config_path))}\n"
+            f"NCCLGUARD_DB={shlex.quote(str(self.db))}\n"
+            "export PATH SLURM_CONF NCCLGUARD_CONFIG NCCLGUARD_DB\n"
+            f"exec {shlex.quote(self.python)} -I -m prolog.gate "
+            f"2>>{shlex.quote(str(self.gate_log))}\n"
+        )
+        os.chmod(self.wrapper, 0o700)  # run by SlurmUser (root here) only
+
+    # ------------------------------------------------------------- lifecycle
+    def _spawn(self, name: str, argv: Sequence[str]) -> None:
+        log = open(self.root / "log" / f"{name}.out", "ab")  # noqa: SIM115 - kept by the child
+        try:
+            self._procs[name] = subprocess.Popen(
+                list(argv),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                cwd=self.root,
+                start_new_session=True,
+            )
+        finally:
+            log.close()
+
+    def start(self, timeout: float = 60.0) -> DevCluster:
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._write_files()
+        m = self.root / "munge"
+        self._spawn(
+            "munged",
+            [
+                find_program("munged") or "munged",
+                "-F",
+                "--force",
+                f"--socket={self.munge_socket}",
+                f"--key-file={m / 'munge.key'}",
+                f"--pid-file={m / 'munged.pid'}",
+                f"--log-file={m / 'munged.log'}",
+                f"--seed-file={m / 'munged.seed'}",
+            ],
+        )
+        self._wait(lambda: self.munge_socket.exists(), timeout, "munged socket")
+        self._spawn(
+            "slurmctld",
+            [find_program("slurmctld") or "slurmctld", "-D", "-i", "-f", str(self.conf)],
+        )
+        self._wait(self._ctld_up, timeout, "slurmctld to answer scontrol ping")
+        for node in self.node_names:
+            self._spawn(
+                f"slurmd-{node}",
+                [find_program("slurmd") or "slurmd", "-D", "-N", node, "-f", str(self.conf)],
+            )
+        self.wait_nodes_idle(timeout)
+        return self
+
+    def _ctld_up(self) -> bool:
+        self._check_alive()
+        r = self.run(["scontrol", "ping"], check=False, timeout=10)
+        return "UP" in r.stdout
+
+    def _check_alive(self) -> None:
+        for name, p in self._procs.items():
+            if p.poll() is not None:
+                tail = self.log_tail(name)
+                raise ClusterError(f"{name} exited with {p.returncode}:\n{tail}")
+
+    def log_tail(self, name: str, lines: int = 30) -> str:
+        out = []
+        for f in (self.root / "log" / f"{name}.out", self.root / "log" / f"{name}.log"):
+            if f.exists():
+                out.append(
+                    f"--- {f}\n" + "\n".join(f.read_text(errors="replace").splitlines()[-lines:])
+                )
+        return "\n".join(out)
+
+    def wait_nodes_idle(self, timeout: float = 60.0) -> None:
+        def idle() -> bool:
+            self._check_alive()
+            r = self.run(["sinfo", "-h", "-N", "-o", "%N %T"], check=False, timeout=10)
+            states = dict(line.split() for line in r.stdout.splitlines() if line.strip())
+            return all(states.get(n, "").rstrip("*") == "idle" for n in self.node_names)
+
+        self._wait(idle, timeout, "all nodes idle")
+
+    def stop(self) -> None:
+        for name in [n for n in self._procs if n.startswith("slurmd")] + ["slurmctld", "munged"]:
+            p = self._procs.get(name)
+            if p is None or p.poll() is not None:
+                continue
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                continue
+        deadline = time.monotonic() + 15
+        for p in self._procs.values():
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait(timeout=5)
+        self._procs.clear()
+
+    def __enter__(self) -> DevCluster:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()  # a daemon that did start must not outlive a failed start
+            raise
+
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    # --------------------------------------------------------------- helpers
+    @staticmethod
+    def _wait(pred: object, timeout: float, what: str, interval: float = 0.2) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            if pred():  # type: ignore[operator]
+                return
+            if time.monotonic() > deadline:
+                raise ClusterError(f"timed out after {timeout:.0f}s waiting for {what}")
+            time.sleep(interval)
+
+    def run(
+        self,
+        argv: Sequence[str],
+        *,
+        check: bool = True,
+        timeout: float = 30,
+        env: Mapping[str, str] | None = None,
+        input: str | None = None,
+    ) -> subprocess.CompletedProcess[str]:
+        """Run a Slurm client with this cluster's environment (argument list, timeout)."""
+        full_env = {**self.env, **(env or {})}
+        r = subprocess.run(
+            list(argv),
+            env=full_env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            input=input,
+            cwd=self.root / "tmp",
+        )
+        if check and r.returncode != 0:
+            raise ClusterError(f"{shlex.join(argv)} -> {r.returncode}: {r.stderr.strip()}")
+        return r
+
+    def slurm(self, timeout: float = 10.0) -> Slurm:
+        """The ncclguard Slurm adapter, pointed at this cluster."""
+        return Slurm(conf=str(self.conf), timeout=timeout)
+
+    def sbatch(self, args: Iterable[str]) -> int:
+        """Submit as a user would (no ``-o``: the output goes to ``tmp/slurm-%j.out``, the
+        working directory). Slurm then gives PrologSlurmctld ``SLURM_JOB_STDIN`` but no
+        ``SLURM_JOB_STDOUT``; the gate must still see a batch job."""
+        r = self.run(["sbatch", "--parsable", *args])
+        return int(r.stdout.strip().split(";")[0])
+
+    def job_field(self, job_id: int, field: str) -> str:
+        """One field of ``scontrol show job`` (``JobState``, ``NodeList``, ...)."""
+        r = self.run(["scontrol", "-o", "show", "job", str(job_id)], check=False)
+        for tok in r.stdout.split():
+            key, _, value = tok.partition("=")
+            if key == field:
+                return value
+        # AdminComment/Comment may hold spaces: take everything up to the next Key=
+        text = r.stdout
+        marker = f" {field}="
+        if marker in text:
+            rest = text.split(marker, 1)[1]
+            return rest.split("=", 1)[0].rsplit(" ", 1)[0] if "=" in rest else rest.strip()
+        return ""
+
+    def show_job(self, job_id: int) -> str:
+        return self.run(["scontrol", "show", "job", str(job_id)], check=False).stdout
+
+    def wait_job(self, job_id: int, states: Iterable[str], timeout: float = 60.0) -> str:
+        """Wait until the job's state is one of ``states``; return it."""
+        want = set(states)
+        seen = ""
+
+        def reached() -> bool:
+            nonlocal seen
+            seen = self.job_field(job_id, "JobState")
+            return seen in want
+
+        try:
+            self._wait(reached, timeout, f"job {job_id} to reach {sorted(want)}", interval=0.25)
+        except ClusterError as e:
+            raise ClusterError(f"{e} (last state {seen!r}):\n{self.show_job(job_id)}") from None
+        return seen
+
+    def cancel_all(self) -> None:
+        self.run(["scancel", "--user", "root"], check=False)
+        self.run(["scancel", "--user", str(os.getuid())], check=False)

@@ -1,0 +1,5 @@
+"""``python -m ncclguard.cli``: the admin CLI."""
+
+from ncclguard.cli import main
+
+main()

@@ -1,0 +1,70 @@
+"""``ncclguard check HOSTLIST``: the gate's verdict for any set of nodes, as if a job had
+been given them (exit 0 accept, 1 warn, 2 refuse, 3 error).
+
+It judges as the gate does: the same :func:`~ncclguard.policy.evaluate`, the same stale
+nodes (``inventory.stale_after_s``), and the same tie-break
+(:func:`~ncclguard.policy.break_tie`: keep the majority class of ``--partition``'s nodes
+as Slurm lists them, else of the whole inventory).
+"""
+
+from __future__ import annotations
+
+import click
+
+from ncclguard.cli.context import (
+    Ctx,
+    SlurmUnreachable,
+    expand_hosts,
+    format_options,
+    get_ctx,
+    partitions,
+)
+from ncclguard.cli.errors import DECISION_EXIT, EXIT_ERROR, fail
+
+__all__ = ["check"]
+
+
+def _members(c: Ctx, names: set[str]) -> list[str]:
+    """The nodes of any of the partitions ``names``, as Slurm lists them; [] when Slurm
+    cannot be reached (the tie-break then reads the whole inventory)."""
+    try:
+        parts = partitions(c)
+    except SlurmUnreachable:
+        return []
+    return sorted({h for p in names for h in parts.get(p, [])})
+
+
+@click.command()
+@click.argument("hostlist")
+@click.option("--partition", "-p", default=None,
+              help="Judge as a job in this partition (the guarded-partition setting applies).")
+@format_options
+def check(hostlist: str, partition: str | None, as_json: bool, as_csv: bool) -> None:
+    """The gate's verdict for a hypothetical allocation (exit 0 accept, 1 warn, 2 refuse)."""
+    from ncclguard.policy import break_tie, evaluate
+
+    c = get_ctx(as_json, as_csv)
+    if c.fmt == "csv":
+        fail("--csv is not available for check (a verdict is not rows); use --json")
+    hosts = expand_hosts([hostlist], "HOSTLIST")
+    if not hosts:
+        fail("HOSTLIST: the hostlist is empty")
+    recs = c.inv("load", hosts)
+    fps = {h: (r.fingerprint if r is not None else None) for h, r in recs.items()}
+    stale = [h for h, r in recs.items()
+             if r is not None and c.now - r.last_heartbeat > c.stale_after]
+    policy = c.config.policy
+    verdict = evaluate(fps, policy, stale=stale, partition=partition)
+    verdict, tie_break = break_tie(
+        verdict, fps, policy,
+        classes=lambda among: [k.hosts for k in c.inv("classes", among)],
+        members=lambda names: _members(c, names),
+        stale=stale, partition=partition,
+    )
+    decision = str(verdict.decision)
+    doc = verdict.to_dict()
+    if tie_break is not None:
+        doc["tie_break"] = tie_break
+    c.emit(doc, text=verdict.format_text().rstrip("\n") + "\n" if c.fmt == "table" else None)
+    ctx = click.get_current_context()
+    ctx.exit(DECISION_EXIT.get(decision, EXIT_ERROR))

@@ -1,0 +1,250 @@
+"""What every command shares: the context (config, inventory, Slurm, output format), the
+node sets a command looks at, and the option types.
+
+The inventory and Slurm are opened on first use, so that a command pays only for what it
+reads. Their errors become :func:`~ncclguard.cli.errors.fail` messages naming the file or
+the command.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import click
+
+from ncclguard import config as configmod
+from ncclguard.cli import output as out
+from ncclguard.cli.errors import fail
+from ncclguard.hostlist import HostlistError, expand
+from ncclguard.timeparse import FORMS, parse_time
+
+__all__ = [
+    "TIME",
+    "Ctx",
+    "NodeSet",
+    "SlurmUnreachable",
+    "expand_hosts",
+    "format_options",
+    "get_ctx",
+    "partitions",
+    "resolve_sets",
+]
+
+
+class TimeType(click.ParamType):
+    """``--since`` / ``--at``: any form of :func:`ncclguard.timeparse.parse_time`."""
+
+    name = "TIME"
+
+    def convert(
+        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+    ) -> float:
+        try:
+            return parse_time(value)
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+
+
+TIME = TimeType()
+#: The help text's description of a TIME.
+TIME_HELP = FORMS
+
+
+@dataclass
+class NodeSet:
+    """A set of nodes to look at, and where it came from (said in every output)."""
+
+    name: str
+    hosts: list[str]
+    source: str  # "slurm" | "--nodes" | "inventory"
+    note: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "source": self.source, "size": len(self.hosts),
+                "note": self.note or None}
+
+    def describe(self) -> str:
+        what = {"slurm": "Slurm (sinfo)", "--nodes": "--nodes",
+                "inventory": "the whole inventory"}.get(self.source, self.source)
+        text = f"node set: {self.name}, {len(self.hosts)} nodes, from {what}"
+        return f"{text} ({self.note})" if self.note else text
+
+
+@dataclass
+class Ctx:
+    config_path: str | None
+    db: str | None
+    fmt: str = "table"
+    now: float = field(default_factory=time.time)
+    _config: configmod.Config | None = None
+    _inventory: Any = None
+    _slurm: Any = None
+    _slurm_nodes: list[Any] | None = None
+
+    @property
+    def config(self) -> configmod.Config:
+        if self._config is None:
+            from ncclguard.policy import load_config
+
+            try:
+                self._config = load_config(self.config_path)
+            except configmod.ConfigError as e:
+                fail(str(e))
+        return self._config
+
+    @property
+    def inventory(self) -> Any:
+        if self._inventory is None:
+            from ncclguard.store import Inventory, InventoryError
+
+            try:
+                self._inventory = Inventory(self.db, readonly=True, config=self.config.inventory)
+            except InventoryError as e:
+                fail(str(e))
+        return self._inventory
+
+    def inv(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Call an Inventory method; its errors become CLI errors naming the file."""
+        from ncclguard.store import InventoryError
+
+        try:
+            return getattr(self.inventory, method)(*args, **kwargs)
+        except InventoryError as e:
+            fail(str(e))
+        except ValueError as e:  # nodes(where=...) with an unknown field
+            fail(str(e))
+
+    @property
+    def slurm(self) -> Any:
+        if self._slurm is None:
+            from ncclguard.slurm import Slurm
+
+            self._slurm = Slurm.from_config(self.config.gate, timeout=15.0)
+        return self._slurm
+
+    def slurm_nodes(self) -> list[Any]:
+        """``sinfo --json`` through the adapter (once per run). Raises SlurmError."""
+        if self._slurm_nodes is None:
+            self._slurm_nodes = self.slurm.nodes()
+        return self._slurm_nodes
+
+    @property
+    def stale_after(self) -> float:
+        return float(self.config.inventory.stale_after_s)
+
+    def emit(
+        self,
+        doc: Any,
+        *,
+        rows: Sequence[Mapping[str, Any]] | None = None,
+        columns: Sequence[out.Column] | None = None,
+        text: str | None = None,
+        csv_rows: Sequence[Mapping[str, Any]] | None = None,
+        csv_columns: Sequence[out.Column] | None = None,
+    ) -> None:
+        if self.fmt == "json":
+            if callable(doc):
+                doc = doc()
+            # indented for a person at a terminal, one fast line for a pipe (jq, scripts)
+            pretty = bool(getattr(sys.stdout, "isatty", lambda: False)())
+            click.echo(out.json_text(doc, pretty=pretty), nl=False)
+        elif self.fmt == "csv":
+            r = csv_rows if csv_rows is not None else rows
+            c = csv_columns if csv_columns is not None else columns
+            if r is None or c is None:
+                fail("--csv is not available for this command (its output is not rows); "
+                     "use --json")
+            click.echo(out.csv_text(r, c), nl=False)
+        else:
+            if text is not None:
+                click.echo(text, nl=False)
+            elif rows is not None and columns is not None:
+                click.echo(out.table(rows, columns), nl=False)
+
+
+def format_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    """``--json`` / ``--csv`` on each subcommand too (``ncclguard nodes --json``)."""
+    f = click.option("--csv", "as_csv", is_flag=True, help="CSV rows (where rows fit).")(f)
+    f = click.option("--json", "as_json", is_flag=True, help="JSON for scripts.")(f)
+    return f
+
+
+def get_ctx(as_json: bool = False, as_csv: bool = False) -> Ctx:
+    c = click.get_current_context().find_object(Ctx)
+    if c is None:  # pragma: no cover - only when a command is invoked without the group
+        c = Ctx(None, None)
+    if as_json and as_csv:
+        fail("--json and --csv exclude each other")
+    if as_json:
+        c.fmt = "json"
+    elif as_csv:
+        c.fmt = "csv"
+    if c.fmt == "csv" and as_json:
+        fail("--json and --csv exclude each other")
+    return c
+
+
+def expand_hosts(args: Iterable[str], what: str) -> list[str]:
+    hosts: list[str] = []
+    for a in args:
+        try:
+            hosts.extend(expand(a))
+        except HostlistError as e:
+            fail(f"{what}: {e}")
+    return list(dict.fromkeys(hosts))
+
+
+def partitions(c: Ctx) -> dict[str, list[str]]:
+    from ncclguard.slurm import SlurmError
+
+    try:
+        nodes = c.slurm_nodes()
+    except SlurmError as e:
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        text = lines[-1] if lines else type(e).__name__
+        raise SlurmUnreachable(text[:300]) from None
+    parts: dict[str, list[str]] = {}
+    for n in nodes:
+        for p in n.partitions:
+            parts.setdefault(p, []).append(n.name)
+    return parts
+
+
+class SlurmUnreachable(Exception):
+    pass
+
+
+def resolve_sets(c: Ctx, partition: str | None, nodes_opt: str | None,
+                 *, all_partitions: bool = False) -> list[NodeSet] | None:
+    """The node sets a command looks at; ``None`` means "the whole inventory, no set".
+
+    ``--nodes`` wins (Slurm is not asked). ``--partition`` asks Slurm. With neither,
+    ``all_partitions`` asks Slurm for every partition (drain-recommend); otherwise None.
+    """
+    if nodes_opt is not None:
+        hosts = expand_hosts([nodes_opt], "--nodes")
+        if not hosts:
+            fail("--nodes: the hostlist is empty")
+        return [NodeSet("--nodes", hosts, "--nodes")]
+    if partition is None and not all_partitions:
+        return None
+    try:
+        parts = partitions(c)
+    except SlurmUnreachable as e:
+        if partition is not None:
+            fail(f"--partition {partition}: Slurm is not reachable ({e}); "
+                 "give the node set with --nodes HOSTLIST instead")
+        return [NodeSet("inventory", c.inv("hosts"), "inventory",
+                        note=f"Slurm not reachable: {e}")]
+    if partition is not None:
+        if partition not in parts:
+            known = ", ".join(sorted(parts)) or "none"
+            fail(f"--partition {partition}: no such partition in Slurm (known: {known})")
+        return [NodeSet(partition, parts[partition], "slurm")]
+    guarded = c.config.policy.partitions
+    names = [p for p in sorted(parts) if not guarded or p in guarded]
+    return [NodeSet(p, parts[p], "slurm") for p in names]

@@ -1,0 +1,79 @@
+"""``ncclguard decisions``: the gate's audit trail (:mod:`ncclguard.audit`), one line per
+decision."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import click
+
+from ncclguard.cli import output as out
+from ncclguard.cli.context import TIME, TIME_HELP, format_options, get_ctx
+from ncclguard.cli.errors import fail
+from ncclguard.fingerprint.model import obj
+
+__all__ = ["decisions"]
+
+
+DECISION_COLUMNS: list[out.Column] = [
+    ("time", "TIME"), ("job", "JOB"), ("partition", "PARTITION"), ("decision", "DECISION"),
+    ("action", "ACTION"), ("nodes", "NODES"), ("summary", "SUMMARY"),
+]
+
+
+def _first(rec: Mapping[str, Any], *keys: str) -> Any:
+    for k in keys:
+        if rec.get(k) not in (None, ""):
+            return rec[k]
+    return None
+
+
+def _decision_row(rec: Mapping[str, Any]) -> dict[str, Any]:
+    t = _first(rec, "time", "ts", "at", "timestamp")
+    if isinstance(t, int | float):
+        t = out.iso(float(t))
+    verdict = obj(rec, "verdict")
+    return {
+        "time": t,
+        "job": _first(rec, "job", "job_id"),
+        "partition": _first(rec, "partition"),
+        "decision": _first(rec, "decision") or verdict.get("decision"),
+        "action": _first(rec, "action"),
+        "nodes": _first(rec, "nodes", "nodelist", "hosts"),
+        "summary": _first(rec, "summary", "message") or verdict.get("summary"),
+    }
+
+
+@click.command()
+@click.option("--job", "job", default=None, metavar="ID", help="Only this job.")
+@click.option("--since", type=TIME, default=None, metavar="TIME",
+              help=f"Only decisions since TIME: {TIME_HELP}.")
+@click.option("--refused", is_flag=True, help="Only refusals.")
+@click.option("--audit-log", "audit_log", metavar="FILE", default=None,
+              help="The audit trail (default: the config's gate.audit_log).")
+@format_options
+def decisions(job: str | None, since: float | None, refused: bool, audit_log: str | None,
+              as_json: bool, as_csv: bool) -> None:
+    """The gate's audit trail: one line per decision."""
+    from ncclguard import audit
+
+    c = get_ctx(as_json, as_csv)
+    if job is not None and not job.isdigit():
+        fail(f"--job {job!r}: expected a numeric job id")
+    path = audit_log or str(c.config.gate.audit_path(c.config.inventory))
+    try:
+        records = list(audit.read(path, job=int(job) if job else None, since=since,
+                                  refused=refused))
+    except FileNotFoundError:
+        fail(f"{path}: no audit trail (the gate has not decided anything yet, or "
+             "gate.audit_log points elsewhere)")
+    except (OSError, ValueError) as e:
+        fail(f"{path}: cannot read the audit trail: {e}")
+    rows = [_decision_row(r) for r in records]
+    doc = {"audit_log": path, "count": len(records), "decisions": records}
+    text = None
+    if c.fmt == "table":
+        text = (out.table(rows, DECISION_COLUMNS) if rows else "no decisions\n")
+    c.emit(doc, rows=rows, columns=DECISION_COLUMNS, text=text,
+           csv_columns=[(k, k) for k, _ in DECISION_COLUMNS])

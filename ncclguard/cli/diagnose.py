@@ -1,0 +1,126 @@
+"""``ncclguard diagnose``: which communication-stack failure a job's logs show.
+
+Exit status, as for every command (:mod:`ncclguard.cli.errors`): 0 when the logs were read
+(a signature found or not; the JSON's ``result`` says which), 3 when an input cannot be
+used (a missing log, a bad catalog or config, a job Slurm no longer knows and no files
+given). ``--db`` and ``--config`` may also be given before the command, as for the others.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+
+from ncclguard import config as cfgmod
+from ncclguard.cli.context import TIME, TIME_HELP, get_ctx
+from ncclguard.cli.errors import fail
+from ncclguard.diagnose import JobLogs, job_logs, load_catalog, run
+from ncclguard.diagnose.catalog import CatalogError
+from ncclguard.diagnose.logparse import LogError
+
+__all__ = ["diagnose"]
+
+
+@click.command("diagnose")
+@click.argument("logfiles", nargs=-1, type=click.Path(dir_okay=False, path_type=str))
+@click.option("--job", "job_id", metavar="ID", help="Find the job's nodes, start and output files.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option(
+    "--at", "at", type=TIME, metavar="TIME",
+    help=f"Read the inventory as of TIME (default: the job's start): {TIME_HELP}.",
+)
+@click.option(
+    "--nodes", metavar="HOSTLIST", help="The job's nodes (default: --job's, else the log's hosts)."
+)
+@click.option("--no-inventory", is_flag=True, help="Diagnose the logs alone.")
+@click.option("--db", type=click.Path(dir_okay=False, path_type=str), help="Inventory database.")
+@click.option(
+    "--config", "config_path", type=click.Path(dir_okay=False, path_type=str), help="Config file."
+)
+def diagnose(
+    logfiles: tuple[str, ...],
+    job_id: str | None,
+    as_json: bool,
+    at: float | None,
+    nodes: str | None,
+    no_inventory: bool,
+    db: str | None,
+    config_path: str | None,
+) -> None:
+    """Say which communication-stack failure the job logs LOGFILE... show (plain or gzip).
+
+    The most likely cause comes first, with its evidence lines (file:line), the odd
+    nodes, the fix and the command that confirms it; then the inventory's view of the
+    job's nodes as of the job's start, and where the log and the inventory disagree.
+    """
+    c = get_ctx(as_json)
+    if c.fmt == "csv":
+        fail("--csv is not available for diagnose (a report is not rows); use --json")
+    if config_path is not None:
+        c.config_path = config_path
+    if db is not None:
+        c.db = db
+    cfg = c.config
+    try:
+        catalog = load_catalog(cfg.diagnose.signature_files)
+    except CatalogError as e:
+        fail(str(e))
+    job: JobLogs | None = None
+    if job_id is not None:
+        if not job_id.isdigit():
+            fail(f"--job {job_id!r}: expected a numeric job id")
+        job = _lookup(job_id, cfg, have_files=bool(logfiles))
+    files = list(logfiles) or list(job.files if job else ())
+    if not files:
+        fail("no log files: name them, or use --job ID for a job whose output Slurm still knows")
+    node_list: list[str] | None = None
+    if nodes:
+        from ncclguard.hostlist import HostlistError, expand
+
+        try:
+            node_list = expand(nodes)
+        except HostlistError as e:
+            fail(f"--nodes: {e}")
+    opener = None
+    if not no_inventory:
+
+        def opener() -> Any:
+            from ncclguard.store import Inventory
+
+            return Inventory(c.db, readonly=True, config=cfg.inventory)
+
+    try:
+        report = run(
+            files,
+            catalog=catalog,
+            job=job,
+            nodes=node_list,
+            when=at,
+            open_inventory=opener,
+            policy_config=cfg.policy,
+        )
+    except LogError as e:
+        fail(str(e))
+    if c.fmt == "json":
+        click.echo(json.dumps(report.to_dict(), indent=2, default=str))
+    else:
+        click.echo(report.text())
+
+
+def _lookup(job_id: str, cfg: cfgmod.Config, have_files: bool) -> JobLogs | None:
+    from ncclguard.slurm import Slurm, SlurmError
+
+    try:
+        job = job_logs(Slurm.from_config(cfg.gate), job_id)
+    except SlurmError as e:
+        if not have_files:
+            fail(f"job {job_id}: Slurm query failed: {e}")
+        click.echo(f"warning: job {job_id}: Slurm query failed ({e}); using the files", err=True)
+        return None
+    if job is None:
+        if not have_files:
+            fail(f"job {job_id}: Slurm no longer knows this job; name its log files")
+        click.echo(f"warning: job {job_id}: Slurm no longer knows it; using the files", err=True)
+    return job

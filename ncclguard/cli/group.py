@@ -1,0 +1,77 @@
+"""The ``ncclguard`` command group: global options, and each command loaded on first use.
+
+A command's module is imported only when that command runs (or ``--help`` lists it), so
+that ``ncclguard nodes`` does not pay for the imports of ``diagnose`` or the policy.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import click
+
+from ncclguard.cli.context import Ctx
+from ncclguard.cli.errors import EXIT_ERROR, fail
+
+__all__ = ["COMMANDS", "main"]
+
+#: command -> (module, function): one module per command group.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "nodes": ("ncclguard.cli.inventory", "nodes"),
+    "classes": ("ncclguard.cli.inventory", "classes"),
+    "show": ("ncclguard.cli.inventory", "show"),
+    "diff": ("ncclguard.cli.changes", "diff"),
+    "history": ("ncclguard.cli.changes", "history"),
+    "check": ("ncclguard.cli.check", "check"),
+    "decisions": ("ncclguard.cli.decisions", "decisions"),
+    "drain-recommend": ("ncclguard.cli.drain", "drain_recommend"),
+    "diagnose": ("ncclguard.cli.diagnose", "diagnose"),
+}
+
+
+class _Group(click.Group):
+    """Commands from :data:`COMMANDS`, imported when needed; usage errors exit with 3, not
+    click's 2 (2 is ``check``'s refuse)."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in COMMANDS:
+            return None
+        module, attr = COMMANDS[cmd_name]
+        command = getattr(importlib.import_module(module), attr)
+        assert isinstance(command, click.Command)
+        return command
+
+    def make_context(self, *args: Any, **kwargs: Any) -> click.Context:
+        try:
+            return super().make_context(*args, **kwargs)
+        except click.UsageError as e:
+            e.exit_code = EXIT_ERROR  # type: ignore[misc]  # per instance: click reads it there
+            raise
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except click.UsageError as e:
+            e.exit_code = EXIT_ERROR  # type: ignore[misc]  # per instance: click reads it there
+            raise
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--config", "config_path", metavar="FILE", default=None,
+              help="Config file (default: $NCCLGUARD_CONFIG or /etc/ncclguard/config.toml).")
+@click.option("--db", metavar="FILE", default=None,
+              help="Inventory database (default: $NCCLGUARD_DB, then the config's).")
+@click.option("--json", "as_json", is_flag=True, help="JSON output for scripts.")
+@click.option("--csv", "as_csv", is_flag=True, help="CSV output (commands whose output is rows).")
+@click.version_option(package_name="ncclguard", prog_name="ncclguard")
+@click.pass_context
+def main(ctx: click.Context, config_path: str | None, db: str | None, as_json: bool,
+         as_csv: bool) -> None:
+    """Query the NCCL inventory, run the gate's policy, recommend drains."""
+    if as_json and as_csv:
+        fail("--json and --csv exclude each other")
+    ctx.obj = Ctx(config_path, db, fmt="json" if as_json else "csv" if as_csv else "table")

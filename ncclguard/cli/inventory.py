@@ -1,0 +1,318 @@
+"""``ncclguard nodes``, ``classes`` and ``show``: what the inventory holds.
+
+- ``nodes``: one row per node (filters: ``--where``, ``--stale``, ``--errors``);
+- ``classes``: the compatibility classes, with the baseline marked
+  (:func:`ncclguard.policy.baseline.choose_baseline`, the one ``drain-recommend`` uses);
+- ``show NODE``: one node's whole fingerprint, readable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import click
+
+from ncclguard.cli import output as out
+from ncclguard.cli.context import Ctx, format_options, get_ctx, resolve_sets
+from ncclguard.cli.errors import fail
+from ncclguard.hostlist import compress
+from ncclguard.policy.baseline import choose_baseline
+
+__all__ = ["classes", "nodes", "parse_where", "show"]
+
+
+#: --where FIELD: the names an admin types, and the store column each one filters.
+WHERE_ALIASES = {
+    "nccl": "nccl_version",
+    "nccl_any": "has_nccl",
+    "plugin": "net_plugin_name",
+    "plugin_path": "net_plugin",
+    "abi": "net_abi",
+    "transport": "transport",
+    "driver": "driver",
+    "host": "host",
+    "class": "compat_key",
+}
+_INT_COLUMNS = {"net_abi", "rdma_ports_up", "rdma_ports_total", "error_count"}
+
+NODE_COLUMNS: list[out.Column] = [
+    ("host", "HOST"), ("nccl", "NCCL"), ("net_plugin_name", "PLUGIN"), ("net_abi", "ABI"),
+    ("transport", "TRANSPORT"), ("rdma", "RDMA UP/TOTAL"), ("driver", "DRIVER"),
+    ("heartbeat", "LAST HEARTBEAT"), ("age", "AGE"), ("error_count", "ERRORS"),
+    ("status", "STATUS"),
+]
+NODE_CSV: list[out.Column] = [
+    ("host", "host"), ("nccl_version", "nccl_version"), ("nccl_versions", "nccl_versions"),
+    ("net_plugin", "net_plugin"), ("net_plugin_name", "net_plugin_name"),
+    ("net_abi", "net_abi"), ("transport", "transport"), ("rdma_ports_up", "rdma_ports_up"),
+    ("rdma_ports_total", "rdma_ports_total"), ("driver", "driver"),
+    ("last_heartbeat", "last_heartbeat"), ("age_s", "age_s"), ("error_count", "error_count"),
+    ("compat_key", "compat_key"), ("status", "status"),
+]
+
+
+def parse_where(items: Sequence[str]) -> dict[str, Any]:
+    """``FIELD=VALUE`` filters for ``Inventory.nodes``: aliases, ``none``, lists, ints."""
+    from ncclguard.store.rows import NODE_COLUMNS as STORE_COLUMNS
+
+    where: dict[str, Any] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        name = name.strip()
+        if not sep or not name:
+            fail(f"--where {item!r}: expected FIELD=VALUE")
+        column = WHERE_ALIASES.get(name, name)
+        if column not in STORE_COLUMNS and column != "has_nccl":
+            known = ", ".join([*WHERE_ALIASES, *(c for c in STORE_COLUMNS
+                                                  if c not in WHERE_ALIASES.values())])
+            fail(f"--where {item!r}: unknown field {name!r} (known: {known})")
+        values: list[Any] = []
+        for v in value.split(","):
+            v = v.strip()
+            if v.lower() in ("none", "null", "-"):
+                values.append(None)
+            elif column in _INT_COLUMNS:
+                try:
+                    values.append(int(v))
+                except ValueError:
+                    fail(f"--where {item!r}: {name} takes an integer, got {v!r}")
+            else:
+                values.append(v)
+        if column in where:
+            prev = where[column]
+            values = [*(prev if isinstance(prev, list) else [prev]), *values]
+        if None in values and len(values) > 1:
+            fail(f"--where {item!r}: 'none' cannot be combined with other values")
+        where[column] = values[0] if len(values) == 1 else values
+    return where
+
+
+def _node_row(r: dict[str, Any], now: float, ttl: float) -> dict[str, Any]:
+    """The store's row (ours to change) with the derived cells added."""
+    hb = r.get("last_heartbeat")
+    age = None if hb is None else now - hb
+    stale = age is None or age > ttl
+    versions = r.get("nccl_versions") or []
+    nccl = r.get("nccl_version")
+    shown = nccl or "-"
+    if len(versions) > 1 or (versions and versions[0] != nccl):
+        others = [v for v in versions if v != nccl]
+        shown += f" (+{','.join(others)})" if others else ""
+    when = out.iso(hb)
+    r["last_heartbeat"] = when
+    r["age_s"] = None if age is None else round(age, 1)
+    r["stale"] = stale
+    r["status"] = "stale" if stale else ("errors" if r.get("error_count") else "ok")
+    # table-only cells
+    r["nccl"] = shown
+    r["rdma"] = f"{r.get('rdma_ports_up', 0)}/{r.get('rdma_ports_total', 0)}"
+    r["heartbeat"] = when
+    r["age"] = out.age(age)
+    return r
+
+
+def _missing_row(host: str) -> dict[str, Any]:
+    return {"host": host, "nccl_versions": [], "stale": True, "status": "missing",
+            "last_heartbeat": None, "age_s": None, "error_count": None, "nccl": None,
+            "rdma": None, "heartbeat": None, "age": None}
+
+
+@click.command()
+@click.option("--partition", "-p", default=None, help="Only nodes of this Slurm partition.")
+@click.option("--nodes", "nodes_opt", metavar="HOSTLIST", default=None,
+              help="Only these nodes (no Slurm needed).")
+@click.option("--where", "-w", "where", multiple=True, metavar="FIELD=VALUE",
+              help="Filter (repeatable; VALUE may be a comma list; 'none' matches unset). "
+                   "FIELD: nccl, nccl_any, plugin, plugin_path, abi, transport, driver, "
+                   "host, class, or a store column.")
+@click.option("--stale", is_flag=True, help="Only nodes whose heartbeat is stale or missing.")
+@click.option("--errors", is_flag=True, help="Only nodes with probe errors.")
+@format_options
+def nodes(partition: str | None, nodes_opt: str | None, where: tuple[str, ...], stale: bool,
+          errors: bool, as_json: bool, as_csv: bool) -> None:
+    """One row per node: NCCL, net plugin and ABI, transport, RDMA ports, driver, heartbeat."""
+    c = get_ctx(as_json, as_csv)
+    filters = parse_where(where)
+    sets = resolve_sets(c, partition, nodes_opt)
+    rows = c.inv("nodes", filters or None)
+    now, ttl = c.now, c.stale_after
+    result = [_node_row(r, now, ttl) for r in rows]
+    node_set = sets[0] if sets else None
+    if node_set is not None:
+        members = set(node_set.hosts)
+        result = [r for r in result if r["host"] in members]
+        if not filters and not errors:
+            have = {r["host"] for r in result}
+            result += [_missing_row(h) for h in node_set.hosts if h not in have]
+            result.sort(key=lambda r: r["host"])
+    if stale:
+        result = [r for r in result if r["stale"]]
+    if errors:
+        result = [r for r in result if r.get("error_count")]
+    def doc() -> dict[str, Any]:  # built only for --json
+        return {
+            "node_set": node_set.to_dict() if node_set else None,
+            "filters": {"where": filters, "stale": stale, "errors": errors},
+            "count": len(result),
+            "nodes": [{k: r.get(k) for k, _ in NODE_CSV} | {"stale": r["stale"]}
+                      for r in result],
+        }
+
+    text = None
+    if c.fmt == "table":
+        head = f"{node_set.describe()}\n" if node_set else ""
+        text = head + out.table(result, NODE_COLUMNS) + f"{len(result)} nodes\n"
+    c.emit(doc, rows=result, columns=NODE_COLUMNS, text=text, csv_columns=NODE_CSV)
+
+
+CLASS_COLUMNS: list[out.Column] = [
+    ("baseline_mark", " "), ("compat_key", "CLASS"), ("count", "NODES"), ("share_pct", "SHARE"),
+    ("nccl", "NCCL"), ("net_plugin", "PLUGIN"), ("net_abi", "ABI"), ("transport", "TRANSPORT"),
+    ("stale", "STALE"), ("hosts", "HOSTS"),
+]
+CLASS_CSV: list[out.Column] = [
+    ("compat_key", "compat_key"), ("count", "count"), ("share", "share"), ("nccl", "nccl"),
+    ("net_plugin", "net_plugin"), ("net_abi", "net_abi"), ("transport", "transport"),
+    ("stale", "stale"), ("baseline", "baseline"), ("hosts", "hosts"),
+]
+
+
+@click.command()
+@click.option("--partition", "-p", default=None, help="Only nodes of this Slurm partition.")
+@click.option("--nodes", "nodes_opt", metavar="HOSTLIST", default=None,
+              help="Only these nodes (no Slurm needed).")
+@format_options
+def classes(partition: str | None, nodes_opt: str | None, as_json: bool, as_csv: bool) -> None:
+    """The compatibility classes: defining values, node count and hostlist."""
+    c = get_ctx(as_json, as_csv)
+    sets = resolve_sets(c, partition, nodes_opt)
+    node_set = sets[0] if sets else None
+    cls = c.inv("classes", node_set.hosts if node_set else None)
+    stale = set(c.inv("stale", c.now, c.stale_after))
+    total = sum(len(k.hosts) for k in cls)
+    fresh = {k.compat_key: sum(1 for h in k.hosts if h not in stale) for k in cls}
+    base, why = choose_baseline(fresh, {k.compat_key: k.values for k in cls}, c.config)[:2]
+    rows = []
+    for k in cls:
+        v = k.values if isinstance(k.values, dict) else {}
+        rows.append({
+            "compat_key": k.compat_key, "values": v, "count": len(k.hosts),
+            "share": round(len(k.hosts) / total, 4) if total else 0.0,
+            "share_pct": f"{len(k.hosts) / total:.0%}" if total else "-",
+            "nccl": v.get("nccl"), "net_plugin": v.get("net_plugin"),
+            "net_abi": v.get("net_abi"), "transport": v.get("transport"),
+            "stale": sum(1 for h in k.hosts if h in stale),
+            "baseline": k.compat_key == base, "baseline_mark": "*" if k.compat_key == base else "",
+            "hosts": compress(k.hosts),
+        })
+    missing: list[str] = []
+    if node_set is not None:
+        have = {h for k in cls for h in k.hosts}
+        missing = [h for h in node_set.hosts if h not in have]
+    doc = {
+        "node_set": node_set.to_dict() if node_set else None,
+        "total": total,
+        "baseline": {"compat_key": base, "why": why},
+        "classes": [{k: r[k] for k in ("compat_key", "values", "count", "share", "stale",
+                                        "baseline", "hosts")} for r in rows],
+        "missing": {"count": len(missing), "hosts": compress(missing) if missing else ""},
+    }
+    text = None
+    if c.fmt == "table":
+        lines = [node_set.describe()] if node_set else []
+        lines.append(f"{total} nodes in {len(cls)} compatibility classes; baseline: "
+                     + (f"{base} ({why})" if base else why))
+        text = "\n".join(lines) + "\n" + out.table(rows, CLASS_COLUMNS)
+        if missing:
+            text += f"not in the inventory: {len(missing)} nodes: {compress(missing)}\n"
+    c.emit(doc, rows=rows, columns=CLASS_COLUMNS, text=text, csv_columns=CLASS_CSV)
+
+
+def _load_one(c: Ctx, host: str) -> Any:
+    rec = c.inv("load", [host]).get(host)
+    if rec is None:
+        fail(f"{host}: not in the inventory {c.inventory.path}")
+    return rec
+
+
+def _show_text(rec: Any, now: float, ttl: float) -> str:
+    fp = rec.fingerprint
+    from ncclguard.policy.fpdiff import derived
+
+    d = derived(fp)
+    age = now - rec.last_heartbeat
+    parts = [out.section(f"node {rec.host}", out.kv([
+        ("class", rec.compat_key),
+        ("nccl", d.get("compat.nccl")), ("net plugin", d.get("compat.net_plugin")),
+        ("net ABI", d.get("compat.net_abi")), ("transport", d.get("compat.transport")),
+        ("last heartbeat", f"{out.iso(rec.last_heartbeat)} ({out.age(age)} ago"
+                           + (", STALE)" if age > ttl else ")")),
+        ("collected at", out.iso(rec.collected_at)), ("first seen", out.iso(rec.first_seen)),
+        ("fingerprint", rec.fp_hash[:16]),
+    ]))]
+    host = fp.get("host") or {}
+    parts.append(out.section("host", out.kv([(k, host.get(k)) for k in
+                                             ("kernel", "boot_id", "tool_version")])))
+    libs = [{**x, "abi_net": (x.get("abis") or {}).get("net")} for x in fp.get("libnccl") or []]
+    parts.append(out.section("libnccl", out.table(libs, [
+        ("path", "PATH"), ("version", "VERSION"), ("cuda_version", "CUDA"),
+        ("abi_net", "NET ABIS"), ("default", "DEFAULT"), ("origin", "ORIGIN"),
+        ("version_error", "ERROR")])))
+    plugins = [{**x, "abi": (x.get("abis") or {}).get(x.get("kind"))}
+               for x in fp.get("plugins") or []]
+    parts.append(out.section("plugins", out.table(plugins, [
+        ("kind", "KIND"), ("path", "PATH"), ("name", "NAME"), ("abi", "ABIS"),
+        ("default", "DEFAULT"), ("origin", "ORIGIN"), ("error", "ERROR")])))
+    net = fp.get("net") or {}
+    parts.append(out.section("net (default libnccl x default net plugin)", out.kv(
+        [(k, net.get(k)) for k in ("libnccl", "plugin", "effective_net_abi", "reason")])))
+    rdma = fp.get("rdma") or {}
+    ports = [{"device": dv.get("name"), "fw_ver": dv.get("fw_ver"),
+              "hca_type": dv.get("hca_type"), **p}
+             for dv in rdma.get("devices") or [] for p in dv.get("ports") or [{}]]
+    abi = rdma.get("abi_version") or {}
+    ibv = rdma.get("libibverbs") or {}
+    parts.append(out.section("rdma", out.kv([
+        ("verbs ABI", abi.get("verbs")), ("mad ABI", abi.get("mad")),
+        ("libibverbs", f"{ibv.get('path')} {ibv.get('version') or ''}".strip()
+         if ibv else None),
+        ("providers", rdma.get("providers"))]) + out.table(ports, [
+            ("device", "DEVICE"), ("port", "PORT"), ("state", "STATE"),
+            ("phys_state", "PHYS"), ("rate", "RATE"), ("link_layer", "LINK"),
+            ("fw_ver", "FIRMWARE"), ("hca_type", "HCA")])))
+    parts.append(out.section("netifs", out.table(fp.get("netifs") or [], [
+        ("name", "NAME"), ("up", "UP"), ("addresses", "ADDRESSES")])))
+    conf = fp.get("nccl_conf") or {}
+    settings = conf.get("settings") or {}
+    parts.append(out.section("nccl.conf", out.kv(
+        [("path", conf.get("path")), ("present", conf.get("present"))]
+        + [(k, v) for k, v in sorted(settings.items())])))
+    gpu = fp.get("gpu") or {}
+    parts.append(out.section("gpu", out.kv([(k, gpu.get(k)) for k in
+                                            ("driver_version", "count", "models", "peermem")])))
+    errs = fp.get("errors") or []
+    parts.append(out.section(f"probe errors ({len(errs)})", out.table(errs, [
+        ("probe", "PROBE"), ("field", "FIELD"), ("path", "PATH"), ("error", "ERROR")])
+        if errs else "  none\n"))
+    return "\n".join(parts)
+
+
+@click.command()
+@click.argument("node")
+@format_options
+def show(node: str, as_json: bool, as_csv: bool) -> None:
+    """The whole fingerprint of NODE, readable, with probe errors."""
+    c = get_ctx(as_json, as_csv)
+    if c.fmt == "csv":
+        fail("--csv is not available for show (a fingerprint is not rows); use --json")
+    rec = _load_one(c, node)
+    age = c.now - rec.last_heartbeat
+    doc = {
+        "host": rec.host, "compat_key": rec.compat_key, "fp_hash": rec.fp_hash,
+        "first_seen": out.iso(rec.first_seen), "collected_at": out.iso(rec.collected_at),
+        "last_heartbeat": out.iso(rec.last_heartbeat), "age_s": round(age, 1),
+        "stale": age > c.stale_after, "errors": rec.fingerprint.get("errors") or [],
+        "fingerprint": rec.fingerprint,
+    }
+    c.emit(doc, text=_show_text(rec, c.now, c.stale_after) if c.fmt == "table" else None)

@@ -1,0 +1,1 @@
+"""The fingerprint model (docs/fingerprint.md)."""

@@ -1,0 +1,74 @@
+"""The refuse-level fields of a fingerprint, and a short key that groups identical nodes.
+
+Two nodes with the same :func:`compat_key` agree on everything that the refuse-by-default
+rules (``nccl-version``, ``net-plugin``, ``transport``) look at, so the store keeps one
+class per key and the policy compares classes, not nodes.
+
+:func:`compat_values` returns (``None`` always means *unknown*, never *absent*)::
+
+    {
+      "nccl": "2.21.5",              # default libnccl version; "none": no libnccl.so.2
+      "nccl_paths": {                # libnccl found under inventoryd.nccl_search_paths
+        "/opt/nccl/lib/libnccl.so.2": "2.18.3"   # None: that file's version is unknown
+      },                             # None: the libnccl probe failed
+      "net_plugin": "IBext_v8",      # name of the default net plugin; "none": no plugin
+                                     # or one that NCCL ignores (no common ABI)
+      "net_abi": 8,                  # effective ncclNetPlugin_vN; 0: no plugin in use
+      "transport": "IB"              # ncclguard.fingerprint.transport.effective_transport
+    }
+
+The key is the first 16 hex digits of the SHA-256 of the canonical JSON of these values
+(sorted keys, no spaces); it changes only when one of them changes.
+"""
+
+from __future__ import annotations
+
+import json
+
+from ncclguard.fingerprint.fields import ABSENT, nccl_version, net_plugin
+from ncclguard.fingerprint.transport import effective_transport
+
+__all__ = ["COMPAT_FIELDS", "DERIVED_VERSION", "compat_key", "compat_values"]
+
+COMPAT_FIELDS = ("nccl", "nccl_paths", "net_plugin", "net_abi", "transport")
+
+#: The version of what is derived from a fingerprint where it is written: these compat
+#: values, the store's query columns (:mod:`ncclguard.store.rows`) and the field readers
+#: of :mod:`ncclguard.fingerprint.fields` and :mod:`.transport`. **Bump it whenever one of
+#: them changes meaning**; it is part of ``ncclguard.policy.GATE_VALUES.version``, so the
+#: daemon then rewrites each node's derived values at its next cycle, and until then the
+#: gate recomputes them from the stored fingerprint instead of trusting an older record.
+DERIVED_VERSION = 2
+
+
+def _configured_paths(fp: dict) -> dict[str, str | None] | None:
+    libs = fp.get("libnccl")
+    if libs is None:
+        return None
+    return {
+        lib["path"]: lib.get("version")
+        for lib in libs
+        if lib.get("origin") == "config" and isinstance(lib.get("path"), str)
+    }
+
+
+def compat_values(fp: dict) -> dict:
+    """The values that the refuse-by-default rules compare (see the module doc)."""
+    plugin = net_plugin(fp)
+    if plugin is not None and plugin[1] == 0:
+        plugin = (ABSENT, 0)  # no common ABI: NCCL ignores the plugin, as if it were absent
+    return {
+        "nccl": nccl_version(fp),
+        "nccl_paths": _configured_paths(fp),
+        "net_plugin": plugin[0] if plugin is not None else None,
+        "net_abi": plugin[1] if plugin is not None else None,
+        "transport": effective_transport(fp),
+    }
+
+
+def compat_key(fp: dict) -> str:
+    """A short, stable hex hash of :func:`compat_values` (16 hex digits)."""
+    import hashlib
+
+    text = json.dumps(compat_values(fp), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -1,0 +1,304 @@
+"""Which network NCCL ends up on for one node: a plugin's name, ``IB``, ``RoCE`` or ``Socket``.
+
+The derivation follows NCCL's own order (see docs/nccl-facts.md, "Which transport a node
+ends up on"), from the node's fingerprint and the settings of its ``/etc/nccl.conf``:
+
+1. ``NCCL_NET`` forces a network by name (compared case-insensitively, as NCCL does).
+2. A net plugin that NCCL would load (a common ABI with the default libnccl) is tried first.
+3. NCCL's IB transport needs ``NCCL_IB_DISABLE`` unset or 0, libibverbs, an IP interface
+   (``NCCL_SOCKET_IFNAME`` applies) and at least one port that is ``ACTIVE``, has link
+   layer InfiniBand or Ethernet, and is selected by ``NCCL_IB_HCA``.
+4. Otherwise ``Socket``.
+
+A field that a probe could not read makes the result unknown (``None``) only when it could
+change the result: an unreadable port on a node that already has an ACTIVE port of the
+same link layer does not.
+
+Standard library only: this module is on the prolog's hot path.
+"""
+
+from __future__ import annotations
+
+from ncclguard.fingerprint.fields import (
+    errored,
+    nccl_settings,
+    net_plugin_state,
+    part,
+    port_active,
+)
+
+__all__ = [
+    "effective_transport",
+    "hca_matches",
+    "nccl_ib_ports",
+    "parse_ib_disable",
+    "parse_if_list",
+]
+
+IB = "IB"
+ROCE = "RoCE"
+SOCKET = "Socket"
+_LINK_LAYERS = {"InfiniBand": IB, "Ethernet": ROCE}
+
+#: A parsed NCCL interface list: (exclude, exact, [(prefix, port)]); port -1 means any port.
+IfList = tuple[bool, bool, list[tuple[str, int]]]
+
+
+def _atoi(text: str) -> int:
+    """C's ``atoi``: leading white space, an optional sign, digits; anything else is 0."""
+    s = text.lstrip(" \t\n\v\f\r")
+    sign = 1
+    if s[:1] in ("+", "-"):
+        sign = -1 if s[0] == "-" else 1
+        s = s[1:]
+    n = 0
+    for ch in s:
+        if not ch.isdigit():
+            break
+        n = n * 10 + int(ch)
+    return sign * n
+
+
+def parse_if_list(spec: str | None) -> IfList:
+    """Parse ``NCCL_IB_HCA`` (or ``NCCL_SOCKET_IFNAME``) as NCCL does.
+
+    A leading ``^`` makes it an exclude list, a following ``=`` makes names exact instead
+    of prefixes. Entries are separated by ``,``; ``name:port`` selects one port (anything
+    after a second ``:`` is ignored, as ``:rail:plane`` of 2.30.7). Empty names are skipped.
+    No white space is trimmed.
+
+    >>> parse_if_list("^=mlx5_0:1,mlx5_1")
+    (True, True, [('mlx5_0', 1), ('mlx5_1', -1)])
+    """
+    if spec is None:
+        return (False, False, [])
+    exclude = spec.startswith("^")
+    if exclude:
+        spec = spec[1:]
+    exact = spec.startswith("=")
+    if exact:
+        spec = spec[1:]
+    entries: list[tuple[str, int]] = []
+    for item in spec.split(","):
+        name, colon, rest = item.partition(":")
+        if not name:
+            continue
+        entries.append((name, _atoi(rest.split(":", 1)[0]) if colon else -1))
+    return (exclude, exact, entries)
+
+
+def hca_matches(spec: str | IfList | None, device: str, port: int = -1) -> bool:
+    """Whether NCCL keeps ``device`` port ``port`` under the list ``spec`` (``NCCL_IB_HCA``).
+
+    No list (unset or empty) keeps everything. Without ``=`` each entry is a prefix:
+    ``mlx5_1`` also keeps ``mlx5_10``. An entry's port, if given, must equal ``port``;
+    ``port=-1`` asks about the device as a whole (any port).
+
+    >>> hca_matches("mlx5_1", "mlx5_10", 1), hca_matches("=mlx5_1", "mlx5_10", 1)
+    (True, False)
+    >>> hca_matches("^mlx5_0:1", "mlx5_0", 1), hca_matches("^mlx5_0:1", "mlx5_0", 2)
+    (False, True)
+    """
+    exclude, exact, entries = parse_if_list(spec) if not isinstance(spec, tuple) else spec
+    if not entries:
+        matched = True  # NCCL: "no user list" matches all, so "^" alone excludes all
+    else:
+        matched = False
+        for name, want in entries:
+            if (device == name if exact else device.startswith(name)) and (
+                want == -1 or port == -1 or want == port
+            ):
+                matched = True
+                break
+    return matched != exclude
+
+
+def parse_ib_disable(value: str | None) -> bool:
+    """``NCCL_IB_DISABLE`` as NCCL reads an integer parameter: non-zero disables IB.
+
+    NCCL parses it with ``strtoll(value, NULL, 0)`` and rejects it only when ``errno`` is
+    set (an overflow): leading white space and a sign are skipped, ``0x`` means hex, a
+    leading ``0`` octal, and the longest valid prefix counts (``"1 # off"`` is 1, ``"08"``
+    is 0, ``"abc"`` is 0). See :func:`strtoll_base0`.
+    """
+    if value is None:
+        return False
+    parsed = strtoll_base0(value)
+    return parsed is not None and parsed != 0
+
+
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+def strtoll_base0(text: str) -> int | None:
+    """C's ``strtoll(text, NULL, 0)``; ``None`` where it sets ``errno`` (out of range)."""
+    i, n = 0, len(text)
+    while i < n and text[i] in " \t\n\v\f\r":
+        i += 1
+    sign = 1
+    if i < n and text[i] in "+-":
+        sign = -1 if text[i] == "-" else 1
+        i += 1
+    base, digits = 10, "0123456789"
+    if text[i : i + 2].lower() == "0x" and i + 2 < n and text[i + 2] in "0123456789abcdefABCDEF":
+        base, digits, i = 16, "0123456789abcdefABCDEF", i + 2
+    elif text[i : i + 1] == "0":
+        base, digits = 8, "01234567"
+    j = i
+    while j < n and text[j] in digits:
+        j += 1
+    if j == i:
+        return 0  # no conversion: strtoll returns 0 (glibc leaves errno alone)
+    value = sign * int(text[i:j], base)
+    return value if _INT64_MIN <= value <= _INT64_MAX else None
+
+
+def _selected_ports(
+    fp: dict, settings: dict[str, str]
+) -> list[tuple[str, dict, bool | None, str | None]] | None:
+    """``(device, port, active, kind)`` of every port that ``NCCL_IB_HCA`` selects.
+
+    ``active`` is ``None`` when the state is unreadable; ``kind`` is ``"IB"``, ``"RoCE"``,
+    ``""`` (another link layer: NCCL skips it) or ``None`` (unreadable). A device whose
+    port list is unreadable gives one entry with an empty port, both unknown. ``None``:
+    the device list itself is unknown.
+    """
+    rdma = part(fp, "rdma")
+    devices = rdma.get("devices") if isinstance(rdma, dict) else None
+    # the error fields, looked up exactly: the probes name each field they could not read
+    bad = {e.get("field") for e in fp.get("errors") or ()}
+    if devices is None or "rdma.devices" in bad:
+        return None
+    spec = parse_if_list(settings.get("NCCL_IB_HCA"))
+    out: list[tuple[str, dict, bool | None, str | None]] = []
+    for dev in devices:
+        name = dev.get("name")
+        if not isinstance(name, str):
+            return None
+        field = f"rdma.devices.{name}" if bad else ""
+        ports = dev.get("ports")
+        if ports is None or (bad and (field in bad or field + ".ports" in bad)):
+            if hca_matches(spec, name, -1):
+                out.append((name, {}, None, None))
+            continue
+        for p in ports:
+            num = p.get("port")
+            if not hca_matches(spec, name, num if isinstance(num, int) else -1):
+                continue
+            ll = p.get("link_layer")
+            active = port_active(p)
+            kind = None if ll is None else _LINK_LAYERS.get(ll, "")
+            if bad:
+                pfield = f"{field}.ports.{num}"
+                if pfield + ".state" in bad:
+                    active = None
+                if pfield + ".link_layer" in bad:
+                    kind = None
+            out.append((name, p, active, kind))
+    return out
+
+
+def nccl_ib_ports(fp: dict, settings: dict[str, str] | None = None) -> list[dict] | None:
+    """The RDMA ports NCCL's IB transport would use, each with ``"device"`` added.
+
+    ``None`` when that cannot be known: the device list, or the state or link layer of a
+    port that ``NCCL_IB_HCA`` selects, could not be read. Ignores ``NCCL_IB_DISABLE``.
+    """
+    if settings is None:
+        settings = nccl_settings(fp)
+        if settings is None:
+            return None
+    selected = _selected_ports(fp, settings)
+    if selected is None:
+        return None
+    used: list[dict] = []
+    for name, p, active, kind in selected:
+        if active is None or (active and kind is None):
+            return None
+        if active and kind:
+            used.append({**p, "device": name})
+    return used
+
+
+def _ib_result(fp: dict, settings: dict[str, str]) -> str | None:
+    """IB/RoCE/IB+RoCE from the usable ports; Socket when none; None when unknown.
+
+    Ports whose state or link layer is unknown make the result unknown only if they
+    could add a link layer that the known ports don't already give.
+    """
+    selected = _selected_ports(fp, settings)
+    if selected is None:
+        return None
+    sure: set[str] = set()
+    maybe: set[str] = set()
+    for _, _, active, kind in selected:
+        if active is False or kind == "":
+            continue
+        kinds = {IB, ROCE} if kind is None else {kind}
+        (sure if active and kind is not None else maybe).update(kinds)
+    if not maybe <= sure:
+        return None
+    if not sure:
+        return SOCKET
+    return "+".join(k for k in (IB, ROCE) if k in sure)
+
+
+def _has_ip_interface(fp: dict, settings: dict[str, str]) -> bool | None:
+    netifs = part(fp, "netifs")
+    if netifs is None:
+        return None
+    spec = parse_if_list(settings.get("NCCL_SOCKET_IFNAME"))
+    for nif in netifs:
+        name = nif.get("name")
+        if nif.get("up") is False or not nif.get("addresses") or not isinstance(name, str):
+            continue
+        if hca_matches(spec, name, -1):
+            return True
+    return False
+
+
+def effective_transport(fp: dict) -> str | None:
+    """The network NCCL would use on this node; ``None`` when it cannot be known.
+
+    Returns the net plugin's name when NCCL would load one, else ``"IB"``, ``"RoCE"``,
+    ``"IB+RoCE"`` (ACTIVE ports of both link layers) or ``"Socket"``. A ``NCCL_NET`` that
+    names no network available on the node gives ``"none (NCCL_NET=<value>)"``: NCCL
+    fails to initialise there.
+    """
+    settings = nccl_settings(fp)
+    if settings is None:
+        return None
+    forced = settings.get("NCCL_NET")
+    wanted = forced.lower() if forced is not None else None
+    if wanted not in ("ib", "socket"):
+        plugin = net_plugin_state(fp)
+        if plugin is None:
+            return None
+        used, name = plugin
+        if used and name is not None and (wanted is None or wanted == name.lower()):
+            return name
+    if wanted == "socket":
+        return SOCKET
+    unavailable = f"none (NCCL_NET={forced})"
+    if wanted not in (None, "ib"):
+        return unavailable
+    fallback = unavailable if wanted == "ib" else SOCKET
+    if parse_ib_disable(settings.get("NCCL_IB_DISABLE")):
+        return fallback
+    rdma = part(fp, "rdma")
+    if rdma is None:
+        return None
+    if isinstance(rdma, dict) and "libibverbs" in rdma and rdma["libibverbs"] is None:
+        if errored(fp, "rdma.libibverbs"):
+            return None
+        return fallback
+    result = _ib_result(fp, settings)
+    if result is None:
+        return None
+    if result == SOCKET:
+        return fallback
+    has_ip = _has_ip_interface(fp, settings)
+    if has_ip is None:
+        return None
+    return result if has_ip else fallback
+

@@ -1,0 +1,44 @@
+"""The policy's rules: one module per rule family.
+
+- :mod:`.nccl_version` (nccl-version), :mod:`.net_plugin` (net-plugin),
+  :mod:`.transport` (transport), :mod:`.nccl_conf` (nccl-conf),
+- :mod:`.rdma` (rdma-rate, rdma-port-count, rdma-firmware),
+- :mod:`.gpu` (gpu-driver, gpudirect), :mod:`.unknown_node` (unknown-node).
+
+:data:`COMPARISONS` lists every rule that compares values between nodes, in the order
+findings are reported; ``unknown-node`` is about missing records and stands apart.
+:data:`RULES` lists them all, each with its name, default severity and fields.
+"""
+
+from __future__ import annotations
+
+from ncclguard.policy.rules import (
+    gpu,
+    nccl_conf,
+    nccl_version,
+    net_plugin,
+    rdma,
+    transport,
+    unknown_node,
+)
+from ncclguard.policy.rules.base import Rule
+
+COMPARISONS: tuple[Rule, ...] = (
+    nccl_version.RULE,
+    net_plugin.RULE,
+    transport.RULE,
+    nccl_conf.RULE,
+    rdma.RATE,
+    rdma.PORT_COUNT,
+    rdma.FIRMWARE,
+    gpu.DRIVER,
+    gpu.GPUDIRECT,
+)
+
+#: Every rule, comparisons first and then ``unknown-node``: the one list of rule names,
+#: default severities and fields that the config check, ``diff``/``history``, the
+#: baseline and the diagnose catalog read.
+RULES: tuple[Rule, ...] = (*COMPARISONS, unknown_node.RULE)
+BY_NAME: dict[str, Rule] = {r.name: r for r in RULES}
+
+__all__ = ["BY_NAME", "COMPARISONS", "RULES", "Rule", "unknown_node"]

@@ -1,0 +1,328 @@
+"""Opening the inventory's SQLite file safely, and running reads and writes on it.
+
+- Safety: a file, or a directory holding it, that others can write is refused (as ssh
+  does); a missing parent directory is a missing mount, never created; the file is
+  created ``0644`` with ``O_EXCL | O_NOFOLLOW``.
+- Versions: a reader refuses a schema other than its own; a writer migrates an older
+  one inside one ``BEGIN IMMEDIATE`` transaction (:mod:`ncclguard.store.schema`).
+- Locking: writes are short ``BEGIN IMMEDIATE`` transactions retried with jittered
+  backoff; a read-only reader that meets a killed writer's hot journal waits for a
+  writer within its busy budget. Every ``sqlite3.Error`` becomes an
+  :class:`~ncclguard.store.errors.InventoryError` that names the file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import sqlite3
+import stat
+import time
+import urllib.parse
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, Self
+
+from ncclguard.config import InventoryConfig, default_db_path
+from ncclguard.store.errors import (
+    InventoryCorrupt,
+    InventoryError,
+    InventoryFull,
+    InventoryLocked,
+    InventoryMissing,
+    InventoryReadOnly,
+    InventoryUnsafe,
+    busy,
+    hot_journal,
+    translate,
+)
+from ncclguard.store.schema import MIGRATIONS, SCHEMA_VERSION, GateValues
+
+__all__ = ["DIR_MODE", "FILE_MODE", "Database", "chunks"]
+
+DIR_MODE = 0o755  # readable by the gate's user (slurm) and admins, writable by the owner only
+FILE_MODE = 0o644
+
+
+def _check_safe(path: Path) -> None:
+    """Refuse a database, or a directory holding one, that others can write (as ssh does)."""
+    for p, what in ((path, "the file"), (path.parent, f"its directory {path.parent}")):
+        try:
+            st = os.stat(p)
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            raise InventoryError(path, f"cannot stat {p}: {e.strerror or e}") from None
+        if st.st_mode & stat.S_IWOTH:
+            raise InventoryUnsafe(path, f"{what} has mode {stat.filemode(st.st_mode)}")
+
+
+def _uri(path: Path, mode: str) -> str:
+    return f"file:{urllib.parse.quote(str(path))}?mode={mode}"
+
+
+def chunks(items: list[str], n: int = 30000) -> Iterator[list[str]]:
+    for i in range(0, len(items), n):
+        yield items[i : i + n]
+
+
+
+class Database:
+    """One SQLite file, opened safely: the plumbing under :class:`~ncclguard.store.Inventory`.
+
+    ``readonly=True`` opens the file with ``mode=ro`` and never creates, migrates or
+    writes anything (the gate, the CLI's queries). Otherwise the directory and file are
+    created with safe modes when missing and the schema is migrated to the current
+    version; a writer needs ``values`` (:class:`~ncclguard.store.schema.GateValues`, the
+    policy's ``GATE_VALUES``) to fill the gate's tables. Every write is one short
+    ``BEGIN IMMEDIATE`` transaction, retried with jittered backoff while the database is
+    busy.
+    """
+
+    def __init__(
+        self,
+        path: Path | str | None = None,
+        *,
+        readonly: bool = False,
+        config: InventoryConfig | None = None,
+        values: GateValues | None = None,
+    ) -> None:
+        self.config = config or InventoryConfig()
+        self.path = Path(path) if path is not None else self.config.db_path()
+        self.readonly = readonly
+        if values is None and not readonly:
+            raise ValueError(
+                "a writer of the inventory needs values= (ncclguard.policy.GATE_VALUES): "
+                "the gate's tables hold the policy's values of each node"
+            )
+        self.values = values
+        self._busy_s = max(self.config.busy_timeout_ms, 0) / 1000.0
+        # a test seam: called inside the write transaction, just before COMMIT
+        self._before_commit: Callable[[sqlite3.Connection], None] | None = None
+        self._conn = self._open_ro() if readonly else self._open_rw()
+
+    # ---- opening
+
+    def _open_ro(self) -> sqlite3.Connection:
+        path = self.path
+        if not path.exists():
+            why = "no such file" if path.parent.is_dir() else f"directory {path.parent} is missing"
+            raise InventoryMissing(path, why)
+        _check_safe(path)
+        if not path.is_file():
+            raise InventoryCorrupt(path, "not a regular file")
+        try:
+            conn = sqlite3.connect(
+                _uri(path, "ro"), uri=True, timeout=self._busy_s, isolation_level=None,
+                check_same_thread=False,
+            )
+        except sqlite3.Error as e:
+            raise translate(e, path, "open") from None
+        def probe(c: sqlite3.Connection) -> int:
+            version = int(c.execute("PRAGMA user_version").fetchone()[0])
+            c.execute("SELECT count(*) FROM sqlite_master").fetchone()
+            return version
+
+        try:
+            version = self._read_ro(conn, "open", probe)
+        except InventoryError:
+            conn.close()
+            raise
+        if version == 0:
+            conn.close()
+            raise InventoryMissing(path, "empty database: no inventoryd has written to it yet")
+        self._check_version(conn, version)
+        return conn
+
+    def _ensure_dir(self) -> None:
+        d = self.path.parent
+        if d.is_dir():
+            return
+        # Create only the last component, unless this is the per-user default: a
+        # missing parent is most likely a missing mount, and writing under the mount
+        # point would hide the real inventory.
+        try:
+            if self.path == default_db_path():
+                d.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+            elif d.parent.is_dir():
+                d.mkdir(mode=DIR_MODE, exist_ok=True)
+            else:
+                raise InventoryMissing(
+                    self.path, f"directory {d.parent} does not exist (missing mount?)"
+                )
+            os.chmod(d, DIR_MODE)
+        except PermissionError as e:
+            raise InventoryReadOnly(self.path, f"cannot create {d}: {e.strerror}") from None
+        except OSError as e:
+            if isinstance(e, InventoryError):
+                raise
+            raise InventoryError(self.path, f"cannot create {d}: {e.strerror or e}") from None
+
+    def _create_file(self) -> None:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+        try:
+            fd = os.open(self.path, flags, FILE_MODE)
+        except FileExistsError:
+            return  # another writer won the race; fine
+        except PermissionError as e:
+            raise InventoryReadOnly(self.path, f"cannot create: {e.strerror}") from None
+        except OSError as e:
+            if e.errno == 30:  # EROFS
+                raise InventoryReadOnly(self.path, f"cannot create: {e.strerror}") from None
+            if e.errno == 28:  # ENOSPC
+                raise InventoryFull(self.path, f"cannot create: {e.strerror}") from None
+            raise InventoryError(self.path, f"cannot create: {e.strerror or e}") from None
+        try:
+            os.fchmod(fd, FILE_MODE)
+        finally:
+            os.close(fd)
+
+    def _open_rw(self) -> sqlite3.Connection:
+        path = self.path
+        self._ensure_dir()
+        _check_safe(path)
+        if path.is_symlink() or (path.exists() and not path.is_file()):
+            raise InventoryCorrupt(path, "not a regular file")
+        if not path.exists():
+            self._create_file()
+        try:
+            conn = sqlite3.connect(
+                _uri(path, "rw"), uri=True, timeout=self._busy_s, isolation_level=None,
+                check_same_thread=False,
+            )
+        except sqlite3.Error as e:
+            raise translate(e, path, "open") from None
+        try:
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            self._check_version(conn, version, migrate_ok=True)
+            self._set_journal_mode(conn)
+            if version < SCHEMA_VERSION:
+                self._retrying(conn, self._migrate, "migrate the schema")
+        except InventoryError:
+            conn.close()
+            raise
+        except sqlite3.Error as e:
+            conn.close()
+            raise translate(e, path, "open") from None
+        return conn
+
+    def _check_version(
+        self, conn: sqlite3.Connection, version: int, migrate_ok: bool = False
+    ) -> None:
+        if version > SCHEMA_VERSION:
+            conn.close()
+            raise InventoryCorrupt(
+                self.path,
+                f"schema version {version} is newer than this ncclguard's ({SCHEMA_VERSION}); "
+                "upgrade ncclguard",
+            )
+        if version < SCHEMA_VERSION and not migrate_ok:
+            conn.close()
+            raise InventoryCorrupt(
+                self.path,
+                f"schema version {version} is older than {SCHEMA_VERSION}; "
+                "a writer (ncclguard-inventoryd) migrates it",
+            )
+
+    def _set_journal_mode(self, conn: sqlite3.Connection) -> None:
+        want = self.config.journal_mode.lower()
+        have = conn.execute("PRAGMA journal_mode").fetchone()[0].lower()
+        if have == want:
+            return
+        try:
+            got = conn.execute(f"PRAGMA journal_mode = {'wal' if want == 'wal' else 'delete'}")
+            have = got.fetchone()[0].lower()
+        except sqlite3.OperationalError as e:
+            if not busy(e):
+                raise
+            # switching needs the database to ourselves; the next open tries again
+
+    def _migrate(self, conn: sqlite3.Connection) -> str:
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        if version > SCHEMA_VERSION:
+            raise InventoryCorrupt(self.path, f"schema version {version} appeared during migration")
+        assert self.values is not None  # a writer (checked in __init__)
+        for step in MIGRATIONS[version:]:
+            step(conn, self.values)
+        conn.execute(f"PRAGMA user_version = {int(SCHEMA_VERSION)}")
+        return "migrated"
+
+    # ---- plumbing
+
+    def close(self) -> None:
+        self._conn.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _require_rw(self) -> None:
+        if self.readonly:
+            raise InventoryReadOnly(self.path, "opened read-only")
+
+    def _retrying(
+        self, conn: sqlite3.Connection, body: Callable[[sqlite3.Connection], str], doing: str
+    ) -> str:
+        """Run ``body`` in one BEGIN IMMEDIATE transaction, retrying while busy."""
+        retries = max(self.config.write_retries, 0)
+        started = time.monotonic()
+        for attempt in range(retries + 1):
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+                try:
+                    result = body(conn)
+                    if self._before_commit is not None:
+                        self._before_commit(conn)
+                    conn.execute("COMMIT")
+                except BaseException:
+                    if conn.in_transaction:
+                        with contextlib.suppress(sqlite3.Error):
+                            conn.execute("ROLLBACK")
+                    raise
+                return result
+            except sqlite3.Error as e:
+                if busy(e) and attempt < retries:
+                    time.sleep(min(0.02 * 2**attempt, 1.0) * random.uniform(0.5, 1.5))
+                    continue
+                if busy(e):
+                    spent = time.monotonic() - started
+                    raise InventoryLocked(
+                        self.path,
+                        f"{doing}: still busy after {attempt + 1} tries in {spent:.1f}s "
+                        f"(busy_timeout_ms={self.config.busy_timeout_ms}, "
+                        f"write_retries={retries})",
+                    ) from None
+                raise translate(e, self.path, doing) from None
+        raise AssertionError("unreachable")
+
+    def _reading(self, doing: str, fn: Callable[[sqlite3.Connection], Any]) -> Any:
+        if self.readonly:
+            return self._read_ro(self._conn, doing, fn)
+        try:
+            return fn(self._conn)
+        except sqlite3.Error as e:
+            raise translate(e, self.path, doing) from None
+
+    def _read_ro(
+        self, conn: sqlite3.Connection, doing: str, fn: Callable[[sqlite3.Connection], Any]
+    ) -> Any:
+        """A read on a ``mode=ro`` connection. A hot journal left by a killed writer can
+        only be rolled back by a writer: wait for one within the busy budget."""
+        deadline = time.monotonic() + self._busy_s
+        while True:
+            try:
+                return fn(conn)
+            except sqlite3.Error as e:
+                if not hot_journal(e, self.path):
+                    raise translate(e, self.path, doing) from None
+                if time.monotonic() >= deadline:
+                    raise InventoryLocked(
+                        self.path,
+                        f"{doing}: an interrupted writer left a hot journal "
+                        f"({self.path.name}-journal) that only a writer can roll back; "
+                        "the next write to the inventory recovers it",
+                    ) from None
+                time.sleep(0.05)

@@ -1,0 +1,168 @@
+"""The inventory's schema: its migrations, and the gate's narrow tables.
+
+Tables (docs/store.md): ``nodes`` (one row per host: the fingerprint, its hash, its
+compatibility key and the query columns), ``libraries``, ``plugins``, ``rdma_ports``
+(one row per item, for queries), ``history`` (every change, with its field diff), and
+the gate's ``gate_nodes`` / ``policy_values``.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from ncclguard.fingerprint.canonical import canonical_json
+
+__all__ = ["MIGRATIONS", "SCHEMA_VERSION", "GateValues", "gate_record", "write_gate_row"]
+
+# Each migration takes the schema from version i to i+1. They run inside one
+# BEGIN IMMEDIATE transaction together with the user_version bump, so a
+# migration runs exactly once even when many writers start on a fresh file.
+
+
+def _migrate_0_to_1(conn: sqlite3.Connection, values: GateValues) -> None:
+    from sqlite_utils import Database  # lazy: only writers that create/migrate need it
+
+    db = Database(conn, recursive_triggers=False, execute_plugins=False)
+    tables: list[tuple[str, dict[str, type], Any]] = [
+        (
+            "nodes",
+            {
+                "host": str, "fp_hash": str, "compat_key": str, "compat_values": str,
+                "fingerprint": str, "first_seen": float, "collected_at": float,
+                "last_heartbeat": float, "last_change": float,
+                "nccl_version": str, "nccl_versions": str, "net_plugin": str,
+                "net_plugin_name": str, "net_abi": int, "transport": str,
+                "rdma_ports_up": int, "rdma_ports_total": int, "driver": str,
+                "error_count": int,
+            },
+            "host",
+        ),
+        (
+            "libraries",
+            {
+                "host": str, "path": str, "realpath": str, "version": str,
+                "version_code": int, "cuda_version": str, "sha256": str, "is_default": int,
+            },
+            ("host", "path"),
+        ),
+        (
+            "plugins",
+            {
+                "host": str, "kind": str, "path": str, "name": str, "abi": int,
+                "abis": str, "is_default": int, "error": str,
+            },
+            ("host", "kind", "path"),
+        ),
+        (
+            "rdma_ports",
+            {
+                "host": str, "device": str, "port": int, "state": str, "rate_gbps": float,
+                "link_layer": str, "fw_ver": str, "hca_type": str,
+            },
+            ("host", "device", "port"),
+        ),
+        (
+            "history",
+            {
+                "id": int, "host": str, "at": float, "old_hash": str, "new_hash": str,
+                "diff": str, "fingerprint": str,
+            },
+            "id",
+        ),
+    ]
+    not_null = {
+        "nodes": ["fp_hash", "compat_key", "compat_values", "fingerprint", "first_seen",
+                  "collected_at", "last_heartbeat", "last_change"],
+        "history": ["host", "at", "new_hash", "diff", "fingerprint"],
+    }
+    for name, columns, pk in tables:
+        conn.execute(db.create_table_sql(name, columns, pk=pk, not_null=not_null.get(name)))
+    for sql in (
+        "CREATE INDEX idx_nodes_compat_key ON nodes (compat_key)",
+        "CREATE INDEX idx_nodes_last_heartbeat ON nodes (last_heartbeat)",
+        "CREATE INDEX idx_libraries_version ON libraries (version)",
+        "CREATE INDEX idx_history_host ON history (host, id)",
+        "CREATE INDEX idx_history_at ON history (at)",
+    ):
+        conn.execute(sql)
+
+
+def _migrate_1_to_2(conn: sqlite3.Connection, values: GateValues) -> None:
+    """Add the gate's narrow tables: ``gate_nodes`` and ``policy_values``.
+
+    The gate loads up to 16,384 nodes per job. Reading them from ``nodes`` cost it
+    seconds: every column stored after the fingerprint sits behind that blob's overflow
+    pages. ``gate_nodes`` holds per host only the key of its policy values
+    (:func:`ncclguard.policy.node_values`) and its heartbeat; ``policy_values`` holds each
+    distinct record once, so the gate decodes one record per class, not per node.
+    Existing rows are backfilled.
+    """
+    conn.execute(
+        "CREATE TABLE gate_nodes (host TEXT PRIMARY KEY, policy_key TEXT NOT NULL, "
+        "last_heartbeat REAL NOT NULL, values_version INTEGER NOT NULL) WITHOUT ROWID"
+    )
+    conn.execute("CREATE INDEX idx_gate_nodes_policy_key ON gate_nodes (policy_key)")
+    conn.execute(
+        "CREATE TABLE policy_values (policy_key TEXT PRIMARY KEY, policy_values TEXT NOT NULL) "
+        "WITHOUT ROWID"
+    )
+    rows = conn.execute("SELECT host, fingerprint, last_heartbeat FROM nodes").fetchall()
+    for host, fp_json, heartbeat in rows:
+        try:
+            fp = json.loads(fp_json)
+        except ValueError:
+            continue  # an unreadable fingerprint: the gate sees no record, i.e. unknown
+        write_gate_row(conn, host, gate_record(values, fp), heartbeat, values.version)
+
+
+class GateValues(Protocol):
+    """What the gate reads of one fingerprint, computed where the fingerprint is written.
+
+    The policy owns it (``ncclguard.policy.GATE_VALUES``: its ``node_values`` and their
+    version); the store's callers hand it in, so that the store never imports the policy.
+    ``marker`` is a key that every record holds (a check on what is decoded).
+    """
+
+    @property
+    def version(self) -> int: ...
+    @property
+    def marker(self) -> str: ...
+    @property
+    def compute(self) -> Callable[[dict[str, Any]], dict[str, Any]]: ...
+
+
+def gate_record(values: GateValues, fp: dict[str, Any]) -> tuple[str, str]:
+    """``(key, canonical JSON)`` of what the policy reads of one fingerprint."""
+    import hashlib  # writers only: the gate's read path does not pay for OpenSSL
+
+    text = canonical_json(values.compute(fp))
+    key = hashlib.sha256(f"{values.version}:{text}".encode()).hexdigest()[:32]
+    return key, text
+
+
+def write_gate_row(
+    conn: sqlite3.Connection, host: str, record: tuple[str, str], heartbeat: float, version: int
+) -> None:
+    key, text = record
+    old = conn.execute("SELECT policy_key FROM gate_nodes WHERE host = ?", (host,)).fetchone()
+    conn.execute("INSERT OR IGNORE INTO policy_values VALUES (?, ?)", (key, text))
+    conn.execute(
+        "INSERT OR REPLACE INTO gate_nodes VALUES (?, ?, ?, ?)",
+        (host, key, heartbeat, version),
+    )
+    if old is not None and old[0] != key:  # drop a record that no node uses any more
+        conn.execute(
+            "DELETE FROM policy_values WHERE policy_key = ? AND NOT EXISTS "
+            "(SELECT 1 FROM gate_nodes WHERE policy_key = ?)",
+            (old[0], old[0]),
+        )
+
+
+MIGRATIONS: tuple[Callable[[sqlite3.Connection, GateValues], None], ...] = (
+    _migrate_0_to_1,
+    _migrate_1_to_2,
+)
+SCHEMA_VERSION = len(MIGRATIONS)
