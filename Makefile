@@ -12,3 +12,5 @@ demo-stop:
 
 lint:
 	.venv/bin/ruff check .
+	.venv/bin/lint-imports --no-cache
+	.venv/bin/mypy

@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from policy_fingerprints import device, fingerprint, plugin  # noqa: E402
 
 from ncclguard.config import PolicyConfig  # noqa: E402
-from ncclguard.policy import evaluate, node_values  # noqa: E402
+from ncclguard.policy import evaluate, evaluate_values, node_values  # noqa: E402
 
 
 def wall(fn: Callable[[], object], repeat: int) -> float:
@@ -108,8 +108,9 @@ def main() -> None:
         ("16384 node_values records, shared", {f"n{i:05d}": record for i in range(16384)}),
     ]
     for label, fps in cases:
-        v = evaluate(fps, config)
-        t = wall(lambda fps=fps: evaluate(fps, config), max(3, r // 3))
+        judge = evaluate_values if "node_values" in label else evaluate
+        v = judge(fps, config)
+        t = wall(lambda fps=fps, judge=judge: judge(fps, config), max(3, r // 3))
         print(f"evaluate: {label:44s} {t * 1e3:8.2f} ms  ({t / base:.2f}x of baseline)"
               f"  -> {v.decision}, odd {len(v.odd_nodes)}")
 

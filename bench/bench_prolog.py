@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # devtools/ is not installed
 sys.path.insert(0, str(ROOT / "tests"))
 
 INVENTORY_NODES = 16384

@@ -1,8 +1,8 @@
 """The one TOML config shared by inventoryd, the prolog and the CLI.
 
 ``load()`` reads ``$NCCLGUARD_CONFIG`` or ``/etc/ncclguard/config.toml`` (a missing
-default file means "all defaults"), validates every key and returns a frozen
-:class:`Config`. An error names the key, the value and the file.
+default file means "all defaults"), validates its sections, keys, types and values, and
+returns a frozen :class:`Config`. An error names the key, the value and the file.
 
 The names in ``[policy.severity]`` and ``[baseline]`` belong to the policy's rules, which
 sit above this module: the programs load the file with ``ncclguard.policy.load_config``,
@@ -179,7 +179,11 @@ def config_path() -> Path:
 
 
 def load(path: str | os.PathLike[str] | None = None) -> Config:
-    """Load and validate the config. ``path=None``: ``$NCCLGUARD_CONFIG`` or the default.
+    """Load the config and validate its sections, keys, types and values.
+    ``path=None``: ``$NCCLGUARD_CONFIG`` or the default.
+
+    The rule names in ``[policy.severity]`` and the keys of ``[baseline]`` are left to
+    the policy: programs call ``ncclguard.policy.load_config``, which checks them too.
 
     A missing file is an error when it was named explicitly (argument or environment),
     and "all defaults" when it is the default path.

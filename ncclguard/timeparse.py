@@ -5,8 +5,10 @@ Every command accepts the same forms:
 - an age, counted back from now: ``45s``, ``30m``, ``2h``, ``7d``, ``1w`` (a decimal
   number is fine: ``1.5h``);
 - epoch seconds: ``1700000000``, ``1700000000.25`` or ``@1700000000``;
-- an ISO-8601 date or date-time: ``2026-11-30``, ``2026-11-30T02:13:28Z``,
+- an ISO-8601 date or date-time: ``2026-11-30``, ``20261130``, ``2026-11-30T02:13:28Z``,
   ``2026-11-30 02:13:28+01:00``. Without a zone it is UTC, as every time ncclguard writes.
+  Eight bare digits that make a date (``20261130``) are that date, not epoch seconds
+  (which would be a time in 1970).
 
 Standard library only.
 """
@@ -17,7 +19,10 @@ import re
 import time
 from datetime import UTC, datetime
 
-__all__ = ["FORMS", "parse_iso", "parse_time"]
+__all__ = ["FORMS", "ISO_FORMAT", "iso_utc", "parse_iso", "parse_time"]
+
+#: How ncclguard writes a time: UTC, whole seconds, a ``Z`` (the fingerprint's convention).
+ISO_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
 
 #: What :func:`parse_time` accepts, for help texts and error messages.
 FORMS = "an age (45s, 30m, 2h, 7d, 1w), epoch seconds (1700000000 or @1700000000) or an " \
@@ -43,12 +48,17 @@ def parse_time(text: str | float | datetime, now: float | None = None) -> float:
     if m:
         base = time.time() if now is None else now
         return base - float(m.group(1)) * _UNITS[m.group(2).lower()]
-    if _EPOCH.match(t):
+    if _EPOCH.match(t) and not (len(t) == 8 and t.isdigit() and parse_iso(t) is not None):
         return float(t.lstrip("@"))
     parsed = parse_iso(t)
     if parsed is None:
         raise ValueError(f"{str(text)!r}: expected {FORMS}")
     return parsed
+
+
+def iso_utc(epoch: float) -> str:
+    """``epoch`` as ncclguard writes times: ``2026-11-30T02:13:28Z``."""
+    return datetime.fromtimestamp(epoch, UTC).strftime(ISO_FORMAT)
 
 
 def parse_iso(text: object) -> float | None:

@@ -1,6 +1,6 @@
 """``ncclguard-prolog``: the Slurm ``PrologSlurmctld`` gate. See docs/gate.md.
 
-    SLURM_* env ─▶ Job ─▶ Inventory(readonly).load_values(nodes) ─▶ policy.evaluate ─▶ Verdict
+    SLURM_* env ─▶ Job ─▶ Inventory(readonly).load_values(nodes) ─▶ evaluate_values ─▶ Verdict
                                                                    │
         accept: log + audit, exit 0 (no Slurm call)                │
         warn:   AdminComment, log + audit, exit 0                  ▼
@@ -51,7 +51,8 @@ class Run:
         self.config: Config | None = None
         self.record: dict[str, Any] = {"job": _int_or(self.job_id)}
         self.finished = False
-        self.members: dict[str, list[str]] = {}  # partition -> node names (one sinfo a run)
+        # partitions -> their nodes (one sinfo a run)
+        self.members: dict[frozenset[str], list[str]] = {}
 
     @property
     def on_error(self) -> str:
@@ -180,7 +181,7 @@ def _inventory(run: Run) -> Inventory:
 
 
 def decide(run: Run, job: Job) -> int:
-    from ncclguard.policy import evaluate
+    from ncclguard.policy import evaluate_values
     from ncclguard.store import InventoryError
 
     cfg = run.config
@@ -193,7 +194,7 @@ def decide(run: Run, job: Job) -> int:
     oldest = time.time() - cfg.inventory.stale_after_s
     stale = [h for h, r in records.items() if r is not None and r[1] < oldest]
     values = {h: (r[0] if r is not None else None) for h, r in records.items()}
-    verdict = evaluate(values, cfg.policy, stale=stale, partition=job.partition or None)
+    verdict = evaluate_values(values, cfg.policy, stale, job.partition or None)
     if verdict.odd_tie:  # refuse path only: several minimum odd sets, ask which to keep
         verdict, run.record["tie_break"] = _break_tie(run, job, verdict, values, stale)
     run.record.update(
@@ -216,13 +217,13 @@ def decide(run: Run, job: Job) -> int:
     return refuse(run, job, verdict)
 
 
-def _partition_nodes(run: Run, partition: str) -> list[str]:
-    """The nodes of ``partition`` (``a,b``: of either), asked of Slurm once per run."""
-    members = run.members.get(partition)
+def _partition_nodes(run: Run, partitions: set[str]) -> list[str]:
+    """The nodes of any of ``partitions``, asked of Slurm once per run."""
+    key = frozenset(partitions)
+    members = run.members.get(key)
     if members is None:
-        wanted = {p for p in partition.split(",") if p}
-        names = [n.name for n in _slurm(run).nodes() if wanted & set(n.partitions)]
-        members = run.members[partition] = sorted(set(names))
+        names = [n.name for n in _slurm(run).nodes() if key & set(n.partitions)]
+        members = run.members[key] = sorted(set(names))
     return members
 
 
@@ -232,27 +233,34 @@ def _break_tie(
     """The policy's one tie-break (:func:`ncclguard.policy.break_tie`): keep the largest
     class of the job's partition, as Slurm lists its nodes (of the whole inventory when
     Slurm cannot say). A failed inventory read keeps the choice by name."""
-    from ncclguard.policy import break_tie
+    from ncclguard.policy import break_tie, evaluate_values
     from ncclguard.slurm import SlurmError
     from ncclguard.store import InventoryError
 
     cfg = run.config
     assert cfg is not None
 
-    def members(names: set[str]) -> list[str]:  # names: those of job.partition
+    def members(names: set[str]) -> list[str]:
         try:
-            return _partition_nodes(run, job.partition)
+            return _partition_nodes(run, names)
         except SlurmError as e:
             run.log(f"tie-break: partition nodes unknown ({e}); using the whole inventory")
             return []
 
-    try:
+    def classes(among: list[str] | None) -> list[list[str]]:
+        # opened after Slurm was asked: its busy wait is capped at what is left by then
         with _inventory(run) as inv:
-            return break_tie(
-                verdict, values, cfg.policy,
-                classes=lambda among: [c.hosts for c in inv.classes(among)],
-                members=members, stale=stale, partition=job.partition or None,
-            )
+            return [c.hosts for c in inv.classes(among)]
+
+    try:
+        return break_tie(
+            verdict,
+            again=lambda prefer: evaluate_values(
+                values, cfg.policy, stale, job.partition or None, prefer
+            ),
+            classes=classes,
+            members=members,
+        )
     except InventoryError as e:
         run.log(f"tie-break: {e}; odd nodes chosen by name", error=True)
         return verdict, f"none ({e})"
@@ -323,6 +331,7 @@ def refuse(run: Run, job: Job, verdict: Verdict) -> int:
 def _cannot_steer(run: Run, job: Job, odd: list[str]) -> str:
     """Why excluding ``odd`` cannot give the job a compatible set ('' if it can)."""
     from ncclguard.hostlist import compress, expand
+    from ncclguard.policy import partitions_of
 
     cfg = run.config
     assert cfg is not None
@@ -334,7 +343,7 @@ def _cannot_steer(run: Run, job: Job, odd: list[str]) -> str:
         return f"pinned with -w to {compress(pinned)}"
     excluded = set(expand(info.excluded_nodes)) if info and info.excluded_nodes else set()
     partition = job.partition or (info.partition if info else "")
-    members = _partition_nodes(run, partition) if partition else []
+    members = _partition_nodes(run, partitions_of(partition)) if partition else []
     candidates = sorted(set(members) - excluded - set(odd))
     with _inventory(run) as inv:
         classes = inv.classes(candidates) if candidates else []
@@ -403,7 +412,8 @@ def _arm_deadline(run: Run, seconds: float) -> None:
 
 
 def main(env: Mapping[str, str] | None = None) -> int:
-    """Entry point of ``ncclguard-prolog``. Returns the exit status for Slurm."""
+    """One gate run over ``env`` (default: this process's): the exit status for Slurm.
+    The program ``ncclguard-prolog`` is :func:`run_as_program`."""
     environ = os.environ if env is None else env
     run = Run(environ)
     _arm_deadline(run, _DEFAULT_DEADLINE_S)
@@ -456,7 +466,7 @@ def _main(run: Run) -> int:
     return decide(run, job)
 
 
-def run() -> None:
+def run_as_program() -> None:
     """The program ``ncclguard-prolog``: :func:`main` in a process of its own.
 
     One short-lived process per job that frees nothing before it exits: the cyclic garbage
@@ -467,4 +477,4 @@ def run() -> None:
 
 
 if __name__ == "__main__":
-    run()
+    run_as_program()

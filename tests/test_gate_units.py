@@ -424,3 +424,40 @@ def test_a_locked_inventory_cannot_outlast_the_deadline(tmp_path: Path) -> None:
         conn.close()
     assert r.returncode == 0 and dt < 3, (dt, r.stderr)
     assert "ERROR: inventory" in r.stderr and "locked" in r.stderr
+
+
+def test_the_tie_break_opens_the_inventory_after_asking_slurm(tmp_path: Path) -> None:
+    """The tie-break's inventory read waits for a lock inside SQLite, where the deadline's
+    handler cannot run, so its wait is capped at what is left of the deadline when it is
+    opened: after the (slow) sinfo, not before it. Here sinfo takes 1.5 s and, meanwhile,
+    another process locks the inventory: the gate must still end within its deadline."""
+    inventory(tmp_path, {"n3": "2.18.3"})
+    db = tmp_path / "inventory.db"
+    done = tmp_path / "locker.done"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    locker = (
+        f"import sqlite3, time, pathlib; c = sqlite3.connect({str(db)!r});"
+        f" c.execute('BEGIN EXCLUSIVE'); time.sleep(4); c.rollback();"
+        f" pathlib.Path({str(done)!r}).touch()"
+    )
+    (bin_dir / "sinfo").write_text(
+        f"#!/bin/sh\n{sys.executable} -c \"{locker}\" </dev/null >/dev/null 2>&1 &\n"
+        "sleep 1.5\nexit 1\n"
+    )
+    for name in ("scontrol", "squeue"):
+        (bin_dir / name).write_text("#!/bin/sh\nexit 0\n")
+    for p in bin_dir.iterdir():
+        p.chmod(0o700)
+    env = {"SLURM_JOB_NODELIST": "n[3-4]", "SLURM_JOB_NUM_NODES": "2"}
+    try:
+        r, dt = run_gate(tmp_path, f'slurm_bin_dir = "{bin_dir}"\ndeadline_s = 2.5', env)
+        rec = last(tmp_path)
+    finally:
+        for _ in range(100):  # the locker holds the lock 4 s, then leaves
+            if done.exists():
+                break
+            time.sleep(0.1)
+    assert dt < 3.2, (dt, r.stderr)
+    assert r.returncode == 1 and rec["decision"] == "refuse", r.stderr
+    assert rec["tie_break"].startswith("none (") and "locked" in rec["tie_break"], rec

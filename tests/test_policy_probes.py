@@ -19,7 +19,7 @@ from inventoryd.collect import collect
 from ncclguard.config import InventorydConfig, PolicyConfig
 from ncclguard.fingerprint.compat import compat_key, compat_values
 from ncclguard.fingerprint.transport import effective_transport
-from ncclguard.policy import DEFAULT_SEVERITY, evaluate, node_values
+from ncclguard.policy import DEFAULT_SEVERITY, evaluate, evaluate_values, node_values
 
 PLUGIN_PATH = f"{LIBDIR}/libnccl-net.so"
 
@@ -66,7 +66,7 @@ def test_nccl_version_from_real_libraries(node: Callable[..., dict]) -> None:
     v = evaluate(fps, DEFAULT)
     # the per-node records the store can keep give the same verdict, through JSON
     records = {h: json.loads(json.dumps(node_values(fp))) for h, fp in fps.items()}
-    assert evaluate(records, DEFAULT) == v
+    assert evaluate_values(records, DEFAULT) == v
     assert v.decision == "refuse"
     assert rules_found(v)[0] == (
         "nccl-version", "refuse", "nccl 2.18.3: n3 | nccl 2.21.5: n[1-2,4]"

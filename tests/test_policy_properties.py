@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from policy_fingerprints import error, fingerprint, plugin
 
 from ncclguard.config import PolicyConfig
-from ncclguard.policy import DEFAULT_SEVERITY, evaluate, majority, node_values
+from ncclguard.policy import DEFAULT_SEVERITY, evaluate, evaluate_values, majority, node_values
 
 # min_nodes=1 so that "compatible" below means "no refuse-level finding" for any subset
 CONFIGS = {
@@ -98,7 +98,7 @@ def test_verdict_does_not_depend_on_node_order(case: tuple, config_name: str) ->
     assert a.format_text() == b.format_text()
     # the precomputed per-node records give the same verdict
     records = {h: (node_values(fp) if fp is not None else None) for h, fp in shuffled.items()}
-    c = evaluate(records, config, stale={"n1"} & set(fps))
+    c = evaluate_values(records, config, stale={"n1"} & set(fps))
     assert c.to_dict() == a.to_dict()
 
 

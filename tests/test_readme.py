@@ -122,7 +122,8 @@ def test_install_from_checkout_and_wheel(tmp_path: Path) -> None:
                    "ncclguard/cli/group.py", "ncclguard/diagnose/signatures.toml"):
         assert module in names
     for script in ("ncclguard = ncclguard.cli:main", "ncclguard-inventoryd = inventoryd.main:main",
-                   "ncclguard-prolog = prolog.gate:run", "ncclguard-epilog = prolog.epilog:main"):
+                   "ncclguard-prolog = prolog.gate:run_as_program",
+                   "ncclguard-epilog = prolog.epilog:main"):
         assert script in eps
     assert not any(n.startswith("devtools/") for n in names)  # the dev kit stays out
     _run([pip, "install", "-q", "--force-reinstall", "--no-deps", str(wheel)], tmp_path)

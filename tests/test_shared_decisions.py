@@ -103,14 +103,17 @@ def test_break_tie_keeps_the_partitions_majority_else_the_inventorys() -> None:
         asked.append(among)
         return [["n4", "n5", "n6"], ["n3"]]
 
-    again, why = break_tie(verdict, fps, cfg, classes, lambda names: ["n3", "n4", "n5", "n6"]
-                           if names == {"a", "b"} else [], partition="a,b")
-    assert again.odd_nodes == ["n3"] and again.decision == "refuse"
+    def again(prefer: Any) -> Any:
+        return evaluate(fps, cfg, partition="a,b", prefer=prefer)
+
+    kept, why = break_tie(verdict, again, classes, lambda names: ["n3", "n4", "n5", "n6"]
+                          if names == {"a", "b"} else [])
+    assert kept.odd_nodes == ["n3"] and kept.decision == "refuse"
     assert why == "majority class of partition a,b (3 nodes)"
     assert asked == [["n3", "n4", "n5", "n6"]]
-    _, why = break_tie(verdict, fps, cfg, classes, lambda names: [], partition="a,b")
+    _, why = break_tie(verdict, again, classes, lambda names: [])
     assert why == "majority class of the inventory (3 nodes)" and asked[-1] is None
-    _, why = break_tie(verdict, fps, cfg, lambda among: [["n3"], ["n4"]], partition="a,b")
+    _, why = break_tie(verdict, again, lambda among: [["n3"], ["n4"]])
     assert why == "none (no single largest class in the inventory)"
 
 
@@ -122,7 +125,7 @@ def test_break_tie_without_a_tie_reads_nothing() -> None:
     def never(among: list[str] | None) -> list[list[str]]:
         raise AssertionError("no tie: no look-up")
 
-    assert break_tie(verdict, fps, PolicyConfig(), never) == (verdict, None)
+    assert break_tie(verdict, lambda prefer: verdict, never) == (verdict, None)
 
 
 def test_check_and_diagnose_break_a_tie_alike(tmp_path: Path) -> None:
@@ -173,6 +176,11 @@ def test_store_diff_and_drain_read_one_active_port_count(tmp_path: Path) -> None
             inv.upsert(fp)
         rows = {r["host"]: r for r in inv.nodes()}
     assert rows["n5"]["rdma_ports_up"] is None and rows["n1"]["rdma_ports_up"] == 4
+    assert json.loads(_cli(db, tmp_path, "", "nodes").stdout)["nodes"][4]["rdma_ports_up"] is None
+    cfg_path = tmp_path / "plain.toml"
+    cfg_path.write_text("")
+    text = CliRunner().invoke(main, ["--db", str(db), "--config", str(cfg_path), "nodes"]).stdout
+    assert next(ln for ln in text.splitlines() if ln.startswith("n5 ")).split()[5] == "?/4"
     d = diff({"n1": base["n1"], "n5": _unknown_port_state("n5")})
     assert "rdma.active_ports" in {u.field for u in d.unknown}
     assert "rdma.active_ports" not in {x.field for x in d.differences}

@@ -368,7 +368,7 @@ def test_the_gate_path_uses_plain_sqlite3_only(db: Path) -> None:
 def test_migration_to_v2_backfills_the_gate_values(tmp_path: Path) -> None:
     """v1 rows get ``policy_values``; the gate's read then matches the policy's own."""
     from ncclguard.config import PolicyConfig
-    from ncclguard.policy import evaluate, node_values
+    from ncclguard.policy import evaluate, evaluate_values, node_values
 
     p = tmp_path / "inventory.db"
     fps = {"n1": make_fp("n1"), "n2": make_fp("n2"), "n3": make_fp("n3", nccl="2.18.3")}
@@ -401,14 +401,15 @@ def test_migration_to_v2_backfills_the_gate_values(tmp_path: Path) -> None:
         again = inv.load_values(["n1", "n3"])
     assert again["n1"][1] == 5 and again["n3"][1] == 2  # type: ignore[index]
     values = {h: (r[0] if r else None) for h, r in got.items() if h != "n9"}
-    assert evaluate(values, PolicyConfig()).to_dict() == evaluate(fps, PolicyConfig()).to_dict()
+    from_values = evaluate_values(values, PolicyConfig())
+    assert from_values.to_dict() == evaluate(fps, PolicyConfig()).to_dict()
 
 
 def test_gate_values_never_trust_an_unreadable_or_older_record(db: Path) -> None:
     """Undecodable values, or values of another GATE_VALUES.version, are computed again from
     the fingerprint; a node whose fingerprint is unreadable too is unknown (None)."""
     from ncclguard.config import PolicyConfig
-    from ncclguard.policy import evaluate, node_values
+    from ncclguard.policy import evaluate_values, node_values
 
     VALUES_VERSION = GATE_VALUES.version
 
@@ -428,7 +429,7 @@ def test_gate_values_never_trust_an_unreadable_or_older_record(db: Path) -> None
         got = inv.load_values(["n1", "n2", "n3"])
     assert got["n2"][0] == node_values(fps["n2"])  # type: ignore[index]
     assert got["n3"][0] == node_values(fps["n3"])  # type: ignore[index]
-    verdict = evaluate({h: r[0] for h, r in got.items() if r}, PolicyConfig())
+    verdict = evaluate_values({h: r[0] for h, r in got.items() if r}, PolicyConfig())
     assert verdict.decision == "refuse" and verdict.odd_nodes == ["n2"]
 
     # the next daemon cycle rewrites the older record, though the fingerprint is the same

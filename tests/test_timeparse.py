@@ -33,6 +33,8 @@ def test_epoch_seconds(text: str, epoch: float) -> None:
 def test_iso_times_are_utc_without_a_zone() -> None:
     midnight = datetime(2026, 11, 30, tzinfo=UTC).timestamp()
     assert parse_time("2026-11-30") == midnight
+    assert parse_time("20261130") == midnight  # eight digits that make a date: the date
+    assert parse_time("20261399") == 20261399.0  # no date: epoch seconds
     assert parse_time("2026-11-30T00:00:00Z") == midnight
     assert parse_time("2026-11-30 02:00:00+02:00") == midnight
     assert parse_time(datetime(2026, 11, 30)) == midnight

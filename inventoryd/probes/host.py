@@ -8,18 +8,19 @@ is the ``--hostname`` value if given, else the short form (up to the first dot) 
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+import time
 from typing import Any
 
 from inventoryd.nodefs import ErrorLog, NodeFS
 from ncclguard import __version__
+from ncclguard.timeparse import iso_utc
 
 PROBE = "host"
 
 
 def utc_now() -> str:
     """Now as the schema's UTC ISO-8601 string with a ``Z`` (second precision)."""
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return iso_utc(time.time())
 
 
 def short_name(name: str) -> str:

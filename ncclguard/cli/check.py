@@ -56,10 +56,10 @@ def check(hostlist: str, partition: str | None, as_json: bool, as_csv: bool) -> 
     policy = c.config.policy
     verdict = evaluate(fps, policy, stale=stale, partition=partition)
     verdict, tie_break = break_tie(
-        verdict, fps, policy,
+        verdict,
+        again=lambda prefer: evaluate(fps, policy, stale, partition, prefer),
         classes=lambda among: [k.hosts for k in c.inv("classes", among)],
         members=lambda names: _members(c, names),
-        stale=stale, partition=partition,
     )
     decision = str(verdict.decision)
     doc = verdict.to_dict()

@@ -11,7 +11,6 @@ import click
 from ncclguard.cli import output as out
 from ncclguard.cli.context import TIME, TIME_HELP, format_options, get_ctx
 from ncclguard.cli.errors import fail
-from ncclguard.fingerprint.model import obj
 
 __all__ = ["decisions"]
 
@@ -33,7 +32,8 @@ def _decision_row(rec: Mapping[str, Any]) -> dict[str, Any]:
     t = _first(rec, "time", "ts", "at", "timestamp")
     if isinstance(t, int | float):
         t = out.iso(float(t))
-    verdict = obj(rec, "verdict")
+    given = rec.get("verdict")
+    verdict = given if isinstance(given, Mapping) else {}
     return {
         "time": t,
         "job": _first(rec, "job", "job_id"),

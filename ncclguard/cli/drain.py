@@ -14,6 +14,7 @@ from ncclguard.cli import output as out
 from ncclguard.cli.context import Ctx, format_options, get_ctx, resolve_sets
 from ncclguard.cli.errors import fail
 from ncclguard.hostlist import compress
+from ncclguard.policy.settings import BASELINE_KEYS
 
 __all__ = ["drain_recommend", "gather_facts"]
 
@@ -27,19 +28,30 @@ ACTION_COLUMNS: list[out.Column] = [
 
 
 def gather_facts(c: Ctx, hosts: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(facts per host, class values per compat_key) from the inventory's query tables
-    alone: ``rdma_ports_up`` is NULL where a port's state is unknown
-    (:func:`ncclguard.fingerprint.fields.active_ports`)."""
+    """(facts per host, class values per compat_key) from the inventory's query tables.
+
+    The active ports are :func:`ncclguard.fingerprint.fields.active_ports`, as the store's
+    ``rdma_ports_up`` column holds them. For nodes with probe errors they are read from
+    the fingerprint itself: a row written before that column said "unknown" (NULL)
+    counted an unreadable port as down.
+    """
+    from ncclguard.fingerprint.fields import active_ports
     from ncclguard.policy.drain import NodeFacts
 
     wanted = set(hosts)
     cls = c.inv("classes", None)  # all of them: cheaper than a 16,000-name filter
     values = {k.compat_key: k.values for k in cls}
     rows = [r for r in c.inv("nodes", None) if r["host"] in wanted]
+    ports_up = {r["host"]: r["rdma_ports_up"] for r in rows}
+    with_errors = [r["host"] for r in rows if r.get("error_count")]
+    if with_errors:
+        for h, rec in c.inv("load", with_errors).items():
+            if rec is not None:
+                ports_up[h] = active_ports(rec.fingerprint)
     facts = {
         r["host"]: NodeFacts(
             host=r["host"], compat_key=r["compat_key"], values=values.get(r["compat_key"], {}),
-            last_heartbeat=r["last_heartbeat"], ports_up=r["rdma_ports_up"],
+            last_heartbeat=r["last_heartbeat"], ports_up=ports_up[r["host"]],
             ports_total=r["rdma_ports_total"],
         )
         for r in rows
@@ -122,7 +134,7 @@ def drain_recommend(partition: str | None, nodes_opt: str | None, do_apply: bool
             if b and b.get("compat_key"):
                 vals = b.get("values") or {}
                 desc = ", ".join(f"{k} {vals.get(k)}" for k in
-                                 ("nccl", "net_plugin", "net_abi", "transport"))
+                                 BASELINE_KEYS)
                 how = "pinned" if b.get("pinned") else f"majority {b.get('share', 0):.0%}"
                 lines.append(f"  baseline: class {b['compat_key']} ({how}, {b['count']} "
                              f"nodes): {desc}")

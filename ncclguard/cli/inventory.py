@@ -36,7 +36,7 @@ WHERE_ALIASES = {
 }
 _INT_COLUMNS = {"net_abi", "rdma_ports_up", "rdma_ports_total", "error_count"}
 
-NODE_COLUMNS: list[out.Column] = [
+NODE_TABLE: list[out.Column] = [
     ("host", "HOST"), ("nccl", "NCCL"), ("net_plugin_name", "PLUGIN"), ("net_abi", "ABI"),
     ("transport", "TRANSPORT"), ("rdma", "RDMA UP/TOTAL"), ("driver", "DRIVER"),
     ("heartbeat", "LAST HEARTBEAT"), ("age", "AGE"), ("error_count", "ERRORS"),
@@ -106,7 +106,8 @@ def _node_row(r: dict[str, Any], now: float, ttl: float) -> dict[str, Any]:
     r["status"] = "stale" if stale else ("errors" if r.get("error_count") else "ok")
     # table-only cells
     r["nccl"] = shown
-    r["rdma"] = f"{r.get('rdma_ports_up', 0)}/{r.get('rdma_ports_total', 0)}"
+    up, total = r.get("rdma_ports_up"), r.get("rdma_ports_total")
+    r["rdma"] = f"{'?' if up is None else up}/{'?' if total is None else total}"
     r["heartbeat"] = when
     r["age"] = out.age(age)
     return r
@@ -162,8 +163,8 @@ def nodes(partition: str | None, nodes_opt: str | None, where: tuple[str, ...], 
     text = None
     if c.fmt == "table":
         head = f"{node_set.describe()}\n" if node_set else ""
-        text = head + out.table(result, NODE_COLUMNS) + f"{len(result)} nodes\n"
-    c.emit(doc, rows=result, columns=NODE_COLUMNS, text=text, csv_columns=NODE_CSV)
+        text = head + out.table(result, NODE_TABLE) + f"{len(result)} nodes\n"
+    c.emit(doc, rows=result, columns=NODE_TABLE, text=text, csv_columns=NODE_CSV)
 
 
 CLASS_COLUMNS: list[out.Column] = [

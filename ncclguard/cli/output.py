@@ -14,8 +14,9 @@ import json
 import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from datetime import UTC, datetime
 from typing import Any
+
+from ncclguard.timeparse import iso_utc
 
 FORMATS = ("table", "json", "csv")
 
@@ -98,7 +99,7 @@ def iso(epoch: float | None) -> str | None:
 @functools.lru_cache(maxsize=4096)
 def _iso_second(second: int) -> str:
     # heartbeats of thousands of nodes fall on a few hundred distinct seconds
-    return datetime.fromtimestamp(second, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return iso_utc(second)
 
 
 def age(seconds: float | None) -> str | None:

@@ -113,9 +113,9 @@ def _preferring_majority(inv: Any) -> Callable[..., Any]:
     def preferring(fps: Any, config: Any, **kw: Any) -> Any:
         verdict = evaluate(fps, config, **kw)
         return break_tie(
-            verdict, fps, config,
+            verdict,
+            again=lambda prefer: evaluate(fps, config, prefer=prefer, **kw),
             classes=lambda among: [c.hosts for c in inv.classes(among)],
-            stale=kw.get("stale", ()), partition=kw.get("partition"),
         )[0]
 
     return preferring

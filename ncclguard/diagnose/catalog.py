@@ -19,7 +19,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from ncclguard.policy.rules import BY_NAME as RULES
+from ncclguard.policy.rules import BY_NAME
 
 BUILTIN = "signatures.toml"
 KINDS = ("line", "differs")
@@ -236,8 +236,8 @@ def _signature(e: dict[str, Any], sig_id: str, where: str, source: str) -> Signa
     confirm = _strings(e, "confirm", where)
     rules = _strings(e, "rules", where)
     for r in rules:
-        if r not in RULES:
-            raise CatalogError(f"{where}: rules: unknown rule {r!r} (known: {', '.join(RULES)})")
+        if r not in BY_NAME:
+            raise CatalogError(f"{where}: rules: unknown rule {r!r} (known: {', '.join(BY_NAME)})")
     return Signature(
         id=sig_id, kind=kind, scope=scope, level=level, patterns=patterns, weight=weight,
         odd=odd, confirm=confirm, rules=rules, source=source, **texts,

@@ -19,10 +19,10 @@ import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any
 
 from ncclguard.hostlist import compress
+from ncclguard.timeparse import iso_utc
 
 from .catalog import Catalog, Signature
 from .logparse import _PREFIX, LogReader, ReadProblem, launcher_rank, strip_tag
@@ -649,7 +649,7 @@ class InventoryView:
 
     @property
     def when_text(self) -> str:
-        return datetime.fromtimestamp(self.when, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        return iso_utc(self.when)
 
 
 def inventory_view(

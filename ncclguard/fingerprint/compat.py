@@ -28,17 +28,19 @@ import json
 from ncclguard.fingerprint.fields import ABSENT, nccl_version, net_plugin
 from ncclguard.fingerprint.transport import effective_transport
 
-__all__ = ["COMPAT_FIELDS", "DERIVED_VERSION", "compat_key", "compat_values"]
+__all__ = ["COMPAT_FIELDS", "VALUES_VERSION", "compat_key", "compat_values"]
 
 COMPAT_FIELDS = ("nccl", "nccl_paths", "net_plugin", "net_abi", "transport")
 
 #: The version of what is derived from a fingerprint where it is written: these compat
-#: values, the store's query columns (:mod:`ncclguard.store.rows`) and the field readers
-#: of :mod:`ncclguard.fingerprint.fields` and :mod:`.transport`. **Bump it whenever one of
-#: them changes meaning**; it is part of ``ncclguard.policy.GATE_VALUES.version``, so the
-#: daemon then rewrites each node's derived values at its next cycle, and until then the
-#: gate recomputes them from the stored fingerprint instead of trusting an older record.
-DERIVED_VERSION = 2
+#: values, the store's query columns (:mod:`ncclguard.store.rows`), the field readers of
+#: :mod:`ncclguard.fingerprint.fields` and :mod:`.transport`, and the rules' values
+#: (``ncclguard.policy.node_values``, whose ``GATE_VALUES`` carry this number). **Bump it
+#: whenever one of them changes meaning**: the daemon then rewrites each node's derived
+#: values at its next cycle, and until then the gate recomputes them from the stored
+#: fingerprint instead of trusting an older record (slower: a bump costs the gate time
+#: until every daemon has run once).
+VALUES_VERSION = 2
 
 
 def _configured_paths(fp: dict) -> dict[str, str | None] | None:

@@ -19,9 +19,11 @@ from ncclguard.policy.evaluation import (
     GATE_VALUES,
     NODE_VALUES,
     evaluate,
+    evaluate_values,
     in_scope,
     node_values,
     odd_nodes,
+    partitions_of,
 )
 from ncclguard.policy.settings import DEFAULT_SEVERITY, load_config, severity_of
 from ncclguard.policy.tiebreak import break_tie, majority
@@ -35,10 +37,12 @@ __all__ = [
     "Verdict",
     "break_tie",
     "evaluate",
+    "evaluate_values",
     "in_scope",
     "load_config",
     "majority",
     "node_values",
     "odd_nodes",
+    "partitions_of",
     "severity_of",
 ]

@@ -30,13 +30,13 @@ import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from ncclguard.config import Config
 from ncclguard.policy.baseline import choose_baseline, pin_diffs
 from ncclguard.policy.settings import BASELINE_KEYS, severity_of
 from ncclguard.slurm import clean_text
+from ncclguard.timeparse import iso_utc
 
 REASON_PREFIX = "ncclguard:"
 REASON_MAX = 250  # the adapter cuts drain reasons to this length
@@ -136,10 +136,6 @@ class Plan:
 Judge = Callable[[str, str], list[tuple[str, str]]]
 
 
-def _when(epoch: float) -> str:
-    return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
 def _fmt(v: Any) -> str:
     return "unknown" if v is None else str(v)
 
@@ -183,7 +179,7 @@ def recommend(
                 recs[h] = Recommendation(h, KIND_MISSING,
                                          f"{REASON_PREFIX} no heartbeat (not in the inventory)")
             elif f.last_heartbeat is None or now - f.last_heartbeat > ttl:
-                since = _when(f.last_heartbeat) if f.last_heartbeat is not None else "ever"
+                since = iso_utc(f.last_heartbeat) if f.last_heartbeat is not None else "ever"
                 recs[h] = Recommendation(h, KIND_STALE,
                                          f"{REASON_PREFIX} no heartbeat since {since}")
             else:
@@ -305,9 +301,6 @@ def values_judge(values: Mapping[str, Mapping[str, Any]], config: Config) -> Jud
         return out
 
     return judge
-
-
-# --- facts from fingerprints --------------------------------------------------------------
 
 
 # --- carrying a plan out through Slurm ----------------------------------------------------

@@ -21,7 +21,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from ncclguard.config import PolicyConfig
-from ncclguard.fingerprint.compat import DERIVED_VERSION
+from ncclguard.fingerprint.compat import VALUES_VERSION
 from ncclguard.policy.rules import COMPARISONS, unknown_node
 from ncclguard.policy.rules.base import ANY, Rule, Values, aspects, compare, value_of
 from ncclguard.policy.settings import severity_of
@@ -30,32 +30,28 @@ from ncclguard.policy.verdict import SEVERITY_RANK, Finding, Verdict
 __all__ = [
     "GATE_VALUES",
     "NODE_VALUES",
-    "RULES_VERSION",
     "StoredValues",
     "evaluate",
+    "evaluate_values",
     "in_scope",
     "node_values",
     "odd_nodes",
+    "partitions_of",
 ]
 
 #: The marker (and format version) of a :func:`node_values` record.
 NODE_VALUES = "ncclguard_node_values"
 
-#: The version of the rules' values functions. **Bump it whenever one changes meaning**
-#: (a new aspect, another reading of a field): with the fingerprint model's
-#: ``DERIVED_VERSION`` it makes :data:`GATE_VALUES`' version, so records that an older
-#: policy stored are computed again (docs/store.md, "The gate's tables").
-RULES_VERSION = 1
-
 
 def node_values(fp: dict) -> dict:
     """Everything the rules read from one fingerprint, as a small JSON-ready record.
 
-    ``{"ncclguard_node_values": 1, "rules": {rule: {aspect: value}}}``. :func:`evaluate`
-    takes it in place of the fingerprint and gives the same verdict. Computed where the
-    fingerprint is written (inventoryd / the store), it takes the per-node work off the
-    gate's path: nodes with equal records (equal :func:`json.dumps` with sorted keys) can
-    share one decoded object, and then cost one comparison together.
+    ``{"ncclguard_node_values": 1, "rules": {rule: {aspect: value}}}``.
+    :func:`evaluate_values` takes it in place of the fingerprint and gives the same
+    verdict. Computed where the fingerprint is written (inventoryd / the store), it takes
+    the per-node work off the gate's path: nodes with equal records (equal
+    :func:`json.dumps` with sorted keys) can share one decoded object, and then cost one
+    comparison together.
     """
     values = _rule_values(fp, COMPARISONS)
     return {NODE_VALUES: 1, "rules": {r.name: v for r, v in zip(COMPARISONS, values, strict=True)}}
@@ -71,8 +67,15 @@ class StoredValues(NamedTuple):
 
 
 #: Handed to every :class:`~ncclguard.store.Inventory` that writes the gate's tables or
-#: reads them (the daemon, the gate): the store itself never imports the policy.
-GATE_VALUES = StoredValues(DERIVED_VERSION * 1000 + RULES_VERSION, NODE_VALUES, node_values)
+#: reads them (the daemon, the gate): the store itself never imports the policy. A change
+#: of meaning in a rule's values bumps ``VALUES_VERSION`` (ncclguard/fingerprint/compat.py).
+GATE_VALUES = StoredValues(VALUES_VERSION, NODE_VALUES, node_values)
+
+
+def partitions_of(partition: str | None) -> set[str]:
+    """The partitions of a job's partition value: Slurm gives a job submitted to several
+    (``-p a,b``) the comma-separated list until it runs."""
+    return {p for p in (partition or "").split(",") if p}
 
 
 def in_scope(config: PolicyConfig, partition: str | None, node_count: int) -> str | None:
@@ -81,17 +84,15 @@ def in_scope(config: PolicyConfig, partition: str | None, node_count: int) -> st
     A multi-partition value (``a,b``) is guarded when any of its partitions is. An unknown
     partition (``None``) is checked.
     """
-    if config.partitions and partition is not None:
-        parts = [p for p in partition.split(",") if p]
-        if not any(p in config.partitions for p in parts):
-            return f"partition {partition} is not guarded"
+    if (
+        config.partitions
+        and partition is not None
+        and not partitions_of(partition) & set(config.partitions)
+    ):
+        return f"partition {partition} is not guarded"
     if node_count < config.min_nodes:
         return f"{node_count} node(s), fewer than min_nodes={config.min_nodes}: not checked"
     return None
-
-
-def _severity(config: PolicyConfig, rule: str) -> str:
-    return severity_of(config, rule)
 
 
 def _rule_values(fp: dict, rules: Sequence[Rule]) -> list[Values]:
@@ -109,20 +110,26 @@ def _rule_values(fp: dict, rules: Sequence[Rule]) -> list[Values]:
     return out
 
 
+def _record_values(record: dict, rules: Sequence[Rule]) -> list[Values]:
+    """Each rule's values from a :func:`node_values` record (a rule it lacks: unknown)."""
+    known = record["rules"]
+    return [known.get(rule.name) or {ANY: None} for rule in rules]
+
+
+#: How :func:`_evaluate` reads a node: a fingerprint, or a :func:`node_values` record.
+Reader = Callable[[dict, Sequence[Rule]], list[Values]]
+
+
 def _classes(
-    fingerprints: Mapping[str, dict], rules: Sequence[Rule]
+    nodes: Mapping[str, dict], rules: Sequence[Rule], read: Reader
 ) -> list[tuple[list[Values], list[str]]]:
     """``(values per rule, hosts)`` for each distinct combination of rule values."""
     by_object: dict[int, tuple[dict, list[str]]] = {}
-    for host, fp in fingerprints.items():
-        by_object.setdefault(id(fp), (fp, []))[1].append(host)
+    for host, node in nodes.items():
+        by_object.setdefault(id(node), (node, []))[1].append(host)
     merged: dict[tuple, tuple[list[Values], list[str]]] = {}
-    for fp, hosts in by_object.values():
-        if NODE_VALUES in fp:
-            known = fp["rules"]
-            per_rule = [known.get(rule.name) or {ANY: None} for rule in rules]
-        else:
-            per_rule = _rule_values(fp, rules)
+    for node, hosts in by_object.values():
+        per_rule = read(node, rules)
         key = tuple(tuple(sorted(v.items())) for v in per_rule)
         entry = merged.get(key)
         if entry is None:
@@ -243,10 +250,32 @@ def evaluate(
 ) -> Verdict:
     """The verdict for one allocation. ``fingerprints[host] is None``: no record.
 
-    A value may also be a :func:`node_values` record instead of the fingerprint.
     ``prefer``: hosts to keep when several minimum odd sets exist (:func:`odd_nodes`);
     ``Verdict.odd_tie`` says whether there was such a choice.
     """
+    return _evaluate(fingerprints, _rule_values, config, stale, partition, prefer)
+
+
+def evaluate_values(
+    records: Mapping[str, dict | None],
+    config: PolicyConfig,
+    stale: Collection[str] = (),
+    partition: str | None = None,
+    prefer: Collection[str] = (),
+) -> Verdict:
+    """:func:`evaluate` over :func:`node_values` records instead of fingerprints (what the
+    store keeps for the gate): the same verdict, without reading a fingerprint."""
+    return _evaluate(records, _record_values, config, stale, partition, prefer)
+
+
+def _evaluate(
+    fingerprints: Mapping[str, dict | None],
+    read: Reader,
+    config: PolicyConfig,
+    stale: Collection[str],
+    partition: str | None,
+    prefer: Collection[str],
+) -> Verdict:
     nodes = list(fingerprints)
     note = in_scope(config, partition, len(nodes))
     if note is not None:
@@ -254,14 +283,14 @@ def evaluate(
 
     stale_set = set(stale)
     known = {h: fp for h, fp in fingerprints.items() if fp is not None and h not in stale_set}
-    rules = [r for r in COMPARISONS if _severity(config, r.name) != "ignore"]
-    severities = [_severity(config, r.name) for r in rules]
-    classes = _classes(known, rules)
+    rules = [r for r in COMPARISONS if severity_of(config, r.name) != "ignore"]
+    severities = [severity_of(config, r.name) for r in rules]
+    classes = _classes(known, rules, read)
 
     findings: list[Finding] = []
     for i, (rule, sev) in enumerate(zip(rules, severities, strict=True)):
         findings.extend(compare(rule, sev, [(values[i], hosts) for values, hosts in classes]))
-    unknown_sev = _severity(config, unknown_node.NAME)
+    unknown_sev = severity_of(config, unknown_node.NAME)
     forced_odd: list[str] = []
     if unknown_sev != "ignore":
         found = unknown_node.check(fingerprints, stale_set, unknown_sev)

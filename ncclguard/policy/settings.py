@@ -18,7 +18,6 @@ from ncclguard.policy.rules import BY_NAME, RULES
 __all__ = [
     "BASELINE_KEYS",
     "DEFAULT_SEVERITY",
-    "baseline_rule",
     "check_config",
     "load_config",
     "severity_of",
@@ -44,11 +43,6 @@ def severity_of(config: PolicyConfig, rule: str) -> str:
 def severity_table(config: PolicyConfig) -> Mapping[str, str]:
     """``{rule: severity}`` for every rule."""
     return {r.name: severity_of(config, r.name) for r in RULES}
-
-
-def baseline_rule(key: str) -> str:
-    """The rule that compares the ``[baseline]`` key ``key``."""
-    return BASELINE_KEYS[key]
 
 
 def check_config(config: Config) -> Config:

@@ -13,11 +13,9 @@ Pure: the caller hands in how to list a partition's nodes and the inventory's cl
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Collection, Sequence
 
-from ncclguard.config import PolicyConfig
-from ncclguard.policy.evaluation import evaluate
+from ncclguard.policy.evaluation import partitions_of
 from ncclguard.policy.verdict import Verdict
 
 __all__ = ["break_tie", "majority"]
@@ -26,6 +24,8 @@ __all__ = ["break_tie", "majority"]
 ClassLister = Callable[[list[str] | None], Sequence[Collection[str]]]
 #: ``members(partitions)``: the nodes of any of these partitions ([] when unknown).
 MemberLister = Callable[[set[str]], list[str]]
+#: ``again(prefer)``: the verdict evaluated again, as before, keeping ``prefer`` if it can.
+Reevaluate = Callable[[Collection[str]], Verdict]
 
 
 def majority(groups: Sequence[Collection[str]]) -> set[str]:
@@ -39,26 +39,23 @@ def majority(groups: Sequence[Collection[str]]) -> set[str]:
 
 def break_tie(
     verdict: Verdict,
-    fingerprints: Mapping[str, Any],
-    config: PolicyConfig,
+    again: Reevaluate,
     classes: ClassLister,
     members: MemberLister | None = None,
-    *,
-    stale: Collection[str] = (),
-    partition: str | None = None,
 ) -> tuple[Verdict, str | None]:
     """``(verdict, source)``: ``verdict`` itself when it has no tie (``source`` None), else
     the verdict that keeps the majority class, and a note saying which class that was
     (``"majority class of partition debug (4 nodes)"``, ``"none (...)"``).
 
-    ``fingerprints``, ``config``, ``stale`` and ``partition`` are those the verdict was
-    evaluated with.
+    ``again(prefer)`` evaluates the allocation as ``verdict`` was (the same nodes, config,
+    stale nodes and partition), with ``prefer``.
     """
+    partition = verdict.partition
     if not verdict.odd_tie:
         return verdict, None
     hosts: list[str] = []
     scope = "the inventory"
-    names = {p for p in (partition or "").split(",") if p}
+    names = partitions_of(partition)
     if names and members is not None:
         hosts = members(names)
         if hosts:
@@ -66,7 +63,5 @@ def break_tie(
     largest = majority(classes(hosts or None))
     if not largest:
         return verdict, f"none (no single largest class in {scope})"
-    again = evaluate(
-        fingerprints, config, stale=stale, partition=partition, prefer=largest & set(fingerprints)
-    )
-    return again, f"majority class of {scope} ({len(largest)} nodes)"
+    kept = again(largest & set(verdict.nodes))
+    return kept, f"majority class of {scope} ({len(largest)} nodes)"
