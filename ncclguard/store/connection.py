@@ -112,13 +112,7 @@ class Database:
         _check_safe(path)
         if not path.is_file():
             raise InventoryCorrupt(path, "not a regular file")
-        try:
-            conn = sqlite3.connect(
-                _uri(path, "ro"), uri=True, timeout=self._busy_s, isolation_level=None,
-                check_same_thread=False,
-            )
-        except sqlite3.Error as e:
-            raise translate(e, path, "open") from None
+        conn = self._connect("ro")
         def probe(c: sqlite3.Connection) -> int:
             version = int(c.execute("PRAGMA user_version").fetchone()[0])
             c.execute("SELECT count(*) FROM sqlite_master").fetchone()
@@ -134,6 +128,16 @@ class Database:
             raise InventoryMissing(path, "empty database: no inventoryd has written to it yet")
         self._check_version(conn, version)
         return conn
+
+    def _connect(self, mode: str) -> sqlite3.Connection:
+        """A connection in SQLite's ``mode`` (``ro``, ``rw``); transactions are explicit."""
+        try:
+            return sqlite3.connect(
+                _uri(self.path, mode), uri=True, timeout=self._busy_s, isolation_level=None,
+                check_same_thread=False,
+            )
+        except sqlite3.Error as e:
+            raise translate(e, self.path, "open") from None
 
     def _ensure_dir(self) -> None:
         d = self.path.parent
@@ -186,13 +190,7 @@ class Database:
             raise InventoryCorrupt(path, "not a regular file")
         if not path.exists():
             self._create_file()
-        try:
-            conn = sqlite3.connect(
-                _uri(path, "rw"), uri=True, timeout=self._busy_s, isolation_level=None,
-                check_same_thread=False,
-            )
-        except sqlite3.Error as e:
-            raise translate(e, path, "open") from None
+        conn = self._connect("rw")
         try:
             version = conn.execute("PRAGMA user_version").fetchone()[0]
             self._check_version(conn, version, migrate_ok=True)
