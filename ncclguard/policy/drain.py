@@ -194,16 +194,14 @@ def recommend(
             config,
         )
         base_key = base.key
-        if base.pinned:
+        if base.pinned or base_key is not None:  # a pin with no matching class is kept too
             sp.baseline = {
-                "pinned": True, "pin": pin, "compat_key": base_key,
+                "pinned": base.pinned, "compat_key": base_key,
                 "values": dict(by_class[base_key][0].values) if base_key else None,
                 "count": base.size, "share": round(base.share, 4),
             }
-        elif base_key is not None:
-            sp.baseline = {"pinned": False, "compat_key": base_key,
-                           "values": dict(by_class[base_key][0].values),
-                           "count": base.size, "share": round(base.share, 4)}
+            if base.pinned:
+                sp.baseline["pin"] = pin
         elif base.total:
             sp.no_majority = True
             sp.note = (
