@@ -1,13 +1,17 @@
 """Slurm hostlists (``n[001-004,9],gpu[1-2]-ib[0-1]``) expanded and compressed in-process.
 
-The expansion follows what ``scontrol show hostnames`` does on Slurm 22.05 (checked by
-``tests/test_hostlist.py`` against the real command on generated lists):
+The expansion follows what ``scontrol show hostnames`` does on Slurm 23.11 and later
+(checked by ``tests/test_hostlist.py`` against the real command of 22.05 and 24.11 on
+generated lists):
 
 - items are separated by commas or white space outside brackets; empty items are skipped;
 - a bracket set holds comma-separated numbers and ``lo-hi`` ranges; the width of ``lo``
   sets the zero padding (``n[01-3]`` is ``n01 n02 n03``; ``n[1-03]`` is ``n1 n2 n3``);
-- an item may hold several bracket sets (``rack[1-2]-node[01-02]``), but text after the
-  last ``]`` is an error (``n[1-2]b`` and ``n[1-2].ib`` are rejected by Slurm too);
+- an item may hold several bracket sets (``rack[1-2]-node[01-02]``) and text after the
+  last ``]`` (``gpu[01-02]-ib`` is ``gpu01-ib gpu02-ib``). Slurm accepts that text from
+  23.11 on; 22.05 rejects it, but no Slurm writes it (its own lists, such as
+  ``SLURM_JOB_NODELIST``, bracket only trailing digits), so accepting it changes nothing
+  that Slurm hands the gate;
 - order and duplicates are kept.
 
 Anything else raises :class:`HostlistError`, whose message names the list. One list
@@ -82,9 +86,6 @@ def expand(hostlist: str) -> list[str]:
         if "[" not in item:
             out.append(item)
         else:
-            if not item.endswith("]"):
-                tail = item[item.rindex("]") + 1 :]
-                raise HostlistError(hostlist, f"text {tail!r} after ']' in {item!r}")
             try:
                 names = _hl.expand_hostlist(item, allow_duplicates=True)
             except _hl.BadHostlist as e:
