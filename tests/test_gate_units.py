@@ -445,8 +445,9 @@ def test_the_tie_break_opens_the_inventory_after_asking_slurm(tmp_path: Path) ->
         f"#!/bin/sh\n{sys.executable} -c \"{locker}\" </dev/null >/dev/null 2>&1 &\n"
         "sleep 1.5\nexit 1\n"
     )
-    for name in ("scontrol", "squeue"):
-        (bin_dir / name).write_text("#!/bin/sh\nexit 0\n")
+    # scontrol says 22.05 (no scontrol --json), so the node list comes from this sinfo
+    (bin_dir / "scontrol").write_text('#!/bin/sh\n[ "$1" = --version ] && echo "slurm 22.05.8"\n')
+    (bin_dir / "squeue").write_text("#!/bin/sh\nexit 0\n")
     for p in bin_dir.iterdir():
         p.chmod(0o700)
     env = {"SLURM_JOB_NODELIST": "n[3-4]", "SLURM_JOB_NUM_NODES": "2"}

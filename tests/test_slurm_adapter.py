@@ -9,7 +9,14 @@ from pathlib import Path
 import pytest
 
 from devtools.devcluster import DevCluster
-from ncclguard.slurm import Slurm, SlurmError, SlurmNotFound, SlurmTimeout, clean_text
+from ncclguard.slurm import (
+    Release,
+    Slurm,
+    SlurmError,
+    SlurmNotFound,
+    SlurmTimeout,
+    clean_text,
+)
 
 pytestmark = pytest.mark.slurm
 
@@ -61,9 +68,10 @@ def _scontrol(cluster: DevCluster, job: int) -> dict[str, str]:
 
 
 def test_job_times_and_output_paths(cluster: DevCluster) -> None:
-    """22.05: squeue --json has the times as epoch seconds and the output patterns raw
-    ("" for the default, %j unexpanded); the adapter names the files the node writes,
-    pending, running and (until MinJobAge) finished alike."""
+    """The adapter names the files the node writes, pending, running and (until
+    MinJobAge) finished alike, on every release: 22.05's squeue --json gives the output
+    patterns raw ("" for the default, %j unexpanded), 24.11's scontrol --json (data parser
+    v0.0.41 on) gives them expanded, %N left; both give epoch seconds."""
     s = cluster.slurm()
     tmp = cluster.root / "tmp"
     before = time.time()
@@ -77,15 +85,19 @@ def test_job_times_and_output_paths(cluster: DevCluster) -> None:
     info = s.job(job)
     assert info is not None and info.state == "PENDING"
     assert info.start_time is None and info.batch_host == "" and info.name == "typed"
-    assert info.raw["standard_output"] == f"{tmp}/out-%j-%x-%N.log"  # the raw pattern
+    expanded = s.version() >= Release(24, 5)  # data parser v0.0.41 on
+    raw = info.raw["standard_output"]
+    assert raw == (f"{tmp}/out-{job}-typed-%N.log" if expanded else f"{tmp}/out-%j-%x-%N.log")
     assert info.std_out == f"{tmp}/out-{job}-typed-%N.log"  # %N: the node expands it
     assert info.std_err == f"{tmp}/err-{job:05d}-%.log"
     assert info.work_dir == str(tmp)
     sc = _scontrol(cluster, job)
     assert info.std_out == sc["StdOut"]
-    assert sc["StdErr"] == f"{tmp}/err-%5j-%%.log"  # 22.05's scontrol: no widths, no %%
+    if not expanded:
+        assert sc["StdErr"] == f"{tmp}/err-%5j-%%.log"  # 22.05's scontrol: no widths, no %%
     d = s.job(default)
-    assert d is not None and d.raw["standard_output"] == ""  # Slurm's default: not stored
+    assert d is not None  # Slurm's default: 22.05 stores none, 24.11 names the file
+    assert d.raw["standard_output"] == (f"{tmp}/slurm-{default}.out" if expanded else "")
     assert d.std_out == d.std_err == f"{tmp}/slurm-{default}.out"
     sc = _scontrol(cluster, default)
     assert (d.std_out, d.std_err) == (sc["StdOut"], sc["StdErr"])
@@ -148,7 +160,13 @@ def test_controller_down_is_a_clear_error(tmp_path: Path) -> None:
     s = Slurm(conf=str(conf), timeout=20)
     with pytest.raises(SlurmError) as err:
         s.nodes()
-    assert str(err.value).startswith("sinfo")
+    # named by the command (not its path, which 24.11's own messages start with)
+    first = "scontrol show nodes" if s.version() >= Release(23, 2) else "sinfo --json"
+    assert str(err.value).startswith(first), err.value
+    # 22.05's sinfo --json answers {"errors": ["Unspecified error"]}; scontrol says why
+    cause = "Unable to contact slurm controller" if first.startswith("scontrol") else "error"
+    assert cause in str(err.value)
+    assert "/usr/bin" not in str(err.value)
 
 
 def test_missing_binaries(tmp_path: Path) -> None:

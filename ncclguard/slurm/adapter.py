@@ -1,10 +1,16 @@
 """The one place ncclguard talks to Slurm: the prolog gate, its steering and the CLI.
 
-Queries use ``sinfo --json`` / ``squeue --json`` (Slurm 21.08+), updates use ``scontrol``.
 Every call is an argument list (never a shell) with a timeout, run with a clean
 environment: only ``PATH``, ``LANG`` and ``SLURM_CONF``, so that a job's ``SQUEUE_FORMAT``
 or ``SLURM_TIME_FORMAT`` cannot change what we parse. A future pyslurm backend replaces
 this class and nothing else.
+
+Slurm 22.05 to 25.11 (docs/slurm-versions.md). The release, from ``scontrol --version``
+(asked once, and only by the calls that choose a command by it), picks the best query:
+``sinfo``/``squeue --json`` on 22.05, ``scontrol show nodes|job --json`` from 23.02, and
+on a release newer than 25.11 the newest data parser this ncclguard reads
+(``--json=v0.0.44``). Answers are read by their own ``meta`` block
+(:mod:`ncclguard.slurm.schema`), never by the release we expected.
 
 An optional ``deadline`` (a ``time.monotonic()`` value) caps every call's timeout, so a
 caller with a hard budget (the prolog) can never overrun it in here.
@@ -19,86 +25,24 @@ import os
 import subprocess
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ncclguard.slurm.model import (
+    JobInfo,
+    NodeInfo,
+    Release,
+    SlurmError,
+    SlurmNotFound,
+    SlurmSchemaError,
+    SlurmTimeout,
+    clean_text,
+)
+from ncclguard.slurm.schema import NEWEST_PARSER, parse_jobs, parse_nodes
+
 DEFAULT_BIN_DIRS = ("/usr/bin", "/usr/local/bin", "/opt/slurm/bin")
-_MAX_TEXT = 1000  # longest AdminComment / notify text we send
-
-
-class SlurmError(Exception):
-    """A Slurm command failed. ``argv``, ``returncode`` and ``stderr`` say how."""
-
-    def __init__(
-        self,
-        message: str,
-        argv: Sequence[str] = (),
-        returncode: int | None = None,
-        stderr: str = "",
-    ) -> None:
-        self.argv = list(argv)
-        self.returncode = returncode
-        self.stderr = stderr
-        super().__init__(message)
-
-
-class SlurmTimeout(SlurmError):
-    """A Slurm command ran past its timeout (or the caller's deadline) and was killed."""
-
-
-class SlurmNotFound(SlurmError):
-    """The Slurm command is not installed where we looked."""
-
-
-@dataclass(frozen=True)
-class NodeInfo:
-    name: str
-    state: str  # "idle", "allocated", "mixed", "down", ...
-    flags: tuple[str, ...] = ()  # "DRAIN", "NOT_RESPONDING", ...
-    reason: str = ""
-    partitions: tuple[str, ...] = ()
-    features: tuple[str, ...] = ()
-    cpus: int = 0
-
-    @property
-    def drained(self) -> bool:
-        return "DRAIN" in self.flags or self.state.startswith("drain")
-
-
-@dataclass(frozen=True)
-class JobInfo:
-    job_id: int
-    state: str  # "PENDING", "RUNNING", "COMPLETED", ...
-    user: str = ""
-    user_id: int | None = None  # the job's uid (squeue --json "user_id")
-    partition: str = ""
-    nodes: str = ""  # allocated hostlist ("" while pending)
-    node_count: int = 0
-    required_nodes: str = ""  # -w / --nodelist
-    excluded_nodes: str = ""  # -x / --exclude
-    state_reason: str = ""
-    restart_count: int = 0
-    batch: bool = False
-    admin_comment: str = ""
-    comment: str = ""
-    priority: int = 0
-    name: str = ""
-    start_time: float | None = None  # epoch seconds; None while pending (Slurm says 0)
-    end_time: float | None = None  # epoch; running: the expected end (start + time limit)
-    work_dir: str = ""
-    batch_host: str = ""  # the node that runs the batch script ("" while pending)
-    array_job_id: int = 0  # 0: not an array job
-    array_task_id: int | None = None
-    std_out: str = ""  # the StdOut file (output_path: %j etc. expanded, %N left)
-    std_err: str = ""  # the StdErr file, the same way (StdOut's file when not given)
-    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
-
-
-def clean_text(text: str, limit: int = _MAX_TEXT) -> str:
-    """One line of printable text, at most ``limit`` characters (for AdminComment/notify)."""
-    line = " ".join("".join(c if c.isprintable() else " " for c in text).split())
-    return line if len(line) <= limit else line[: limit - 3] + "..."
+SCONTROL_JSON_FROM = Release(23, 2)  # scontrol --json (22.05: "unrecognized option")
+NEWEST_KNOWN = Release(25, 11)  # newer releases are asked for NEWEST_PARSER's shape
 
 
 def _node_list(nodes: str | Iterable[str]) -> str:
@@ -130,6 +74,7 @@ class Slurm:
         self.conf = conf if conf is not None else os.environ.get("SLURM_CONF")
         self.timeout = timeout
         self.deadline = deadline
+        self._version: Release | None = None
 
     @classmethod
     def from_config(
@@ -165,8 +110,13 @@ class Slurm:
         return env
 
     def run(self, name: str, args: Sequence[str], *, timeout: float | None = None) -> str:
-        """Run one Slurm command; its stdout, or :class:`SlurmError`."""
+        """Run one Slurm command; its stdout, or :class:`SlurmError`.
+
+        Messages name the command by its name, not its path, and quote what Slurm said
+        without the ``/usr/bin/scontrol: `` prefix that 24.11 adds, so that they read the
+        same on every release."""
         argv = [self.program(name), *args]
+        shown = " ".join([name, *args[:2]])
         limit = self.timeout if timeout is None else timeout
         if self.deadline is not None:
             left = self.deadline - time.monotonic()
@@ -185,76 +135,79 @@ class Slurm:
                 close_fds=True,
             )
         except subprocess.TimeoutExpired:
-            raise SlurmTimeout(f"{' '.join(argv)}: timed out after {limit:.1f}s", argv) from None
+            raise SlurmTimeout(f"{shown}: timed out after {limit:.1f}s", argv) from None
         except OSError as e:
-            raise SlurmError(f"{argv[0]}: cannot run: {e.strerror or e}", argv) from None
+            raise SlurmError(f"{name}: cannot run {argv[0]}: {e.strerror or e}", argv) from None
         if r.returncode != 0:
-            err = r.stderr.strip() or r.stdout.strip()
-            raise SlurmError(
-                f"{' '.join(argv[:3])}: exit {r.returncode}: {err[:500]}", argv, r.returncode, err
-            )
+            err = _without_program(r.stderr.strip() or r.stdout.strip(), argv[0], name)
+            raise SlurmError(f"{shown}: exit {r.returncode}: {err[:500]}", argv, r.returncode, err)
         return r.stdout
 
-    def _json(self, name: str, args: Sequence[str]) -> dict[str, Any]:
-        out = self.run(name, [*args, "--json"])
+    def version(self) -> Release:
+        """The release of the Slurm commands (``scontrol --version``), asked once."""
+        if self._version is None:
+            self._version = Release.parse(self.run("scontrol", ["--version"]))
+        return self._version
+
+    def _json_args(self) -> list[str]:
+        """``--json``, or on a release newer than any this ncclguard knows, ``--json=`` the
+        newest data parser it reads (Slurm keeps each parser for several releases)."""
+        return [f"--json={NEWEST_PARSER}" if self.version() > NEWEST_KNOWN else "--json"]
+
+    def _json(self, name: str, args: Sequence[str], json_args: Sequence[str]) -> dict[str, Any]:
+        out = self.run(name, [*args, *json_args])
+        what = " ".join([name, *args])
         try:
             data = json.loads(out)
         except ValueError as e:
-            raise SlurmError(f"{name} --json: not JSON ({e}): {out[:200]!r}", [name]) from None
+            raise SlurmSchemaError(f"{what} --json: not JSON ({e}): {out[:200]!r}") from None
         if not isinstance(data, dict):
-            raise SlurmError(f"{name} --json: expected an object, got {type(data).__name__}")
+            raise SlurmSchemaError(f"{what} --json: expected an object, got {type(data).__name__}")
         errors = [e for e in data.get("errors") or [] if e]
         if errors:
-            raise SlurmError(f"{name} --json: {errors}", [name])
+            raise SlurmError(f"{what} --json: {_error_texts(errors)}", [name])
         return data
 
     # ------------------------------------------------------------------- queries
     def nodes(self, nodes: str | Iterable[str] | None = None) -> list[NodeInfo]:
-        """Nodes with state, flags, reason and partitions (``sinfo --json``)."""
+        """Nodes with state, flags, reason, partitions and features: ``sinfo --json`` on
+        22.05, ``scontrol show nodes --json`` from 23.02 (one record per node there;
+        23.02+'s ``sinfo --json`` groups nodes)."""
         wanted: set[str] | None = None
-        if nodes is not None:  # sinfo --json ignores -n (22.05): filter here
+        if nodes is not None:  # 22.05's sinfo --json ignores -n: filter here, the same way
             from ncclguard.hostlist import expand
 
             wanted = set(expand(_node_list(nodes)))
-        data = self._json("sinfo", [])
-        out = []
-        for n in data.get("nodes") or []:
-            if wanted is not None and n.get("name") not in wanted:
-                continue
-            state = str(n.get("state") or "").lower()
-            out.append(
-                NodeInfo(
-                    name=str(n.get("name") or n.get("hostname") or ""),
-                    state=state,
-                    flags=tuple(str(f) for f in n.get("state_flags") or ()),
-                    reason=str(n.get("reason") or ""),
-                    partitions=tuple(str(p) for p in n.get("partitions") or ()),
-                    features=tuple(f for f in str(n.get("features") or "").split(",") if f),
-                    cpus=int(n.get("cpus") or 0),
-                )
-            )
-        return out
+        if self.version() >= SCONTROL_JSON_FROM:
+            data = self._json("scontrol", ["show", "nodes"], self._json_args())
+            found = parse_nodes(data, "scontrol show nodes --json")
+        else:
+            found = parse_nodes(self._json("sinfo", [], ["--json"]), "sinfo --json")
+        return [n for n in found if wanted is None or n.name in wanted]
 
     def partition_nodes(self, partition: str) -> list[str]:
         """The names of the nodes in ``partition`` (any state)."""
         return [n.name for n in self.nodes() if partition in n.partitions]
 
     def job(self, job_id: int | str) -> JobInfo | None:
-        """One job (``squeue --json``), or None when Slurm no longer knows it.
-
-        22.05: ``squeue --json`` ignores ``-j`` (we pick the job out), and lists finished
-        jobs until ``MinJobAge`` after their end, as ``scontrol show job`` does; its times
-        are epoch seconds, where ``scontrol`` prints local time without a zone.
-        """
+        """One job, or None when Slurm no longer knows it: ``squeue --json`` on 22.05
+        (which ignores ``-j``: we pick the job out), ``scontrol show job J --json`` from
+        23.02. Both list finished jobs until ``MinJobAge`` after their end."""
+        jid = _job_id(job_id)
         try:
-            data = self._json("squeue", ["-j", _job_id(job_id)])
+            if self.version() >= SCONTROL_JSON_FROM:
+                data = self._json("scontrol", ["show", "job", jid], self._json_args())
+                what = "scontrol show job --json"
+            else:
+                data = self._json("squeue", ["-j", jid], ["--json"])
+                what = "squeue --json"
         except SlurmError as e:
-            if "Invalid job id" in str(e) or "Invalid job id" in e.stderr:
+            if type(e) is SlurmError and "Invalid job id" in f"{e} {e.stderr}":
                 return None
             raise
-        for j in data.get("jobs") or []:
-            if str(j.get("job_id")) == str(job_id):
-                return _job_info(j)
+        for j in parse_jobs(data, what):
+            if j.job_id == int(jid):
+                return j
         return None
 
     def job_state(self, job_id: int | str) -> str | None:
@@ -268,8 +221,15 @@ class Slurm:
         return out.strip() or None
 
     def hostnames(self, hostlist: str) -> list[str]:
-        """``scontrol show hostnames`` (the reference; the gate expands in-process)."""
-        return self.run("scontrol", ["show", "hostnames", hostlist]).split()
+        """``scontrol show hostnames`` (the reference; the gate expands in-process).
+
+        24.11 prints ``Invalid hostlist`` for a malformed list and still exits 0 (22.05
+        exits 1): both are an error here."""
+        argv_list = _node_list(hostlist)
+        out = self.run("scontrol", ["show", "hostnames", argv_list])
+        if not out.strip():
+            raise SlurmError(f"scontrol show hostnames: not a hostlist: {hostlist!r}")
+        return out.split()
 
     # ------------------------------------------------------------------- updates
     def update_job(self, job_id: int | str, **fields: str) -> None:
@@ -315,139 +275,24 @@ class Slurm:
         self.run("scontrol", ["update", f"NodeName={_node_list(nodes)}", "State=RESUME"])
 
 
-def _text(v: Any) -> str:
-    return "" if v is None else str(v)
+def _without_program(text: str, path: str, name: str) -> str:
+    """Slurm's message without the program's path (24.11 starts it with argv[0])."""
+    lines = []
+    for line in text.splitlines():
+        for prefix in (f"{path}: ", f"{name}: "):
+            if line.startswith(prefix):
+                line = line[len(prefix) :]
+                break
+        lines.append(line)
+    return "\n".join(lines)
 
 
-def _int(v: Any) -> int:
-    if isinstance(v, dict):  # v0.0.39+: {"set": true, "number": 5}
-        v = v.get("number")
-    try:
-        return int(v)
-    except (TypeError, ValueError):
-        return 0
-
-
-def _epoch(v: Any) -> float | None:
-    if isinstance(v, dict):  # v0.0.39+: {"set": true, "number": 5}
-        if v.get("set") is False:
-            return None
-        v = v.get("number")
-    try:
-        f = float(v)
-    except (TypeError, ValueError):
-        return None
-    return f if f > 0 else None
-
-
-def output_path(
-    pattern: str,
-    *,
-    job_id: int,
-    name: str = "",
-    user: str = "",
-    array_job_id: int = 0,
-    array_task_id: int | None = None,
-    work_dir: str = "",
-    batch: bool = True,
-) -> str:
-    """The file a batch job writes for the ``--output``/``--error`` ``pattern``.
-
-    ``pattern`` "" is Slurm's default, ``slurm-%j.out`` (``slurm-%A_%a.out`` for an array
-    task) in the working directory; interactive jobs have none. A relative pattern is
-    taken from ``work_dir``. ``%A %a %j %J %u %x`` are expanded, with a width
-    (``%5j``: zero-padded) and ``%%`` as ``%``, as the node does when it opens the file
-    (``scontrol show job`` on 22.05 expands the same letters but leaves widths and ``%%``
-    as written). ``%N`` (and the step-level ``%n %s %t``) stay: only the node knows them,
-    and ``%N`` there is its short host name, not always the node name.
-    """
-    in_array = array_task_id is not None and array_job_id > 0
-    if not pattern:
-        if not batch:
-            return ""
-        pattern = "slurm-%A_%a.out" if in_array else "slurm-%j.out"
-    subs = {
-        "A": str(array_job_id if in_array else job_id),
-        "a": str(array_task_id if in_array else 4294967294),  # NO_VAL, as Slurm prints it
-        "j": str(job_id),
-        "J": str(job_id),
-        "u": user,
-        "x": name,
-    }
-    out: list[str] = []
-    i = 0
-    while i < len(pattern):
-        c = pattern[i]
-        if c == "%" and i + 1 < len(pattern):
-            if pattern[i + 1] == "%":
-                out.append("%")
-                i += 2
-                continue
-            j = i + 1
-            while j < len(pattern) and pattern[j].isdigit():
-                j += 1
-            key = pattern[j] if j < len(pattern) else ""
-            if key in subs:
-                width = min(int(pattern[i + 1 : j] or 0), 10)
-                val = subs[key]
-                out.append(val.zfill(width) if key in "AajJ" and width else val)
-                i = j + 1
-                continue
-        out.append(c)
-        i += 1
-    path = "".join(out)
-    if work_dir and not path.startswith("/"):
-        path = os.path.join(work_dir, path)
-    return path
-
-
-def _job_info(j: dict[str, Any]) -> JobInfo:
-    state = j.get("job_state")
-    if isinstance(state, list):  # v0.0.39+
-        state = state[0] if state else ""
-    task = j.get("array_task_id")
-    if isinstance(task, dict):  # v0.0.39+
-        task = task.get("number") if task.get("set") else None
-    array_task = None if task is None or _int(task) >= 4294967294 else _int(task)
-    # the fields output_path() needs are JobInfo fields too: read them once
-    where: dict[str, Any] = {
-        "job_id": _int(j.get("job_id")),
-        "name": _text(j.get("name")),
-        "user": _text(j.get("user_name")),
-        "array_job_id": _int(j.get("array_job_id")),
-        "array_task_id": array_task,
-        "work_dir": _text(j.get("current_working_directory")),
-        "batch": bool(j.get("batch_flag")),
-    }
-    return JobInfo(
-        **where,
-        state=_text(state).upper(),
-        user_id=_int(j["user_id"]) if isinstance(j.get("user_id"), int) else None,
-        partition=_text(j.get("partition")),
-        nodes=_text(j.get("nodes")),
-        node_count=_int(j.get("node_count")),
-        required_nodes=_text(j.get("required_nodes")),
-        excluded_nodes=_text(j.get("excluded_nodes")),
-        state_reason=_text(j.get("state_reason")),
-        restart_count=_int(j.get("restart_cnt")),
-        admin_comment=_text(
-            j.get("admin_comment") or (j.get("comment") or {}).get("administrator")
-            if isinstance(j.get("comment"), dict)
-            else j.get("admin_comment")
-        ),
-        comment=_text(
-            (j.get("comment") or {}).get("job")
-            if isinstance(j.get("comment"), dict)
-            else j.get("comment")
-        ),
-        priority=_int(j.get("priority")),
-        start_time=_epoch(j.get("start_time")),
-        end_time=_epoch(j.get("end_time")),
-        batch_host=_text(j.get("batch_host")),
-        std_out=output_path(_text(j.get("standard_output")), **where),
-        # no --error: the same file as StdOut
-        std_err=output_path(
-            _text(j.get("standard_error")) or _text(j.get("standard_output")), **where
-        ),
-        raw=j,
-    )
+def _error_texts(errors: list[Any]) -> str:
+    """The ``errors`` of an answer: strings (22.05) or objects with a description."""
+    out = []
+    for e in errors:
+        if isinstance(e, dict):
+            out.append(str(e.get("description") or e.get("error") or e))
+        else:
+            out.append(str(e))
+    return "; ".join(out)

@@ -1,0 +1,269 @@
+"""Reading Slurm's ``--json`` answers by what they say they are.
+
+Every answer carries a ``meta`` block that names the Slurm release and the data parser
+that wrote it (22.05: ``meta.plugin.type = "openapi/v0.0.38"``; 23.02 on:
+``meta.plugin.data_parser = "data_parser/v0.0.39"`` and later). The parser decides the
+shape, not the release: a 24.11 asked for ``--json=v0.0.41`` answers in v0.0.41's shape.
+Two schema families cover every parser from 22.05 to 25.11 (docs/slurm-versions.md):
+
+- ``flat`` (v0.0.38, Slurm 22.05): plain numbers, a job's state as a string, a node's base
+  state as a lower-case string with its flags apart (``state_flags``), features as one
+  comma-separated string, ``standard_output`` as the user wrote the pattern.
+- ``typed`` (v0.0.39 to v0.0.44, Slurm 23.02 to 25.11): numbers that may be unset as
+  ``{"set", "infinite", "number"}``, states as lists (base state first, then flags),
+  features as lists. ``standard_output`` comes expanded by Slurm (``%j %x %u %A %a``;
+  ``%N`` left) from v0.0.39 to v0.0.42, and raw again from v0.0.43 (25.05), which adds
+  ``stdout_expanded`` with ``%N`` as the batch host (``(null)`` while pending): we expand
+  the raw pattern ourselves there, as on 22.05.
+
+An answer from an unknown parser, or one whose records lack what we read, raises
+:class:`SlurmSchemaError` naming the release and the parser, so that every caller's
+fall-back for a failed Slurm call applies; nothing is guessed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ncclguard.slurm.model import JobInfo, NodeInfo, Release, SlurmError, SlurmSchemaError
+from ncclguard.slurm.paths import output_path
+
+NO_VAL = 4294967294  # Slurm's "not set" for 32-bit numbers (array_task_id of a plain job)
+
+
+@dataclass(frozen=True)
+class Meta:
+    """An answer's ``meta``: who wrote it."""
+
+    release: Release | None
+    parser: str  # "v0.0.38" ... "v0.0.44"; "" when the answer names none
+
+    def describe(self) -> str:
+        who = f"Slurm {self.release}" if self.release else "a Slurm that names no release"
+        return f"{who} ({f'data parser {self.parser}' if self.parser else 'no data parser'})"
+
+
+def read_meta(data: Mapping[str, Any]) -> Meta:
+    """The ``meta`` block of an answer, in any release's spelling."""
+    meta = data.get("meta")
+    if not isinstance(meta, dict):
+        return Meta(None, "")
+    # "plugin" (22.05, 23.11 on) or "plugins" (23.02)
+    plugin = next((p for p in (meta.get("plugin"), meta.get("plugins")) if isinstance(p, dict)), {})
+    parser = str(plugin.get("data_parser") or "")
+    if not parser and str(plugin.get("type") or "").startswith("openapi/v0.0.3"):
+        parser = str(plugin["type"])  # 22.05 names its openapi plugin only
+    parser = parser.rpartition("/")[2]
+    slurm = meta.get("slurm") or meta.get("Slurm")  # 23.11 on: "slurm"; before: "Slurm"
+    release: Release | None = None
+    if isinstance(slurm, dict):
+        v = slurm.get("version")
+        if isinstance(v, dict):  # numbers (22.05, 23.02) or strings (23.11 on)
+            try:
+                release = Release(int(v["major"]), int(v["minor"]), int(v.get("micro") or 0))
+            except (KeyError, TypeError, ValueError):
+                release = None
+        if release is None and isinstance(slurm.get("release"), str):
+            try:
+                release = Release.parse(slurm["release"])
+            except SlurmError:
+                release = None
+    return Meta(release, parser)
+
+
+# ------------------------------------------------------------ value shapes
+def _text(v: Any) -> str:
+    return "" if v is None else str(v)
+
+
+def _number(v: Any) -> int | None:
+    """A plain number, or v0.0.39+'s ``{"set": true, "infinite": false, "number": 5}``;
+    None when unset or infinite."""
+    if isinstance(v, dict):
+        if v.get("set") is False or v.get("infinite") is True:
+            return None
+        v = v.get("number")
+    if isinstance(v, bool):
+        return int(v)
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def _int(v: Any) -> int:
+    n = _number(v)
+    return 0 if n is None else n
+
+
+def _epoch(v: Any) -> float | None:
+    n = _number(v)
+    return float(n) if n is not None and n > 0 else None
+
+
+def _words(v: Any) -> tuple[str, ...]:
+    """A list of words, from a list or a comma-separated string."""
+    if isinstance(v, list):
+        return tuple(str(x) for x in v if str(x))
+    return tuple(w for w in _text(v).split(",") if w)
+
+
+# ------------------------------------------------------------ the two families
+@dataclass(frozen=True)
+class Family:
+    """How one family of data parsers spells the fields the adapter reads."""
+
+    name: str
+    parsers: tuple[str, ...]
+    node: Callable[[Mapping[str, Any]], NodeInfo]
+    job: Callable[[Mapping[str, Any], bool], JobInfo]
+    expanded: tuple[str, ...] = ()  # parsers whose standard_output Slurm expanded
+
+
+def _flat_node(n: Mapping[str, Any]) -> NodeInfo:
+    return NodeInfo(
+        name=_text(n.get("name") or n.get("hostname")),
+        state=_text(n.get("state")).lower(),
+        flags=tuple(f.upper() for f in _words(n.get("state_flags"))),
+        reason=_text(n.get("reason")),
+        partitions=_words(n.get("partitions")),
+        features=_words(n.get("features")),
+        cpus=_int(n.get("cpus")),
+    )
+
+
+def _typed_node(n: Mapping[str, Any]) -> NodeInfo:
+    states = _words(n.get("state"))  # ["IDLE", "DRAIN"]: the base state, then flags
+    return NodeInfo(
+        name=_text(n.get("name") or n.get("hostname")),
+        state=states[0].lower() if states else "",
+        flags=tuple(f.upper() for f in states[1:]),
+        reason=_text(n.get("reason")),
+        partitions=_words(n.get("partitions")),
+        features=_words(n.get("features")),
+        cpus=_int(n.get("cpus")),
+    )
+
+
+def _comment(j: Mapping[str, Any], which: str, flat_key: str) -> str:
+    c = j.get("comment")
+    if isinstance(c, dict):  # {"job": ..., "administrator": ..., "system": ...}
+        return _text(c.get(which))
+    return _text(c) if flat_key == "comment" else _text(j.get(flat_key))
+
+
+def _job(j: Mapping[str, Any], expanded: bool) -> JobInfo:
+    """One job record of either family (the two differ only in value shapes, which the
+    helpers above read both ways)."""
+    states = _words(j.get("job_state"))
+    task = _number(j.get("array_task_id"))
+    array_task = None if task is None or task >= NO_VAL else task
+    # the fields output_path() needs are JobInfo fields too: read them once
+    where: dict[str, Any] = {
+        "job_id": _int(j.get("job_id")),
+        "name": _text(j.get("name")),
+        "user": _text(j.get("user_name")),
+        "array_job_id": _int(j.get("array_job_id")),
+        "array_task_id": array_task,
+        "work_dir": _text(j.get("current_working_directory")),
+        "batch": bool(j.get("batch_flag")),
+    }
+    out, err = _text(j.get("standard_output")), _text(j.get("standard_error"))
+    if expanded:  # Slurm expanded the patterns itself (and named the default files)
+        std_out, std_err = out, err or out
+    else:
+        std_out = output_path(out, **where)
+        std_err = output_path(err or out, **where)  # no --error: the same file as StdOut
+    uid = j.get("user_id")
+    return JobInfo(
+        **where,
+        state=states[0].upper() if states else "",
+        user_id=_number(uid) if uid is not None else None,
+        partition=_text(j.get("partition")),
+        nodes=_text(j.get("nodes")),
+        node_count=_int(j.get("node_count")),
+        required_nodes=_text(j.get("required_nodes")),
+        excluded_nodes=_text(j.get("excluded_nodes")),
+        state_reason=_text(j.get("state_reason")),
+        restart_count=_int(j.get("restart_cnt")),
+        admin_comment=_comment(j, "administrator", "admin_comment"),
+        comment=_comment(j, "job", "comment"),
+        priority=_int(j.get("priority")),
+        start_time=_epoch(j.get("start_time")),
+        end_time=_epoch(j.get("end_time")),
+        batch_host=_text(j.get("batch_host")),
+        std_out=std_out,
+        std_err=std_err,
+        raw=dict(j),
+    )
+
+
+FLAT = Family("flat", ("v0.0.38",), _flat_node, _job)
+TYPED = Family(
+    "typed",
+    ("v0.0.39", "v0.0.40", "v0.0.41", "v0.0.42", "v0.0.43", "v0.0.44"),
+    _typed_node,
+    _job,
+    expanded=("v0.0.39", "v0.0.40", "v0.0.41", "v0.0.42"),
+)
+FAMILIES = (FLAT, TYPED)
+KNOWN_PARSERS = tuple(p for f in FAMILIES for p in f.parsers)
+NEWEST_PARSER = KNOWN_PARSERS[-1]
+
+
+def family_of(meta: Meta, what: str) -> Family:
+    for fam in FAMILIES:
+        if meta.parser in fam.parsers:
+            return fam
+    raise SlurmSchemaError(
+        f"{what}: {meta.describe()} answered in a shape this ncclguard cannot read "
+        f"(it reads the data parsers {KNOWN_PARSERS[0]} to {NEWEST_PARSER}: "
+        "Slurm 22.05 to 25.11, see docs/slurm-versions.md)"
+    )
+
+
+def _records(data: Mapping[str, Any], key: str, meta: Meta, what: str) -> list[dict[str, Any]]:
+    records = data.get(key)
+    if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
+        raise SlurmSchemaError(f"{what}: {meta.describe()} answered without a list of {key!r}")
+    return records
+
+
+def _require(record: Mapping[str, Any], keys: tuple[str, ...], meta: Meta, what: str) -> None:
+    missing = [k for k in keys if k not in record]
+    if missing:
+        raise SlurmSchemaError(
+            f"{what}: {meta.describe()} answered a record without {', '.join(missing)}"
+        )
+
+
+def parse_nodes(data: Mapping[str, Any], what: str = "nodes") -> list[NodeInfo]:
+    """Node records, one per node: 22.05's ``sinfo --json``, or ``scontrol show nodes
+    --json`` (23.02+). From 23.02 ``sinfo --json`` lists groups of nodes (``sinfo``), whose
+    reason and features are one member's: not read here."""
+    meta = read_meta(data)
+    fam = family_of(meta, what)
+    if "sinfo" in data and "nodes" not in data:
+        raise SlurmSchemaError(
+            f"{what}: {meta.describe()} lists groups of nodes, not nodes "
+            "(read scontrol show nodes --json there)"
+        )
+    out = []
+    for n in _records(data, "nodes", meta, what):
+        _require(n, ("name", "state"), meta, what)
+        out.append(fam.node(n))
+    return out
+
+
+def parse_jobs(data: Mapping[str, Any], what: str = "jobs") -> list[JobInfo]:
+    """Job records from ``squeue --json`` or ``scontrol show job --json`` (23.02+)."""
+    meta = read_meta(data)
+    fam = family_of(meta, what)
+    expanded = meta.parser in fam.expanded
+    out = []
+    for j in _records(data, "jobs", meta, what):
+        _require(j, ("job_id", "job_state"), meta, what)
+        out.append(fam.job(j, expanded))
+    return out

@@ -1,0 +1,172 @@
+"""Reading every Slurm release's ``--json`` answers (ncclguard.slurm.schema), offline.
+
+The answers are in ``tests/data/slurm/``:
+
+- ``real/<release>/``: recorded from the real commands by ``devtools/record_slurm.py``
+  (22.05.8 on the host, 24.11.5 in the Debian 13 root of ``scripts/slurm-root.sh``)
+- ``recorded/<release>/``: written by hand from Slurm's source for releases that cannot
+  run here (23.02, 23.11, 24.05, 25.05, 25.11); their README says from which files
+
+Each directory's ``scene.json`` says what was set up; every release must read back as it.
+The live tests (``test_slurm_adapter.py``) run the same reads against the real cluster.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ncclguard.slurm import JobInfo, Release, SlurmSchemaError
+from ncclguard.slurm.schema import (
+    FAMILIES,
+    KNOWN_PARSERS,
+    NEWEST_PARSER,
+    parse_jobs,
+    parse_nodes,
+    read_meta,
+)
+
+DATA = Path(__file__).parent / "data" / "slurm"
+DIRS = sorted(p.parent for p in DATA.glob("*/*/scene.json"))
+IDS = [f"{d.parent.name}-{d.name}" for d in DIRS]
+
+
+def _load(path: Path) -> dict[str, Any]:
+    data = json.loads(path.read_text())
+    assert isinstance(data, dict)
+    return data
+
+
+def _scene(d: Path) -> dict[str, Any]:
+    return _load(d / "scene.json")
+
+
+def test_every_release_from_2205_to_2511_has_answers() -> None:
+    real = {d.name[:5] for d in DIRS if d.parent.name == "real"}
+    recorded = {d.name[:5] for d in DIRS if d.parent.name == "recorded"}
+    assert {"22.05", "24.11"} <= real  # the two that run here
+    assert {"23.02", "23.11", "24.05", "25.05", "25.11"} <= recorded | real
+
+
+@pytest.mark.parametrize("d", DIRS, ids=IDS)
+def test_meta_names_the_release_and_a_known_parser(d: Path) -> None:
+    for f in d.glob("*.json"):
+        if f.name == "scene.json":
+            continue
+        meta = read_meta(_load(f))
+        assert meta.release == Release.parse(_scene(d)["release"]), f
+        assert meta.parser in KNOWN_PARSERS, f
+
+
+@pytest.mark.parametrize("d", DIRS, ids=IDS)
+@pytest.mark.parametrize("answer", ["sinfo", "scontrol_show_nodes"])
+def test_nodes_read_back_as_set_up(d: Path, answer: str) -> None:
+    f = d / f"{answer}.json"
+    if not f.exists():
+        assert answer == "scontrol_show_nodes" and d.name.startswith("22.05"), f"{f} missing"
+        return  # 22.05's scontrol has no --json
+    if answer == "sinfo" and not d.name.startswith("22.05"):
+        # 23.02 on: sinfo --json lists groups of nodes; the adapter asks scontrol there
+        with pytest.raises(SlurmSchemaError, match="groups of nodes"):
+            parse_nodes(_load(f))
+        return
+    scene = _scene(d)
+    nodes = {n.name: n for n in parse_nodes(_load(f))}
+    assert sorted(nodes) == scene["nodes"]
+    for name, n in nodes.items():
+        assert n.partitions == (scene["partition"],), name
+        assert n.drained == (name in scene["drained"]), name
+        assert n.reason == scene["drained"].get(name, ""), name
+        assert n.state in {"idle", "allocated", "mixed"}, (name, n.state)
+        assert n.cpus > 0
+    for name, feats in scene["features"].items():
+        assert nodes[name].features == tuple(feats), name
+
+
+def _jobs(d: Path, answer: str) -> dict[int, JobInfo]:
+    return {j.job_id: j for j in parse_jobs(_load(d / f"{answer}.json"))}
+
+
+def _check_batch(job: JobInfo, want: dict[str, Any]) -> None:
+    assert job.batch
+    assert job.state == want["state"] and job.state_reason == want["state_reason"]
+    assert (job.name, job.node_count) == (want["name"], want["node_count"])
+    assert job.excluded_nodes == want["excluded_nodes"]
+    assert (job.comment, job.admin_comment) == (want["comment"], want["admin_comment"])
+    assert job.std_out == job.std_err == want["std_out"]  # %j, %x expanded, %N left
+    assert job.start_time is None and job.nodes == "" and job.batch_host == ""
+    assert job.array_task_id is None and job.array_job_id == 0
+    assert job.user and job.user_id is not None
+
+
+@pytest.mark.parametrize("d", DIRS, ids=IDS)
+def test_jobs_read_back_as_set_up(d: Path) -> None:
+    scene = _scene(d)
+    jobs = _jobs(d, "squeue")
+    batch, inter = scene["batch_job"], scene["interactive_job"]
+    _check_batch(jobs[batch["job_id"]], batch)
+    i = jobs[inter["job_id"]]
+    assert not i.batch and i.state == inter["state"]
+    assert (i.nodes, i.node_count) == (inter["nodes"], inter["node_count"])
+    assert i.start_time is not None and i.end_time is not None and i.end_time > i.start_time
+    assert i.std_out == i.std_err == ""  # interactive: no output file
+    for answer in ("scontrol_show_job_7", "squeue_j7"):
+        if (d / f"{answer}.json").exists():
+            _check_batch(_jobs(d, answer)[batch["job_id"]], batch)
+
+
+def test_families_cover_each_parser_once() -> None:
+    parsers = [p for f in FAMILIES for p in f.parsers]
+    assert len(parsers) == len(set(parsers)) and parsers[-1] == NEWEST_PARSER == "v0.0.44"
+
+
+# ------------------------------------------------------------ answers we cannot read
+def _some_answer() -> dict[str, Any]:
+    real = sorted((DATA / "real").glob("24.11*/squeue.json"))
+    assert real, "the 24.11 answers are missing"
+    return _load(real[0])
+
+
+def test_unknown_parser_names_the_release() -> None:
+    data = _some_answer()
+    data["meta"]["plugin"]["data_parser"] = "data_parser/v0.0.47"
+    data["meta"]["slurm"]["release"] = "27.05.1"
+    data["meta"]["slurm"]["version"] = {"major": "27", "minor": "05", "micro": "1"}
+    with pytest.raises(SlurmSchemaError, match=r"Slurm 27\.05\.1 \(data parser v0\.0\.47\)"):
+        parse_jobs(data, "squeue --json")
+
+
+def test_answer_without_meta_is_refused() -> None:
+    data = _some_answer()
+    del data["meta"]
+    with pytest.raises(SlurmSchemaError, match="names no release"):
+        parse_jobs(data)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda d: d.pop("jobs"),
+        lambda d: d.__setitem__("jobs", {"7": {}}),
+        lambda d: d["jobs"][0].pop("job_state"),
+        lambda d: d["jobs"].__setitem__(0, "job 7"),
+    ],
+    ids=["no-jobs", "jobs-not-a-list", "record-without-state", "record-not-an-object"],
+)
+def test_damaged_answers_are_schema_errors(damage: Any) -> None:
+    data = copy.deepcopy(_some_answer())
+    damage(data)
+    with pytest.raises(SlurmSchemaError, match=r"Slurm 24\.11\.5"):
+        parse_jobs(data, "squeue --json")
+
+
+def test_release_parse() -> None:
+    assert Release.parse("slurm-wlm 22.05.8") == Release(22, 5, 8)
+    assert Release.parse("slurm 25.11.0-0rc1") == Release(25, 11, 0)
+    assert str(Release(24, 11, 5)) == "24.11.5" and Release(23, 2) < Release(23, 11)
+    with pytest.raises(Exception, match="not a Slurm version"):
+        Release.parse("scontrol: error: no config")
