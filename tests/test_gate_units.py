@@ -6,6 +6,7 @@ Slurm commands, where a path needs them, are absent or stand-ins that hang.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -357,6 +358,30 @@ def test_a_failed_steering_check_requeues_without_steering(tmp_path: Path) -> No
     assert "steering check failed" in r.stderr
     rec = last(tmp_path)
     assert rec["decision"] == "refuse" and rec["action"] == "requeue", rec
+
+
+def test_a_slurm_answer_the_adapter_cannot_read_takes_the_same_fall_back(
+    tmp_path: Path,
+) -> None:
+    """A release newer than the adapter reads (here 26.11 answering with data parser
+    v0.0.46): the steering check fails with an error that names the release, and the job
+    is requeued without steering, as for any failed Slurm call."""
+    inventory(tmp_path, {"n3": "2.18.3"})
+    answer = {"nodes": [], "meta": {"plugin": {"data_parser": "data_parser/v0.0.46"},
+              "slurm": {"release": "26.11.0", "version": {"major": "26", "minor": "11",
+                                                          "micro": "0"}}}}  # fmt: skip
+    (tmp_path / "answer.json").write_text(json.dumps(answer))
+    script = (f'case "$*" in --version) echo "slurm 26.11.0";; *"-o %T"*) echo PENDING;;\n'
+              f'  *--json*) cat {tmp_path / "answer.json"};; esac\nexit 0')  # fmt: skip
+    bin_dir = _fake_slurm(tmp_path, script)
+    r, _ = run_gate(tmp_path, f'slurm_bin_dir = "{bin_dir}"', {"SLURM_JOB_STDOUT": "/o"})
+    assert r.returncode == 1
+    assert "steering check failed" in r.stderr
+    assert "Slurm 26.11.0 (data parser v0.0.46)" in r.stderr, r.stderr
+    rec = last(tmp_path)
+    assert rec["decision"] == "refuse" and rec["action"] == "requeue", rec
+    calls = (tmp_path / "slurm-calls.log").read_text()
+    assert "show job 77 --json=v0.0.44" in calls  # asked for the newest parser it reads
 
 
 def test_fail_closed_holds_a_batch_job_after_max_refusals(tmp_path: Path) -> None:

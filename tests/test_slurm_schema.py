@@ -20,13 +20,14 @@ from typing import Any
 
 import pytest
 
-from ncclguard.slurm import JobInfo, Release, SlurmSchemaError
+from ncclguard.slurm import JobInfo, Release, Slurm, SlurmError, SlurmSchemaError
 from ncclguard.slurm.schema import (
     FAMILIES,
     KNOWN_PARSERS,
     NEWEST_PARSER,
     parse_jobs,
     parse_nodes,
+    parser_for,
     read_meta,
 )
 
@@ -170,3 +171,53 @@ def test_release_parse() -> None:
     assert str(Release(24, 11, 5)) == "24.11.5" and Release(23, 2) < Release(23, 11)
     with pytest.raises(Exception, match="not a Slurm version"):
         Release.parse("scontrol: error: no config")
+
+
+# ------------------------------------------------------------ the call for each release
+@pytest.mark.parametrize(
+    ("release", "parser"),
+    [("22.05.8", None), ("23.02.8", None), ("23.11.0", "v0.0.40"), ("24.05.8", "v0.0.41"),
+     ("24.11.5", "v0.0.42"), ("25.05.0", "v0.0.43"), ("25.11.7", "v0.0.44"),
+     ("26.05.1", "v0.0.44")],
+)  # fmt: skip
+def test_parser_selected_for_each_release(release: str, parser: str | None) -> None:
+    assert parser_for(Release.parse(release)) == parser
+    assert parser is None or parser in KNOWN_PARSERS
+
+
+def _fake_scontrol(tmp_path: Path, version: str, answer: dict[str, Any]) -> Path:
+    """A stand-in scontrol for a release that cannot run here: it logs its arguments,
+    prints ``version`` for --version and ``answer`` for anything else."""
+    (tmp_path / "answer.json").write_text(json.dumps(answer))
+    p = tmp_path / "scontrol"
+    p.write_text(
+        "#!/bin/sh\n"
+        f'echo "$*" >> {tmp_path}/calls.log\n'
+        f'[ "$1" = --version ] && {{ echo "slurm {version}"; exit 0; }}\n'
+        f"cat {tmp_path}/answer.json\n"
+    )
+    p.chmod(0o700)
+    return tmp_path
+
+
+def test_a_newer_slurm_is_asked_for_the_newest_parser_we_read(tmp_path: Path) -> None:
+    answer = _load(DATA / "recorded" / "25.11" / "scontrol_show_nodes.json")
+    s = Slurm(_fake_scontrol(tmp_path, "26.05.1", answer))
+    assert sorted(n.name for n in s.nodes()) == ["n1", "n2", "n3", "n4"]
+    calls = (tmp_path / "calls.log").read_text().splitlines()
+    assert calls == ["--version", "show nodes --json=v0.0.44"]
+
+
+def test_an_answer_we_cannot_read_fails_as_a_slurm_error_naming_the_release(
+    tmp_path: Path,
+) -> None:
+    answer = _load(DATA / "recorded" / "25.11" / "scontrol_show_job_7.json")
+    answer["meta"]["plugin"]["data_parser"] = "data_parser/v0.0.46"
+    answer["meta"]["slurm"]["release"] = "26.11.0"
+    answer["meta"]["slurm"]["version"] = {"major": "26", "minor": "11", "micro": "0"}
+    s = Slurm(_fake_scontrol(tmp_path, "26.11.0", answer))
+    with pytest.raises(SlurmError) as err:  # the callers' fall-backs catch SlurmError
+        s.job(7)
+    assert isinstance(err.value, SlurmSchemaError)
+    assert "Slurm 26.11.0 (data parser v0.0.46)" in str(err.value)
+    assert "scontrol show job --json" in str(err.value)

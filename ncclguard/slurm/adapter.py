@@ -8,9 +8,9 @@ this class and nothing else.
 Slurm 22.05 to 25.11 (docs/slurm-versions.md). The release, from ``scontrol --version``
 (asked once, and only by the calls that choose a command by it), picks the best query:
 ``sinfo``/``squeue --json`` on 22.05, ``scontrol show nodes|job --json`` from 23.02, and
-on a release newer than 25.11 the newest data parser this ncclguard reads
-(``--json=v0.0.44``). Answers are read by their own ``meta`` block
-(:mod:`ncclguard.slurm.schema`), never by the release we expected.
+from 23.11 the data parser too (``--json=v0.0.42`` on 24.11; ``v0.0.44`` past 25.11).
+Answers are read by their own ``meta`` block (:mod:`ncclguard.slurm.schema`), never by
+the release we expected.
 
 An optional ``deadline`` (a ``time.monotonic()`` value) caps every call's timeout, so a
 caller with a hard budget (the prolog) can never overrun it in here.
@@ -38,11 +38,10 @@ from ncclguard.slurm.model import (
     SlurmTimeout,
     clean_text,
 )
-from ncclguard.slurm.schema import NEWEST_PARSER, parse_jobs, parse_nodes
+from ncclguard.slurm.schema import parse_jobs, parse_nodes, parser_for
 
 DEFAULT_BIN_DIRS = ("/usr/bin", "/usr/local/bin", "/opt/slurm/bin")
 SCONTROL_JSON_FROM = Release(23, 2)  # scontrol --json (22.05: "unrecognized option")
-NEWEST_KNOWN = Release(25, 11)  # newer releases are asked for NEWEST_PARSER's shape
 
 
 def _node_list(nodes: str | Iterable[str]) -> str:
@@ -150,9 +149,10 @@ class Slurm:
         return self._version
 
     def _json_args(self) -> list[str]:
-        """``--json``, or on a release newer than any this ncclguard knows, ``--json=`` the
-        newest data parser it reads (Slurm keeps each parser for several releases)."""
-        return [f"--json={NEWEST_PARSER}" if self.version() > NEWEST_KNOWN else "--json"]
+        """``--json=<parser>`` where the release can select one (23.11+: its own newest,
+        v0.0.44 past 25.11), else ``--json``."""
+        parser = parser_for(self.version())
+        return [f"--json={parser}"] if parser else ["--json"]
 
     def _json(self, name: str, args: Sequence[str], json_args: Sequence[str]) -> dict[str, Any]:
         out = self.run(name, [*args, *json_args])

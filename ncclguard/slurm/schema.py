@@ -212,6 +212,26 @@ FAMILIES = (FLAT, TYPED)
 KNOWN_PARSERS = tuple(p for f in FAMILIES for p in f.parsers)
 NEWEST_PARSER = KNOWN_PARSERS[-1]
 
+# The parser to ask for (``--json=vX``, which 23.11 introduced): each release's own
+# newest, which it always carries; past 25.11, v0.0.44 (26.05 carries v0.0.42-v0.0.45).
+# Asking keeps the shape fixed whatever a site's DataParserParameters (24.11+) says.
+_SELECT_FROM = (
+    (Release(25, 11), "v0.0.44"),
+    (Release(25, 5), "v0.0.43"),
+    (Release(24, 11), "v0.0.42"),
+    (Release(24, 5), "v0.0.41"),
+    (Release(23, 11), "v0.0.40"),
+)
+
+
+def parser_for(release: Release) -> str | None:
+    """The data parser to select on ``release``'s command line; None before 23.11, where
+    ``--json`` takes no argument (22.05: openapi/v0.0.38; 23.02: v0.0.39 only)."""
+    for since, parser in _SELECT_FROM:
+        if release >= since:
+            return parser
+    return None
+
 
 def family_of(meta: Meta, what: str) -> Family:
     for fam in FAMILIES:
