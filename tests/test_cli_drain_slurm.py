@@ -68,7 +68,7 @@ def test_apply_and_resume(cl: DevCluster, tmp_path: Path) -> None:
         assert not nodes_now(cl)["n4"].drained
 
         text = run("drain-recommend", "--apply").stdout
-        assert "from Slurm (sinfo)" in text and "drain" in text
+        assert "nodes, from Slurm" in text and "drain" in text
         now = nodes_now(cl)
         assert now["n4"].drained and now["n4"].reason.startswith("ncclguard: nccl-version")
         assert "2.18.3" in now["n4"].reason

@@ -68,7 +68,7 @@ class NodeSet:
                 "note": self.note or None}
 
     def describe(self) -> str:
-        what = {"slurm": "Slurm (sinfo)", "--nodes": "--nodes",
+        what = {"slurm": "Slurm", "--nodes": "--nodes",
                 "inventory": "the whole inventory"}.get(self.source, self.source)
         text = f"node set: {self.name}, {len(self.hosts)} nodes, from {what}"
         return f"{text} ({self.note})" if self.note else text
@@ -127,7 +127,7 @@ class Ctx:
         return self._slurm
 
     def slurm_nodes(self) -> list[Any]:
-        """``sinfo --json`` through the adapter (once per run). Raises SlurmError."""
+        """Slurm's nodes through the adapter (once per run). Raises SlurmError."""
         if self._slurm_nodes is None:
             self._slurm_nodes = self.slurm.nodes()
         return self._slurm_nodes
