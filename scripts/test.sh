@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install what the tests need (Slurm, munge, gcc, python3-venv, the venv), run ruff, the
 # layering contract (import-linter) and mypy, then the whole suite, the real-Slurm tests
-# included. `make test` and CI (.ci/run) call exactly this.
+# included, on this machine's Slurm and then on Debian 13's Slurm 24.11 in a debootstrap
+# root (scripts/slurm-root.sh). `make test` and CI (.ci/run) call exactly this.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -36,4 +37,15 @@ fi
 .venv/bin/mypy
 # The Slurm tests must run here: with this set, a Slurm test that would skip fails instead.
 export NCCLGUARD_REQUIRE_SLURM=1
-exec .venv/bin/python -m pytest "$@"
+echo "scripts/test.sh: the suite on $(slurmctld -V 2>/dev/null || echo 'Slurm ?') and $(.venv/bin/python --version)"
+.venv/bin/python -m pytest "$@"
+
+# Then the same suite on a second, newer Slurm: Debian 13's 24.11, in a cached debootstrap
+# root (scripts/slurm-root.sh). Inside that root this script runs once more and stops here.
+if [[ -z ${NCCLGUARD_IN_SLURM_ROOT:-} ]]; then
+    if [[ ${NCCLGUARD_SECOND_SLURM:-1} == 0 ]]; then
+        echo "scripts/test.sh: NCCLGUARD_SECOND_SLURM=0: NOT run on Slurm 24.11 (CI always runs it)" >&2
+    else
+        bash scripts/slurm-root.sh test "$@"
+    fi
+fi

@@ -1,0 +1,185 @@
+#!/usr/bin/env bash
+# A second, newer Slurm for the tests: Debian 13 (trixie) with its slurm-wlm 24.11 in a
+# root made by debootstrap, cached between runs. scripts/test.sh runs the whole suite on
+# this machine's Slurm first, then here again inside this root.
+#
+#   scripts/slurm-root.sh test [pytest args]   build or reuse the root, copy the checkout
+#                                              in, run scripts/test.sh there
+#   scripts/slurm-root.sh shell                a shell in the root (the checkout copy)
+#   scripts/slurm-root.sh run CMD [ARGS]       one command there, in the checkout copy
+#                                              (its venv: .venv; files it writes stay in
+#                                              $NCCLGUARD_SLURM_ROOT/src/ncclguard)
+#   scripts/slurm-root.sh build                only build (or check) the root
+#   scripts/slurm-root.sh remove               delete the cached root
+#
+# NCCLGUARD_SLURM_ROOT: where the root lives (default /var/cache/ncclguard/trixie-slurm).
+# Needs root (debootstrap, chroot, mount). The root is rebuilt when this script's package
+# list changes; `remove` forces it. Facts: docs/slurm-versions.md.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+me=scripts/slurm-root.sh
+action=${1:-test}
+[[ $# -gt 0 ]] && shift
+root=${NCCLGUARD_SLURM_ROOT:-/var/cache/ncclguard/trixie-slurm}
+suite=trixie
+# everything scripts/test.sh and the tests need inside, so that the cached root is complete
+packages=(slurm-wlm munge python3 python3-venv gcc libc6-dev systemd make git
+          ca-certificates procps iproute2)
+stamp_want="$suite ${packages[*]} v1"
+
+die() { echo "$me: $*" >&2; exit 2; }
+
+case $action in
+test | shell | run | build | remove) ;;
+*) die "usage: $me [test|shell|run|build|remove] [args]" ;;
+esac
+[[ $(id -u) -eq 0 ]] || die "needs root (debootstrap, chroot and mount); run it as root"
+
+mirror() {
+    # this machine's Debian mirror (the registries it can reach), else Debian's own
+    local uri
+    uri=$(sed -n 's/^URIs:[[:space:]]*//p' /etc/apt/sources.list.d/debian.sources 2>/dev/null |
+        grep -v security | head -n1 || true)
+    [[ -n $uri ]] || uri=$(awk '$1 == "deb" && $3 !~ /security/ {print $2; exit}' \
+        /etc/apt/sources.list 2>/dev/null || true)
+    echo "${uri:-http://deb.debian.org/debian}"
+}
+
+mounts_under_root() {
+    # every mount point inside the root, deepest first (left over by a killed run, too)
+    awk -v r="$root/" 'index($2, r) == 1 {print $2}' /proc/self/mounts | sort -r
+}
+unmount_all() {
+    local m
+    for m in $(mounts_under_root); do
+        umount "$m" 2>/dev/null || umount -l "$m" 2>/dev/null || true
+    done
+}
+trap unmount_all EXIT
+
+remove_root() {
+    # never delete through a bind mount (/dev, /sys, the wheel cache): unmount, check, delete
+    unmount_all
+    if [[ -n $(mounts_under_root) ]]; then
+        die "cannot unmount everything under $root; not deleting it: $(mounts_under_root | tr '\n' ' ')"
+    fi
+    rm -rf --one-file-system "$root"
+}
+
+bind_system() {
+    local d
+    for d in proc sys dev; do
+        mkdir -p "$root/$d"
+        mountpoint -q "$root/$d" && continue
+        mount --rbind "/$d" "$root/$d"
+        mount --make-rslave "$root/$d"
+    done
+    # the host's network settings, CA bundle and pip settings (the registries need them);
+    # copied after every apt step: installing ca-certificates rewrites the bundle
+    cp -L /etc/resolv.conf "$root/etc/resolv.conf" 2>/dev/null || true
+    cp /etc/hosts "$root/etc/hosts"
+    if [[ -f /etc/ssl/certs/ca-certificates.crt ]]; then
+        mkdir -p "$root/etc/ssl/certs"
+        cp /etc/ssl/certs/ca-certificates.crt "$root/etc/ssl/certs/ca-certificates.crt"
+    fi
+    [[ -f /etc/pip.conf ]] && cp /etc/pip.conf "$root/etc/pip.conf"
+    if [[ -d /etc/xdg/pip ]]; then
+        mkdir -p "$root/etc/xdg"
+        rm -rf "$root/etc/xdg/pip"
+        cp -r /etc/xdg/pip "$root/etc/xdg/pip"
+    fi
+    # the real libnccl wheels the fingerprint tests use (downloaded once, shared)
+    local cache=${NCCLGUARD_TEST_CACHE:-$HOME/.cache/ncclguard}
+    mkdir -p "$cache" "$root/root/.cache/ncclguard"
+    if ! mountpoint -q "$root/root/.cache/ncclguard"; then
+        mount --bind "$cache" "$root/root/.cache/ncclguard"
+    fi
+}
+
+in_root() {
+    # the root's own PATH and a clean environment, but the pip/CA settings of this host
+    local keep=()
+    local v
+    for v in $(compgen -e); do
+        case $v in PIP_* | *_CA_BUNDLE | SSL_CERT_* | *CA_CERTS* | NCCLGUARD_*) keep+=("$v=${!v}") ;; esac
+    done
+    chroot "$root" /usr/bin/env -i HOME=/root LANG=C.UTF-8 TERM="${TERM:-dumb}" \
+        PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin "${keep[@]}" "$@"
+}
+
+build() {
+    if [[ -f $root/.ncclguard-root && "$(cat "$root/.ncclguard-root")" == "$stamp_want" ]]; then
+        return 0
+    fi
+    command -v debootstrap >/dev/null || {
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+            debootstrap >/dev/null
+    }
+    echo "$me: building a Debian $suite root in $root (about a minute) ..."
+    remove_root
+    mkdir -p "$(dirname "$root")"
+    local log
+    log=$(mktemp)
+    if ! debootstrap --variant=minbase "$suite" "$root" "$(mirror)" >"$log" 2>&1; then
+        tail -n 20 "$log" >&2
+        die "debootstrap $suite failed (log above)"
+    fi
+    bind_system
+    if ! in_root bash -c 'export DEBIAN_FRONTEND=noninteractive
+        apt-get update -qq && apt-get install -y -qq --no-install-recommends "$@"' \
+        apt "${packages[@]}" >"$log" 2>&1; then
+        tail -n 20 "$log" >&2
+        die "apt-get install in the $suite root failed (log above)"
+    fi
+    rm -f "$log"
+    bind_system # again: ca-certificates rewrote the bundle
+    echo "$stamp_want" >"$root/.ncclguard-root"
+    echo "$me: $(in_root sh -c 'dpkg-query -W -f "slurm-wlm \${Version}, " slurm-wlm; python3 --version')"
+}
+
+copy_checkout() {
+    # the working tree as git sees it (tracked and new files, not ignored ones), afresh
+    local src=$root/src/ncclguard
+    rm -rf "$src"
+    mkdir -p "$src" "$root/opt"
+    git ls-files -z --cached --others --exclude-standard |
+        xargs -0 -I{} sh -c 'test -e "$1" && printf "%s\0" "$1"' _ {} |
+        tar --null -T - -cf - | tar -xf - -C "$src"
+    # a git work tree of its own (the tests list the project's files with git)
+    in_root git -C /src/ncclguard init -q
+    # the venv lives outside the copy, so it is kept between runs
+    [[ -x $root/opt/ncclguard-venv/bin/python ]] || in_root python3 -m venv /opt/ncclguard-venv
+    ln -s /opt/ncclguard-venv "$src/.venv"
+}
+
+case $action in
+remove)
+    remove_root
+    echo "$me: removed $root"
+    ;;
+build)
+    build
+    ;;
+shell)
+    build
+    bind_system
+    copy_checkout
+    in_root bash -c 'cd /src/ncclguard && exec bash -i'
+    ;;
+run)
+    [[ $# -gt 0 ]] || die "run: which command?"
+    build
+    bind_system
+    copy_checkout
+    in_root bash -c 'cd /src/ncclguard && exec "$@"' run "$@"
+    ;;
+test)
+    build
+    bind_system
+    copy_checkout
+    echo "$me: the suite on $(in_root sh -c 'dpkg-query -W -f "Slurm \${Version}" slurm-wlm; echo " and $(python3 --version)"')"
+    in_root bash -c 'cd /src/ncclguard && NCCLGUARD_IN_SLURM_ROOT=1 exec bash scripts/test.sh "$@"' \
+        test "$@"
+    ;;
+esac
