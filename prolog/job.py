@@ -26,9 +26,10 @@ BATCH_VARIABLES = ("SLURM_JOB_STDIN", "SLURM_JOB_STDOUT", "SLURM_JOB_STDERR")
 def is_batch(env: Mapping[str, str]) -> bool:
     """A batch job (sbatch), as PrologSlurmctld's environment shows it.
 
-    Seen on 22.05.8: a batch job always has ``SLURM_JOB_STDIN`` (``/dev/null`` by
-    default), and ``SLURM_JOB_STDOUT``/``STDERR`` only when ``-o``/``-e`` was given;
-    ``srun`` and ``salloc`` allocations have none of the three.
+    Seen on 22.05.8 and 24.11.5 (tests/test_slurm_releases.py): a batch job always has
+    ``SLURM_JOB_STDIN`` (``/dev/null`` by default), and ``SLURM_JOB_STDOUT``/``STDERR``
+    only when ``-o``/``-e`` was given (25.11, from its source: STDOUT always); ``srun``
+    and ``salloc`` allocations have none of the three.
     """
     return any(k in env for k in BATCH_VARIABLES)
 

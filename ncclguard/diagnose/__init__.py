@@ -76,9 +76,9 @@ def resolve_output(path: str, node: str) -> str:
 def job_logs(slurm: Any, job_id: str) -> JobLogs | None:
     """The job's nodes, start time and output files from Slurm; None when Slurm forgot it.
 
-    One ``squeue --json`` (:meth:`ncclguard.slurm.Slurm.job`): on 22.05 it lists pending,
-    running and finished jobs alike until ``MinJobAge`` seconds after their end,
-    as long as ``scontrol show job`` does, and its times are epoch seconds.
+    One call (:meth:`ncclguard.slurm.Slurm.job`): on every release it lists pending,
+    running and finished jobs alike until ``MinJobAge`` seconds after their end, with
+    epoch-second times (docs/slurm-versions.md).
     """
     from ncclguard.hostlist import expand
 
