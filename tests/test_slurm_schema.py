@@ -221,3 +221,14 @@ def test_an_answer_we_cannot_read_fails_as_a_slurm_error_naming_the_release(
     assert isinstance(err.value, SlurmSchemaError)
     assert "Slurm 26.11.0 (data parser v0.0.46)" in str(err.value)
     assert "scontrol show job --json" in str(err.value)
+
+
+def test_the_release_is_asked_once_per_process(tmp_path: Path) -> None:
+    """The gate makes several Slurm objects in one run: one --version between them."""
+    answer = _load(DATA / "recorded" / "25.11" / "scontrol_show_nodes.json")
+    bin_dir = _fake_scontrol(tmp_path, "25.11.7", answer)
+    for _ in range(3):
+        Slurm(bin_dir, conf="/etc/slurm/slurm.conf").nodes()
+    Slurm(bin_dir, conf="/other/slurm.conf").nodes()  # another cluster: asked again
+    calls = (tmp_path / "calls.log").read_text().splitlines()
+    assert calls.count("--version") == 2 and calls.count("show nodes --json=v0.0.44") == 4

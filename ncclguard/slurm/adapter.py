@@ -42,6 +42,7 @@ from ncclguard.slurm.schema import parse_jobs, parse_nodes, parser_for
 
 DEFAULT_BIN_DIRS = ("/usr/bin", "/usr/local/bin", "/opt/slurm/bin")
 SCONTROL_JSON_FROM = Release(23, 2)  # scontrol --json (22.05: "unrecognized option")
+_RELEASES: dict[tuple[str, str], Release] = {}  # (scontrol, slurm.conf) -> its release
 
 
 def _node_list(nodes: str | Iterable[str]) -> str:
@@ -143,9 +144,13 @@ class Slurm:
         return r.stdout
 
     def version(self) -> Release:
-        """The release of the Slurm commands (``scontrol --version``), asked once."""
+        """The release of the Slurm commands (``scontrol --version``), asked once per
+        process for each scontrol and slurm.conf (the gate makes several ``Slurm``)."""
         if self._version is None:
-            self._version = Release.parse(self.run("scontrol", ["--version"]))
+            key = (self.program("scontrol"), self.conf or "")
+            if key not in _RELEASES:
+                _RELEASES[key] = Release.parse(self.run("scontrol", ["--version"]))
+            self._version = _RELEASES[key]
         return self._version
 
     def _json_args(self) -> list[str]:
