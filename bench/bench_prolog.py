@@ -5,11 +5,16 @@
    ``python -I -c pass`` (the baseline) and the real gate process
    (``python -I -m prolog.gate`` with a PrologSlurmctld-like environment) for an
    allocation of 1,024 and of 16,384 nodes. Targets: <= 2.5x and <= 5x the baseline.
-2. Cluster cost. The time to push N short two-node batch jobs through the real dev
+2. Refusal cost. The same gate process refusing a 4-node batch allocation of a held job
+   on the real dev cluster: the path that asks Slurm (the release, the partition's nodes,
+   the job) and writes the AdminComment, against the same baseline. The calls differ by
+   Slurm release (docs/slurm-versions.md), so run it on each.
+3. Cluster cost. The time to push N short two-node batch jobs through the real dev
    cluster (munged + slurmctld + 4 slurmd) without and with the gate as PrologSlurmctld.
 
-    .venv/bin/python bench/bench_prolog.py             # both parts
+    .venv/bin/python bench/bench_prolog.py             # all three parts
     .venv/bin/python bench/bench_prolog.py --no-cluster --runs 15
+    scripts/slurm-root.sh run .venv/bin/python bench/bench_prolog.py   # on Slurm 24.11
 
 Prints ratios; never asserts (timed tests are not tests).
 """
@@ -38,6 +43,8 @@ def build_inventory(db: Path, n: int) -> None:
     from ncclguard.policy import GATE_VALUES
     from ncclguard.store import Inventory
 
+    if db.exists() and time.time() - db.stat().st_mtime > 600:
+        db.unlink()  # its heartbeats would be stale: the gate would warn and call Slurm
     if db.exists():
         # a writer: migrates a cached inventory of an older schema
         with Inventory(db, values=GATE_VALUES) as inv:
@@ -103,6 +110,60 @@ def process_cost(work: Path, runs: int) -> None:
         )
 
 
+def refusal_cost(work: Path, runs: int) -> None:
+    from policy_fingerprints import fingerprint
+
+    from devtools.devcluster import DevCluster
+    from ncclguard.policy import GATE_VALUES
+    from ncclguard.store import Inventory
+
+    root = Path(tempfile.mkdtemp(prefix="bench-refuse-", dir=work))
+    with DevCluster(root, prolog=False) as c:
+        with Inventory(c.db, values=GATE_VALUES) as inv:
+            for host in c.node_names:
+                inv.upsert(fingerprint(host, nccl="2.18.3" if host == "n1" else "2.21.5"))
+        c.write_gate_config(f'slurm_conf = "{c.conf}"\nsteer_wait_s = 1\n')
+        release = c.slurm().version()
+        job = c.sbatch(["-N4", "--hold", "--wrap", "true"])
+        py = sys.executable
+        base_env = {"PATH": "/usr/bin:/bin", "LANG": "C"}
+        env = {
+            **base_env,
+            "NCCLGUARD_CONFIG": str(c.config_path),
+            "NCCLGUARD_DB": str(c.db),
+            "SLURM_JOB_ID": str(job),
+            "SLURM_JOB_NODELIST": "n[1-4]",
+            "SLURM_JOB_NUM_NODES": "4",
+            "SLURM_JOB_PARTITION": "debug",
+            "SLURM_JOB_USER": "bench",
+            "SLURM_JOB_UID": "1000",
+            "SLURM_JOB_STDIN": "/dev/null",
+            "SLURM_JOB_RESTART_COUNT": "0",
+            "SLURM_SCRIPT_CONTEXT": "prolog_slurmctld",
+        }
+        argv = [py, "-I", "-m", "prolog.gate"]
+        print(f"\nrefusal cost, median of {runs} (interleaved), Slurm {release}, "
+              f"python {sys.version.split()[0]}")  # fmt: skip
+
+        def refuse() -> float:
+            t = time.perf_counter()
+            r = subprocess.run(argv, env=env, capture_output=True, timeout=60)
+            dt = time.perf_counter() - t
+            if r.returncode != 1 or b"refuse" not in r.stderr or b"ERROR" in r.stderr:
+                raise SystemExit(f"the gate did not refuse cleanly: {r.stderr.decode()[-2000:]}")
+            return dt
+
+        refuse()
+        base, gate = [], []
+        for _ in range(runs):
+            base.append(timed([py, "-I", "-c", "pass"], base_env))
+            gate.append(refuse())
+        b, g = statistics.median(base), statistics.median(gate)
+        print(f"  4 nodes, refused: baseline {b * 1000:6.1f} ms, gate {g * 1000:6.1f} ms, "
+              f"ratio {g / b:4.2f}x")  # fmt: skip
+        c.run(["scancel", str(job)], check=False)
+
+
 def cluster_cost(work: Path, jobs: int) -> None:
     from policy_fingerprints import fingerprint
 
@@ -144,11 +205,14 @@ def main() -> None:
     p.add_argument("--jobs", type=int, default=200)
     p.add_argument("--no-cluster", action="store_true")
     p.add_argument("--no-process", action="store_true")
+    p.add_argument("--no-refusal", action="store_true")
     a = p.parse_args()
     a.work.mkdir(parents=True, exist_ok=True)
     os.chdir(a.work)
     if not a.no_process:
         process_cost(a.work, a.runs)
+    if not a.no_refusal:
+        refusal_cost(a.work, a.runs)
     if not a.no_cluster:
         cluster_cost(a.work, a.jobs)
 
