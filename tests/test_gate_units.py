@@ -381,7 +381,7 @@ def test_a_slurm_answer_the_adapter_cannot_read_takes_the_same_fall_back(
     rec = last(tmp_path)
     assert rec["decision"] == "refuse" and rec["action"] == "requeue", rec
     calls = (tmp_path / "slurm-calls.log").read_text()
-    assert "show job 77 --json=v0.0.44" in calls  # asked for the newest parser it reads
+    assert "squeue -j 77 -t all --json=v0.0.44" in calls  # the newest parser it reads
 
 
 def test_fail_closed_holds_a_batch_job_after_max_refusals(tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ from ncclguard.slurm import (
     SlurmTimeout,
     clean_text,
 )
+from ncclguard.slurm.schema import TYPED, parser_for
 
 pytestmark = pytest.mark.slurm
 
@@ -70,8 +71,8 @@ def _scontrol(cluster: DevCluster, job: int) -> dict[str, str]:
 def test_job_times_and_output_paths(cluster: DevCluster) -> None:
     """The adapter names the files the node writes, pending, running and (until
     MinJobAge) finished alike, on every release: 22.05's squeue --json gives the output
-    patterns raw ("" for the default, %j unexpanded), 24.11's scontrol --json (data parser
-    v0.0.41 on) gives them expanded, %N left; both give epoch seconds."""
+    patterns raw ("" for the default, %j unexpanded), data parsers v0.0.39 to v0.0.42
+    (24.11) give them expanded, %N left; both give epoch seconds."""
     s = cluster.slurm()
     tmp = cluster.root / "tmp"
     before = time.time()
@@ -85,7 +86,10 @@ def test_job_times_and_output_paths(cluster: DevCluster) -> None:
     info = s.job(job)
     assert info is not None and info.state == "PENDING"
     assert info.start_time is None and info.batch_host == "" and info.name == "typed"
-    expanded = s.version() >= Release(24, 5)  # data parser v0.0.41 on
+    # the data parser the adapter asks for (or the release's only one) decides
+    v = s.version()
+    used = parser_for(v) or ("v0.0.39" if v >= Release(23, 2) else "v0.0.38")
+    expanded = used in TYPED.expanded
     raw = info.raw["standard_output"]
     assert raw == (f"{tmp}/out-{job}-typed-%N.log" if expanded else f"{tmp}/out-%j-%x-%N.log")
     assert info.std_out == f"{tmp}/out-{job}-typed-%N.log"  # %N: the node expands it
@@ -158,6 +162,14 @@ def test_controller_down_is_a_clear_error(tmp_path: Path) -> None:
         "NodeName=n1 CPUs=1\nPartitionName=p Nodes=n1\n"
     )
     s = Slurm(conf=str(conf), timeout=20)
+    # a job: never "unknown" when the controller cannot say (scontrol show job --json
+    # answers "jobs": [] with exit 0 then, on 23.02+; the adapter asks squeue)
+    with pytest.raises(SlurmError) as job_err:
+        s.job(5)
+    assert str(job_err.value).startswith("squeue -j 5"), job_err.value
+    # 22.05 answers {"errors": ["Failed while looking for jobs"]}; 23.02+ exit 1 and say why
+    modern = s.version() >= Release(23, 2)
+    assert ("Unable to contact slurm controller" if modern else "Failed") in str(job_err.value)
     with pytest.raises(SlurmError) as err:
         s.nodes()
     # named by the command (not its path, which 24.11's own messages start with)

@@ -186,17 +186,19 @@ def test_parser_selected_for_each_release(release: str, parser: str | None) -> N
 
 
 def _fake_scontrol(tmp_path: Path, version: str, answer: dict[str, Any]) -> Path:
-    """A stand-in scontrol for a release that cannot run here: it logs its arguments,
-    prints ``version`` for --version and ``answer`` for anything else."""
+    """Stand-in scontrol and squeue for a release that cannot run here: they log their
+    arguments (squeue's with a "squeue " prefix), print ``version`` for --version and
+    ``answer`` for anything else."""
     (tmp_path / "answer.json").write_text(json.dumps(answer))
-    p = tmp_path / "scontrol"
-    p.write_text(
-        "#!/bin/sh\n"
-        f'echo "$*" >> {tmp_path}/calls.log\n'
-        f'[ "$1" = --version ] && {{ echo "slurm {version}"; exit 0; }}\n'
-        f"cat {tmp_path}/answer.json\n"
-    )
-    p.chmod(0o700)
+    for name, prefix in (("scontrol", ""), ("squeue", "squeue ")):
+        p = tmp_path / name
+        p.write_text(
+            "#!/bin/sh\n"
+            f'echo "{prefix}$*" >> {tmp_path}/calls.log\n'
+            f'[ "$1" = --version ] && {{ echo "slurm {version}"; exit 0; }}\n'
+            f"cat {tmp_path}/answer.json\n"
+        )
+        p.chmod(0o700)
     return tmp_path
 
 
@@ -220,7 +222,9 @@ def test_an_answer_we_cannot_read_fails_as_a_slurm_error_naming_the_release(
         s.job(7)
     assert isinstance(err.value, SlurmSchemaError)
     assert "Slurm 26.11.0 (data parser v0.0.46)" in str(err.value)
-    assert "scontrol show job --json" in str(err.value)
+    assert "squeue --json" in str(err.value)
+    calls = (tmp_path / "calls.log").read_text().splitlines()
+    assert calls == ["--version", "squeue -j 7 -t all --json=v0.0.44"]
 
 
 def test_the_release_is_asked_once_per_process(tmp_path: Path) -> None:
@@ -232,3 +236,54 @@ def test_the_release_is_asked_once_per_process(tmp_path: Path) -> None:
     Slurm(bin_dir, conf="/other/slurm.conf").nodes()  # another cluster: asked again
     calls = (tmp_path / "calls.log").read_text().splitlines()
     assert calls.count("--version") == 2 and calls.count("show nodes --json=v0.0.44") == 4
+
+
+# ------------------------------------------------------------ states and flags, alike
+def _real(release: str, name: str) -> dict[str, Any]:
+    found = sorted((DATA / "real").glob(f"{release}*/{name}.json"))
+    assert found, f"no real {release} {name}"
+    return _load(found[0])
+
+
+@pytest.mark.parametrize(
+    ("typed", "flat"),
+    [(["RUNNING", "CONFIGURING"], "CONFIGURING"), (["COMPLETED", "COMPLETING"], "COMPLETING"),
+     (["PENDING", "REQUEUE_HOLD"], "REQUEUE_HOLD"), (["PENDING"], "PENDING"),
+     (["CANCELLED"], "CANCELLED")],
+)  # fmt: skip
+def test_a_job_state_reads_as_squeue_names_it_on_every_release(
+    typed: list[str], flat: str
+) -> None:
+    """22.05 and 23.02 give job_state_string() (a flag before the base); v0.0.40+ give
+    [base, flags...]: both read as the string squeue's %T prints."""
+    new, old = _real("24.11", "squeue"), _real("22.05", "squeue")
+    new["jobs"][0]["job_state"] = typed
+    old["jobs"][0]["job_state"] = flat
+    assert parse_jobs(new)[0].state == parse_jobs(old)[0].state == flat
+
+
+def test_node_flags_read_alike() -> None:
+    new, old = _real("24.11", "scontrol_show_nodes"), _real("22.05", "sinfo")
+    new["nodes"][0]["state"] = ["DOWN", "DRAIN", "NOT_RESPONDING"]
+    old["nodes"][0]["state"], old["nodes"][0]["state_flags"] = "down", ["DRAIN", "NOT_RESPONDING"]
+    a, b = parse_nodes(new)[0], parse_nodes(old)[0]
+    assert (a.state, a.flags, a.drained) == (b.state, b.flags, b.drained)
+    assert (a.state, a.flags, a.drained) == ("down", ("DRAIN", "NOT_RESPONDING"), True)
+
+
+@pytest.mark.parametrize("key", ["partitions", "features", "reason"])
+def test_a_node_record_without_what_decisions_read_is_refused(key: str) -> None:
+    """Without partitions a node would silently be in none (an empty partition holds the
+    job): a record that lacks a key every parser writes is a schema error."""
+    for data in (_real("24.11", "scontrol_show_nodes"), _real("22.05", "sinfo")):
+        del data["nodes"][0][key]
+        with pytest.raises(SlurmSchemaError, match=f"without {key}"):
+            parse_nodes(data)
+
+
+@pytest.mark.parametrize("key", ["nodes", "batch_flag", "excluded_nodes", "standard_output"])
+def test_a_job_record_without_what_decisions_read_is_refused(key: str) -> None:
+    for data in (_real("24.11", "squeue"), _real("22.05", "squeue")):
+        del data["jobs"][0][key]
+        with pytest.raises(SlurmSchemaError, match=f"without {key}"):
+            parse_jobs(data)

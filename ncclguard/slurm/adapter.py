@@ -7,8 +7,9 @@ this class and nothing else.
 
 Slurm 22.05 to 25.11 (docs/slurm-versions.md). The release, from ``scontrol --version``
 (asked once, and only by the calls that choose a command by it), picks the best query:
-``sinfo``/``squeue --json`` on 22.05, ``scontrol show nodes|job --json`` from 23.02, and
-from 23.11 the data parser too (``--json=v0.0.42`` on 24.11; ``v0.0.44`` past 25.11).
+``sinfo --json`` on 22.05 and ``scontrol show nodes --json`` from 23.02 for nodes,
+``squeue --json -j J -t all`` for a job, and from 23.11 the data parser too
+(``--json=v0.0.42`` on 24.11; ``v0.0.44`` past 25.11).
 Answers are read by their own ``meta`` block (:mod:`ncclguard.slurm.schema`), never by
 the release we expected.
 
@@ -195,22 +196,21 @@ class Slurm:
         return [n.name for n in self.nodes() if partition in n.partitions]
 
     def job(self, job_id: int | str) -> JobInfo | None:
-        """One job, or None when Slurm no longer knows it: ``squeue --json`` on 22.05
-        (which ignores ``-j``: we pick the job out), ``scontrol show job J --json`` from
-        23.02. Both list finished jobs until ``MinJobAge`` after their end."""
+        """One job, or None when Slurm no longer knows it: ``squeue --json -j J -t all``
+        on every release (22.05 ignores ``-j``: we pick the job out; from 24.05.1 finished
+        jobs need ``-t all``; they are listed until ``MinJobAge`` after their end).
+
+        Not ``scontrol show job J --json`` (23.02+): it answers ``"jobs": []`` with exit 0
+        both for an unknown job and when the controller cannot be reached, where squeue
+        fails and says why."""
         jid = _job_id(job_id)
         try:
-            if self.version() >= SCONTROL_JSON_FROM:
-                data = self._json("scontrol", ["show", "job", jid], self._json_args())
-                what = "scontrol show job --json"
-            else:
-                data = self._json("squeue", ["-j", jid], ["--json"])
-                what = "squeue --json"
+            data = self._json("squeue", ["-j", jid, "-t", "all"], self._json_args())
         except SlurmError as e:
             if type(e) is SlurmError and "Invalid job id" in f"{e} {e.stderr}":
                 return None
             raise
-        for j in parse_jobs(data, what):
+        for j in parse_jobs(data, "squeue --json"):
             if j.job_id == int(jid):
                 return j
         return None
@@ -228,8 +228,8 @@ class Slurm:
     def hostnames(self, hostlist: str) -> list[str]:
         """``scontrol show hostnames`` (the reference; the gate expands in-process).
 
-        24.11 prints ``Invalid hostlist`` for a malformed list and still exits 0 (22.05
-        exits 1): both are an error here."""
+        For a malformed list every release prints ``Invalid hostlist`` to stderr and
+        still exits 0: an empty answer is an error here."""
         argv_list = _node_list(hostlist)
         out = self.run("scontrol", ["show", "hostnames", argv_list])
         if not out.strip():

@@ -80,7 +80,7 @@ class NodeInfo:
 @dataclass(frozen=True)
 class JobInfo:
     job_id: int
-    state: str  # "PENDING", "RUNNING", "COMPLETED", ...
+    state: str  # as squeue %T says: "PENDING", "RUNNING", "CONFIGURING", "COMPLETED", ...
     user: str = ""
     user_id: int | None = None  # the job's uid
     partition: str = ""

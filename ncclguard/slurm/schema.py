@@ -154,10 +154,24 @@ def _comment(j: Mapping[str, Any], which: str, flat_key: str) -> str:
     return _text(c) if flat_key == "comment" else _text(j.get(flat_key))
 
 
+# Slurm's job_state_string(): a flag, when set, names the state before the base does.
+# v0.0.38 and v0.0.39 give that string; v0.0.40+ give [base, flags...]: read alike.
+_STATE_FLAGS = ("COMPLETING", "STAGE_OUT", "CONFIGURING", "RESIZING", "REQUEUED",
+                "REQUEUE_FED", "REQUEUE_HOLD", "SPECIAL_EXIT", "STOPPED", "REVOKED",
+                "RESV_DEL_HOLD", "SIGNALING")  # fmt: skip
+
+
+def _job_state(v: Any) -> str:
+    states = [s.upper() for s in _words(v)]
+    for flag in _STATE_FLAGS:
+        if flag in states[1:]:
+            return flag
+    return states[0] if states else ""
+
+
 def _job(j: Mapping[str, Any], expanded: bool) -> JobInfo:
     """One job record of either family (the two differ only in value shapes, which the
     helpers above read both ways)."""
-    states = _words(j.get("job_state"))
     task = _number(j.get("array_task_id"))
     array_task = None if task is None or task >= NO_VAL else task
     # the fields output_path() needs are JobInfo fields too: read them once
@@ -179,7 +193,7 @@ def _job(j: Mapping[str, Any], expanded: bool) -> JobInfo:
     uid = j.get("user_id")
     return JobInfo(
         **where,
-        state=states[0].upper() if states else "",
+        state=_job_state(j.get("job_state")),
         user_id=_number(uid) if uid is not None else None,
         partition=_text(j.get("partition")),
         nodes=_text(j.get("nodes")),
@@ -244,6 +258,13 @@ def family_of(meta: Meta, what: str) -> Family:
     )
 
 
+# What every parser from v0.0.38 to v0.0.44 writes in each record, and a missing one
+# would silently change a decision (no partitions: an empty partition; no nodes: none).
+NODE_KEYS = ("name", "state", "partitions", "features", "reason")
+JOB_KEYS = ("job_id", "job_state", "nodes", "batch_flag", "excluded_nodes", "required_nodes",
+            "standard_output", "current_working_directory", "partition")  # fmt: skip
+
+
 def _records(data: Mapping[str, Any], key: str, meta: Meta, what: str) -> list[dict[str, Any]]:
     records = data.get(key)
     if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
@@ -272,7 +293,7 @@ def parse_nodes(data: Mapping[str, Any], what: str = "nodes") -> list[NodeInfo]:
         )
     out = []
     for n in _records(data, "nodes", meta, what):
-        _require(n, ("name", "state"), meta, what)
+        _require(n, NODE_KEYS, meta, what)
         out.append(fam.node(n))
     return out
 
@@ -284,6 +305,6 @@ def parse_jobs(data: Mapping[str, Any], what: str = "jobs") -> list[JobInfo]:
     expanded = meta.parser in fam.expanded
     out = []
     for j in _records(data, "jobs", meta, what):
-        _require(j, ("job_id", "job_state"), meta, what)
+        _require(j, JOB_KEYS, meta, what)
         out.append(fam.job(j, expanded))
     return out
