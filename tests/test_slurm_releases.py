@@ -9,15 +9,18 @@ runs them: PrologSlurmctld's environment (batch or interactive, SLURM_JOB_EXTRA 
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from conftest_slurm import require_slurm
 
 from devtools.devcluster import DevCluster
-from ncclguard.slurm import Release, SlurmError
+from ncclguard.slurm import Release, Slurm, SlurmError
+from ncclguard.slurm.schema import parser_for
 from prolog.job import is_batch
 
 pytestmark = pytest.mark.slurm
@@ -106,10 +109,16 @@ def test_a_refused_batch_job_is_requeued_not_held(env_cluster: DevCluster) -> No
     assert is_batch(_env(c, job, 1))
 
 
-def test_adapter_reads_this_release(env_cluster: DevCluster) -> None:
+def test_adapter_reads_this_release(env_cluster: DevCluster, tmp_path: Path) -> None:
     """The adapter picks its command by the release and reads the answer by its meta."""
     c = env_cluster
-    s = c.slurm()
+    log = tmp_path / "calls.log"
+    for name in ("scontrol", "squeue", "sinfo"):  # log each call, then run the real one
+        real = shutil.which(name, path=c.env["PATH"])
+        wrapper = tmp_path / name
+        wrapper.write_text(f'#!/bin/sh\necho "{name} $*" >> {log}\nexec {real} "$@"\n')
+        wrapper.chmod(0o755)
+    s = Slurm(tmp_path, conf=str(c.conf))
     nodes = s.nodes()
     assert sorted(n.name for n in nodes) == ["n1", "n2"]
     job = c.sbatch(["-N1", "--hold", "--wrap", "true"])
@@ -119,6 +128,15 @@ def test_adapter_reads_this_release(env_cluster: DevCluster) -> None:
     c.wait_job(job, {"CANCELLED"}, 30)
     done = s.job(job)  # finished jobs stay readable until MinJobAge, on every release
     assert done is not None and done.state == "CANCELLED"
+    v = s.version()
+    json = f"--json={parser_for(v)}" if parser_for(v) else "--json"
+    node_call = "scontrol show nodes" if v >= Release(23, 2) else "sinfo"
+    assert log.read_text().splitlines() == [
+        "scontrol --version",
+        f"{node_call} {json}",
+        f"squeue -j {job} -t all {json}",
+        f"squeue -j {job} -t all {json}",
+    ]
 
 
 def test_text_after_brackets_is_accepted_from_2311(env_cluster: DevCluster) -> None:
