@@ -20,7 +20,7 @@ cd "$(dirname "$0")/.."
 me=scripts/slurm-root.sh
 action=${1:-test}
 [[ $# -gt 0 ]] && shift
-root=${NCCLGUARD_SLURM_ROOT:-/var/cache/ncclguard/trixie-slurm}
+root=$(realpath -m -- "${NCCLGUARD_SLURM_ROOT:-/var/cache/ncclguard/trixie-slurm}")
 suite=trixie
 # everything scripts/test.sh and the tests need inside, so that the cached root is complete
 packages=(slurm-wlm munge python3 python3-venv gcc libc6-dev systemd make git
@@ -34,14 +34,24 @@ test | shell | run | build | remove) ;;
 *) die "usage: $me [test|shell|run|build|remove] [args]" ;;
 esac
 [[ $(id -u) -eq 0 ]] || die "needs root (debootstrap, chroot and mount); run it as root"
+# the root is deleted and rebuilt: only a plain, deep enough path of its own
+[[ $root =~ ^(/[A-Za-z0-9._-]+){2,}$ ]] ||
+    die "NCCLGUARD_SLURM_ROOT=$root: want an absolute path of two or more plain components"
+owner=$root/.ncclguard-slurm-root # marks a directory this script made (and may delete)
+
+# one run at a time: another run's unmount or rebuild would pull the root from under us
+mkdir -p "$(dirname "$root")"
+exec {lock_fd}>"$root.lock"
+flock -w 1800 "$lock_fd" || die "another $me holds $root.lock (waited 30 min)"
 
 mirror() {
     # this machine's Debian mirror (the registries it can reach), else Debian's own
     local uri
     uri=$(sed -n 's/^URIs:[[:space:]]*//p' /etc/apt/sources.list.d/debian.sources 2>/dev/null |
         grep -v security | head -n1 || true)
-    [[ -n $uri ]] || uri=$(awk '$1 == "deb" && $3 !~ /security/ {print $2; exit}' \
-        /etc/apt/sources.list 2>/dev/null || true)
+    # one-line format: "deb [options] URI suite ...": the first field that is a URI
+    [[ -n $uri ]] || uri=$(awk '$1 == "deb" { for (i = 2; i <= NF; i++) if ($i ~ /^[a-z]+:\/\//) {
+        if ($0 !~ /security/) { print $i; exit } } }' /etc/apt/sources.list 2>/dev/null || true)
     echo "${uri:-http://deb.debian.org/debian}"
 }
 
@@ -58,9 +68,14 @@ unmount_all() {
 trap unmount_all EXIT
 
 remove_root() {
-    # never delete through a bind mount (/dev, /sys, the wheel cache): unmount, check, delete
+    # never delete through a bind mount (/dev, /sys, the wheel cache): unmount, check, and
+    # delete only a directory this script made
+    [[ -e $root ]] || return 0
+    if [[ ! -e $owner ]] && [[ -n $(ls -A "$root") ]]; then
+        die "$root is not a root this script made (no $(basename "$owner")): not deleting it"
+    fi
     unmount_all
-    if [[ -n $(mounts_under_root) ]]; then
+    if [[ -n $(mounts_under_root) ]] || mountpoint -q "$root/root/.cache/ncclguard" 2>/dev/null; then
         die "cannot unmount everything under $root; not deleting it: $(mounts_under_root | tr '\n' ' ')"
     fi
     rm -rf --one-file-system "$root"
@@ -76,13 +91,15 @@ bind_system() {
     done
     # the host's network settings, CA bundle and pip settings (the registries need them);
     # copied after every apt step: installing ca-certificates rewrites the bundle
-    cp -L /etc/resolv.conf "$root/etc/resolv.conf" 2>/dev/null || true
-    cp /etc/hosts "$root/etc/hosts"
-    if [[ -f /etc/ssl/certs/ca-certificates.crt ]]; then
-        mkdir -p "$root/etc/ssl/certs"
-        cp /etc/ssl/certs/ca-certificates.crt "$root/etc/ssl/certs/ca-certificates.crt"
-    fi
-    [[ -f /etc/pip.conf ]] && cp /etc/pip.conf "$root/etc/pip.conf"
+    # (--remove-destination: a symlink in the root must not send the copy out of it)
+    local f
+    for f in /etc/resolv.conf /etc/hosts /etc/ssl/certs/ca-certificates.crt /etc/pip.conf \
+        ${PIP_CONFIG_FILE:-} ${PIP_CERT:-} ${SSL_CERT_FILE:-} ${REQUESTS_CA_BUNDLE:-} \
+        ${CURL_CA_BUNDLE:-}; do
+        [[ -f $f ]] || continue
+        mkdir -p "$root$(dirname "$f")"
+        cp -L --remove-destination "$f" "$root$f"
+    done
     if [[ -d /etc/xdg/pip ]]; then
         mkdir -p "$root/etc/xdg"
         rm -rf "$root/etc/xdg/pip"
@@ -101,10 +118,15 @@ in_root() {
     local keep=()
     local v
     for v in $(compgen -e); do
-        case $v in PIP_* | *_CA_BUNDLE | SSL_CERT_* | *CA_CERTS* | NCCLGUARD_*) keep+=("$v=${!v}") ;; esac
+            case $v in
+        PIP_FIND_LINKS | NCCLGUARD_TEST_CACHE | NCCLGUARD_SLURM_ROOT) ;; # host paths
+        PIP_* | *_CA_BUNDLE | SSL_CERT_* | *CA_CERTS* | NCCLGUARD_* | http_proxy | https_proxy | \
+            no_proxy | HTTP_PROXY | HTTPS_PROXY | NO_PROXY) keep+=("$v=${!v}") ;;
+        esac
     done
     chroot "$root" /usr/bin/env -i HOME=/root LANG=C.UTF-8 TERM="${TERM:-dumb}" \
-        PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin "${keep[@]}" "$@"
+        PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+        NCCLGUARD_TEST_CACHE=/root/.cache/ncclguard "${keep[@]}" "$@"
 }
 
 build() {
@@ -118,7 +140,8 @@ build() {
     }
     echo "$me: building a Debian $suite root in $root (about a minute) ..."
     remove_root
-    mkdir -p "$(dirname "$root")"
+    mkdir -p "$root"
+    touch "$owner"
     local log
     log=$(mktemp)
     if ! debootstrap --variant=minbase "$suite" "$root" "$(mirror)" >"$log" 2>&1; then
@@ -143,9 +166,12 @@ copy_checkout() {
     local src=$root/src/ncclguard
     rm -rf "$src"
     mkdir -p "$src" "$root/opt"
+    local f
     git ls-files -z --cached --others --exclude-standard |
-        xargs -0 -I{} sh -c 'test -e "$1" && printf "%s\0" "$1"' _ {} |
-        tar --null -T - -cf - | tar -xf - -C "$src"
+        while IFS= read -r -d '' f; do # deleted in the work tree: not copied
+            if [[ -e $f || -L $f ]]; then printf '%s\0' "$f"; fi
+        done |
+        tar --null --no-recursion -T - -cf - | tar -xf - -C "$src"
     # a git work tree of its own (the tests list the project's files with git)
     in_root git -C /src/ncclguard init -q
     # the venv lives outside the copy, so it is kept between runs
