@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from ncclguard.slurm import JobInfo, Release, Slurm, SlurmError, SlurmSchemaError
+from ncclguard.slurm import JobInfo, Release, Slurm, SlurmError, SlurmSchemaError, output_path
 from ncclguard.slurm.schema import (
     FAMILIES,
     KNOWN_PARSERS,
@@ -287,3 +287,19 @@ def test_a_job_record_without_what_decisions_read_is_refused(key: str) -> None:
         del data["jobs"][0][key]
         with pytest.raises(SlurmSchemaError, match=f"without {key}"):
             parse_jobs(data)
+
+
+def test_percent_b_as_the_nodes_of_each_release_expand_it() -> None:
+    """%b (array task id modulo 10) is expanded by the node from 24.11: read from the raw
+    patterns of 25.05+ (v0.0.43+) it is expanded; from 22.05's it stays as written."""
+    assert output_path("/o/%A_%a-%b-%3b.log", job_id=9, array_job_id=5,
+                       array_task_id=23, array_mod10=True) == "/o/5_23-3-003.log"  # fmt: skip
+    assert output_path("/o/%b.log", job_id=9) == "/o/%b.log"
+    new, old = _real("24.11", "squeue"), _real("22.05", "squeue")
+    new["meta"]["plugin"]["data_parser"] = "data_parser/v0.0.43"  # as 25.05 writes it
+    for data in (new, old):
+        j = data["jobs"][0]
+        j["standard_output"], j["standard_error"] = "/o/out-%j-%b.log", ""
+    jid = parse_jobs(new)[0].job_id
+    assert parse_jobs(new)[0].std_out == f"/o/out-{jid}-4.log"  # NO_VAL % 10, as Slurm
+    assert parse_jobs(old)[0].std_out == f"/o/out-{parse_jobs(old)[0].job_id}-%b.log"

@@ -15,6 +15,7 @@ def output_path(
     array_task_id: int | None = None,
     work_dir: str = "",
     batch: bool = True,
+    array_mod10: bool = False,
 ) -> str:
     """The file a batch job writes for the ``--output``/``--error`` ``pattern``.
 
@@ -25,17 +26,23 @@ def output_path(
     (``scontrol show job`` on 22.05 expands the same letters but leaves widths and ``%%``
     as written). ``%N`` (and the step-level ``%n %s %t``) stay: only the node knows them,
     and ``%N`` there is its short host name, not always the node name.
+
+    ``array_mod10``: also ``%b`` (the array task id modulo 10), which the node expands
+    from Slurm 24.11 on; before, it stays as written. (25.11's ``%r`` and ``%S`` are
+    not expanded here.)
     """
     in_array = array_task_id is not None and array_job_id > 0
     if not pattern:
         if not batch:
             return ""
         pattern = "slurm-%A_%a.out" if in_array else "slurm-%j.out"
+    task = array_task_id if in_array and array_task_id is not None else 4294967294  # NO_VAL
     subs = {
         "A": str(array_job_id if in_array else job_id),
-        "a": str(array_task_id if in_array else 4294967294),  # NO_VAL, as Slurm prints it
+        "a": str(task),  # NO_VAL for a plain job, as Slurm prints it
         "j": str(job_id),
         "J": str(job_id),
+        **({"b": str(task % 10)} if array_mod10 else {}),
         "u": user,
         "x": name,
     }
@@ -55,7 +62,7 @@ def output_path(
             if key in subs:
                 width = min(int(pattern[i + 1 : j] or 0), 10)
                 val = subs[key]
-                out.append(val.zfill(width) if key in "AajJ" and width else val)
+                out.append(val.zfill(width) if key in "AabjJ" and width else val)
                 i = j + 1
                 continue
         out.append(c)

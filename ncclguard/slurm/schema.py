@@ -118,8 +118,9 @@ class Family:
     name: str
     parsers: tuple[str, ...]
     node: Callable[[Mapping[str, Any]], NodeInfo]
-    job: Callable[[Mapping[str, Any], bool], JobInfo]
+    job: Callable[[Mapping[str, Any], bool, bool], JobInfo]
     expanded: tuple[str, ...] = ()  # parsers whose standard_output Slurm expanded
+    mod10: tuple[str, ...] = ()  # parsers of releases (24.11+) whose nodes expand %b
 
 
 def _flat_node(n: Mapping[str, Any]) -> NodeInfo:
@@ -169,7 +170,7 @@ def _job_state(v: Any) -> str:
     return states[0] if states else ""
 
 
-def _job(j: Mapping[str, Any], expanded: bool) -> JobInfo:
+def _job(j: Mapping[str, Any], expanded: bool, mod10: bool) -> JobInfo:
     """One job record of either family (the two differ only in value shapes, which the
     helpers above read both ways)."""
     task = _number(j.get("array_task_id"))
@@ -188,8 +189,9 @@ def _job(j: Mapping[str, Any], expanded: bool) -> JobInfo:
     if expanded:  # Slurm expanded the patterns itself (and named the default files)
         std_out, std_err = out, err or out
     else:
-        std_out = output_path(out, **where)
-        std_err = output_path(err or out, **where)  # no --error: the same file as StdOut
+        std_out = output_path(out, **where, array_mod10=mod10)
+        # no --error: the same file as StdOut
+        std_err = output_path(err or out, **where, array_mod10=mod10)
     uid = j.get("user_id")
     return JobInfo(
         **where,
@@ -221,6 +223,7 @@ TYPED = Family(
     _typed_node,
     _job,
     expanded=("v0.0.39", "v0.0.40", "v0.0.41", "v0.0.42"),
+    mod10=("v0.0.42", "v0.0.43", "v0.0.44"),
 )
 FAMILIES = (FLAT, TYPED)
 KNOWN_PARSERS = tuple(p for f in FAMILIES for p in f.parsers)
@@ -302,9 +305,9 @@ def parse_jobs(data: Mapping[str, Any], what: str = "jobs") -> list[JobInfo]:
     """Job records from ``squeue --json`` or ``scontrol show job --json`` (23.02+)."""
     meta = read_meta(data)
     fam = family_of(meta, what)
-    expanded = meta.parser in fam.expanded
+    expanded, mod10 = meta.parser in fam.expanded, meta.parser in fam.mod10
     out = []
     for j in _records(data, "jobs", meta, what):
         _require(j, JOB_KEYS, meta, what)
-        out.append(fam.job(j, expanded))
+        out.append(fam.job(j, expanded, mod10))
     return out
