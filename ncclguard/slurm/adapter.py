@@ -165,11 +165,14 @@ class Slurm:
         what = " ".join([name, *args])
         try:
             data = json.loads(out)
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:  # RecursionError: nested too deep
             raise SlurmSchemaError(f"{what} --json: not JSON ({e}): {out[:200]!r}") from None
         if not isinstance(data, dict):
             raise SlurmSchemaError(f"{what} --json: expected an object, got {type(data).__name__}")
-        errors = [e for e in data.get("errors") or [] if e]
+        errors = data.get("errors") or []
+        if not isinstance(errors, list):
+            raise SlurmSchemaError(f"{what} --json: 'errors' is {type(errors).__name__}")
+        errors = [e for e in errors if e]
         if errors:
             raise SlurmError(f"{what} --json: {_error_texts(errors)}", [name])
         return data

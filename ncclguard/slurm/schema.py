@@ -63,7 +63,7 @@ def read_meta(data: Mapping[str, Any]) -> Meta:
         if isinstance(v, dict):  # numbers (22.05, 23.02) or strings (23.11 on)
             try:
                 release = Release(int(v["major"]), int(v["minor"]), int(v.get("micro") or 0))
-            except (KeyError, TypeError, ValueError):
+            except (KeyError, TypeError, ValueError, OverflowError):
                 release = None
         if release is None and isinstance(slurm.get("release"), str):
             try:
@@ -74,40 +74,72 @@ def read_meta(data: Mapping[str, Any]) -> Meta:
 
 
 # ------------------------------------------------------------ value shapes
-def _text(v: Any) -> str:
-    return "" if v is None else str(v)
+class _BadShape(ValueError):
+    """A field of a record is not of any shape a known parser writes (the message names
+    the field); parse_nodes/parse_jobs turn it into a SlurmSchemaError."""
 
 
-def _number(v: Any) -> int | None:
-    """A plain number, or v0.0.39+'s ``{"set": true, "infinite": false, "number": 5}``;
-    None when unset or infinite."""
-    if isinstance(v, dict):
-        if v.get("set") is False or v.get("infinite") is True:
+_NUMBER_KEYS = frozenset({"set", "infinite", "number"})
+
+
+class _Fields:
+    """The fields of one record, each read strictly: a value of another shape than the
+    parsers write is a :class:`_BadShape`, never a guess (``"partitions": 5`` is not a
+    partition named "5")."""
+
+    def __init__(self, record: Mapping[str, Any]) -> None:
+        self.record = record
+
+    def _bad(self, key: str, want: str) -> _BadShape:
+        got = self.record.get(key)
+        return _BadShape(f"{key!r} is {type(got).__name__} {str(got)[:60]!r}, not {want}")
+
+    def text(self, key: str) -> str:
+        v = self.record.get(key)
+        if v is None:
+            return ""
+        if isinstance(v, str):
+            return v
+        raise self._bad(key, "a string")
+
+    def number(self, key: str) -> int | None:
+        """A plain number, or v0.0.39+'s ``{"set": true, "infinite": false, "number": 5}``;
+        None when absent, unset or infinite."""
+        v = self.record.get(key)
+        if isinstance(v, dict) and v.keys() <= _NUMBER_KEYS:
+            if v.get("set") is False or v.get("infinite") is True:
+                return None
+            v = v.get("number")
+        if v is None:
             return None
-        v = v.get("number")
-    if isinstance(v, bool):
-        return int(v)
-    try:
-        return int(v)
-    except (TypeError, ValueError):
-        return None
+        if isinstance(v, int):  # bool included: some parsers write flags as numbers
+            return int(v)
+        raise self._bad(key, "a number")
 
+    def int(self, key: str) -> int:
+        n = self.number(key)
+        return 0 if n is None else n
 
-def _int(v: Any) -> int:
-    n = _number(v)
-    return 0 if n is None else n
+    def epoch(self, key: str) -> float | None:
+        n = self.number(key)
+        return float(n) if n is not None and n > 0 else None
 
+    def flag(self, key: str) -> bool:
+        v = self.record.get(key)
+        if v is None or isinstance(v, (bool, int)):
+            return bool(v)
+        raise self._bad(key, "a boolean")
 
-def _epoch(v: Any) -> float | None:
-    n = _number(v)
-    return float(n) if n is not None and n > 0 else None
-
-
-def _words(v: Any) -> tuple[str, ...]:
-    """A list of words, from a list or a comma-separated string."""
-    if isinstance(v, list):
-        return tuple(str(x) for x in v if str(x))
-    return tuple(w for w in _text(v).split(",") if w)
+    def words(self, key: str) -> tuple[str, ...]:
+        """A list of strings, or one comma-separated string."""
+        v = self.record.get(key)
+        if v is None:
+            return ()
+        if isinstance(v, str):
+            return tuple(w for w in v.split(",") if w)
+        if isinstance(v, list) and all(isinstance(x, str) for x in v):
+            return tuple(x for x in v if x)
+        raise self._bad(key, "a list of strings")
 
 
 # ------------------------------------------------------------ the two families
@@ -124,35 +156,40 @@ class Family:
 
 
 def _flat_node(n: Mapping[str, Any]) -> NodeInfo:
+    f = _Fields(n)
     return NodeInfo(
-        name=_text(n.get("name") or n.get("hostname")),
-        state=_text(n.get("state")).lower(),
-        flags=tuple(f.upper() for f in _words(n.get("state_flags"))),
-        reason=_text(n.get("reason")),
-        partitions=_words(n.get("partitions")),
-        features=_words(n.get("features")),
-        cpus=_int(n.get("cpus")),
+        name=f.text("name") or f.text("hostname"),
+        state=f.text("state").lower(),
+        flags=tuple(x.upper() for x in f.words("state_flags")),
+        reason=f.text("reason"),
+        partitions=f.words("partitions"),
+        features=f.words("features"),
+        cpus=f.int("cpus"),
     )
 
 
 def _typed_node(n: Mapping[str, Any]) -> NodeInfo:
-    states = _words(n.get("state"))  # ["IDLE", "DRAIN"]: the base state, then flags
+    f = _Fields(n)
+    states = f.words("state")  # ["IDLE", "DRAIN"]: the base state, then flags
     return NodeInfo(
-        name=_text(n.get("name") or n.get("hostname")),
+        name=f.text("name") or f.text("hostname"),
         state=states[0].lower() if states else "",
-        flags=tuple(f.upper() for f in states[1:]),
-        reason=_text(n.get("reason")),
-        partitions=_words(n.get("partitions")),
-        features=_words(n.get("features")),
-        cpus=_int(n.get("cpus")),
+        flags=tuple(x.upper() for x in states[1:]),
+        reason=f.text("reason"),
+        partitions=f.words("partitions"),
+        features=f.words("features"),
+        cpus=f.int("cpus"),
     )
 
 
-def _comment(j: Mapping[str, Any], which: str, flat_key: str) -> str:
-    c = j.get("comment")
-    if isinstance(c, dict):  # {"job": ..., "administrator": ..., "system": ...}
-        return _text(c.get(which))
-    return _text(c) if flat_key == "comment" else _text(j.get(flat_key))
+def _comments(f: _Fields) -> tuple[str, str]:
+    """(the job's comment, the admin comment): two strings, or 23.02-style
+    ``"comment": {"job", "administrator", "system"}``."""
+    c = f.record.get("comment")
+    if isinstance(c, dict):
+        inner = _Fields(c)
+        return inner.text("job"), inner.text("administrator")
+    return f.text("comment"), f.text("admin_comment")
 
 
 # Slurm's job_state_string(): a flag, when set, names the state before the base does.
@@ -162,54 +199,55 @@ _STATE_FLAGS = ("COMPLETING", "STAGE_OUT", "CONFIGURING", "RESIZING", "REQUEUED"
                 "RESV_DEL_HOLD", "SIGNALING")  # fmt: skip
 
 
-def _job_state(v: Any) -> str:
-    states = [s.upper() for s in _words(v)]
+def _job_state(states: tuple[str, ...]) -> str:
+    upper = [s.upper() for s in states]
     for flag in _STATE_FLAGS:
-        if flag in states[1:]:
+        if flag in upper[1:]:
             return flag
-    return states[0] if states else ""
+    return upper[0] if upper else ""
 
 
 def _job(j: Mapping[str, Any], expanded: bool, mod10: bool) -> JobInfo:
-    """One job record of either family (the two differ only in value shapes, which the
-    helpers above read both ways)."""
-    task = _number(j.get("array_task_id"))
+    """One job record of either family (the two differ only in value shapes, which
+    :class:`_Fields` reads both ways)."""
+    f = _Fields(j)
+    task = f.number("array_task_id")
     array_task = None if task is None or task >= NO_VAL else task
     # the fields output_path() needs are JobInfo fields too: read them once
     where: dict[str, Any] = {
-        "job_id": _int(j.get("job_id")),
-        "name": _text(j.get("name")),
-        "user": _text(j.get("user_name")),
-        "array_job_id": _int(j.get("array_job_id")),
+        "job_id": f.int("job_id"),
+        "name": f.text("name"),
+        "user": f.text("user_name"),
+        "array_job_id": f.int("array_job_id"),
         "array_task_id": array_task,
-        "work_dir": _text(j.get("current_working_directory")),
-        "batch": bool(j.get("batch_flag")),
+        "work_dir": f.text("current_working_directory"),
+        "batch": f.flag("batch_flag"),
     }
-    out, err = _text(j.get("standard_output")), _text(j.get("standard_error"))
+    out, err = f.text("standard_output"), f.text("standard_error")
     if expanded:  # Slurm expanded the patterns itself (and named the default files)
         std_out, std_err = out, err or out
     else:
         std_out = output_path(out, **where, array_mod10=mod10)
         # no --error: the same file as StdOut
         std_err = output_path(err or out, **where, array_mod10=mod10)
-    uid = j.get("user_id")
+    comment, admin_comment = _comments(f)
     return JobInfo(
         **where,
-        state=_job_state(j.get("job_state")),
-        user_id=_number(uid) if uid is not None else None,
-        partition=_text(j.get("partition")),
-        nodes=_text(j.get("nodes")),
-        node_count=_int(j.get("node_count")),
-        required_nodes=_text(j.get("required_nodes")),
-        excluded_nodes=_text(j.get("excluded_nodes")),
-        state_reason=_text(j.get("state_reason")),
-        restart_count=_int(j.get("restart_cnt")),
-        admin_comment=_comment(j, "administrator", "admin_comment"),
-        comment=_comment(j, "job", "comment"),
-        priority=_int(j.get("priority")),
-        start_time=_epoch(j.get("start_time")),
-        end_time=_epoch(j.get("end_time")),
-        batch_host=_text(j.get("batch_host")),
+        state=_job_state(f.words("job_state")),
+        user_id=f.number("user_id"),
+        partition=f.text("partition"),
+        nodes=f.text("nodes"),
+        node_count=f.int("node_count"),
+        required_nodes=f.text("required_nodes"),
+        excluded_nodes=f.text("excluded_nodes"),
+        state_reason=f.text("state_reason"),
+        restart_count=f.int("restart_cnt"),
+        admin_comment=admin_comment,
+        comment=comment,
+        priority=f.int("priority"),
+        start_time=f.epoch("start_time"),
+        end_time=f.epoch("end_time"),
+        batch_host=f.text("batch_host"),
         std_out=std_out,
         std_err=std_err,
         raw=dict(j),
@@ -276,7 +314,7 @@ def _records(data: Mapping[str, Any], key: str, meta: Meta, what: str) -> list[d
 
 
 def _require(record: Mapping[str, Any], keys: tuple[str, ...], meta: Meta, what: str) -> None:
-    missing = [k for k in keys if k not in record]
+    missing = [k for k in keys if record.get(k) is None]  # absent or null
     if missing:
         raise SlurmSchemaError(
             f"{what}: {meta.describe()} answered a record without {', '.join(missing)}"
@@ -297,7 +335,10 @@ def parse_nodes(data: Mapping[str, Any], what: str = "nodes") -> list[NodeInfo]:
     out = []
     for n in _records(data, "nodes", meta, what):
         _require(n, NODE_KEYS, meta, what)
-        out.append(fam.node(n))
+        try:
+            out.append(fam.node(n))
+        except _BadShape as e:
+            raise SlurmSchemaError(f"{what}: {meta.describe()} answered a node with {e}") from None
     return out
 
 
@@ -309,5 +350,8 @@ def parse_jobs(data: Mapping[str, Any], what: str = "jobs") -> list[JobInfo]:
     out = []
     for j in _records(data, "jobs", meta, what):
         _require(j, JOB_KEYS, meta, what)
-        out.append(fam.job(j, expanded, mod10))
+        try:
+            out.append(fam.job(j, expanded, mod10))
+        except _BadShape as e:
+            raise SlurmSchemaError(f"{what}: {meta.describe()} answered a job with {e}") from None
     return out
