@@ -339,6 +339,23 @@ def test_audit_refuses_a_sticky_world_writable_directory(tmp_path: Path) -> None
         audit.append(tmpdir_like / "decisions.jsonl", {"job": 1})
 
 
+@pytest.mark.parametrize(("mode", "refused"), [(0o757, True), (0o775, False), (0o755, False)])
+def test_audit_directory_refused_for_the_other_write_bit_only(
+    tmp_path: Path, mode: int, refused: bool
+) -> None:
+    """Our own directory, writable by its group: fine; by others: refused (0o777 and
+    0o1777 above have both bits, so a check of the group bit hid)."""
+    d = tmp_path / "audit"
+    d.mkdir()
+    d.chmod(mode)
+    if refused:
+        with pytest.raises(audit.AuditError, match="writable by everyone"):
+            audit.append(d / "decisions.jsonl", {"job": 1})
+    else:
+        audit.append(d / "decisions.jsonl", {"job": 1})
+        assert [r["job"] for r in audit.read(d / "decisions.jsonl")] == [1]
+
+
 def test_an_oversized_record_drops_fields_and_stays_valid_json(tmp_path: Path) -> None:
     path = tmp_path / "d.jsonl"
     big = {"rule": "x", "message": "y" * 5000}

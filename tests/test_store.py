@@ -444,3 +444,28 @@ def test_gate_values_never_trust_an_unreadable_or_older_record(db: Path) -> None
     conn.close()
     with Inventory(db, readonly=True, values=GATE_VALUES) as inv:
         assert inv.load_values(["n2"])["n2"] is None  # nothing readable: unknown
+
+
+@pytest.mark.parametrize("readonly", [False, True])
+@pytest.mark.parametrize(
+    ("file_mode", "dir_mode", "refused"),
+    [(0o646, 0o755, True), (0o664, 0o755, False), (0o644, 0o757, True), (0o644, 0o775, False),
+     (0o644, 0o1757, True)],
+    ids=["file-o+w", "file-g+w", "dir-o+w", "dir-g+w", "dir-sticky-o+w"],
+)  # fmt: skip
+def test_only_the_other_write_bit_refuses(
+    db: Path, readonly: bool, file_mode: int, dir_mode: int, refused: bool
+) -> None:
+    """Others' write bit refuses the file or its directory; the group's does not (the
+    modes 0o666/0o777 of the tests above have both, so a check of the wrong bit hid)."""
+    Inventory(db, values=GATE_VALUES).close()
+    os.chmod(db, file_mode)
+    os.chmod(db.parent, dir_mode)
+    try:
+        if refused:
+            with pytest.raises(InventoryUnsafe, match="refusing"):
+                Inventory(db, values=GATE_VALUES, readonly=readonly)
+        else:
+            Inventory(db, values=GATE_VALUES, readonly=readonly).close()
+    finally:
+        os.chmod(db.parent, 0o755)
