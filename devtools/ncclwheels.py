@@ -168,3 +168,26 @@ def build_plugin(
                                   f"{r.stderr.strip()}")
         raise RuntimeError(f"gcc failed: {r.stderr.strip()}")
     return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m devtools.ncclwheels fetch``: have every NCCL of :data:`NCCL_WHEELS` in
+    the cache (scripts/test.sh runs it before the tests). Exit 2 naming the part that
+    cannot be had."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args != ["fetch"]:
+        print("usage: python -m devtools.ncclwheels fetch", file=sys.stderr)
+        return 2
+    for version, project in NCCL_WHEELS.items():
+        try:
+            path = extract_nccl(version)
+        except PartUnavailable as e:
+            print(f"ncclwheels: the real part libnccl.so.2 {version} ({project}=={version}) "
+                  f"cannot be had: {e}", file=sys.stderr)
+            return 2
+        print(f"NCCL {version}: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -4,7 +4,7 @@
   ``nvidia-nccl-cu11``/``-cu12`` wheel into ``~/.cache/ncclguard/nccl/<pkg>-<ver>/``.
   A missing wheel is fetched with ``pip download --no-deps --only-binary=:all:`` into
   ``~/.cache/ncclguard/wheels`` (``$NCCLGUARD_TEST_CACHE`` moves both); without network
-  the test is skipped with the reason.
+  the test is skipped with the reason, or fails under ``NCCLGUARD_REQUIRE_PARTS=1`` (CI).
 - ``compile_plugin(tmp_path, net_abis=[...], name=..., ...)`` -> a ``.so`` built by gcc
   from a tiny C file that exports the chosen ``ncclNetPlugin_vN`` (etc.) structs, each
   starting with its name string.
@@ -17,9 +17,10 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 
@@ -27,7 +28,35 @@ from devtools import ncclwheels
 from devtools.ncclwheels import PartUnavailable
 
 # The real parts (NCCL wheels, gcc-built plugins) come from devtools.ncclwheels, which
-# the demo uses too; here a part that cannot be had becomes a skip that says why.
+# the demo uses too. A part that cannot be had is a skip that says why, except where
+# NCCLGUARD_REQUIRE_PARTS=1 (scripts/test.sh, so CI): there it fails the test, and any
+# skip at all fails the run (pytest_sessionfinish below), so that a missing part can
+# never turn tests into skips and the run green.
+REQUIRE_PARTS = os.environ.get("NCCLGUARD_REQUIRE_PARTS") == "1"
+
+
+def unavailable(why: str) -> NoReturn:
+    """Skip for want of a real part, or fail under NCCLGUARD_REQUIRE_PARTS=1."""
+    if REQUIRE_PARTS:
+        pytest.fail(f"{why} (NCCLGUARD_REQUIRE_PARTS=1: a missing part fails the run)",
+                    pytrace=False)  # fmt: skip
+    pytest.skip(why)
+
+
+_SKIPPED: list[str] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.skipped and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+        _SKIPPED.append(f"{report.nodeid}: {reason}")
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if REQUIRE_PARTS and _SKIPPED and exitstatus == 0:
+        print("\nNCCLGUARD_REQUIRE_PARTS=1 and tests were skipped (each a missing part):",
+              *_SKIPPED, sep="\n  ", file=sys.stderr)  # fmt: skip
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def extract_nccl(version: str) -> Path:
@@ -35,7 +64,7 @@ def extract_nccl(version: str) -> Path:
     try:
         return ncclwheels.extract_nccl(version)
     except PartUnavailable as e:
-        pytest.skip(str(e))
+        unavailable(str(e))
 
 
 @pytest.fixture(scope="session")
@@ -68,7 +97,7 @@ def build_plugin(out_dir: Path, net_abis: Sequence[int] = (), name: str = "testn
     try:
         return ncclwheels.build_plugin(out_dir, net_abis, name, **options)
     except PartUnavailable as e:
-        pytest.skip(str(e))
+        unavailable(str(e))
 
 
 @pytest.fixture
@@ -90,7 +119,7 @@ def run_ldconfig(root: Path) -> Path:
     from ``<root>/etc/ld.so.conf``; returns the cache path."""
     exe = shutil.which("ldconfig") or "/sbin/ldconfig"
     if not Path(exe).exists():
-        pytest.skip("ldconfig is not installed")
+        unavailable("ldconfig is not installed")
     (root / "etc").mkdir(parents=True, exist_ok=True)
     conf = root / "etc" / "ld.so.conf"
     if not conf.exists():
@@ -105,7 +134,7 @@ def run_ldconfig(root: Path) -> Path:
 def build_shared_lib(out: Path, soname: str | None = None, body: str = "int x = 1;\n") -> Path:
     """A tiny real shared object (gcc), optionally with a SONAME."""
     if shutil.which("gcc") is None:
-        pytest.skip("gcc is not installed")
+        unavailable("gcc is not installed")
     out.parent.mkdir(parents=True, exist_ok=True)
     src = out.with_name(out.name + ".c")
     src.write_text(body)
