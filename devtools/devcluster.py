@@ -57,11 +57,29 @@ def missing_programs() -> list[str]:
     return [p for p in need if find_program(p) is None]
 
 
+def port_range(count: int, local_range: str | None = None) -> tuple[int, int]:
+    """Where to look for ``count`` free ports: outside the kernel's ephemeral range
+    (``net.ipv4.ip_local_port_range``, 32768-60999 by default), from which any outgoing
+    connection on the machine may take a port at any moment, after we checked it."""
+    if local_range is None:
+        try:
+            local_range = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text()
+        except OSError:
+            local_range = "32768 60999"
+    lo, hi = (int(x) for x in local_range.split()[:2])
+    if lo - 10000 >= 1000 + count:
+        return 10000, lo - count  # below it (the default: 10000-32767)
+    return hi + 1, 65535 - count  # above it
+
+
 def _free_port_block(count: int) -> int:
-    """The first of ``count`` consecutive TCP ports that are free now on 127.0.0.1."""
+    """The first of ``count`` consecutive TCP ports that are free now on 127.0.0.1, outside
+    the ephemeral range (:func:`port_range`). Free now is not free later: :meth:`DevCluster.
+    start` tries again with other ports when a daemon cannot bind."""
     rng = secrets.SystemRandom()
+    first, last = port_range(count)
     for _ in range(200):
-        base = rng.randrange(20000, 60000 - count)
+        base = rng.randrange(first, last)
         socks: list[socket.socket] = []
         try:
             for port in range(base, base + count):
@@ -112,6 +130,7 @@ class DevCluster:
         self.db = Path(db) if db else self.root / "inventory.db"
         self.config_path = self.root / "ncclguard.toml"
         self.gate_config = gate_config
+        self.initial_gate_config = gate_config
         self.audit_path = self.root / "decisions.jsonl"
         self.python = python or sys.executable
         self.partitions = dict(partitions or {"debug": f"n[1-{nodes}]"})
@@ -230,7 +249,23 @@ class DevCluster:
         finally:
             log.close()
 
-    def start(self, timeout: float = 60.0) -> DevCluster:
+    def start(self, timeout: float = 60.0, attempts: int = 3) -> DevCluster:
+        """Start the daemons; when one cannot bind its port (taken since we checked it),
+        stop them all and try again with other ports, ``attempts`` times in all."""
+        for attempt in range(1, attempts + 1):
+            try:
+                return self._start_once(timeout)
+            except ClusterError as e:
+                if attempt == attempts or "Address already in use" not in str(e):
+                    raise
+                self.stop()
+                # a new port is a new ClusterName: slurmctld refuses the old state's
+                shutil.rmtree(self.root / "state", ignore_errors=True)
+                for log in (self.root / "log").glob("*"):
+                    log.unlink()
+        raise AssertionError("unreachable")
+
+    def _start_once(self, timeout: float) -> DevCluster:
         self.root.mkdir(parents=True, exist_ok=True)
         self._write_files()
         m = self.root / "munge"
@@ -263,7 +298,10 @@ class DevCluster:
 
     def _ctld_up(self) -> bool:
         self._check_alive()
-        r = self.run(["scontrol", "ping"], check=False, timeout=10)
+        try:  # a port taken by another listener: the ping hangs there, slurmctld exits
+            r = self.run(["scontrol", "ping"], check=False, timeout=10)
+        except subprocess.TimeoutExpired:
+            return False
         return "UP" in r.stdout
 
     def _check_alive(self) -> None:
@@ -400,6 +438,16 @@ class DevCluster:
         except ClusterError as e:
             raise ClusterError(f"{e} (last state {seen!r}):\n{self.show_job(job_id)}") from None
         return seen
+
+    def reset_gate_state(self) -> None:
+        """The gate's config and inventory as at start: the config given to the
+        constructor, no inventory file (and no -wal/-shm), an empty gate log. Tests that
+        share one cluster call this between them, so none inherits another's."""
+        self.write_gate_config(self.initial_gate_config)
+        for p in self.db.parent.glob(self.db.name + "*"):
+            p.unlink()
+        if self.gate_log.exists():
+            self.gate_log.write_text("")
 
     def cancel_all(self) -> None:
         self.run(["scancel", "--user", "root"], check=False)

@@ -205,7 +205,8 @@ test)
     bind_system
     copy_checkout
     echo "$me: the suite on $(in_root sh -c 'dpkg-query -W -f "Slurm \${Version}" slurm-wlm; echo " and $(python3 --version)"')"
-    in_root bash -c 'cd /src/ncclguard && NCCLGUARD_IN_SLURM_ROOT=1 exec bash scripts/test.sh "$@"' \
+    in_root bash -c 'cd /src/ncclguard && NCCLGUARD_IN_SLURM_ROOT=1 NCCLGUARD_SHUFFLE=1 \
+        exec bash scripts/test.sh "$@"' \
         test "$@"
     ;;
 esac

@@ -35,10 +35,25 @@ fi
 # imports run one way (pyproject.toml, [tool.importlinter]), and the packages type-check
 .venv/bin/lint-imports --no-cache
 .venv/bin/mypy
-# The Slurm tests must run here: with this set, a Slurm test that would skip fails instead.
-export NCCLGUARD_REQUIRE_SLURM=1
+# The real NCCL libraries the tests use, fetched up front (about 700 MB the first time,
+# cached in ~/.cache/ncclguard): a part that cannot be had stops the run here, named.
+if ! .venv/bin/python -m devtools.ncclwheels fetch >/dev/null; then
+    echo "scripts/test.sh: a real NCCL library the tests need cannot be had (above); the" \
+        "tests do not run without it (PyPI must be reachable, or the cache filled)" >&2
+    exit 2
+fi
+# The Slurm tests must run here, and every real part: with these set, a test that would
+# skip fails instead, and any skip fails the run (tests/conftest.py).
+export NCCLGUARD_REQUIRE_SLURM=1 NCCLGUARD_REQUIRE_PARTS=1
 echo "scripts/test.sh: the suite on $(slurmctld -V 2>/dev/null || echo 'Slurm ?') and $(.venv/bin/python --version)"
-.venv/bin/python -m pytest "$@"
+# The order: as written on this machine's Slurm; shuffled across files in the second run
+# (NCCLGUARD_SHUFFLE=1, pytest-randomly; it prints its seed: rerun a failure with
+# --randomly-seed=SEED), so that no test leans on what another left behind.
+if [[ ${NCCLGUARD_SHUFFLE:-0} == 1 ]]; then
+    .venv/bin/python -m pytest "$@"
+else
+    .venv/bin/python -m pytest -p no:randomly "$@"
+fi
 
 # Then the same suite on a second, newer Slurm: Debian 13's 24.11, in a cached debootstrap
 # root (scripts/slurm-root.sh). Inside that root this script runs once more and stops here.

@@ -37,8 +37,11 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevClust
 
 @pytest.fixture
 def cluster(slurm_cluster: DevCluster) -> Iterator[DevCluster]:
-    """The session cluster, emptied of jobs before and after the test, nodes idle."""
+    """The session cluster, emptied of jobs before and after the test, nodes idle, and
+    the gate's config and inventory as at the start (no test inherits another's)."""
     slurm_cluster.cancel_all()
+    slurm_cluster.reset_gate_state()
     slurm_cluster.wait_nodes_idle(60)
     yield slurm_cluster
     slurm_cluster.cancel_all()
+    slurm_cluster.reset_gate_state()
