@@ -158,6 +158,22 @@ def test_job_larger_than_the_compatible_class_is_held(odd_cluster: DevCluster) -
     assert "needs 4" in comment
 
 
+def test_hold_after_max_refusals_on_the_real_cluster(odd_cluster: DevCluster) -> None:
+    """gate.max_refusals = 1: the first refusal of a job that could be steered (n[1-3]
+    holds n3; n1, n2, n4 would do) holds it instead, through slurmctld itself."""
+    c = odd_cluster
+    gate_config(c, "max_refusals = 1")
+    job = c.sbatch(["-N3", "--wrap", "true"])
+    wait_for(lambda: c.job_field(job, "Reason").startswith("JobHeld"), 40, "the hold")
+    assert "held: refused 1 times (gate.max_refusals = 1)" in admin_comment(c, job)
+    assert c.job_field(job, "JobState") == "PENDING"
+    rec = records(c, job)[0]
+    assert (rec["decision"], rec["action"], rec["refusal"]) == ("refuse", "hold", 1)
+    wait_for(lambda: any(r["decision"] == "followup" for r in records(c, job)), 30,
+             "the follow-up's record")  # fmt: skip
+    assert [r["action"] for r in records(c, job) if r["decision"] == "followup"] == ["hold"]
+
+
 def test_srun_on_incompatible_set_is_killed_with_the_reason(odd_cluster: DevCluster) -> None:
     c = odd_cluster
     r = c.run(["srun", "-N3", "-w", "n[2-4]", "true"], check=False, timeout=60)

@@ -57,7 +57,10 @@ def test_once_json_on_a_node_root(tmp_path: Path, nccl_lib) -> None:
                          "plugin": f"{MULTIARCH}/libnccl-net.so",
                          "effective_net_abi": 8, "reason": None}
     assert fp["nccl_conf"]["settings"] == {"NCCL_IB_HCA": "mlx5"}
-    assert isinstance(fp["errors"], list)
+    # the tree has no boot_id: exactly that, named (no other probe failed)
+    assert fp["errors"] == [{"probe": "host", "field": "host.boot_id",
+                             "path": "/proc/sys/kernel/random/boot_id",
+                             "error": "[Errno 2] No such file or directory"}]
     # a second (warm) run gives the same fingerprint apart from the time
     again = _json(_once(tmp_path, "--json", "--root", str(root), "--hostname", "n7",
                         "--config", str(cfg)))

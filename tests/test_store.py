@@ -201,7 +201,7 @@ def test_nodes_query_columns_and_filters(db: Path) -> None:
         assert rows["b"]["net_plugin"] is None and rows["b"]["rdma_ports_up"] == 1
         assert rows["b"]["driver"] == "535" and rows["b"]["last_heartbeat"] == 20
         assert rows["a"]["error_count"] == 0
-        assert rows["a"]["transport"]
+        assert rows["a"]["transport"] == "IBext_v8" and rows["b"]["transport"] == "IB"
         assert [r["host"] for r in inv.nodes({"nccl_version": "2.18.3"})] == ["b"]
         assert [r["host"] for r in inv.nodes({"has_nccl": "2.21.5"})] == ["a"]
         assert [r["host"] for r in inv.nodes({"net_plugin": None})] == ["b"]
