@@ -52,24 +52,21 @@ def test_any_skip_fails_a_required_run(tmp_path: Path) -> None:
         "def test_x():\n    pass\n\ndef test_y():\n    pass\n"
     )
     (tmp_path / "conftest.py").write_text((ROOT / "tests" / "conftest.py").read_text())
-    env = {**os.environ, "NCCLGUARD_REQUIRE_PARTS": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
-    r = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
-         "--rootdir", str(tmp_path), str(tmp_path / "test_skips.py")],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    base = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    base.pop("NCCLGUARD_REQUIRE_PARTS", None)
+
+    def pytest_there(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
+             "--rootdir", str(tmp_path), str(tmp_path / "test_skips.py")],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+
+    r = pytest_there({**base, "NCCLGUARD_REQUIRE_PARTS": "1"})
     assert r.returncode == 1, r.stdout + r.stderr
     assert "test_skips.py::test_x: Skipped: no such kernel here" in r.stderr
-    env.pop("NCCLGUARD_REQUIRE_PARTS")
-    r = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
-         "--rootdir", str(tmp_path), str(tmp_path / "test_skips.py")],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    r = pytest_there(base)
     assert r.returncode == 0, r.stdout + r.stderr
-
-
 
 
 def test_the_up_front_fetch_stops_naming_the_part(tmp_path: Path) -> None:
