@@ -69,7 +69,10 @@ def port_range(count: int, local_range: str | None = None) -> tuple[int, int]:
     lo, hi = (int(x) for x in local_range.split()[:2])
     if lo - 10000 >= 1000 + count:
         return 10000, lo - count  # below it (the default: 10000-32767)
-    return hi + 1, 65535 - count  # above it
+    if 65535 - count - hi >= 100:
+        return hi + 1, 65535 - count  # above it
+    # (almost) every port is ephemeral: take any; start() tries again if one was taken
+    return 1024, 65535 - count
 
 
 def _free_port_block(count: int) -> int:
@@ -444,8 +447,8 @@ class DevCluster:
         constructor, no inventory file (and no -wal/-shm), an empty gate log. Tests that
         share one cluster call this between them, so none inherits another's."""
         self.write_gate_config(self.initial_gate_config)
-        for p in self.db.parent.glob(self.db.name + "*"):
-            p.unlink()
+        for suffix in ("", "-wal", "-shm", "-journal"):
+            Path(f"{self.db}{suffix}").unlink(missing_ok=True)
         if self.gate_log.exists():
             self.gate_log.write_text("")
 

@@ -40,8 +40,8 @@ def cluster(slurm_cluster: DevCluster) -> Iterator[DevCluster]:
     """The session cluster, emptied of jobs before and after the test, nodes idle, and
     the gate's config and inventory as at the start (no test inherits another's)."""
     slurm_cluster.cancel_all()
-    slurm_cluster.reset_gate_state()
     slurm_cluster.wait_nodes_idle(60)
+    slurm_cluster.reset_gate_state()
     yield slurm_cluster
     slurm_cluster.cancel_all()
     slurm_cluster.reset_gate_state()

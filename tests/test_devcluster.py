@@ -12,12 +12,19 @@ from devtools import devcluster
 from devtools.devcluster import DevCluster, port_range
 
 
-@pytest.mark.parametrize("local", ["32768 60999", "1024 65000", "15000 60999", "40000 65535"])
+@pytest.mark.parametrize("local", ["32768 60999", "1024 65000", "15000 60999", "40000 65535",
+                                   "60000 61000"])
 def test_ports_are_chosen_outside_the_ephemeral_range(local: str) -> None:
     first, last = port_range(5, local)
     lo, hi = map(int, local.split())
     assert 1024 < first <= last and last + 5 - 1 <= 65535
     assert last + 5 - 1 < lo or first > hi  # every block it can give is outside [lo, hi]
+    assert last - first >= 95  # room to choose
+
+
+@pytest.mark.parametrize("local", ["1024 65535", "10500 65530"])
+def test_when_almost_every_port_is_ephemeral_any_will_do(local: str) -> None:
+    assert port_range(5, local) == (1024, 65530)  # start() tries again if one was taken
 
 
 @pytest.mark.slurm
