@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -46,16 +45,29 @@ def unavailable(why: str) -> NoReturn:
 _SKIPPED: list[str] = []
 
 
-def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+def _note_skip(report: pytest.TestReport | pytest.CollectReport) -> None:
     if report.skipped and not hasattr(report, "wasxfail"):
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
         _SKIPPED.append(f"{report.nodeid}: {reason}")
 
 
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _note_skip(report)
+
+
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    _note_skip(report)  # a whole module skipped (allow_module_level, importorskip)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if REQUIRE_PARTS and _SKIPPED:
+        terminalreporter.section("NCCLGUARD_REQUIRE_PARTS=1: skipped, so the run fails")
+        for line in _SKIPPED:
+            terminalreporter.line(line)
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    if REQUIRE_PARTS and _SKIPPED and exitstatus == 0:
-        print("\nNCCLGUARD_REQUIRE_PARTS=1 and tests were skipped (each a missing part):",
-              *_SKIPPED, sep="\n  ", file=sys.stderr)  # fmt: skip
+    if REQUIRE_PARTS and _SKIPPED and exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 

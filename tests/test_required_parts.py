@@ -19,6 +19,7 @@ def _run_without_wheels(tmp_path: Path, require: bool) -> subprocess.CompletedPr
     env.update({
         "NCCLGUARD_TEST_CACHE": str(tmp_path / "empty-cache"),  # no wheel, no library
         "PIP_INDEX_URL": "http://127.0.0.1:9/simple",  # nothing listens there
+        "PIP_CONFIG_FILE": os.devnull, "PIP_FIND_LINKS": "",  # no pip.conf, no local wheels
         "PIP_NO_CACHE_DIR": "1", "PIP_RETRIES": "0", "PIP_DEFAULT_TIMEOUT": "3",
     })  # fmt: skip
     if require:
@@ -64,7 +65,8 @@ def test_any_skip_fails_a_required_run(tmp_path: Path) -> None:
 
     r = pytest_there({**base, "NCCLGUARD_REQUIRE_PARTS": "1"})
     assert r.returncode == 1, r.stdout + r.stderr
-    assert "test_skips.py::test_x: Skipped: no such kernel here" in r.stderr
+    assert "NCCLGUARD_REQUIRE_PARTS=1: skipped, so the run fails" in r.stdout
+    assert "test_skips.py::test_x: Skipped: no such kernel here" in r.stdout
     r = pytest_there(base)
     assert r.returncode == 0, r.stdout + r.stderr
 
@@ -75,6 +77,7 @@ def test_the_up_front_fetch_stops_naming_the_part(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "NCCLGUARD_"))}
     env.update({"NCCLGUARD_TEST_CACHE": str(tmp_path / "empty"),
                 "PIP_INDEX_URL": "http://127.0.0.1:9/simple", "PIP_NO_CACHE_DIR": "1",
+                "PIP_CONFIG_FILE": os.devnull, "PIP_FIND_LINKS": "",
                 "PIP_RETRIES": "0", "PIP_DEFAULT_TIMEOUT": "3"})  # fmt: skip
     r = subprocess.run([sys.executable, "-m", "devtools.ncclwheels", "fetch"], cwd=ROOT,
                        env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
