@@ -47,12 +47,12 @@ fi
 export NCCLGUARD_REQUIRE_SLURM=1 NCCLGUARD_REQUIRE_PARTS=1
 echo "scripts/test.sh: the suite on $(slurmctld -V 2>/dev/null || echo 'Slurm ?') and $(.venv/bin/python --version)"
 # The order: as written on this machine's Slurm; shuffled across files in the second run
-# (NCCLGUARD_SHUFFLE=1, pytest-randomly; it prints its seed: rerun a failure with
-# --randomly-seed=SEED), so that no test leans on what another left behind.
+# (NCCLGUARD_SHUFFLE=1, which slurm-root.sh sets; pytest-randomly prints its seed, and
+# --randomly-seed=SEED repeats it), so that no test leans on what another left behind.
 if [[ ${NCCLGUARD_SHUFFLE:-0} == 1 ]]; then
     .venv/bin/python -m pytest "$@"
 else
-    .venv/bin/python -m pytest -p no:randomly "$@"
+    .venv/bin/python -m pytest --randomly-dont-reorganize "$@"
 fi
 
 # Then the same suite on a second, newer Slurm: Debian 13's 24.11, in a cached debootstrap
