@@ -275,7 +275,11 @@ def test_steering_hold_mode(odd_cluster: DevCluster) -> None:
 
 def test_audit_is_private_and_listable(odd_cluster: DevCluster, tmp_path: Path) -> None:
     c = odd_cluster
+    before = {r["job"] for r in audit.read(c.audit_path)}
+    start = time.time()
     r = c.run(["srun", "-N2", "-w", "n[1-2]", "true"], check=False, timeout=60)
     assert r.returncode == 0
     assert (c.audit_path.stat().st_mode & 0o777) == 0o640
-    assert audit.read(c.audit_path, since=time.time() - 60)
+    # this srun's record, read back by time: exactly one new job, accepted on n[1-2]
+    recent = [x for x in audit.read(c.audit_path, since=start - 1) if x["job"] not in before]
+    assert [(x["decision"], x["nodes"]) for x in recent] == [("accept", "n[1-2]")]

@@ -17,6 +17,7 @@ import pytest
 
 from ncclguard.config import InventoryConfig
 from ncclguard.fingerprint.canonical import fingerprint_diff, fingerprint_hash
+from ncclguard.fingerprint.compat import compat_key
 from ncclguard.policy import GATE_VALUES
 from ncclguard.store import (
     SCHEMA_VERSION,
@@ -27,6 +28,7 @@ from ncclguard.store import (
     InventoryUnsafe,
 )
 from ncclguard.store.schema import MIGRATIONS
+from ncclguard.timeparse import parse_iso
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -146,7 +148,9 @@ def test_load_returns_none_for_unknown_hosts_and_reads_readonly(db: Path) -> Non
         rec = got["n3"]
         assert rec is not None and rec.host == "n3"
         assert rec.fingerprint == make_fp("n3")
-        assert rec.compat_key and rec.collected_at > 0
+        assert rec.compat_key == compat_key(make_fp("n3"))  # the fingerprint's own key
+        assert rec.compat_key == got["n0"].compat_key  # type: ignore[union-attr]
+        assert rec.collected_at == parse_iso("2026-11-30T02:13:28Z")  # host.collected_at
         with pytest.raises(InventoryReadOnly, match=str(db)):
             ro.upsert(make_fp("n9"))
 
