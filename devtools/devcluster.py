@@ -442,13 +442,18 @@ class DevCluster:
             raise ClusterError(f"{e} (last state {seen!r}):\n{self.show_job(job_id)}") from None
         return seen
 
+    def remove_inventory(self) -> None:
+        """Delete the inventory file and SQLite's own files beside it (-wal, -shm,
+        -journal), and nothing else."""
+        for suffix in ("", "-wal", "-shm", "-journal"):
+            Path(f"{self.db}{suffix}").unlink(missing_ok=True)
+
     def reset_gate_state(self) -> None:
         """The gate's config and inventory as at start: the config given to the
         constructor, no inventory file (and no -wal/-shm), an empty gate log. Tests that
         share one cluster call this between them, so none inherits another's."""
         self.write_gate_config(self.initial_gate_config)
-        for suffix in ("", "-wal", "-shm", "-journal"):
-            Path(f"{self.db}{suffix}").unlink(missing_ok=True)
+        self.remove_inventory()
         if self.gate_log.exists():
             self.gate_log.write_text("")
 

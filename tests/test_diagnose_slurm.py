@@ -50,8 +50,7 @@ def test_diagnose_job_finds_its_output_through_slurm(
     cluster: DevCluster, tmp_path: Path
 ) -> None:
     c = cluster
-    for p in c.db.parent.glob(c.db.name + "*"):
-        p.unlink()
+    c.remove_inventory()
     with Inventory(c.db, values=GATE_VALUES) as inv:
         for host in c.node_names:
             inv.upsert(fingerprint(host, nccl="2.18.3" if host == "n3" else "2.21.5"))

@@ -26,8 +26,7 @@ def make_inventory(
     cluster: DevCluster, versions: dict[str, str] | None = None, stale: tuple[str, ...] = ()
 ) -> None:
     versions = versions or {}
-    for p in cluster.db.parent.glob(cluster.db.name + "*"):
-        p.unlink()
+    cluster.remove_inventory()
     now = time.time()
     with Inventory(cluster.db, values=GATE_VALUES) as inv:
         for host in cluster.node_names:
