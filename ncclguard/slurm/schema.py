@@ -145,12 +145,13 @@ class _Fields:
 # ------------------------------------------------------------ the two families
 @dataclass(frozen=True)
 class Family:
-    """How one family of data parsers spells the fields the adapter reads."""
+    """How one family of data parsers spells the fields the adapter reads: its node
+    record, and which of its parsers expand output paths. Job records of both families
+    differ only in value shapes, which :func:`_job` reads both ways."""
 
     name: str
     parsers: tuple[str, ...]
     node: Callable[[Mapping[str, Any]], NodeInfo]
-    job: Callable[[Mapping[str, Any], bool, bool], JobInfo]
     expanded: tuple[str, ...] = ()  # parsers whose standard_output Slurm expanded
     mod10: tuple[str, ...] = ()  # parsers of releases (24.11+) whose nodes expand %b
 
@@ -254,12 +255,11 @@ def _job(j: Mapping[str, Any], expanded: bool, mod10: bool) -> JobInfo:
     )
 
 
-FLAT = Family("flat", ("v0.0.38",), _flat_node, _job)
+FLAT = Family("flat", ("v0.0.38",), _flat_node)
 TYPED = Family(
     "typed",
     ("v0.0.39", "v0.0.40", "v0.0.41", "v0.0.42", "v0.0.43", "v0.0.44"),
     _typed_node,
-    _job,
     expanded=("v0.0.39", "v0.0.40", "v0.0.41", "v0.0.42"),
     mod10=("v0.0.42", "v0.0.43", "v0.0.44"),
 )
@@ -351,7 +351,7 @@ def parse_jobs(data: Mapping[str, Any], what: str = "jobs") -> list[JobInfo]:
     for j in _records(data, "jobs", meta, what):
         _require(j, JOB_KEYS, meta, what)
         try:
-            out.append(fam.job(j, expanded, mod10))
+            out.append(_job(j, expanded, mod10))
         except _BadShape as e:
             raise SlurmSchemaError(f"{what}: {meta.describe()} answered a job with {e}") from None
     return out
