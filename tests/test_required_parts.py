@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
 ONE_TEST = "tests/test_probe_nccl.py::test_ncclgetversion_subprocess_agrees"
 
 
-def _run_without_wheels(tmp_path: Path, require: bool) -> subprocess.CompletedProcess[str]:
+def _no_wheels_env(tmp_path: Path) -> dict[str, str]:
+    """This environment without the NCCL wheels: an empty cache and no package index."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "NCCLGUARD_"))}
     env.update({
         "NCCLGUARD_TEST_CACHE": str(tmp_path / "empty-cache"),  # no wheel, no library
@@ -22,6 +23,11 @@ def _run_without_wheels(tmp_path: Path, require: bool) -> subprocess.CompletedPr
         "PIP_CONFIG_FILE": os.devnull, "PIP_FIND_LINKS": "",  # no pip.conf, no local wheels
         "PIP_NO_CACHE_DIR": "1", "PIP_RETRIES": "0", "PIP_DEFAULT_TIMEOUT": "3",
     })  # fmt: skip
+    return env
+
+
+def _run_without_wheels(tmp_path: Path, require: bool) -> subprocess.CompletedProcess[str]:
+    env = _no_wheels_env(tmp_path)
     if require:
         env["NCCLGUARD_REQUIRE_PARTS"] = "1"
     return subprocess.run(
@@ -74,12 +80,8 @@ def test_any_skip_fails_a_required_run(tmp_path: Path) -> None:
 def test_the_up_front_fetch_stops_naming_the_part(tmp_path: Path) -> None:
     """scripts/test.sh runs this before the tests: no wheel and no index is exit 2,
     with the library and the PyPI project named."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "NCCLGUARD_"))}
-    env.update({"NCCLGUARD_TEST_CACHE": str(tmp_path / "empty"),
-                "PIP_INDEX_URL": "http://127.0.0.1:9/simple", "PIP_NO_CACHE_DIR": "1",
-                "PIP_CONFIG_FILE": os.devnull, "PIP_FIND_LINKS": "",
-                "PIP_RETRIES": "0", "PIP_DEFAULT_TIMEOUT": "3"})  # fmt: skip
     r = subprocess.run([sys.executable, "-m", "devtools.ncclwheels", "fetch"], cwd=ROOT,
-                       env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+                       env=_no_wheels_env(tmp_path), capture_output=True, text=True,
+                       timeout=300)  # fmt: skip
     assert r.returncode == 2, r.stderr
     assert "the real part libnccl.so.2 2.18.3 (nvidia-nccl-cu12==2.18.3) cannot be had" in r.stderr
