@@ -71,6 +71,8 @@ class NodeInfo:
     partitions: tuple[str, ...] = ()
     features: tuple[str, ...] = ()  # the node's available features
     cpus: int = 0
+    address: str = ""  # NodeAddr (Slurm fills in NodeHostname, then NodeName, when unset)
+    hostname: str = ""  # NodeHostname
 
     @property
     def drained(self) -> bool:

@@ -166,6 +166,8 @@ def _flat_node(n: Mapping[str, Any]) -> NodeInfo:
         partitions=f.words("partitions"),
         features=f.words("features"),
         cpus=f.int("cpus"),
+        address=f.text("address"),
+        hostname=f.text("hostname"),
     )
 
 
@@ -180,6 +182,8 @@ def _typed_node(n: Mapping[str, Any]) -> NodeInfo:
         partitions=f.words("partitions"),
         features=f.words("features"),
         cpus=f.int("cpus"),
+        address=f.text("address"),
+        hostname=f.text("hostname"),
     )
 
 
