@@ -382,6 +382,8 @@ def test_migration_to_v2_backfills_the_gate_values(tmp_path: Path) -> None:
     conn = sqlite3.connect(p, isolation_level=None)  # take the file back to schema v1
     conn.execute("DROP TABLE gate_nodes")
     conn.execute("DROP TABLE policy_values")
+    conn.execute("DROP TABLE publishers")  # v3's
+    conn.execute("DROP TABLE rejections")
     conn.execute("PRAGMA user_version = 1")
     conn.close()
     with Inventory(p, values=GATE_VALUES) as inv:

@@ -22,7 +22,7 @@ import time
 import urllib.parse
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
 from ncclguard.config import InventoryConfig, default_db_path
 from ncclguard.store.errors import (
@@ -40,6 +40,8 @@ from ncclguard.store.errors import (
 from ncclguard.store.schema import MIGRATIONS, SCHEMA_VERSION, GateValues
 
 __all__ = ["DIR_MODE", "FILE_MODE", "Database", "chunks"]
+
+_T = TypeVar("_T")
 
 DIR_MODE = 0o755  # readable by the gate's user (slurm) and admins, writable by the owner only
 FILE_MODE = 0o644
@@ -236,6 +238,25 @@ class Database:
                 raise
             # switching needs the database to ourselves; the next open tries again
 
+    def set_journal_mode(self, mode: str) -> str:
+        """Switch the journal mode ("wal" or "delete"), waiting for readers within the
+        busy budget; returns the mode in force. The collector leaves WAL when it stops:
+        a read-only reader cannot open a WAL file whose ``-shm`` it cannot create."""
+        self._require_rw()
+        want = "wal" if mode == "wal" else "delete"
+        deadline = time.monotonic() + max(self._busy_s, 1.0) * 5
+        while True:
+            try:
+                got = self._conn.execute(f"PRAGMA journal_mode = {want}").fetchone()[0]
+            except sqlite3.Error as e:
+                if busy(e) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    continue
+                raise translate(e, self.path, f"switch to journal_mode={want}") from None
+            if str(got).lower() == want or time.monotonic() >= deadline:
+                return str(got).lower()
+            time.sleep(0.05)
+
     def _migrate(self, conn: sqlite3.Connection) -> str:
         version = conn.execute("PRAGMA user_version").fetchone()[0]
         if version > SCHEMA_VERSION:
@@ -262,8 +283,8 @@ class Database:
             raise InventoryReadOnly(self.path, "opened read-only")
 
     def _retrying(
-        self, conn: sqlite3.Connection, body: Callable[[sqlite3.Connection], str], doing: str
-    ) -> str:
+        self, conn: sqlite3.Connection, body: Callable[[sqlite3.Connection], _T], doing: str
+    ) -> _T:
         """Run ``body`` in one BEGIN IMMEDIATE transaction, retrying while busy."""
         retries = max(self.config.write_retries, 0)
         started = time.monotonic()

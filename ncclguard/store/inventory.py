@@ -16,7 +16,7 @@ import contextlib
 import json
 import sqlite3
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -26,7 +26,9 @@ from ncclguard.store.connection import Database, chunks
 from ncclguard.store.errors import busy, translate
 from ncclguard.store.schema import GateValues, gate_record, write_gate_row
 
-__all__ = ["DEFAULT_HEARTBEAT_S", "CompatClass", "Inventory", "NodeRecord"]
+__all__ = [
+    "DEFAULT_HEARTBEAT_S", "CompatClass", "Inventory", "NodeRecord", "Published", "Rejected",
+]
 
 DEFAULT_HEARTBEAT_S = 300.0
 
@@ -45,6 +47,131 @@ class CompatClass(NamedTuple):
     compat_key: str
     values: dict[str, Any]
     hosts: list[str]
+
+
+_CURRENT = (
+    "SELECT n.fp_hash, n.last_heartbeat, g.values_version FROM nodes n "
+    "LEFT JOIN gate_nodes g ON g.host = n.host WHERE n.host = ?"
+)
+
+
+class Published(NamedTuple):
+    """One record the collector accepted: the fingerprint, and where it came from."""
+
+    fingerprint: Mapping[str, Any]
+    at: float  # the credential's encode time: the node's heartbeat
+    file: str
+    file_state: str  # the file's identity when read ("ino:size:mtime_ns")
+    digest: str  # SHA-256 of the credential
+    origin: str
+    uid: int
+
+
+class Rejected(NamedTuple):
+    """One record the collector rejected (``ncclguard.spool.CAUSES`` names the causes)."""
+
+    file: str
+    cause: str
+    host: str | None
+    detail: str
+    file_state: str
+
+
+class _NodeWrite:
+    """One fingerprint's write, decided under the write lock (``upsert`` and ``ingest``).
+
+    The derived rows are computed once, and only when the row is new or changed: a
+    heartbeat costs one read and two UPDATEs.
+    """
+
+    def __init__(
+        self, fp: dict[str, Any], host: str, fp_hash: str, now: float, values: GateValues
+    ) -> None:
+        from ncclguard.timeparse import parse_iso
+
+        self.fp, self.host, self.hash, self.now, self.values = fp, host, fp_hash, now, values
+        host_part = fp.get("host")
+        collected = parse_iso(host_part.get("collected_at") if isinstance(host_part, dict)
+                              else None)
+        self.collected = now if collected is None else collected
+        self._derived: tuple[dict[str, Any], tuple[str, str]] | None = None
+
+    def derived(self) -> tuple[dict[str, Any], tuple[str, str]]:
+        if self._derived is None:
+            from ncclguard.store.rows import derive
+
+            self._derived = (derive(self.fp), gate_record(self.values, self.fp))
+        return self._derived
+
+    def write(self, conn: sqlite3.Connection, heartbeat_due: Callable[[float | None, float], bool]
+              ) -> str:
+        from ncclguard.fingerprint.canonical import canonical_json, fingerprint_diff
+        from ncclguard.store.rows import DETAIL_DELETE, DETAIL_INSERT, detail_rows
+
+        host, h, now, version = self.host, self.hash, self.now, self.values.version
+        cur = conn.execute(_CURRENT, (host,)).fetchone()
+        if cur is not None and cur[0] == h:
+            stale_values = cur[2] != version
+            if not stale_values and not heartbeat_due(cur[1], now):
+                return "unchanged"
+            conn.execute(
+                "UPDATE nodes SET last_heartbeat = ?, collected_at = ? WHERE host = ?",
+                (now, self.collected, host),
+            )
+            if stale_values:  # written by an older policy: derive them again
+                derived, gate_values = self.derived()
+                names = list(derived)
+                conn.execute(
+                    f"UPDATE nodes SET {', '.join(f'{n} = ?' for n in names)} "  # noqa: S608 - fixed names
+                    "WHERE host = ?",
+                    (*derived.values(), host),
+                )
+                write_gate_row(conn, host, gate_values, now, version)
+            else:
+                conn.execute(
+                    "UPDATE gate_nodes SET last_heartbeat = ? WHERE host = ?", (now, host)
+                )
+            return "heartbeat"
+        derived, gate_values = self.derived()
+        fp_json = canonical_json(self.fp)
+        cols = {
+            "fp_hash": h, "fingerprint": fp_json, "collected_at": self.collected,
+            "last_heartbeat": now, "last_change": now, **derived,
+        }
+        names = list(cols)
+        if cur is None:
+            conn.execute(
+                f"INSERT INTO nodes (host, first_seen, {', '.join(names)}) "  # noqa: S608 - fixed names
+                f"VALUES (?, ?, {', '.join('?' for _ in names)})",
+                (host, now, *cols.values()),
+            )
+            diff: list[dict[str, Any]] = []
+            old_hash = None
+        else:
+            (old_json,) = conn.execute(
+                "SELECT fingerprint FROM nodes WHERE host = ?", (host,)
+            ).fetchone()
+            conn.execute(
+                f"UPDATE nodes SET {', '.join(f'{n} = ?' for n in names)} "  # noqa: S608 - fixed names
+                "WHERE host = ?",
+                (*cols.values(), host),
+            )
+            try:
+                diff = fingerprint_diff(json.loads(old_json), self.fp)
+            except ValueError:
+                diff = [{"field": "", "old": None, "new": "(previous fingerprint unreadable)"}]
+            old_hash = cur[0]
+        for table, rows in detail_rows(host, self.fp).items():
+            conn.execute(DETAIL_DELETE[table], (host,))
+            if rows:
+                conn.executemany(DETAIL_INSERT[table], rows)
+        write_gate_row(conn, host, gate_values, now, version)
+        conn.execute(
+            "INSERT INTO history (host, at, old_hash, new_hash, diff, fingerprint) "
+            "VALUES (?, ?, ?, ?, ?, ?)",
+            (host, now, old_hash, h, canonical_json(diff), fp_json),
+        )
+        return "inserted" if cur is None else "changed"
 
 
 class Inventory(Database):
@@ -78,115 +205,118 @@ class Inventory(Database):
         or "unchanged" (nothing written).
         """
         self._require_rw()
-        # writers only: the gate's path (a read) does not load these modules
-        from ncclguard.fingerprint.canonical import (
-            canonical_json,
-            fingerprint_diff,
-            fingerprint_hash,
-        )
-        from ncclguard.store.rows import DETAIL_DELETE, DETAIL_INSERT, derive, detail_rows
-        from ncclguard.timeparse import parse_iso
+        from ncclguard.fingerprint.canonical import fingerprint_hash
 
         fp = dict(fingerprint)
         now = time.time() if now is None else float(now)
         host = hostname(fp)
         h = fingerprint_hash(fp)
-        collected = parse_iso((fp.get("host") or {}).get("collected_at"))
-        collected = now if collected is None else collected
         assert self.values is not None  # a writer (checked when opened)
-        values = self.values
-        version = values.version
-
         # a cheap read first: most cycles write nothing and need no write lock
-        current = (
-            "SELECT n.fp_hash, n.last_heartbeat, g.values_version FROM nodes n "
-            "LEFT JOIN gate_nodes g ON g.host = n.host WHERE n.host = ?"
-        )
         try:
-            row = self._conn.execute(current, (host,)).fetchone()
+            row = self._conn.execute(_CURRENT, (host,)).fetchone()
         except sqlite3.Error as e:
             if not busy(e):
                 raise translate(e, self.path, "read the node") from None
             row = None  # decide under the write lock below
         if (
-            row is not None and row[0] == h and row[2] == version
+            row is not None and row[0] == h and row[2] == self.values.version
             and not self._heartbeat_due(row[1], now)
         ):
             return "unchanged"
+        node = _NodeWrite(fp, host, h, now, self.values)
+        return self._retrying(
+            self._conn, lambda conn: node.write(conn, self._heartbeat_due), f"write {host}"
+        )
 
-        derived: dict[str, Any] | None = None
-        gate_values: tuple[str, str] | None = None
+    def ingest(
+        self,
+        records: Sequence[Published],
+        rejected: Sequence[Rejected] = (),
+        now: float | None = None,
+    ) -> list[str]:
+        """The collector's write: accepted records and rejections in one transaction.
 
-        def body(conn: sqlite3.Connection) -> str:
-            nonlocal derived, gate_values
-            cur = conn.execute(current, (host,)).fetchone()
-            if derived is None and (cur is None or cur[0] != h or cur[2] != version):
-                derived = derive(fp)
-                gate_values = gate_record(values, fp)
-            if cur is not None and cur[0] == h:
-                stale_values = cur[2] != version
-                if not stale_values and not self._heartbeat_due(cur[1], now):
-                    return "unchanged"
-                conn.execute(
-                    "UPDATE nodes SET last_heartbeat = ?, collected_at = ? WHERE host = ?",
-                    (now, collected, host),
-                )
-                if stale_values:  # written by an older policy: derive them again
-                    assert derived is not None and gate_values is not None
-                    names = list(derived)
-                    conn.execute(
-                        f"UPDATE nodes SET {', '.join(f'{n} = ?' for n in names)} "  # noqa: S608 - fixed names
-                        "WHERE host = ?",
-                        (*derived.values(), host),
-                    )
-                    write_gate_row(conn, host, gate_values, now, version)
+        Each accepted record is written as :meth:`upsert` writes (its heartbeat is its
+        credential's encode time, ``Published.at``) together with its ``publishers`` row;
+        each rejection adds to its ``rejections`` row. Returns one status per record:
+        :meth:`upsert`'s, or "invalid: ..." for a fingerprint the store cannot derive
+        its values from (that record alone is rolled back, and should be rejected).
+        """
+        self._require_rw()
+        assert self.values is not None
+        from ncclguard.fingerprint.canonical import fingerprint_hash
+
+        values = self.values
+        now = time.time() if now is None else float(now)
+        nodes = []
+        for r in records:
+            fp = dict(r.fingerprint)
+            nodes.append(_NodeWrite(fp, hostname(fp), fingerprint_hash(fp), r.at, values))
+
+        def always(_last: float | None, _now: float) -> bool:
+            return True  # the node decides when to heartbeat: every new record is one
+
+        def body(conn: sqlite3.Connection) -> list[str]:
+            out: list[str] = []
+            for r, node in zip(records, nodes, strict=True):
+                conn.execute("SAVEPOINT rec")
+                try:
+                    status = node.write(conn, always)
+                except (ValueError, TypeError, KeyError, AttributeError, RecursionError,
+                        sqlite3.InterfaceError, sqlite3.ProgrammingError,
+                        sqlite3.IntegrityError, sqlite3.DataError) as e:
+                    # a value the store cannot derive or bind: this record only
+                    conn.execute("ROLLBACK TO rec")
+                    status = f"invalid: {type(e).__name__}: {str(e)[:200]}"
                 else:
                     conn.execute(
-                        "UPDATE gate_nodes SET last_heartbeat = ? WHERE host = ?", (now, host)
+                        "INSERT OR REPLACE INTO publishers VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                        (node.host, r.file, r.file_state, r.digest, r.at, r.origin, r.uid, now),
                     )
-                return "heartbeat"
-            assert derived is not None and gate_values is not None
-            fp_json = canonical_json(fp)
-            cols = {
-                "fp_hash": h, "fingerprint": fp_json, "collected_at": collected,
-                "last_heartbeat": now, "last_change": now, **derived,
-            }
-            names = list(cols)
-            if cur is None:
+                    conn.execute(
+                        "UPDATE rejections SET resolved_at = ? WHERE file = ? "
+                        "AND resolved_at IS NULL", (now, r.file),
+                    )
+                conn.execute("RELEASE rec")
+                out.append(status)
+            for j in rejected:
                 conn.execute(
-                    f"INSERT INTO nodes (host, first_seen, {', '.join(names)}) "  # noqa: S608 - fixed names
-                    f"VALUES (?, ?, {', '.join('?' for _ in names)})",
-                    (host, now, *cols.values()),
+                    "INSERT INTO rejections (file, cause, host, detail, file_state, first_at, "
+                    "last_at, count, resolved_at) VALUES (?, ?, ?, ?, ?, ?, ?, 1, NULL) "
+                    "ON CONFLICT (file, cause) DO UPDATE SET host = excluded.host, "
+                    "detail = excluded.detail, file_state = excluded.file_state, "
+                    "last_at = excluded.last_at, count = count + 1, resolved_at = NULL",
+                    (j.file, j.cause, j.host, j.detail[:500], j.file_state, now, now),
                 )
-                diff: list[dict[str, Any]] = []
-                old_hash = None
-            else:
-                (old_json,) = conn.execute(
-                    "SELECT fingerprint FROM nodes WHERE host = ?", (host,)
-                ).fetchone()
-                conn.execute(
-                    f"UPDATE nodes SET {', '.join(f'{n} = ?' for n in names)} "  # noqa: S608 - fixed names
-                    "WHERE host = ?",
-                    (*cols.values(), host),
-                )
-                try:
-                    diff = fingerprint_diff(json.loads(old_json), fp)
-                except ValueError:
-                    diff = [{"field": "", "old": None, "new": "(previous fingerprint unreadable)"}]
-                old_hash = cur[0]
-            for table, rows in detail_rows(host, fp).items():
-                conn.execute(DETAIL_DELETE[table], (host,))
-                if rows:
-                    conn.executemany(DETAIL_INSERT[table], rows)
-            write_gate_row(conn, host, gate_values, now, version)
-            conn.execute(
-                "INSERT INTO history (host, at, old_hash, new_hash, diff, fingerprint) "
-                "VALUES (?, ?, ?, ?, ?, ?)",
-                (host, now, old_hash, h, canonical_json(diff), fp_json),
-            )
-            return "inserted" if cur is None else "changed"
+            return out
 
-        return self._retrying(self._conn, body, f"write {host}")
+        return self._retrying(self._conn, body, f"ingest {len(records)} records")
+
+    def publishers(self) -> dict[str, dict[str, Any]]:
+        """The collector's state per spool file: the record it last accepted."""
+        rows = self._reading(
+            "read publishers", lambda c: c.execute(
+                "SELECT host, file, file_state, digest, encoded_at, origin, uid, accepted_at "
+                "FROM publishers"
+            ).fetchall(),
+        )
+        keys = ("host", "file", "file_state", "digest", "encoded_at", "origin", "uid",
+                "accepted_at")
+        return {r[1]: dict(zip(keys, r, strict=True)) for r in rows}
+
+    def rejections(self, *, include_resolved: bool = False) -> list[dict[str, Any]]:
+        """Records the collector rejected, newest first: file, cause, host, detail, count,
+        first_at, last_at, resolved_at (set once the file held an accepted record)."""
+        sql = ("SELECT file, cause, host, detail, file_state, count, first_at, last_at, "
+               "resolved_at FROM rejections")
+        if not include_resolved:
+            sql += " WHERE resolved_at IS NULL"
+        sql += " ORDER BY last_at DESC, file, cause"
+        rows = self._reading("read rejections", lambda c: c.execute(sql).fetchall())
+        keys = ("file", "cause", "host", "detail", "file_state", "count", "first_at",
+                "last_at", "resolved_at")
+        return [dict(zip(keys, r, strict=True)) for r in rows]
 
     def _heartbeat_due(self, last: float | None, now: float) -> bool:
         if last is None:

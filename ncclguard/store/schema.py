@@ -161,8 +161,25 @@ def write_gate_row(
         )
 
 
+def _migrate_2_to_3(conn: sqlite3.Connection, values: GateValues) -> None:
+    """Add the collector's tables (docs/collector.md): ``publishers``, the record it last
+    accepted from each spool file, and ``rejections``, one row per file and cause."""
+    conn.execute(
+        "CREATE TABLE publishers (host TEXT PRIMARY KEY, file TEXT NOT NULL, "
+        "file_state TEXT NOT NULL, digest TEXT NOT NULL, encoded_at REAL NOT NULL, "
+        "origin TEXT NOT NULL, uid INTEGER NOT NULL, accepted_at REAL NOT NULL) WITHOUT ROWID"
+    )
+    conn.execute(
+        "CREATE TABLE rejections (file TEXT NOT NULL, cause TEXT NOT NULL, host TEXT, "
+        "detail TEXT NOT NULL, file_state TEXT NOT NULL, first_at REAL NOT NULL, "
+        "last_at REAL NOT NULL, count INTEGER NOT NULL, resolved_at REAL, "
+        "PRIMARY KEY (file, cause)) WITHOUT ROWID"
+    )
+
+
 MIGRATIONS: tuple[Callable[[sqlite3.Connection, GateValues], None], ...] = (
     _migrate_0_to_1,
     _migrate_1_to_2,
+    _migrate_2_to_3,
 )
 SCHEMA_VERSION = len(MIGRATIONS)
