@@ -10,11 +10,12 @@ twice. It then
    tests' cache (:mod:`devtools.ncclwheels`), and compiles a net plugin with gcc;
 2. composes seven node roots (:func:`devtools.nodetree.build_node`): five alike, the
    lowest-numbered one on NCCL 2.18.3, one with its IB port down and no plugin, one
-   without the plugin;
-3. runs ``ncclguard-inventoryd once --store`` once per node into the demo inventory;
-4. starts a private munged + slurmctld + 7 slurmd (:class:`~devtools.devcluster.DevCluster`)
-   with the gate as ``PrologSlurmctld``;
-5. shows ``ncclguard classes``, a batch job that lands on the mixed set ``n[1-4]`` (Slurm
+   without the plugin, and starts a private slurmctld + 7 slurmd, each node with its own
+   NodeAddr and munged (:class:`~devtools.devcluster.DevCluster`), the gate as
+   ``PrologSlurmctld``;
+3. has each node publish its signed record (``ncclguard-inventoryd once --publish``) and
+   the collector (``collect --once``) write the inventory; shows a forged record rejected;
+4. shows ``ncclguard classes``, a batch job that lands on the mixed set ``n[1-4]`` (Slurm
    picks the lowest-numbered idle nodes), is refused, steered away from ``n1`` and then
    completes on ``n[2-5]``, ``ncclguard decisions``, ``ncclguard check`` of a bad hostlist
    and ``ncclguard drain-recommend``;
@@ -52,6 +53,7 @@ PLUGIN_ABIS = (8, 7, 6, 5)
 PLUGIN_PATH = "/usr/lib/x86_64-linux-gnu/libnccl-net.so"  # NCCL's default name, linker search
 NCCL_CONF = "NCCL_IB_HCA=mlx5\nNCCL_SOCKET_IFNAME=ib0\n"
 WAIT_REFUSAL_S = 60.0
+STEPS = 7
 WAIT_COMPLETE_S = 120.0
 
 
@@ -99,7 +101,7 @@ def say(text: str = "") -> None:
 
 def step(n: int, title: str, why: str) -> None:
     say()
-    say(f"==> [{n}/7] {title}")
+    say(f"==> [{n}/{STEPS}] {title}")
     for line in textwrap.wrap(why, 88):
         say(f"    {line}")
 
@@ -190,31 +192,13 @@ class Demo:
         plugin = build_plugin(self.base / "plugin", net_abis=PLUGIN_ABIS, name=PLUGIN_NAME)
         say(f"    net plugin {PLUGIN_NAME}: {plugin}")
 
-        step(2, f"{NODES} node root trees, fingerprinted by inventoryd",
-             "Each node is a directory laid out like a real node's /sys, /proc and "
-             "/usr/lib. `ncclguard-inventoryd once --store` reads it as it would read / on "
-             "a compute node and writes the fingerprint into the shared inventory.")
-        described = build_nodes(self.nodes_dir, libs, plugin)
-        self.write_config()
-        for name, what in described.items():
-            r = self.tool("ncclguard-inventoryd", "once", "--store", "--json",
-                          "--root", str(self.nodes_dir / name), "--hostname", name,
-                          "--config", str(self.config), "--db", str(self.db))
-            if r.returncode != 0:
-                raise DemoError(f"ncclguard-inventoryd once --store for {name} exited "
-                                f"{r.returncode}: {r.stderr.strip()}")
-            say(f"    {name}: {what}  -> {summarize(json.loads(r.stdout))}")
-        say(f"    inventory: {self.db}")
-
-        step(3, "ncclguard classes",
-             "Nodes that NCCL would let talk to each other share a compatibility class. "
-             "The largest class is the baseline; the others are the odd ones.")
-        self.ncclguard("classes")
-
-        step(4, f"A real Slurm cluster: munged, slurmctld, {NODES} slurmd",
+        step(2, f"A real Slurm cluster: slurmctld, {NODES} slurmd, a munged per node",
              "All in a private directory on free ports, with ncclguard-prolog installed as "
              "PrologSlurmctld: the controller runs it for every job, after the nodes are "
-             "picked and before anything starts.")
+             "picked and before anything starts. Each node has its own NodeAddr on the "
+             "loopback range, and its own munged that signs from that address.")
+        described = build_nodes(self.nodes_dir, libs, plugin)
+        self.write_config()
         cluster = DevCluster(self.cluster_dir, nodes=NODES, prolog=True,
                              gate_config=self.gate_config(), db=self.db,
                              python=sys.executable, prolog_timeout_s=30)
@@ -224,9 +208,46 @@ class Demo:
             cluster.stop()
             raise DemoError(f"the Slurm cluster did not start: {e}") from None
         self.state["slurm_conf"] = str(cluster.conf)
+        self.state["spool"] = str(cluster.records)
         sinfo = cluster.run(["sinfo", "-N", "-o", "%N %P %T"], check=False).stdout
         show(["sinfo", "-N", "-o", "%N %P %T"], sinfo)
         self.save_state()
+
+        step(3, f"{NODES} nodes publish signed fingerprints; the collector writes the inventory",
+             "Each node is a directory laid out like a real node's /sys, /proc and "
+             "/usr/lib. `ncclguard-inventoryd once --publish` reads it as it would read / on "
+             "a compute node, has the node's own munged sign the fingerprint, and writes it "
+             "to the spool. The collector on the controller accepts a record only when it "
+             "was signed from the address Slurm knows for that node; it is the only writer "
+             "of the inventory.")
+        for name, what in described.items():
+            r = self.tool("ncclguard-inventoryd", "once", "--publish", "--json",
+                          "--root", str(self.nodes_dir / name), "--hostname", name,
+                          "--config", str(cluster.node_config(name)))
+            if r.returncode != 0:
+                raise DemoError(f"ncclguard-inventoryd once --publish for {name} exited "
+                                f"{r.returncode}: {r.stderr.strip()}")
+            say(f"    {name}: {what}  -> {summarize(json.loads(r.stdout))}")
+        self.collect(cluster, "ncclguard-inventoryd collect --once")
+        say(f"    inventory: {self.db}")
+        say("    A forgery: n2's publisher writes a record for n3 (claiming another NCCL).")
+        fp = json.loads(self.tool("ncclguard-inventoryd", "once", "--json", "--root",
+                                  str(self.nodes_dir / "n1"), "--hostname", "n3").stdout)
+        cluster.publish_fingerprint("n2", fp)  # signed by n2's munged, written as n3.rec
+        self.collect(cluster, "ncclguard-inventoryd collect --once   # again")
+        self.ncclguard("rejections")
+        self.state["forged"] = {"file": "n3.rec", "signer": "n2"}
+        r = self.tool("ncclguard-inventoryd", "once", "--publish", "--root",
+                      str(self.nodes_dir / "n3"), "--hostname", "n3",
+                      "--config", str(cluster.node_config("n3")))
+        if r.returncode != 0:
+            raise DemoError(f"n3 could not publish again: {r.stderr.strip()}")
+        self.collect(cluster, "ncclguard-inventoryd collect --once   # n3 publishes its own")
+
+        step(4, "ncclguard classes",
+             "Nodes that NCCL would let talk to each other share a compatibility class. "
+             "The largest class is the baseline; the others are the odd ones.")
+        self.ncclguard("classes")
 
         step(5, f"A batch job that lands on a mixed set: sbatch -N {JOB_NODES}",
              f"Slurm gives it the lowest-numbered idle nodes, n[1-{JOB_NODES}], and n1 runs "
@@ -264,6 +285,14 @@ class Demo:
     def write_config(self) -> None:
         self.cluster_dir.mkdir(parents=True, exist_ok=True)
         self.config.write_text(self.gate_config())
+
+    def collect(self, cluster: DevCluster, label: str) -> None:
+        """One collector scan (``collect --once``), its log lines shown."""
+        r = cluster.collect(check=False)
+        lines = [ln for ln in r.stderr.splitlines() if "rejected" in ln or "records in" in ln]
+        show(label.split(), "\n".join(lines))
+        if r.returncode != 0:
+            raise DemoError(f"the collector failed ({r.returncode}): {r.stderr.strip()}")
 
     def save_state(self) -> None:
         (self.base / "state.json").write_text(json.dumps(self.state, indent=2) + "\n")
@@ -360,7 +389,8 @@ def preflight() -> None:
         raise DemoError("cannot run the demo:\n  - " + "\n  - ".join(problems))
 
 
-PIDFILES = ("log/slurmd-*.pid", "slurmctld.pid", "munge/munged.pid")
+# munge/*.pid: the controller's munged and each node's
+PIDFILES = ("log/slurmd-*.pid", "slurmctld.pid", "munge/*.pid")
 
 
 def _cmdline(pid: int) -> str:

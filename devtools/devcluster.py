@@ -36,8 +36,81 @@ from ncclguard.slurm import Slurm
 SBIN = ("/usr/sbin", "/usr/bin", "/sbin", "/bin")
 
 
+CONTROLLER_ORIGIN = "127.42.255.254"
+
+
 class ClusterError(RuntimeError):
     """The cluster could not be started or did not reach the wanted state in time."""
+
+
+def node_addr(index: int) -> str:
+    """Node ``n<index>``'s own ``NodeAddr`` on the loopback range (127.42.x.y, all of
+    which reach this host's lo): the address its munged signs records from."""
+    return f"127.42.{(index - 1) // 250}.{(index - 1) % 250 + 1}"
+
+
+def munged_argv(directory: Path, name: str, key: Path, origin: str) -> list[str]:
+    """A munged of our own (``-F``: in the foreground) under ``directory``: socket
+    ``<name>.socket``, signing from ``origin``."""
+    return [
+        find_program("munged") or "munged", "-F", "--force",
+        f"--socket={directory / (name + '.socket')}", f"--key-file={key}",
+        f"--pid-file={directory / (name + '.pid')}", f"--log-file={directory / (name + '.log')}",
+        f"--seed-file={directory / (name + '.seed')}", f"--origin={origin}",
+    ]
+
+
+def write_munge_key(path: Path) -> Path:
+    """A fresh MUNGE key (1024 random bytes, mode 0400), unless one is there."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists():
+        path.write_bytes(secrets.token_bytes(1024))
+    os.chmod(path, 0o400)
+    return path
+
+
+class Munged:
+    """One munged of our own, for tests without Slurm: ``with Munged(dir, "n1",
+    key, "127.42.0.2") as m: m.socket``."""
+
+    def __init__(self, directory: Path, name: str, key: Path, origin: str,
+                 mode: int = 0o700) -> None:
+        self.directory, self.name, self.mode = Path(directory), name, mode
+        self.socket = self.directory / f"{name}.socket"
+        self.argv = munged_argv(self.directory, name, key, origin)
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 20.0) -> Munged:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.directory, self.mode)
+        self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while not self.socket.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                log = self.directory / f"{self.name}.log"
+                tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+                self.stop()
+                raise ClusterError(f"munged {self.name} did not start:\n{tail}")
+            time.sleep(0.05)
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+        self.proc = None
+
+    def __enter__(self) -> Munged:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 def find_program(name: str) -> str | None:
@@ -140,7 +213,9 @@ class DevCluster:
         self.prolog_timeout_s = prolog_timeout_s
         self.extra_conf = extra_conf
         self.conf = self.root / "slurm.conf"
-        self.munge_socket = self.root / "munge" / "munge.socket"
+        self.munge_socket = self.root / "munge" / "munged.socket"
+        self.records = self.root / "records"  # the spool nodes publish to
+        self.node_addrs = {n: node_addr(i) for i, n in enumerate(self.node_names, start=1)}
         self.wrapper = self.root / "ncclguard-prolog.sh"
         self.gate_log = self.root / "gate.log"
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -153,27 +228,36 @@ class DevCluster:
 
     # ----------------------------------------------------------------- setup
     def write_gate_config(self, text: str) -> None:
-        """Replace the gate's config; the next prolog run reads it (no restart needed)."""
+        """Replace the controller's config (the gate's and the collector's); the next
+        prolog run reads it (no restart needed). ``[spool]`` and ``[collector]`` sections
+        pointing at this cluster's spool and munged are added unless ``text`` has them."""
         self.gate_config = text
-        self.config_path.write_text(
-            f'[gate]\naudit_log = "{self.audit_path}"\n' + text
-            if "audit_log" not in text and "[gate]" not in text
-            else text
-        )
+        if "audit_log" not in text and "[gate]" not in text:
+            text = f'[gate]\naudit_log = "{self.audit_path}"\n' + text
+        if "[spool]" not in text:
+            text += (f'\n[spool]\ndir = "{self.records}"\n'
+                     f'munge_socket = "{self.munge_socket}"\n')
+        if "[collector]" not in text:
+            text += f'\n[collector]\npublisher = "{os.getuid()}"\n'
+        self.config_path.write_text(text)
+
+    def node_config(self, node: str) -> Path:
+        """Node ``node``'s own config: the spool, and its own munged."""
+        path = self.root / f"node-{node}.toml"
+        sock = self.root / "munge" / f"{node}.socket"
+        path.write_text(f'[spool]\ndir = "{self.records}"\nmunge_socket = "{sock}"\n')
+        return path
 
     def _write_files(self) -> None:
-        for d in ("munge", "state", "spool", "log", "tmp"):
+        for d in ("munge", "state", "spool", "log", "tmp", "records"):
             (self.root / d).mkdir(parents=True, exist_ok=True)
         os.chmod(self.root / "munge", 0o700)
-        key = self.root / "munge" / "munge.key"
-        if not key.exists():
-            key.write_bytes(secrets.token_bytes(1024))
-        os.chmod(key, 0o400)
+        os.chmod(self.root / "records", 0o755)  # noqa: S103 - the spool: readable, ours
+        write_munge_key(self.root / "munge" / "munge.key")
         self.write_gate_config(self.gate_config)
         base = _free_port_block(len(self.node_names) + 1)
         self.ctld_port = base
         first, last = base + 1, base + len(self.node_names)
-        n = len(self.node_names)
         lines = [
             f"ClusterName=ncg{base}",
             "SlurmctldHost=localhost",
@@ -212,10 +296,12 @@ class DevCluster:
         ]
         if self.prolog:
             lines.append(f"PrologSlurmctld={self.wrapper}")
-        lines.append(
-            f"NodeName=n[1-{n}] NodeHostname=localhost NodeAddr=127.0.0.1 "
-            f"CPUs={self.cpus} RealMemory=1000 State=UNKNOWN Port=[{first}-{last}]"
-        )
+        for port, name in enumerate(self.node_names, start=first):
+            lines.append(
+                f"NodeName={name} NodeHostname={name} NodeAddr={self.node_addrs[name]} "
+                f"CPUs={self.cpus} RealMemory=1000 State=UNKNOWN Port={port}"
+            )
+        assert port == last
         for i, (name, nodes) in enumerate(self.partitions.items()):
             default = " Default=YES" if i == 0 else ""
             lines.append(f"PartitionName={name} Nodes={nodes}{default} MaxTime=INFINITE State=UP")
@@ -272,20 +358,14 @@ class DevCluster:
         self.root.mkdir(parents=True, exist_ok=True)
         self._write_files()
         m = self.root / "munge"
-        self._spawn(
-            "munged",
-            [
-                find_program("munged") or "munged",
-                "-F",
-                "--force",
-                f"--socket={self.munge_socket}",
-                f"--key-file={m / 'munge.key'}",
-                f"--pid-file={m / 'munged.pid'}",
-                f"--log-file={m / 'munged.log'}",
-                f"--seed-file={m / 'munged.seed'}",
-            ],
-        )
-        self._wait(lambda: self.munge_socket.exists(), timeout, "munged socket")
+        key = m / "munge.key"
+        # the controller's munged (Slurm's, and the collector's) signs from an address no
+        # node has; each node's own munged signs from the node's NodeAddr
+        self._spawn("munged", munged_argv(m, "munged", key, CONTROLLER_ORIGIN))
+        for node, addr in self.node_addrs.items():
+            self._spawn(f"munged-{node}", munged_argv(m, node, key, addr))
+        sockets = [self.munge_socket, *(m / f"{node}.socket" for node in self.node_names)]
+        self._wait(lambda: all(s.exists() for s in sockets), timeout, "munged sockets")
         self._spawn(
             "slurmctld",
             [find_program("slurmctld") or "slurmctld", "-D", "-i", "-f", str(self.conf)],
@@ -332,7 +412,8 @@ class DevCluster:
         self._wait(idle, timeout, "all nodes idle")
 
     def stop(self) -> None:
-        for name in [n for n in self._procs if n.startswith("slurmd")] + ["slurmctld", "munged"]:
+        order = [n for n in self._procs if n.startswith("slurmd")] + ["slurmctld"]
+        for name in order + [n for n in self._procs if n.startswith("munged")]:
             p = self._procs.get(name)
             if p is None or p.poll() is not None:
                 continue
@@ -442,6 +523,46 @@ class DevCluster:
             raise ClusterError(f"{e} (last state {seen!r}):\n{self.show_job(job_id)}") from None
         return seen
 
+    # ------------------------------------------------------- records, collector
+    def _inventoryd(self, args: Sequence[str], config: Path, timeout: float = 120
+                    ) -> subprocess.CompletedProcess[str]:
+        env = {**self.env, "NCCLGUARD_CONFIG": str(config), "NCCLGUARD_DB": str(self.db)}
+        return subprocess.run([self.python, "-m", "inventoryd.main", *args], env=env,
+                              capture_output=True, text=True, timeout=timeout,
+                              cwd=self.root / "tmp")
+
+    def publish(self, node: str, root: Path, *, check: bool = True
+                ) -> subprocess.CompletedProcess[str]:
+        """Node ``node`` publishes the fingerprint of the tree under ``root``, signed by
+        its own munged, as ``ncclguard-inventoryd once --publish`` does on a node."""
+        r = self._inventoryd(["once", "--publish", "--root", str(root), "--hostname", node],
+                             self.node_config(node))
+        if check and r.returncode != 0:
+            raise ClusterError(f"publishing {node} failed ({r.returncode}): {r.stderr}")
+        return r
+
+    def publish_fingerprint(self, node: str, fp: Mapping[str, object]) -> Path:
+        """Publish a fingerprint built by a test, signed by ``node``'s own munged, as
+        the node's publisher does (:class:`inventoryd.publish.Publisher`)."""
+        from inventoryd.publish import Publisher
+        from ncclguard.config import SpoolConfig
+
+        cfg = SpoolConfig(dir=str(self.records),
+                          munge_socket=str(self.root / "munge" / f"{node}.socket"))
+        return Publisher(cfg, heartbeat_s=300).publish(fp)
+
+    def collect(self, *, check: bool = True) -> subprocess.CompletedProcess[str]:
+        """One scan of the collector into this cluster's inventory (``collect --once``)."""
+        r = self._inventoryd(["collect", "--once"], self.config_path)
+        if check and r.returncode != 0:
+            raise ClusterError(f"collect --once failed ({r.returncode}): {r.stderr}")
+        return r
+
+    def remove_records(self) -> None:
+        """Empty the spool (the records of every node)."""
+        for f in self.records.iterdir():
+            f.unlink()
+
     def remove_inventory(self) -> None:
         """Delete the inventory file and SQLite's own files beside it (-wal, -shm,
         -journal), and nothing else."""
@@ -454,6 +575,7 @@ class DevCluster:
         share one cluster call this between them, so none inherits another's."""
         self.write_gate_config(self.initial_gate_config)
         self.remove_inventory()
+        self.remove_records()
         if self.gate_log.exists():
             self.gate_log.write_text("")
 

@@ -1,4 +1,5 @@
-"""ncclguard-inventoryd: "once" prints this node's fingerprint, "run" keeps it current.
+"""ncclguard-inventoryd: "once" prints this node's fingerprint, "run" keeps its signed
+record in the spool current, "collect" (on the controller) writes the inventory.
 
 argparse rather than click: the daemon runs on every node, and stays small.
 """
@@ -18,13 +19,14 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ncclguard-inventoryd",
         description="Fingerprint this node's NCCL communication stack (libnccl, NCCL "
-        "plugins and their ABIs, RDMA ports, /etc/nccl.conf, GPU driver) and keep it in "
-        "the shared ncclguard inventory. See docs/fingerprint.md for the JSON schema.",
+        "plugins and their ABIs, RDMA ports, /etc/nccl.conf, GPU driver) and publish it, "
+        "signed with MUNGE, to the spool; on the controller, collect the spool into the "
+        "inventory. See docs/fingerprint.md and docs/collector.md.",
     )
     sub = p.add_subparsers(dest="command", required=True)
     for name, text in (
         ("once", "collect this node's fingerprint once"),
-        ("run", "collect, store and heartbeat until SIGTERM (the systemd service)"),
+        ("run", "collect, publish and heartbeat until SIGTERM (the node's systemd service)"),
     ):
         s = sub.add_parser(name, help=text, description=text)
         s.add_argument("--root", default="/", help="prefix for every path read (default: /)")
@@ -34,7 +36,18 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--db", default=None, help="inventory database (overrides the config)")
     once = sub.choices["once"]
     once.add_argument("--json", action="store_true", help="print the fingerprint as JSON")
-    once.add_argument("--store", action="store_true", help="also write it to the inventory")
+    once.add_argument("--publish", action="store_true",
+                      help="also publish it, signed, to the spool")
+    once.add_argument("--store", action="store_true",
+                      help="also write it straight into an inventory this process can write "
+                      "(tests, one machine; cluster nodes publish instead)")
+    text = "verify the spool's signed records and write the inventory (the controller's service)"
+    c = sub.add_parser("collect", help=text, description=text)
+    c.add_argument("--config", default=None, help="config file (default: $NCCLGUARD_CONFIG "
+                   "or /etc/ncclguard/config.toml)")
+    c.add_argument("--db", default=None, help="inventory database (overrides the config)")
+    c.add_argument("--spool", default=None, help="spool directory (overrides the config)")
+    c.add_argument("--once", action="store_true", help="one scan, then exit")
     return p
 
 
@@ -47,17 +60,39 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.db:
         os.environ["NCCLGUARD_DB"] = args.db
+    if getattr(args, "spool", None):
+        os.environ["NCCLGUARD_SPOOL"] = args.spool
+    if args.command == "collect":
+        from inventoryd import collector
+
+        if args.once:
+            try:
+                res = collector.collect_once(cfg)
+            except (configmod.ConfigError, collector.InventoryError) as e:
+                print(f"ncclguard-inventoryd: {e}", file=sys.stderr)
+                return 1
+            print(f"ncclguard-inventoryd: {res.files} records in the spool, "
+                  f"{len(res.accepted)} accepted, {len(res.rejected)} rejected, "
+                  f"{res.deferred} deferred", file=sys.stderr)
+            return 1 if res.deferred else 0
+        return collector.run(args.config, cfg)
     if args.command == "once":
         from inventoryd.collect import collect
 
         fp = collect(root=args.root, hostname=args.hostname, config=cfg.inventoryd)
+        if args.publish:
+            from inventoryd.service import publish_once
+
+            rc = publish_once(fp, cfg)
+            if rc:
+                return rc
         if args.store:
             from inventoryd.service import store_once
 
             rc = store_once(fp, cfg)
             if rc:
                 return rc
-        if args.json or not args.store:
+        if args.json or not (args.store or args.publish):
             try:
                 json.dump(fp, sys.stdout, indent=2, sort_keys=True)
                 sys.stdout.write("\n")

@@ -33,8 +33,8 @@ def registry_for(
     fp: Mapping[str, Any],
     *,
     last_change: float | None,
-    store_ok: bool | None,
-    last_write: float | None,
+    publish_ok: bool | None,
+    last_publish: float | None,
 ) -> CollectorRegistry:
     reg = CollectorRegistry()
     lib = Info("ncclguard_libnccl", "A libnccl a job on this node can load", ["path"],
@@ -69,12 +69,13 @@ def registry_for(
     if last_change is not None:
         Gauge("ncclguard_fingerprint_last_change_timestamp_seconds",
               "When this node's fingerprint last changed", registry=reg).set(last_change)
-    if last_write is not None:
-        Gauge("ncclguard_inventory_last_write_timestamp_seconds",
-              "When the daemon last wrote to the inventory", registry=reg).set(last_write)
-    if store_ok is not None:
-        Gauge("ncclguard_inventory_up", "1 if the last inventory write succeeded",
-              registry=reg).set(1 if store_ok else 0)
+    if last_publish is not None:
+        Gauge("ncclguard_record_last_publish_timestamp_seconds",
+              "When the daemon last published this node's signed record", registry=reg
+              ).set(last_publish)
+    if publish_ok is not None:
+        Gauge("ncclguard_publish_up", "1 if the last publish of the record succeeded",
+              registry=reg).set(1 if publish_ok else 0)
     return reg
 
 
@@ -83,11 +84,46 @@ def write_textfile(
     fp: Mapping[str, Any],
     *,
     last_change: float | None = None,
-    store_ok: bool | None = None,
-    last_write: float | None = None,
+    publish_ok: bool | None = None,
+    last_publish: float | None = None,
 ) -> Path:
     """Write ``ncclguard.prom`` atomically into ``directory``; returns its path."""
     path = Path(directory) / FILE_NAME
-    reg = registry_for(fp, last_change=last_change, store_ok=store_ok, last_write=last_write)
+    reg = registry_for(fp, last_change=last_change, publish_ok=publish_ok,
+                       last_publish=last_publish)
+    write_to_textfile(str(path), reg)
+    return path
+
+
+COLLECTOR_FILE_NAME = "ncclguard-collector.prom"
+
+
+def write_collector_textfile(
+    directory: Path | str,
+    counts: Mapping[str, int],
+    *,
+    files: int,
+    seconds: float,
+    spool_ok: bool,
+) -> Path:
+    """The collector's metrics, ``ncclguard-collector.prom``, written atomically."""
+    from prometheus_client import Counter
+
+    reg = CollectorRegistry()
+    Counter("ncclguard_collector_records_accepted", "Signed records accepted since start",
+            registry=reg).inc(counts.get("accepted", 0))
+    rejected = Counter("ncclguard_collector_records_rejected",
+                       "Signed records rejected since start, by cause", ["cause"],
+                       registry=reg)
+    for cause, n in sorted(counts.items()):
+        if cause != "accepted":
+            rejected.labels(cause=cause).inc(n)
+    Gauge("ncclguard_collector_spool_records", "Record files in the spool at the last scan",
+          registry=reg).set(files)
+    Gauge("ncclguard_collector_scan_seconds", "Duration of the last scan",
+          registry=reg).set(seconds)
+    Gauge("ncclguard_collector_spool_up", "1 if the spool could be listed at the last scan",
+          registry=reg).set(1 if spool_ok else 0)
+    path = Path(directory) / COLLECTOR_FILE_NAME
     write_to_textfile(str(path), reg)
     return path

@@ -1,14 +1,16 @@
-"""``ncclguard-inventoryd run``: keep this node's record in the inventory current.
+"""``ncclguard-inventoryd run``: keep this node's signed record in the spool current.
 
-Each cycle collects the fingerprint, writes it when it changed (or as a heartbeat when
-``heartbeat_s`` has passed), refreshes the textfile metrics, and sleeps ``interval_s``
-with jitter. ``SIGTERM``/``SIGINT`` stop it between two cycles; ``SIGHUP`` reloads the
-config. It tells systemd when it is ready and pets the watchdog while it sleeps.
+Each cycle collects the fingerprint, publishes it (:mod:`inventoryd.publish`: signed by
+the local munged, written atomically to ``<spool>/<host>.rec``) when it changed, when
+``heartbeat_s`` has passed or when the file is no longer the one it wrote, refreshes the
+textfile metrics, and sleeps ``interval_s`` with jitter. The node never opens the
+inventory: the collector on the controller is its one writer (docs/collector.md).
+``SIGTERM``/``SIGINT`` stop it between two cycles; ``SIGHUP`` reloads the config. It
+tells systemd when it is ready and pets the watchdog while it sleeps.
 
-When the inventory cannot be written (a missing mount, a lock held past the budget, a
-read-only or full filesystem) it keeps collecting, logs once per change of state, and
-retries every cycle (at most every ``RETRY_S``) until a write succeeds. Every write is
-one transaction, so a fingerprint is never half-written.
+When the record cannot be published (a missing mount, a read-only or full filesystem,
+munged down) it keeps collecting, logs once per change of state, and retries every cycle
+(at most every ``RETRY_S``) until it succeeds.
 """
 
 from __future__ import annotations
@@ -26,12 +28,13 @@ from collections.abc import Callable, Mapping
 from types import FrameType
 from typing import Any
 
+from inventoryd.publish import Publisher, PublishError
 from inventoryd.sdnotify import Notifier
 from ncclguard import config as configmod
 from ncclguard.policy import GATE_VALUES, load_config
 from ncclguard.store import Inventory, InventoryError
 
-RETRY_S = 10.0  # after a failed write, try again this soon (or at interval_s if shorter)
+RETRY_S = 10.0  # after a failed publish, try again this soon (or at interval_s if shorter)
 Collector = Callable[[str, str | None, configmod.InventorydConfig], Mapping[str, Any]]
 
 log = logging.getLogger("ncclguard.inventoryd")
@@ -64,7 +67,9 @@ def _inventory(cfg: configmod.Config) -> Inventory:
 
 
 def store_once(fp: Mapping[str, Any], cfg: configmod.Config) -> int:
-    """Write one fingerprint (``once --store``). 0 on success, 1 with a message otherwise."""
+    """Write one fingerprint straight into an inventory this process can write (``once
+    --store``: tests, a single machine, seeding). 0 on success, 1 with a message otherwise.
+    Nodes of a cluster publish instead (:func:`publish_once`)."""
     host = _host(fp, _short_hostname())
     try:
         with _inventory(cfg) as inv:
@@ -77,6 +82,18 @@ def store_once(fp: Mapping[str, Any], cfg: configmod.Config) -> int:
         print(f"ncclguard-inventoryd: {host}: not stored: {e}", file=sys.stderr)
         return 1
     print(f"ncclguard-inventoryd: {host}: {status} in {where}", file=sys.stderr)
+    return 0
+
+
+def publish_once(fp: Mapping[str, Any], cfg: configmod.Config) -> int:
+    """Sign and publish one fingerprint (``once --publish``). 0, or 1 with a message."""
+    host = _host(fp, _short_hostname())
+    try:
+        path = Publisher(cfg.spool, cfg.inventoryd.heartbeat_s).publish(fp)
+    except (PublishError, ValueError) as e:
+        print(f"ncclguard-inventoryd: {host}: not published: {e}", file=sys.stderr)
+        return 1
+    print(f"ncclguard-inventoryd: {host}: published {path}", file=sys.stderr)
     return 0
 
 
@@ -124,10 +141,11 @@ class Daemon:
         self.collect = collector
         self.notifier = notifier
         self.node = hostname or _short_hostname()
-        self.store_state: str | None = None  # "ok", or the class of the last failure
+        self.publisher = Publisher(config.spool, config.inventoryd.heartbeat_s)
+        self.publish_state: str | None = None  # "ok", or the class of the last failure
         self.collect_state: str | None = None
         self.last_change: float | None = None
-        self.last_write: float | None = None
+        self.last_publish: float | None = None
         self.stop = False
         self.reload = False
         self.cycles = 0
@@ -148,19 +166,21 @@ class Daemon:
         except configmod.ConfigError as e:
             log.error("%s: config not reloaded, keeping the previous one: %s", self.node, e)
         else:
-            if os.environ.get("NCCLGUARD_DB") is None and new.inventory.db_path() != \
-                    self.cfg.inventory.db_path():
-                self.store_state = None  # a new inventory: report its state afresh
+            if new.spool.spool_path() != self.cfg.spool.spool_path():
+                self.publish_state = None  # a new spool: report its state afresh
             self.cfg = new
+            last_hash = self.publisher.last_hash
+            self.publisher = Publisher(new.spool, new.inventoryd.heartbeat_s)  # publish now
+            self.publisher.last_hash = last_hash  # ... but it is not a change
             log.info("%s: config reloaded from %s", self.node, new.source)
         self.notifier.ready(f"config reloaded from {self.cfg.source}")
 
     # ---- one cycle
 
-    def _set_store_state(self, state: str, message: str, *, error: bool) -> None:
-        if state != self.store_state:
+    def _set_publish_state(self, state: str, message: str, *, error: bool) -> None:
+        if state != self.publish_state:
             (log.error if error else log.info)("%s: %s", self.node, message)
-            self.store_state = state
+            self.publish_state = state
 
     def cycle(self) -> bool:
         """Collect and store once. True when the inventory is up to date."""
@@ -177,39 +197,36 @@ class Daemon:
             log.info("%s: collection works again", self.node)
             self.collect_state = None
         self.node = _host(fp, self.node)
-        ok = self._store(fp)
+        ok = self._publish(fp)
         self._metrics(fp)
         return ok
 
-    def _store(self, fp: Mapping[str, Any]) -> bool:
+    def _publish(self, fp: Mapping[str, Any]) -> bool:
         now = time.time()
+        from ncclguard.fingerprint.canonical import fingerprint_hash
+
+        if not self.publisher.due(fp, now):
+            return True
+        changed = self.publisher.last_hash != fingerprint_hash(dict(fp))
         try:
-            with _inventory(self.cfg) as inv:
-                status = inv.upsert(fp, now=now)
-                if self.last_change is None and status not in ("inserted", "changed"):
-                    hist = inv.history(self.node)
-                    self.last_change = hist[-1]["at"] if hist else None
-                where = inv.path
-        except InventoryError as e:
-            self._set_store_state(
-                type(e).__name__,
-                f"inventory unavailable, collecting on and retrying: {e}",
-                error=True,
+            path = self.publisher.publish(fp, now)
+        except PublishError as e:
+            self._set_publish_state(
+                e.kind, f"record not published, collecting on and retrying: {e}", error=True
             )
             return False
         except ValueError as e:
-            self._set_store_state("invalid", f"fingerprint not stored: {e}", error=True)
+            self._set_publish_state("invalid", f"fingerprint not published: {e}", error=True)
             return False
-        if status != "unchanged":
-            self.last_write = now
-        if status in ("inserted", "changed"):
+        self.last_publish = now
+        if changed:
             self.last_change = now
-            log.info("%s: fingerprint %s in %s", self.node, status, where)
-        was = self.store_state
-        self._set_store_state(
+            log.info("%s: fingerprint published to %s", self.node, path)
+        was = self.publish_state
+        self._set_publish_state(
             "ok",
-            f"inventory at {where} is writable again ({status})" if was not in (None, "ok")
-            else f"inventory at {where}: {status}",
+            f"publishing to {path} works again" if was not in (None, "ok")
+            else f"publishing to {path}",
             error=False,
         )
         return True
@@ -222,7 +239,8 @@ class Daemon:
 
         try:
             write_textfile(d, fp, last_change=self.last_change,
-                           store_ok=self.store_state == "ok", last_write=self.last_write)
+                           publish_ok=self.publish_state == "ok",
+                           last_publish=self.last_publish)
         except OSError as e:
             state = f"metrics:{e.errno}"
             if state != self.collect_state:
@@ -272,8 +290,8 @@ def run(
     old = {s: signal.signal(s, daemon.on_signal)
            for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     try:
-        log.info("%s: started (config %s, inventory %s)", daemon.node, config.source,
-                 config.inventory.db_path())
+        log.info("%s: started (config %s, spool %s)", daemon.node, config.source,
+                 config.spool.spool_path())
         daemon.notifier.ready("collecting")
         last_status: str | None = None
         while not daemon.stop:
@@ -281,7 +299,7 @@ def run(
                 daemon.do_reload()
             ok = daemon.cycle()
             daemon.notifier.watchdog()
-            status = f"inventory {daemon.store_state or 'unknown'}"
+            status = f"publishing {daemon.publish_state or 'unknown'}"
             if status != last_status:  # only on a change: the manager's queue is short
                 last_status = status if daemon.notifier.status(status) else None
             if max_cycles is not None and daemon.cycles >= max_cycles:

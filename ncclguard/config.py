@@ -86,9 +86,14 @@ def default_audit_path() -> Path:
     return InventoryConfig().db_path().with_name("decisions.jsonl")
 
 
+def default_state_dir() -> Path:
+    """Where the inventory and the spool live by default (see :func:`default_db_path`)."""
+    return default_db_path().parent
+
+
 class InventoryConfig(_Settings):
     db: str = ""  # empty: default_db_path()
-    journal_mode: str = "delete"  # "delete" (shared filesystems) or "wal" (local disk only)
+    journal_mode: str = "delete"  # the collector uses "wal" whatever this says (local disk)
     busy_timeout_ms: int = 2000
     write_retries: int = 8
     stale_after_s: int = 900  # a heartbeat older than this makes a node unknown
@@ -109,6 +114,33 @@ class InventorydConfig(_Settings):
     ncclgetversion: bool = False  # also dlopen each libnccl in a subprocess to cross-check
     textfile_dir: str = ""  # node_exporter textfile collector dir; empty: off
     cache_dir: str = ""  # per-node cache of file-only results; empty: <state dir>/cache
+
+
+class SpoolConfig(_Settings):
+    """Where nodes publish their signed records, and how they sign them (docs/collector.md)."""
+
+    dir: str = ""  # on the shared filesystem; empty: <state dir>/spool
+    munge_socket: str = ""  # this host's munged; empty: libmunge's default
+    record_ttl_s: int = 3600  # a record's credential is valid this long (munged caps at 3600)
+    max_record_bytes: int = 1048576  # munged's own request limit (MUNGE_MAXIMUM_REQ_LEN)
+
+    def spool_path(self) -> Path:
+        env = os.environ.get("NCCLGUARD_SPOOL")
+        if env:
+            return Path(env)
+        return Path(self.dir) if self.dir else default_state_dir() / "spool"
+
+
+class CollectorConfig(_Settings):
+    """The one writer of the inventory, on the controller (docs/collector.md)."""
+
+    publisher: str = "ncclguard"  # the user (name or uid) whose signed records are accepted
+    scan_interval_s: float = 2.0  # how often the spool is listed
+    batch_max: int = 2000  # records written in one transaction at most
+    address_refresh_s: float = 600.0  # how long Slurm's node addresses are trusted
+    # node -> its addresses: a static map used instead of Slurm's NodeAddr/NodeHostname
+    addresses: dict[str, tuple[str, ...]] = {}  # noqa: RUF012 - copied per instance
+    textfile_dir: str = ""  # node_exporter textfile dir for the collector's metrics
 
 
 class PolicyConfig(_Settings):
@@ -150,6 +182,8 @@ class DiagnoseConfig(_Settings):
 class Config(_Settings):
     inventory: InventoryConfig = InventoryConfig()
     inventoryd: InventorydConfig = InventorydConfig()
+    spool: SpoolConfig = SpoolConfig()
+    collector: CollectorConfig = CollectorConfig()
     policy: PolicyConfig = PolicyConfig()
     gate: GateConfig = GateConfig()
     drain: DrainConfig = DrainConfig()
@@ -161,6 +195,8 @@ class Config(_Settings):
 _SECTIONS: dict[str, type] = {
     "inventory": InventoryConfig,
     "inventoryd": InventorydConfig,
+    "spool": SpoolConfig,
+    "collector": CollectorConfig,
     "policy": PolicyConfig,
     "gate": GateConfig,
     "drain": DrainConfig,
@@ -249,6 +285,8 @@ def _check(section: str, key: str, typ: Any, value: Any, where: str) -> Any:
     typ = str(typ)
     if key == "severity":
         return _severity(value, where)
+    if key == "addresses":
+        return _addresses(value, where)
     if typ == "bool":
         if not isinstance(value, bool):
             raise ConfigError(f"{where}: expected true or false")
@@ -258,13 +296,15 @@ def _check(section: str, key: str, typ: Any, value: Any, where: str) -> Any:
             raise ConfigError(f"{where}: expected a non-negative integer")
         if key == "min_nodes" and value < 2:
             raise ConfigError(f"{where}: must be at least 2 (one node cannot disagree)")
+        if key in ("record_ttl_s", "max_record_bytes", "batch_max") and value == 0:
+            raise ConfigError(f"{where}: must be greater than 0")
         return value
     if typ == "float":
         if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
             raise ConfigError(f"{where}: expected a non-negative number")
         if key in ("max_share", "majority", "jitter") and value > 1:
             raise ConfigError(f"{where}: expected a share between 0 and 1")
-        if key in ("interval_s", "deadline_s") and value == 0:
+        if key in ("interval_s", "deadline_s", "scan_interval_s") and value == 0:
             raise ConfigError(f"{where}: must be greater than 0")
         return float(value)
     if typ == "str":
@@ -289,4 +329,15 @@ def _severity(value: Any, where: str) -> dict[str, str]:
         if sev not in SEVERITIES:
             raise ConfigError(f"{where}: {rule} = {sev!r}: expected one of {', '.join(SEVERITIES)}")
         out[rule] = sev
+    return out
+
+
+def _addresses(value: Any, where: str) -> dict[str, tuple[str, ...]]:
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}: expected a table of node = [addresses]")
+    out: dict[str, tuple[str, ...]] = {}
+    for node, addrs in value.items():
+        if not isinstance(addrs, list) or not addrs or not all(isinstance(a, str) for a in addrs):
+            raise ConfigError(f"{where}: {node} = {addrs!r}: expected a list of addresses")
+        out[node] = tuple(addrs)
     return out

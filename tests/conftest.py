@@ -160,4 +160,5 @@ def build_shared_lib(out: Path, soname: str | None = None, body: str = "int x = 
 
 # The Slurm fixtures live in their own module (another engineer's); re-exported here so
 # that every test module sees them.
+from conftest_munge import mungeds, node_munged  # noqa: E402, F401
 from conftest_slurm import cluster, slurm_cluster  # noqa: E402, F401

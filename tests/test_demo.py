@@ -77,14 +77,14 @@ def test_demo_end_to_end_twice(demo_env: dict[str, str], tmp_path: Path) -> None
     first = run_demo(demo_env)
     assert first.returncode == 0, failed(first)
     first_pids = set(demo_pids(base))
-    assert len(first_pids) == 1 + 1 + 7  # munged, slurmctld, 7 slurmd
+    assert len(first_pids) == 1 + 7 + 1 + 7  # munged, one per node, slurmctld, 7 slurmd
 
     r = run_demo(demo_env)  # run twice, works twice
     out = r.stdout
     assert r.returncode == 0, failed(r)
     assert f"stopped the demo that was running in {base}" in out
     pids = set(demo_pids(base))
-    assert len(pids) == 9 and not pids & first_pids
+    assert len(pids) == 16 and not pids & first_pids
     state = json.loads((base / "state.json").read_text())
 
     # -- classes: what it printed is what the inventory holds
@@ -97,7 +97,16 @@ def test_demo_end_to_end_twice(demo_env: dict[str, str], tmp_path: Path) -> None
     assert (int(m[1]), int(m[2])) == (len(hosts), len(classes)) == (7, 4)
     by_hosts = {",".join(sorted(c.hosts)): c for c in classes}
     assert set(by_hosts) == {"n2,n3,n4,n5", "n1", "n6", "n7"}
+    # -- the records: published, collected, a forgery rejected and listed
     section = out.split("==> [3/7]")[1].split("==> [4/7]")[0]
+    assert "7 records in the spool, 7 accepted, 0 rejected, 0 deferred" in section
+    assert ("n3: record n3.rec rejected (wrong-address), the node keeps its previous "
+            "record: signed from 127.42.0.2, which is not n3's (127.42.0.3)") in section
+    assert re.search(r"n3\.rec\s+n3\s+wrong-address\s+1\s", section), section
+    with Inventory(state["db"], readonly=True) as inv:
+        assert [r["cause"] for r in inv.rejections(include_resolved=True)] == ["wrong-address"]
+        assert inv.publishers()["n3.rec"]["origin"] == "127.42.0.3"
+    section = out.split("==> [4/7]")[1].split("==> [5/7]")[0]
     for c in classes:
         line = next(ln for ln in section.splitlines() if c.compat_key in ln)
         assert str(len(c.hosts)) in line.split()

@@ -1,10 +1,14 @@
-"""The gate end to end: a real slurmctld + 4 slurmd + munged, the gate as PrologSlurmctld.
+"""The gate end to end: a real slurmctld + 4 slurmd + munged, the gate as PrologSlurmctld,
+and the collector in the loop: each node's record is signed by the node's own munged
+(from its NodeAddr), published to the spool and collected into the gate's inventory.
 
 Inventory for most tests: n1, n2, n4 on NCCL 2.21.5, n3 on 2.18.3 (refuse-level).
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
 import time
 from pathlib import Path
 
@@ -25,13 +29,20 @@ ODD = {"n3": "2.18.3"}
 def make_inventory(
     cluster: DevCluster, versions: dict[str, str] | None = None, stale: tuple[str, ...] = ()
 ) -> None:
+    """Each node publishes its signed record; one collector scan writes the inventory.
+    ``stale``: nodes whose heartbeat is then aged by a day (a credential cannot be
+    signed in the past)."""
     versions = versions or {}
     cluster.remove_inventory()
-    now = time.time()
-    with Inventory(cluster.db, values=GATE_VALUES) as inv:
-        for host in cluster.node_names:
-            fp = fingerprint(host, nccl=versions.get(host, "2.21.5"))
-            inv.upsert(fp, now=now - 100_000 if host in stale else now)
+    cluster.remove_records()
+    for host in cluster.node_names:
+        cluster.publish_fingerprint(host, fingerprint(host, nccl=versions.get(host, "2.21.5")))
+    r = cluster.collect()
+    assert f"{len(cluster.node_names)} accepted, 0 rejected" in r.stderr, r.stderr
+    if stale:
+        with Inventory(cluster.db, values=GATE_VALUES) as inv:
+            for host in stale:
+                inv.heartbeat(host, now=time.time() - 100_000)
 
 
 def gate_config(cluster: DevCluster, extra: str = "", policy: str = "") -> None:
@@ -282,3 +293,50 @@ def test_audit_is_private_and_listable(odd_cluster: DevCluster, tmp_path: Path) 
     # this srun's record, read back by time: exactly one new job, accepted on n[1-2]
     recent = [x for x in audit.read(c.audit_path, since=start - 1) if x["job"] not in before]
     assert [(x["decision"], x["nodes"]) for x in recent] == [("accept", "n[1-2]")]
+
+
+def test_a_forged_record_changes_nothing_and_is_listed(odd_cluster: DevCluster) -> None:
+    """n1's publisher writes n2's file, claiming n2 runs 2.18.3 (to keep jobs off n2):
+    signed from n1's NodeAddr, which Slurm says is not n2's. Rejected; jobs on n[1-2]
+    still run; ``ncclguard rejections`` names it."""
+    c = odd_cluster
+    forged = fingerprint("n2", nccl="2.18.3")
+    assert c.publish_fingerprint("n1", forged) == c.records / "n2.rec"  # by n1's munged
+    r = c.collect()
+    assert "1 rejected" in r.stderr and "rejected (wrong-address)" in r.stderr
+    assert f"signed from {c.node_addrs['n1']}, which is not n2's ({c.node_addrs['n2']}" in r.stderr
+    job = c.sbatch(["-N2", "-w", "n[1-2]", "--wrap", "true"])
+    assert c.wait_job(job, {"COMPLETED", "FAILED"}, 60) == "COMPLETED"
+    (rec,) = records(c, job)
+    assert rec["decision"] == "accept"
+    cli = subprocess.run(
+        [c.python, "-m", "ncclguard.cli", "--config", str(c.config_path), "--db", str(c.db),
+         "rejections", "--json"], capture_output=True, text=True, timeout=60, check=True)
+    (row,) = json.loads(cli.stdout)["rejections"]
+    assert (row["file"], row["host"], row["cause"]) == ("n2.rec", "n2", "wrong-address")
+
+
+def test_the_running_collector_brings_a_change_to_the_gate(odd_cluster: DevCluster) -> None:
+    """The collector service keeps scanning; n4 moves to 2.18.3, like n3: a job on
+    n[3-4], refused before, runs once the collector has seen the change."""
+    c = odd_cluster
+    r = c.run(["srun", "-N2", "-w", "n[3-4]", "true"], check=False, timeout=60)
+    assert r.returncode != 0 and "ncclguard: refuse" in r.stderr
+    conf = c.root / "collector.toml"
+    conf.write_text(c.config_path.read_text().replace(
+        "[collector]\n", "[collector]\nscan_interval_s = 0.2\n"))
+    log = c.root / "log" / "collector.out"
+    with open(log, "ab") as out:
+        collector = subprocess.Popen(
+            [c.python, "-m", "inventoryd.main", "collect", "--config", str(conf),
+             "--db", str(c.db)], env={**c.env, "NCCLGUARD_CONFIG": str(conf)},
+            stderr=out, cwd=c.root / "tmp")
+    try:
+        c.publish_fingerprint("n4", fingerprint("n4", nccl="2.18.3"))
+        wait_for(lambda: "n4: fingerprint changed" in log.read_text(), 30, "the collector")
+        r = c.run(["srun", "-N2", "-w", "n[3-4]", "true"], check=False, timeout=60)
+        assert r.returncode == 0, r.stderr
+    finally:
+        collector.terminate()
+        assert collector.wait(timeout=30) == 0
+    assert "collector stopped" in log.read_text()

@@ -1,5 +1,6 @@
 """inventoryd's service loop: the notify protocol on a real AF_UNIX datagram socket,
-signals to a real child process, an unreachable store, the textfile metrics."""
+signals to a real child process publishing through a real munged, an unreachable spool,
+the textfile metrics."""
 
 from __future__ import annotations
 
@@ -15,14 +16,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest_munge import MungeSet
 from prometheus_client.parser import text_string_to_metric_families
 from test_store import make_fp
 
 from inventoryd import service
 from inventoryd.metrics import write_textfile
+from inventoryd.publish import Publisher, PublishError
 from inventoryd.sdnotify import Notifier
 from ncclguard import config as configmod
-from ncclguard.store import Inventory, InventoryMissing
+from ncclguard import munge, spool
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -101,17 +104,23 @@ def _wait(cond: object, timeout: float = 10) -> None:
     raise AssertionError("condition not met in time")
 
 
-def _has(db: Path, host: str) -> bool:
+def _record(d: Path, host: str, mungeds: MungeSet) -> dict | None:
+    """The fingerprint in ``host``'s published record, checked as the collector does
+    (decoded on the controller's munged, signed from the node's address), or None."""
     try:
-        with Inventory(db, readonly=True) as inv:
-            return inv.load([host])[host] is not None
-    except InventoryMissing:
-        return False
+        data = spool.read(d / f"{host}.rec", max_bytes=1 << 20)
+    except spool.RecordError:
+        return None
+    cred = munge.decode(data, socket_path=str(mungeds.controller.socket))
+    assert cred.origin == mungeds.addr(host) and cred.uid == os.getuid()
+    _, fp = spool.parse_payload(cred.payload, max_bytes=1 << 23)
+    return fp
 
 
-def _config(path: Path, db: Path, textfile: Path | None, interval: float = 0.2) -> Path:
+def _config(path: Path, d: Path, sock: Path, textfile: Path | None, interval: float = 0.2
+            ) -> Path:
     lines = [
-        "[inventory]", f'db = "{db}"', "busy_timeout_ms = 200", "write_retries = 2",
+        "[spool]", f'dir = "{d}"', f'munge_socket = "{sock}"',
         "[inventoryd]", f"interval_s = {interval}", "jitter = 0.1", "heartbeat_s = 0.5",
     ]
     if textfile is not None:
@@ -158,42 +167,47 @@ def test_notifier_outside_systemd_and_foreign_watchdog(tmp_path: Path) -> None:
 
 
 def _start(fp_file: Path, cfg: Path, sock: str, watchdog_usec: int = 200_000) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k not in ("NCCLGUARD_DB", "NCCLGUARD_CONFIG")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("NCCLGUARD_DB", "NCCLGUARD_CONFIG", "NCCLGUARD_SPOOL")}
     env.update(NOTIFY_SOCKET=sock, WATCHDOG_USEC=str(watchdog_usec), PYTHONPATH=str(REPO))
     return subprocess.Popen([sys.executable, "-c", _DRIVER, str(fp_file), str(cfg)], cwd=REPO,
                             env=env, stderr=subprocess.PIPE, text=True)
 
 
 def test_daemon_ready_watchdog_change_reload_and_sigterm(
-    tmp_path: Path, listener: Listener
+    tmp_path: Path, listener: Listener, mungeds: MungeSet
 ) -> None:
     addr = listener.addr
-    db = tmp_path / "inv" / "inventory.db"
+    d = tmp_path / "spool"
     prom1, prom2 = tmp_path / "prom1", tmp_path / "prom2"
     prom1.mkdir()
     prom2.mkdir()
     fp_file = tmp_path / "fp.json"
     fp_file.write_text(json.dumps(make_fp("n7", "2.21.5")))
-    cfg = _config(tmp_path / "config.toml", db, prom1)
+    sock = mungeds.node("n7").socket
+    cfg = _config(tmp_path / "config.toml", d, sock, prom1)
     child = _start(fp_file, cfg, addr)
+    rec = d / "n7.rec"
     try:
         listener.wait_for("READY=1")
         listener.wait_for("WATCHDOG=1")
-        _wait(lambda: _has(db, "n7") and (prom1 / "ncclguard.prom").exists())
-        # a change on the node reaches the inventory and its history
+        _wait(lambda: _record(d, "n7", mungeds) is not None and (prom1 / "ncclguard.prom").exists())
+        # a change on the node is published at the next cycle
         fp_file.write_text(json.dumps(make_fp("n7", "2.23.4")))
-        with Inventory(db, readonly=True) as inv:
-            _wait(lambda: len(inv.history("n7")) == 2)
-            hb = inv.load(["n7"])["n7"].last_heartbeat  # type: ignore[union-attr]
-            _wait(lambda: inv.load(["n7"])["n7"].last_heartbeat > hb, 3)  # type: ignore[union-attr]
+        _wait(lambda: (_record(d, "n7", mungeds) or {}).get("libnccl", [{}])[0].get("version")
+              == "2.23.4")
+        # the same fingerprint is signed again every heartbeat_s (0.5 s): a new credential
+        before = rec.read_bytes()
+        _wait(lambda: rec.read_bytes() != before, 5)
+        assert _record(d, "n7", mungeds)["libnccl"][0]["version"] == "2.23.4"  # type: ignore[index]
         # SIGHUP reloads the config: the metrics move to the new directory
-        _config(cfg, db, prom2)
+        _config(cfg, d, sock, prom2)
         child.send_signal(signal.SIGHUP)
         listener.wait_for("RELOADING=1")
         _wait(lambda: (prom2 / "ncclguard.prom").exists())
         text = (prom2 / "ncclguard.prom").read_text()
-        assert 'version="2.23.4"' in text
-        # SIGTERM: a clean stop, between writes
+        assert 'version="2.23.4"' in text and "ncclguard_publish_up 1.0" in text
+        # SIGTERM: a clean stop, between cycles
         child.send_signal(signal.SIGTERM)
         assert child.wait(timeout=10) == 0
         listener.wait_for("STOPPING=1")
@@ -201,29 +215,28 @@ def test_daemon_ready_watchdog_change_reload_and_sigterm(
         if child.poll() is None:
             child.kill()
         _, err = child.communicate(timeout=10)
-    assert "n7: fingerprint inserted" in err and "n7: fingerprint changed" in err
+    assert err.count(f"n7: fingerprint published to {rec}") == 2, err
     assert "config reloaded from" in err and "n7: stopped" in err
     assert not list(tmp_path.glob("prom*/*.tmp*"))  # only the renamed file remains
-    with Inventory(db, readonly=True) as inv:
-        assert inv.integrity_check() == "ok"
+    assert sorted(p.name for p in d.iterdir()) == ["n7.rec"]  # no temporary file left
 
 
-def test_unreachable_store_logs_once_and_writes_when_it_can(
-    tmp_path: Path, listener: Listener
+def test_unreachable_spool_logs_once_and_publishes_when_it_can(
+    tmp_path: Path, listener: Listener, mungeds: MungeSet
 ) -> None:
     addr = listener.addr
     mount = tmp_path / "mnt"  # not there yet: a missing mount
-    db = mount / "ncclguard" / "inventory.db"
+    d = mount / "ncclguard" / "spool"
     fp_file = tmp_path / "fp.json"
     fp_file.write_text(json.dumps(make_fp("n8")))
-    cfg = _config(tmp_path / "config.toml", db, None, interval=0.05)
+    cfg = _config(tmp_path / "config.toml", d, mungeds.node("n8").socket, None, interval=0.05)
     child = _start(fp_file, cfg, addr)
     try:
         listener.wait_for("READY=1")
         time.sleep(1.0)  # about 20 cycles against the missing mount
         assert child.poll() is None  # still running
-        mount.mkdir()  # the mount appears
-        _wait(lambda: _has(db, "n8"))
+        (mount / "ncclguard").mkdir(parents=True)  # the mount appears
+        _wait(lambda: _record(d, "n8", mungeds) is not None)
         child.send_signal(signal.SIGTERM)
         assert child.wait(timeout=10) == 0
     finally:
@@ -231,11 +244,44 @@ def test_unreachable_store_logs_once_and_writes_when_it_can(
             child.kill()
         _, err = child.communicate(timeout=10)
     lines = err.splitlines()
-    unavailable = [x for x in lines if "inventory unavailable" in x]
-    assert len(unavailable) == 1, lines
-    assert f"inventory at {db}" in unavailable[0] and "missing mount" in unavailable[0]
-    assert unavailable[0].startswith("ERROR n8:")
-    assert sum("writable again" in x for x in lines) == 1
+    failed = [x for x in lines if "record not published" in x]
+    assert len(failed) == 1, lines
+    assert f"spool {d}" in failed[0] and "missing mount" in failed[0]
+    assert failed[0].startswith("ERROR n8:")
+    assert sum("works again" in x for x in lines) == 1
+
+
+def test_publisher_republishes_a_replaced_or_deleted_record(
+    tmp_path: Path, mungeds: MungeSet
+) -> None:
+    sock = str(mungeds.node("n3").socket)
+    cfg = configmod.SpoolConfig(dir=str(tmp_path / "s"), munge_socket=sock)
+    pub = Publisher(cfg, heartbeat_s=300)
+    fp = make_fp("n3")
+    assert pub.due(fp, 1000.0)
+    path = pub.publish(fp, 1000.0)
+    assert not pub.due(fp, 1001.0)  # the same fingerprint, heartbeat not due
+    assert pub.due(make_fp("n3", "2.18.3"), 1001.0)  # changed
+    assert pub.due(fp, 1300.0)  # heartbeat due
+    assert pub.due(fp, 999.0)  # the clock went back
+    path.write_bytes(b"MUNGE:someone else's:\n")  # replaced (e.g. another node's forgery)
+    assert pub.due(fp, 1001.0)
+    pub.publish(fp, 1001.0)
+    path.unlink()
+    assert pub.due(fp, 1002.0)
+    assert (tmp_path / "s").stat().st_mode & 0o777 == 0o755  # created, not writable by others
+
+
+def test_publisher_names_a_munged_that_is_down_and_an_unsafe_spool(tmp_path: Path) -> None:
+    cfg = configmod.SpoolConfig(dir=str(tmp_path), munge_socket=str(tmp_path / "gone.socket"))
+    with pytest.raises(PublishError) as e:
+        Publisher(cfg, 300).publish(make_fp("n1"))
+    assert e.value.kind == "munge" and "gone.socket" in str(e.value)
+    os.chmod(tmp_path, 0o777)
+    with pytest.raises(PublishError) as e:
+        Publisher(cfg, 300).publish(make_fp("n1"))
+    assert e.value.kind == "spool" and "writable by others" in str(e.value)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_store_once(tmp_path: Path, capsys: pytest.CaptureFixture[str],
@@ -253,7 +299,8 @@ def test_store_once(tmp_path: Path, capsys: pytest.CaptureFixture[str],
     assert f"corrupt inventory at {bad}" in capsys.readouterr().err
 
 
-def test_run_in_process_survives_a_failing_collector(tmp_path: Path) -> None:
+def test_run_in_process_survives_a_failing_collector(tmp_path: Path, mungeds: MungeSet,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
 
     def collect(root: str, hostname: str | None, conf: configmod.InventorydConfig) -> dict:
@@ -262,13 +309,14 @@ def test_run_in_process_survives_a_failing_collector(tmp_path: Path) -> None:
             raise OSError("probe exploded")
         return make_fp("n9")
 
-    os.environ.pop("NCCLGUARD_DB", None)
-    cfg = configmod.from_dict({"inventory": {"db": str(tmp_path / "i" / "inventory.db")},
-                               "inventoryd": {"interval_s": 0.01}})
+    monkeypatch.delenv("NCCLGUARD_SPOOL", raising=False)
+    cfg = configmod.from_dict({
+        "spool": {"dir": str(tmp_path / "s"), "munge_socket": str(mungeds.node("n9").socket)},
+        "inventoryd": {"interval_s": 0.01},
+    })
     assert service.run("/", None, None, cfg, collector=collect, notifier=Notifier({}),
                        max_cycles=3) == 0
-    with Inventory(tmp_path / "i" / "inventory.db", readonly=True) as inv:
-        assert inv.hosts() == ["n9"]
+    assert _record(tmp_path / "s", "n9", mungeds)["host"]["hostname"] == "n9"  # type: ignore[index]
 
 
 # ---- metrics
@@ -277,7 +325,7 @@ def test_run_in_process_survives_a_failing_collector(tmp_path: Path) -> None:
 def test_textfile_metrics(tmp_path: Path) -> None:
     fp = make_fp("n1")
     fp["errors"] = [{"probe": "rdma", "field": "rdma.x", "path": "/x", "error": "EINVAL"}]
-    path = write_textfile(tmp_path, fp, last_change=123.0, store_ok=True, last_write=456.0)
+    path = write_textfile(tmp_path, fp, last_change=123.0, publish_ok=True, last_publish=456.0)
     assert path == tmp_path / "ncclguard.prom"
     fams = {f.name: f for f in text_string_to_metric_families(path.read_text())}
     lib = fams["ncclguard_libnccl_info"].samples[0]
@@ -289,7 +337,8 @@ def test_textfile_metrics(tmp_path: Path) -> None:
         ("mlx5_0", "ACTIVE"), ("mlx5_1", "ACTIVE")}
     assert fams["ncclguard_probe_errors"].samples[0].value == 1
     assert fams["ncclguard_fingerprint_last_change_timestamp_seconds"].samples[0].value == 123
-    assert fams["ncclguard_inventory_up"].samples[0].value == 1
+    assert fams["ncclguard_publish_up"].samples[0].value == 1
+    assert fams["ncclguard_record_last_publish_timestamp_seconds"].samples[0].value == 456
     assert [p.name for p in tmp_path.iterdir()] == ["ncclguard.prom"]
 
 

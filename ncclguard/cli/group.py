@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "decisions": ("ncclguard.cli.decisions", "decisions"),
     "drain-recommend": ("ncclguard.cli.drain", "drain_recommend"),
     "diagnose": ("ncclguard.cli.diagnose", "diagnose"),
+    "rejections": ("ncclguard.cli.rejections", "rejections"),
 }
 
 

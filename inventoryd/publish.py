@@ -1,0 +1,97 @@
+"""Publishing a node's record: sign the fingerprint with the local munged, write it to the
+spool atomically (:mod:`ncclguard.spool`). The node never opens the inventory.
+
+:class:`Publisher` keeps what it last wrote, so that ``run`` publishes only when the
+fingerprint changed, when ``heartbeat_s`` has passed, or when its file is no longer the
+one it wrote (deleted, or replaced by someone else: the collector rejected that, and the
+node's own record is put back at once).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ncclguard import munge, spool
+from ncclguard.config import SpoolConfig
+
+__all__ = ["PublishError", "Publisher"]
+
+LEFTOVER_S = 3600.0  # a temporary file of ours older than this is a dead write's
+
+
+class PublishError(Exception):
+    """The record could not be published; ``kind`` is "spool" or "munge"."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        self.kind = kind
+        super().__init__(message)
+
+
+class Publisher:
+    def __init__(self, config: SpoolConfig, heartbeat_s: float) -> None:
+        self.config = config
+        self.heartbeat_s = heartbeat_s
+        self.last_hash: str | None = None
+        self.last_at: float | None = None
+        self.written: tuple[int, int, int] | None = None  # (ino, size, mtime_ns) we wrote
+        self.cleaned = False
+
+    @property
+    def dir(self) -> Path:
+        return self.config.spool_path()
+
+    def _in_place(self, host: str) -> bool:
+        try:
+            st = os.stat(self.dir / spool.record_name(host), follow_symlinks=False)
+        except OSError:
+            return False
+        return (st.st_ino, st.st_size, st.st_mtime_ns) == self.written
+
+    def due(self, fp: Mapping[str, Any], now: float) -> bool:
+        from ncclguard.fingerprint.canonical import fingerprint_hash
+        from ncclguard.fingerprint.model import hostname
+
+        if self.last_at is None or fingerprint_hash(dict(fp)) != self.last_hash:
+            return True
+        if now - self.last_at >= self.heartbeat_s or now < self.last_at:
+            return True
+        return not self._in_place(hostname(fp))
+
+    def publish(self, fp: Mapping[str, Any], now: float | None = None) -> Path:
+        """Sign and write ``fp`` now. :class:`PublishError` when it cannot be done;
+        ``ValueError`` for a fingerprint without a usable host name."""
+        from ncclguard.fingerprint.canonical import fingerprint_hash
+        from ncclguard.fingerprint.model import hostname
+
+        now = time.time() if now is None else now
+        record = dict(fp)
+        host = hostname(record)
+        data = spool.payload(record)
+        d = self.dir
+        try:
+            spool.check_dir(d, create=True)
+        except spool.SpoolError as e:
+            raise PublishError("spool", str(e)) from None
+        try:
+            cred = munge.encode(
+                data, socket_path=self.config.munge_socket or None, ttl=self.config.record_ttl_s
+            )
+        except munge.MungeError as e:
+            raise PublishError("munge", str(e)) from None
+        try:
+            if not self.cleaned:
+                spool.remove_leftovers(d, host, LEFTOVER_S, now)
+                self.cleaned = True
+            path = spool.write(d, host, cred + b"\n")
+            st = os.stat(path, follow_symlinks=False)
+        except OSError as e:
+            raise PublishError("spool", f"cannot write {d / spool.record_name(host)}: "
+                               f"{e.strerror or e}") from None
+        self.written = (st.st_ino, st.st_size, st.st_mtime_ns)
+        self.last_hash = fingerprint_hash(record)
+        self.last_at = now
+        return path

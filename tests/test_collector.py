@@ -1,0 +1,483 @@
+"""The collector: only records signed by the named node's own munged, by the publisher
+uid, fresh and well-formed, reach the inventory. Real munged daemons (one per node, each
+signing from its own address, one key), real spool files, a real SQLite inventory.
+
+Node addresses come from the static ``[collector.addresses]`` map here; the Slurm path
+(NodeAddr on the real dev cluster) is in ``test_gate_e2e.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest_munge import MungeSet
+from test_store import make_fp
+
+from inventoryd.collector import Collector
+from ncclguard import config as configmod
+from ncclguard import munge, spool
+from ncclguard.fingerprint.canonical import fingerprint_hash
+from ncclguard.policy import GATE_VALUES, node_values
+from ncclguard.store import Inventory
+
+REPO = Path(__file__).resolve().parents[1]
+NODES = ("n1", "n2", "n3", "n4")
+
+
+def config(ms: MungeSet, d: Path, *, nodes: tuple[str, ...] = NODES, **spool_kw: Any
+           ) -> configmod.Config:
+    return configmod.from_dict({
+        "spool": {"dir": str(d), "munge_socket": str(ms.controller.socket), **spool_kw},
+        "collector": {
+            "publisher": str(os.getuid()),
+            "addresses": {n: [ms.addr(n)] for n in nodes},
+        },
+    })
+
+
+def sign(ms: MungeSet, signer: str, payload: bytes, ttl: int | None = None) -> bytes:
+    """A credential from node ``signer``'s own munged."""
+    return munge.encode(payload, socket_path=str(ms.node(signer).socket), ttl=ttl)
+
+
+def publish(ms: MungeSet, d: Path, host: str, fp: dict | None = None, *,
+            signer: str | None = None, file: str | None = None) -> bytes:
+    """What ``host``'s publisher writes (or, with ``signer``/``file``, a forgery)."""
+    fp = fp or make_fp(host)
+    cred = sign(ms, signer or host, spool.payload(fp))
+    (d / (file or f"{host}.rec")).write_bytes(cred + b"\n")
+    return cred
+
+
+@pytest.fixture
+def env(tmp_path: Path, mungeds: MungeSet) -> Iterator[tuple[MungeSet, Path, Path]]:
+    d = tmp_path / "spool"
+    d.mkdir(mode=0o755)
+    os.chmod(d, 0o755)
+    yield mungeds, d, tmp_path / "inventory.db"
+
+
+@pytest.fixture
+def logs(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
+    lg = logging.getLogger("ncclguard.collector")
+    lg.addHandler(caplog.handler)
+    old, propagate = lg.level, lg.propagate
+    lg.setLevel(logging.INFO)
+    lg.propagate = False  # caplog's own handler sits on the root logger: count once
+    try:
+        yield caplog
+    finally:
+        lg.removeHandler(caplog.handler)
+        lg.setLevel(old)
+        lg.propagate = propagate
+
+
+def settle(d: Path) -> None:
+    """Date every spool entry 10 s back: the collector reads a file changed in the last
+    2 s again at its next scan (mtimes are coarse: inventoryd.collector.RACY_NS)."""
+    old = time.time() - 10
+    for p in d.iterdir():
+        os.utime(p, (old, old), follow_symlinks=False)
+
+
+def snapshot(db: Path) -> dict[str, tuple[str, float]]:
+    with Inventory(db, readonly=True) as inv:
+        return {h: (r.fp_hash, r.last_heartbeat) for h, r in inv.load(inv.hosts()).items()
+                if r is not None}
+
+
+def history_len(db: Path) -> int:
+    with Inventory(db, readonly=True) as inv:
+        return len(inv.history())
+
+
+def test_accepts_each_nodes_own_record_with_the_encode_time_as_heartbeat(env: Any) -> None:
+    ms, d, db = env
+    creds = {h: publish(ms, d, h, make_fp(h, "2.18.3" if h == "n3" else "2.21.5"))
+             for h in NODES}
+    settle(d)
+    c = Collector(config(ms, d), db=db)
+    try:
+        res = c.scan()
+        assert res.accepted == dict.fromkeys(NODES, "inserted") and not res.rejected
+        assert c.scan().read == 0  # nothing changed: nothing read again
+    finally:
+        c.close()
+    got = snapshot(db)
+    for h, cred in creds.items():
+        signed = munge.decode(cred, socket_path=str(ms.extra("probe", "127.42.250.1").socket))
+        assert got[h] == (fingerprint_hash(make_fp(h, "2.18.3" if h == "n3" else "2.21.5")),
+                          float(signed.encoded_at))
+    with Inventory(db, readonly=True, values=GATE_VALUES) as inv:
+        values = inv.load_values(["n1", "n3"])
+        assert values["n1"][0] == node_values(make_fp("n1", "2.21.5"))  # type: ignore[index]
+        assert values["n3"][0] == node_values(make_fp("n3", "2.18.3"))  # type: ignore[index]
+        pubs = inv.publishers()
+        assert pubs["n1.rec"]["origin"] == ms.addr("n1") and pubs["n1.rec"]["uid"] == os.getuid()
+    # a restarted collector reads nothing that it already accepted
+    c = Collector(config(ms, d), db=db)
+    try:
+        assert c.scan().read == 0
+    finally:
+        c.close()
+
+
+def _reject_case(env: Any, logs: pytest.LogCaptureFixture, write: Any, cause: str,
+                 text: str, **spool_kw: Any) -> None:
+    """Every node has a good record; ``write`` then puts a bad one in place. The bad
+    record is rejected for ``cause``, logged once with ``text``, listed; the inventory
+    is unchanged."""
+    ms, d, db = env
+    for h in NODES:
+        publish(ms, d, h)
+    c = Collector(config(ms, d, **spool_kw), db=db)
+    try:
+        c.scan()
+        before, hist = snapshot(db), history_len(db)
+        logs.clear()
+        file = write(ms, d)
+        settle(d)
+        res = c.scan()
+        assert res.rejected == {file: cause} and not res.accepted
+        assert snapshot(db) == before and history_len(db) == hist
+        lines = [r for r in logs.records if "rejected" in r.getMessage()]
+        assert len(lines) == 1 and f"({cause})" in lines[0].getMessage()
+        assert text in lines[0].getMessage() and file in lines[0].getMessage()
+        # the same bad file again: not read, not logged again; listed once
+        assert c.scan().read == 0
+        if stat.S_ISREG(os.lstat(d / file).st_mode):  # touched: read again, not logged
+            os.utime(d / file)
+            assert c.scan().read == 1
+        assert len([r for r in logs.records if "rejected" in r.getMessage()]) == 1
+        with Inventory(db, readonly=True) as inv:
+            (row,) = [r for r in inv.rejections() if r["file"] == file]
+        assert row["cause"] == cause and row["resolved_at"] is None
+    finally:
+        c.close()
+
+
+def test_a_forged_record_is_rejected(env: Any, logs: pytest.LogCaptureFixture) -> None:
+    """Node n1's publisher writes n2's file: signed from n1's address, not n2's."""
+    def forge(ms: MungeSet, d: Path) -> str:
+        publish(ms, d, "n2", make_fp("n2", "2.18.3"), signer="n1")
+        return "n2.rec"
+
+    _reject_case(env, logs, forge, "wrong-address", "signed from 127.42.0.1, which is not n2's")
+
+
+def test_a_record_in_another_nodes_file_is_rejected(
+    env: Any, logs: pytest.LogCaptureFixture
+) -> None:
+    """n1 signs its own record truthfully but writes it as n2's file."""
+    def misplace(ms: MungeSet, d: Path) -> str:
+        # signed from n2's address (the file's node) but naming n1 inside
+        publish(ms, d, "n1", make_fp("n1", "2.18.3"), signer="n2", file="n2.rec")
+        return "n2.rec"
+
+    _reject_case(env, logs, misplace, "name-mismatch", "holds the record of 'n1'")
+
+
+def test_a_record_from_an_unexpected_uid_is_rejected(
+    env: Any, logs: pytest.LogCaptureFixture
+) -> None:
+    def other_uid(ms: MungeSet, d: Path) -> str:
+        data = spool.payload(make_fp("n3", "2.18.3"))
+        r = subprocess.run(["munge", "-S", str(ms.node("n3").socket), "-z", "zlib"],
+                           input=data, capture_output=True, user=65534, check=True)
+        (d / "n3.rec").write_bytes(r.stdout)
+        return "n3.rec"
+
+    _reject_case(env, logs, other_uid, "wrong-uid", "signed by uid 65534")
+
+
+def test_an_expired_record_is_rejected(env: Any, logs: pytest.LogCaptureFixture) -> None:
+    def expired(ms: MungeSet, d: Path) -> str:
+        cred = sign(ms, "n4", spool.payload(make_fp("n4", "2.18.3")), ttl=1)
+        time.sleep(2.2)
+        (d / "n4.rec").write_bytes(cred)
+        return "n4.rec"
+
+    _reject_case(env, logs, expired, "expired", "ttl 1 s")
+
+
+def test_a_replayed_record_is_ignored(env: Any, logs: pytest.LogCaptureFixture) -> None:
+    """An older record of the node put back (by anyone who could read the spool)."""
+    ms = env[0]
+    old = sign(ms, "n2", spool.payload(make_fp("n2", "2.18.3")))
+    time.sleep(1.1)  # encode times are whole seconds
+    saved: dict[str, bytes] = {}
+
+    def replay(ms: MungeSet, d: Path) -> str:
+        saved["new"] = (d / "n2.rec").read_bytes()
+        (d / "n2.rec").write_bytes(old)
+        return "n2.rec"
+
+    _reject_case(env, logs, replay, "replayed", "older than the record accepted")
+    assert [r.levelname for r in logs.records if "rejected" in r.getMessage()] == ["WARNING"]
+
+
+def test_a_truncated_record_is_rejected(env: Any, logs: pytest.LogCaptureFixture) -> None:
+    def truncate(ms: MungeSet, d: Path) -> str:
+        cred = sign(ms, "n1", spool.payload(make_fp("n1", "2.18.3")))
+        (d / "n1.rec").write_bytes(cred[: len(cred) // 2])
+        return "n1.rec"
+
+    _reject_case(env, logs, truncate, "undecodable", "munge decode")
+
+
+def test_an_oversized_record_is_rejected_unread(env: Any, logs: pytest.LogCaptureFixture) -> None:
+    def huge(ms: MungeSet, d: Path) -> str:
+        with open(d / "n1.rec", "wb") as f:
+            f.truncate(64 << 20)  # sparse: 64 MiB of nothing
+        return "n1.rec"
+
+    _reject_case(env, logs, huge, "oversized", "limit 1048576")
+
+
+def test_a_malformed_payload_is_rejected(env: Any, logs: pytest.LogCaptureFixture) -> None:
+    def garbage(ms: MungeSet, d: Path) -> str:
+        (d / "n3.rec").write_bytes(sign(ms, "n3", b"[" * 100_000))  # deep nesting
+        return "n3.rec"
+
+    _reject_case(env, logs, garbage, "malformed", "payload is not JSON")
+
+
+@pytest.mark.parametrize(
+    ("payload", "text"),
+    [
+        (b'{"ncclguard_record": 2, "host": "n3", "fingerprint": {}}', "record version 2"),
+        (b'{"ncclguard_record": 1, "host": "../n3", "fingerprint": {}}', "not a node name"),
+        (b'{"ncclguard_record": 1, "host": "n3", "fingerprint": {"schema": 1, '
+         b'"host": {"hostname": "n3"}, "libnccl": {}}}', "part 'libnccl' is dict"),
+        (b'{"ncclguard_record": 1, "host": "n3", "fingerprint": {"schema": 7}}',
+         "fingerprint schema '7'"),
+    ],
+)
+def test_payloads_of_the_wrong_shape_are_rejected(
+    env: Any, logs: pytest.LogCaptureFixture, payload: bytes, text: str
+) -> None:
+    def write(ms: MungeSet, d: Path) -> str:
+        (d / "n3.rec").write_bytes(sign(ms, "n3", payload))
+        return "n3.rec"
+
+    _reject_case(env, logs, write, "malformed", text)
+
+
+@pytest.mark.parametrize(
+    ("part", "value"),
+    [  # the policy's values cannot be computed; a query row cannot be bound
+        ("libnccl", [{"path": ["x"], "version": {"a": 1}, "default": "yes"}]),
+        ("plugins", [{"kind": "net", "path": "/x.so", "name": ["a"], "abis": {}}]),
+    ],
+)
+def test_a_fingerprint_the_store_cannot_read_is_rejected_alone(
+    env: Any, logs: pytest.LogCaptureFixture, part: str, value: Any
+) -> None:
+    """Right shape at the top, wrong types inside: that record alone is rolled back; a
+    good record in the same batch is written."""
+    def poisoned(ms: MungeSet, d: Path) -> str:
+        fp = make_fp("n4", "2.18.3")
+        fp[part] = value
+        publish(ms, d, "n4", fp)
+        return "n4.rec"
+
+    ms, d, db = env
+    for h in NODES:
+        publish(ms, d, h)
+    c = Collector(config(ms, d), db=db)
+    try:
+        c.scan()
+        before = snapshot(db)
+        poisoned(ms, d)
+        publish(ms, d, "n1", make_fp("n1", "2.23.4"))
+        res = c.scan()
+    finally:
+        c.close()
+    assert res.rejected == {"n4.rec": "malformed"} and res.accepted == {"n1": "changed"}
+    after = snapshot(db)
+    assert after["n4"] == before["n4"] and after["n1"] != before["n1"]
+    (msg,) = [r.getMessage() for r in logs.records if "rejected" in r.getMessage()]
+    assert "n4.rec rejected (malformed)" in msg and "invalid: " in msg
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo", "directory"])
+def test_entries_that_are_not_files_are_rejected_without_blocking(
+    env: Any, logs: pytest.LogCaptureFixture, kind: str
+) -> None:
+    def make(ms: MungeSet, d: Path) -> str:
+        (d / "n2.rec").unlink()
+        if kind == "symlink":
+            (d / "n2.rec").symlink_to(d / "n1.rec")  # a valid record, of n1
+        elif kind == "fifo":
+            os.mkfifo(d / "n2.rec")  # no writer: a blocking open would hang here
+        else:
+            (d / "n2.rec").mkdir()
+        return "n2.rec"
+
+    _reject_case(env, logs, make, "not-a-file", "n2.rec")
+
+
+def test_an_unknown_node_and_a_bad_file_name_are_rejected(
+    env: Any, logs: pytest.LogCaptureFixture
+) -> None:
+    ms, d, db = env
+    publish(ms, d, "n9")  # signed by n9's own munged, but n9 is no node of ours
+    (d / "..rec").write_bytes(b"x")  # a name no node has (a dot file: skipped)
+    (d / "n 1.rec").write_bytes(publish(ms, d, "n1"))
+    c = Collector(config(ms, d), db=db)
+    try:
+        res = c.scan()
+    finally:
+        c.close()
+    assert res.rejected == {"n9.rec": "unknown-node", "n 1.rec": "name-mismatch"}
+    assert set(res.accepted) == {"n1"} and snapshot(db).keys() == {"n1"}
+
+
+def test_a_later_good_record_resolves_the_rejection(env: Any, logs: pytest.LogCaptureFixture
+                                                    ) -> None:
+    ms, d, db = env
+    publish(ms, d, "n2", signer="n1")
+    c = Collector(config(ms, d), db=db)
+    try:
+        assert c.scan().rejected == {"n2.rec": "wrong-address"}
+        publish(ms, d, "n2")  # n2's own publisher puts its record back
+        assert c.scan().accepted == {"n2": "inserted"}
+    finally:
+        c.close()
+    assert any("n2.rec accepted again" in r.getMessage() for r in logs.records)
+    with Inventory(db, readonly=True) as inv:
+        assert inv.rejections() == []
+        (row,) = inv.rejections(include_resolved=True)
+    assert row["cause"] == "wrong-address" and row["resolved_at"] is not None
+
+
+def test_munged_down_defers_the_records_and_rejects_nothing(env: Any, tmp_path: Path) -> None:
+    ms, d, db = env
+    publish(ms, d, "n1")
+    cfg = config(ms, d)
+    cfg = cfg.replace(spool=cfg.spool.replace(munge_socket=str(tmp_path / "down.socket")))
+    c = Collector(cfg, db=db)
+    try:
+        res = c.scan()
+        assert res.deferred == 1 and not res.rejected and not res.accepted
+    finally:
+        c.close()
+    with Inventory(db, readonly=True) as inv:
+        assert inv.rejections(include_resolved=True) == []
+    c = Collector(config(ms, d), db=db)  # munged back: the record is read then
+    try:
+        assert c.scan().accepted == {"n1": "inserted"}
+    finally:
+        c.close()
+
+
+def test_an_unsafe_or_missing_spool_is_refused(env: Any, logs: pytest.LogCaptureFixture) -> None:
+    ms, d, db = env
+    publish(ms, d, "n1")
+    os.chmod(d, 0o777)
+    c = Collector(config(ms, d), db=db)
+    try:
+        res = c.scan()
+        assert res.files == 0 and not res.accepted
+        os.chmod(d, 0o755)
+        assert c.scan().accepted == {"n1": "inserted"}
+    finally:
+        c.close()
+    msgs = [r.getMessage() for r in logs.records]
+    assert any("writable by others" in m for m in msgs)
+    assert any("readable again" in m for m in msgs)
+
+
+def test_two_collectors_end_with_the_same_inventory(env: Any, tmp_path: Path) -> None:
+    """Primary and backup controller: each its own munged (same key) and inventory."""
+    ms, d, db = env
+    backup = ms.extra("backup", "127.42.250.2")
+    for h in NODES:
+        publish(ms, d, h)
+    cfg_b = config(ms, d)
+    cfg_b = cfg_b.replace(spool=cfg_b.spool.replace(munge_socket=str(backup.socket)))
+    a = Collector(config(ms, d), db=db)
+    b = Collector(cfg_b, db=tmp_path / "backup.db")
+    try:
+        a.scan()
+        publish(ms, d, "n2", make_fp("n2", "2.23.4"))
+        b.scan()
+        a.scan()
+    finally:
+        a.close()
+        b.close()
+    left, right = snapshot(db), snapshot(tmp_path / "backup.db")
+    assert left == right and len(left) == 4
+    assert left["n2"][0] == fingerprint_hash(make_fp("n2", "2.23.4"))
+
+
+# ---- readers without write access, as the gate (SlurmUser) and an admin read it
+
+# A process of its own that drops to uid 65534 for good before it opens the file (an
+# in-process seteuid would share SQLite's descriptors of the file with the collector).
+_AS_NOBODY = r"""
+import os, sys
+from ncclguard.policy import GATE_VALUES
+from ncclguard.store import Inventory
+import sqlite3, json, contextlib, time, urllib.parse
+os.setgroups([]); os.setgid(65534); os.setuid(65534)
+if sys.argv[2] == "read":
+    with Inventory(sys.argv[1], readonly=True, values=GATE_VALUES) as inv:
+        got = inv.load_values(["n1", "n2"])
+        print(sorted(h for h, v in got.items() if v is not None))
+else:
+    c = sqlite3.connect(f"file:{sys.argv[1]}?mode=rw", uri=True)
+    c.execute("DELETE FROM nodes")
+    c.commit()
+"""
+
+
+def as_nobody(db: Path, what: str) -> subprocess.CompletedProcess[str]:
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "HOME": "/nonexistent"}
+    return subprocess.run([sys.executable, "-c", _AS_NOBODY, str(db), what], env=env,
+                          capture_output=True, text=True, timeout=60, cwd="/")
+
+
+@pytest.fixture
+def controller_dir() -> Iterator[Path]:
+    """The controller's state dir: its writer's, mode 0755 (pytest's are 0700)."""
+    d = Path(tempfile.mkdtemp(prefix="ncclguard-ctl-"))
+    os.chmod(d, 0o755)
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d)
+
+
+def test_readers_without_write_access_read_it_while_it_runs_and_after_it_stops(
+    env: Any, controller_dir: Path
+) -> None:
+    ms, d, _ = env
+    db = controller_dir / "inventory.db"
+    for h in ("n1", "n2"):
+        publish(ms, d, h)
+    c = Collector(config(ms, d), db=db)
+    try:
+        c.scan()
+        assert Path(f"{db}-wal").exists()  # WAL while the collector runs
+        r = as_nobody(db, "read")
+        assert r.returncode == 0 and r.stdout.strip() == "['n1', 'n2']", r.stderr
+    finally:
+        c.close()  # a clean stop: back to a rollback journal
+    assert not Path(f"{db}-wal").exists()
+    r = as_nobody(db, "read")
+    assert r.returncode == 0 and r.stdout.strip() == "['n1', 'n2']", r.stderr
+    w = as_nobody(db, "write")
+    assert w.returncode != 0 and "readonly database" in w.stderr, w.stderr
+    assert snapshot(db).keys() == {"n1", "n2"}
