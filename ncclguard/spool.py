@@ -174,14 +174,14 @@ def parse_payload(data: bytes, *, max_bytes: int) -> tuple[str, dict[str, Any]]:
     if not isinstance(doc, dict):
         raise RecordError("malformed", "payload is not a JSON object")
     version = doc.get("ncclguard_record")
-    if version != RECORD_VERSION:
+    if type(version) is not int or version != RECORD_VERSION:  # True == 1 in Python
         raise RecordError("malformed", f"record version {version!r}, expected {RECORD_VERSION}")
     host, fp = doc.get("host"), doc.get("fingerprint")
     if not isinstance(host, str) or not _HOST.fullmatch(host):
         raise RecordError("malformed", f"record host {str(host)[:80]!r} is not a node name")
     if not isinstance(fp, dict):
         raise RecordError("malformed", "the record holds no fingerprint object")
-    if fp.get("schema") != SCHEMA:
+    if type(fp.get("schema")) is not int or fp.get("schema") != SCHEMA:
         raise RecordError(
             "malformed", f"fingerprint schema {str(fp.get('schema'))[:20]!r}, expected {SCHEMA}"
         )

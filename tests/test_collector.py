@@ -481,3 +481,27 @@ def test_readers_without_write_access_read_it_while_it_runs_and_after_it_stops(
     w = as_nobody(db, "write")
     assert w.returncode != 0 and "readonly database" in w.stderr, w.stderr
     assert snapshot(db).keys() == {"n1", "n2"}
+
+
+def test_the_service_writes_its_metrics(env: Any, tmp_path: Path) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from inventoryd import collector
+    from inventoryd.sdnotify import Notifier
+
+    ms, d, db = env
+    publish(ms, d, "n1")
+    publish(ms, d, "n2", signer="n1")
+    prom = tmp_path / "prom"
+    prom.mkdir()
+    cfg = config(ms, d)
+    cfg = cfg.replace(collector=cfg.collector.replace(textfile_dir=str(prom)))
+    assert collector.run(None, cfg, db=db, notifier=Notifier({}), max_scans=1) == 0
+    fams = {f.name: f for f in text_string_to_metric_families(
+        (prom / "ncclguard-collector.prom").read_text())}
+    assert fams["ncclguard_collector_records_accepted"].samples[0].value == 1
+    (rej,) = [x for x in fams["ncclguard_collector_records_rejected"].samples
+              if x.name.endswith("_total")]
+    assert rej.labels == {"cause": "wrong-address"} and rej.value == 1
+    assert fams["ncclguard_collector_spool_records"].samples[0].value == 2
+    assert fams["ncclguard_collector_spool_up"].samples[0].value == 1

@@ -8,6 +8,7 @@ Inventory for most tests: n1, n2, n4 on NCCL 2.21.5, n3 on 2.18.3 (refuse-level)
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -336,7 +337,11 @@ def test_the_running_collector_brings_a_change_to_the_gate(odd_cluster: DevClust
         wait_for(lambda: "n4: fingerprint changed" in log.read_text(), 30, "the collector")
         r = c.run(["srun", "-N2", "-w", "n[3-4]", "true"], check=False, timeout=60)
         assert r.returncode == 0, r.stderr
+        assert Path(f"{c.db}-wal").exists()  # WAL while it runs
+        collector.send_signal(signal.SIGHUP)
+        wait_for(lambda: "config reloaded from" in log.read_text(), 30, "the reload")
     finally:
         collector.terminate()
         assert collector.wait(timeout=30) == 0
     assert "collector stopped" in log.read_text()
+    assert not Path(f"{c.db}-wal").exists()  # a rollback journal again: readers need no -shm

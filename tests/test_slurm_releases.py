@@ -121,6 +121,9 @@ def test_adapter_reads_this_release(env_cluster: DevCluster, tmp_path: Path) -> 
     s = Slurm(tmp_path, conf=str(c.conf))
     nodes = s.nodes()
     assert sorted(n.name for n in nodes) == ["n1", "n2"]
+    # what the collector checks a record's origin against: NodeAddr and NodeHostname
+    assert {n.name: (n.address, n.hostname) for n in nodes} == {
+        name: (c.node_addrs[name], name) for name in ("n1", "n2")}
     job = c.sbatch(["-N1", "--hold", "--wrap", "true"])
     info = s.job(job)
     assert info is not None and info.state == "PENDING" and info.batch

@@ -84,6 +84,8 @@ def test_nodes_read_back_as_set_up(d: Path, answer: str) -> None:
         assert n.reason == scene["drained"].get(name, ""), name
         assert n.state in {"idle", "allocated", "mixed"}, (name, n.state)
         assert n.cpus > 0
+        # NodeAddr and NodeHostname: the dev cluster's of the time, or Slurm's defaults
+        assert (n.address, n.hostname) in {("127.0.0.1", "localhost"), (name, name)}, name
     for name, feats in scene["features"].items():
         assert nodes[name].features == tuple(feats), name
 

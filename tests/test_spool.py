@@ -1,0 +1,254 @@
+"""The spool's pieces: MUNGE credentials through libmunge (real munged daemons), the record
+format, the bounded file reader, and where the collector gets node addresses from."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest_munge import MungeSet
+from test_store import make_fp
+
+from inventoryd.collector import ADDRESS_RETRY_S, Addresses, resolve
+from ncclguard import config as configmod
+from ncclguard import munge, spool
+
+# ---- munge.py against real munged daemons
+
+
+def test_a_credential_carries_payload_uid_origin_and_time(mungeds: MungeSet) -> None:
+    t0 = int(time.time())
+    cred = munge.encode(b"x" * 50_000, socket_path=str(mungeds.node("n5").socket), ttl=120)
+    assert cred.startswith(b"MUNGE:") and len(cred) < 5_000  # zlib inside
+    got = munge.decode(cred, socket_path=str(mungeds.controller.socket))
+    assert got.payload == b"x" * 50_000 and got.status == 0 and got.status_name == "ok"
+    assert (got.uid, got.gid) == (os.getuid(), os.getgid())
+    assert got.origin == mungeds.addr("n5") == "127.42.0.5"
+    assert t0 <= got.encoded_at <= time.time() and got.ttl == 120
+
+
+def test_replayed_expired_and_rewound_are_decoded_with_their_status(mungeds: MungeSet) -> None:
+    sock = str(mungeds.controller.socket)
+    cred = munge.encode(b"once", socket_path=str(mungeds.node("n1").socket))
+    assert munge.decode(cred, socket_path=sock).status == 0
+    again = munge.decode(cred, socket_path=sock)  # munged's own replay cache
+    assert again.status == munge.REPLAYED and again.payload == b"once"
+    # another munged with the same key decodes it as new (each has its own cache)
+    other = munge.decode(cred, socket_path=str(mungeds.node("n2").socket))
+    assert other.status == 0
+    short = munge.encode(b"short", socket_path=str(mungeds.node("n1").socket), ttl=1)
+    time.sleep(2.1)
+    late = munge.decode(short, socket_path=sock)
+    assert late.status == munge.EXPIRED and late.payload == b"short"
+
+
+@pytest.mark.parametrize(
+    ("cred", "name"),
+    [(b"MUNGE:not-base64:", "bad-cred"), (b"garbage", "bad-cred"), (b"", "bad-cred"),
+     (b"MUNGE:\0:", "bad-cred")],
+)
+def test_garbage_is_a_munge_error(mungeds: MungeSet, cred: bytes, name: str) -> None:
+    with pytest.raises(munge.MungeError) as e:
+        munge.decode(cred, socket_path=str(mungeds.controller.socket))
+    assert e.value.name == name
+
+
+def test_another_key_does_not_decode(mungeds: MungeSet, tmp_path: Path) -> None:
+    from devtools.devcluster import Munged, write_munge_key
+
+    stranger = Munged(tmp_path / "m", "stranger", write_munge_key(tmp_path / "k2"),
+                      "127.42.250.9")
+    with stranger:
+        cred = munge.encode(b"hi", socket_path=str(stranger.socket))
+    with pytest.raises(munge.MungeError) as e:
+        munge.decode(cred, socket_path=str(mungeds.controller.socket))
+    assert e.value.name in ("bad-mac", "cred-invalid", "bad-cred")
+
+
+def test_an_absent_munged_is_unavailable(tmp_path: Path) -> None:
+    with pytest.raises(munge.MungeUnavailable) as e:
+        munge.encode(b"x", socket_path=str(tmp_path / "none.socket"))
+    assert "none.socket" in str(e.value) and e.value.name == "socket"
+
+
+def test_decoding_is_thread_safe(mungeds: MungeSet) -> None:
+    creds = [munge.encode(str(i).encode(), socket_path=str(mungeds.node("n1").socket))
+             for i in range(200)]
+    got: list[bytes] = []
+    errors: list[Exception] = []
+    sock = str(mungeds.node("n3").socket)  # started before the threads
+
+    def work(part: list[bytes]) -> None:
+        for c in part:
+            try:
+                got.append(munge.decode(c, socket_path=sock).payload)
+            except Exception as e:  # reported below: a thread's exception is lost
+                errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(creds[i::4],)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and sorted(got, key=int) == [str(i).encode() for i in range(200)]
+
+
+# ---- the record format
+
+
+def test_payload_round_trip_and_names() -> None:
+    fp = make_fp("gpu-001.a")
+    host, back = spool.parse_payload(spool.payload(fp), max_bytes=1 << 20)
+    assert host == "gpu-001.a" and back == fp
+    assert spool.record_name("n1") == "n1.rec" and spool.host_of("n1.rec") == "n1"
+    for bad in ("", ".n1", "../n1", "n/1", "n 1", "a" * 200):
+        with pytest.raises(ValueError):
+            spool.record_name(bad)
+    for bad in (".n1.rec.abc", "n1.rec.tmp", "n1", "..rec", "-x.rec"):
+        assert spool.host_of(bad) is None
+
+
+def test_payload_bounds_and_types() -> None:
+    big = spool.payload(make_fp("n1"))
+    with pytest.raises(spool.RecordError) as e:
+        spool.parse_payload(big, max_bytes=len(big) - 1)
+    assert e.value.cause == "oversized"
+    for data, text in [
+        (b"[" * 200_000, "not JSON"),
+        (b"[]", "not a JSON object"),
+        (b'{"ncclguard_record": true, "host": "n1", "fingerprint": {}}', "record version True"),
+        (b'{"ncclguard_record": 1, "host": 5, "fingerprint": {}}', "not a node name"),
+        (b'{"ncclguard_record": 1, "host": "n1", "fingerprint": []}', "no fingerprint object"),
+    ]:
+        with pytest.raises(spool.RecordError) as e:
+            spool.parse_payload(data, max_bytes=1 << 22)
+        assert e.value.cause == "malformed" and text in e.value.detail, e.value.detail
+    fp = make_fp("n2")
+    doc = spool.payload(fp).replace(b'"host":"n2"', b'"host":"n1"', 1)
+    with pytest.raises(spool.RecordError) as e:
+        spool.parse_payload(doc, max_bytes=1 << 22)
+    assert e.value.cause == "name-mismatch"
+
+
+# ---- files
+
+
+def test_write_is_atomic_and_private_to_the_writer(tmp_path: Path) -> None:
+    os.chmod(tmp_path, 0o755)
+    p = spool.write(tmp_path, "n1", b"MUNGE:a:\n")
+    assert p.read_bytes() == b"MUNGE:a:\n" and (p.stat().st_mode & 0o777) == 0o644
+    ino = p.stat().st_ino
+    spool.write(tmp_path, "n1", b"MUNGE:b:\n")
+    assert p.read_bytes() == b"MUNGE:b:\n" and p.stat().st_ino != ino  # replaced, not edited
+    assert [x.name for x in tmp_path.iterdir()] == ["n1.rec"]
+    # a dead publisher's temporary file is cleaned up by its node, not by others
+    left = tmp_path / ".n1.rec.deadbeef0000"
+    left.write_bytes(b"x")
+    os.utime(left, (1, 1))
+    (tmp_path / ".n2.rec.deadbeef0000").write_bytes(b"x")
+    assert spool.remove_leftovers(tmp_path, "n1", 3600, time.time()) == 1
+    assert sorted(x.name for x in tmp_path.iterdir()) == [".n2.rec.deadbeef0000", "n1.rec"]
+    assert [n for n, _ in spool.scan(tmp_path)] == ["n1.rec"]  # temporary files: not records
+
+
+def test_read_is_bounded_and_never_follows_or_blocks(tmp_path: Path) -> None:
+    (tmp_path / "ok.rec").write_bytes(b"  MUNGE:x:\n")
+    assert spool.read(tmp_path / "ok.rec", max_bytes=100) == b"MUNGE:x:"
+    with open(tmp_path / "big.rec", "wb") as f:
+        f.truncate(10 << 30)  # 10 GiB, sparse
+    t0 = time.monotonic()
+    with pytest.raises(spool.RecordError) as e:
+        spool.read(tmp_path / "big.rec", max_bytes=1 << 20)
+    assert e.value.cause == "oversized" and time.monotonic() - t0 < 1
+    (tmp_path / "link.rec").symlink_to(tmp_path / "ok.rec")
+    os.mkfifo(tmp_path / "fifo.rec")
+    (tmp_path / "dir.rec").mkdir()
+    for name in ("link.rec", "fifo.rec", "dir.rec"):
+        with pytest.raises(spool.RecordError) as e:
+            spool.read(tmp_path / name, max_bytes=100)
+        assert e.value.cause == "not-a-file", name
+    with pytest.raises(spool.RecordError) as e:
+        spool.read(tmp_path / "gone.rec", max_bytes=100)
+    assert e.value.cause == "unreadable" and "gone.rec" in e.value.detail
+    states = dict(spool.scan(tmp_path))
+    assert states["link.rec"] is None and states["fifo.rec"] is None
+    assert states["ok.rec"] is not None and states["ok.rec"].size == 11
+
+
+def test_check_dir_refuses_missing_mounts_and_unsafe_dirs(tmp_path: Path) -> None:
+    with pytest.raises(spool.SpoolError, match="missing mount"):
+        spool.check_dir(tmp_path / "a" / "spool", create=True)
+    spool.check_dir(tmp_path / "spool", create=True)  # the last component only
+    assert (tmp_path / "spool").stat().st_mode & 0o777 == 0o755
+    os.chmod(tmp_path / "spool", 0o777)
+    with pytest.raises(spool.SpoolError, match="writable by others"):
+        spool.check_dir(tmp_path / "spool")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(spool.SpoolError, match="not a directory"):
+        spool.check_dir(tmp_path / "file")
+
+
+# ---- node addresses
+
+
+def test_resolve_keeps_ipv4_and_names() -> None:
+    assert resolve(["10.1.2.3", "", "::1", "localhost"]) >= {"10.1.2.3", "127.0.0.1"}
+    assert "::1" not in resolve(["::1"])
+    assert resolve(["no-such-host.invalid"]) == frozenset()
+
+
+def test_addresses_from_slurm_are_refreshed_and_rate_limited() -> None:
+    now = [1000.0]
+    calls: list[float] = []
+    answer = [("n1", "10.0.0.1", "n1"), ("n2", "10.0.0.2", "localhost")]
+
+    def slurm() -> list[tuple[str, str, str]]:
+        calls.append(now[0])
+        if answer is None:
+            raise RuntimeError("slurmctld down")
+        return list(answer)
+
+    a = Addresses(configmod.CollectorConfig(address_refresh_s=600), slurm, lambda: now[0])
+    assert a.of("n1") == {"10.0.0.1"} and "127.0.0.1" in (a.of("n2") or ())
+    assert len(calls) == 1
+    assert a.of("n9") is None and len(calls) == 1  # just asked: not again at once
+    now[0] += ADDRESS_RETRY_S
+    answer.append(("n9", "10.0.0.9", "n9"))
+    assert a.of("n9") == {"10.0.0.9"} and len(calls) == 2  # a new node, asked again
+    now[0] += 600
+    answer.clear()
+    answer.append(("n1", "10.0.0.11", "n1"))
+    assert a.of("n1") == {"10.0.0.11"} and len(calls) == 3  # refreshed: n1 moved
+    assert a.of("n2") is None
+
+
+def test_addresses_keep_the_last_answer_when_slurm_fails() -> None:
+    now = [0.0]
+    ok = [True]
+
+    def slurm() -> list[tuple[str, str, str]]:
+        if not ok[0]:
+            raise RuntimeError("slurmctld down")
+        return [("n1", "10.0.0.1", "n1")]
+
+    a = Addresses(configmod.CollectorConfig(), slurm, lambda: now[0])
+    assert not a.known and a.of("n1") == {"10.0.0.1"} and a.known
+    ok[0] = False
+    now[0] += 10_000
+    assert a.of("n1") == {"10.0.0.1"} and a.error == "RuntimeError: slurmctld down"
+    never = Addresses(configmod.CollectorConfig(), slurm, lambda: 0.0)
+    assert never.of("n1") is None and not never.known  # the collector then defers
+
+
+def test_a_static_map_is_the_whole_truth() -> None:
+    def slurm() -> list[tuple[str, str, str]]:
+        raise AssertionError("Slurm must not be asked")
+
+    cfg = configmod.from_dict({"collector": {"addresses": {"gpu1": ["10.0.0.1", "localhost"]}}})
+    a = Addresses(cfg.collector, slurm)
+    assert a.of("gpu1") == {"10.0.0.1", "127.0.0.1"} and a.of("gpu2") is None and a.known
+    with pytest.raises(configmod.ConfigError, match="expected a list of addresses"):
+        configmod.from_dict({"collector": {"addresses": {"gpu1": "10.0.0.1"}}})
