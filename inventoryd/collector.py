@@ -3,15 +3,16 @@
 Every ``scan_interval_s`` it lists the spool (:mod:`ncclguard.spool`), reads each record
 file that changed since it last looked, and accepts a record only when
 
-1. its credential decodes on the local munged (:mod:`ncclguard.munge`) and is not expired
-   or rewound;
+1. its credential decodes on the local munged (:mod:`ncclguard.munge`), is not expired,
+   and was not signed more than ``FUTURE_SKEW_S`` in the future (munged itself allows a
+   skew as long as the credential's time to live);
 2. it was signed by the configured publisher uid;
 3. it was signed from one of the addresses of the node that the file names (Slurm's
    ``NodeAddr`` and ``NodeHostname``, resolved, or the static ``[collector.addresses]``);
 4. its payload is a record of this version whose host agrees with the file name and with
    its fingerprint, within the size bound;
-5. it is newer than the record already accepted for that node (an older one, or the
-   same one again, is a replay: ignored).
+5. it is newer than the record already accepted for that node, by (encode time, the
+   signed ``seq``): an older one is a replay, ignored.
 
 Accepted records and rejections of one scan are written in one transaction
 (:meth:`~ncclguard.store.Inventory.ingest`); a node's heartbeat is its credential's encode
@@ -19,10 +20,15 @@ time. A rejected record changes nothing: the node keeps its previous record, the
 rejection is logged once per file and cause, counted in the ``rejections`` table (``ncclguard
 rejections``) and in the metrics.
 
+Every file is read twice after each change of its (inode, size, mtime): mtimes come from a
+coarse clock and inodes are reused, so two writes can leave the same triple, and a file
+can change between its ``stat`` and its read. The second read costs a hash (the digest
+is known), never a decode.
+
 The inventory is on the controller's local disk in WAL mode, so that the gate and the CLI
 never wait for this writer. When the collector stops it switches the file back to a
-rollback journal: a read-only reader (the gate as SlurmUser) cannot open a WAL database
-whose writer has gone and whose ``-shm`` it cannot create.
+rollback journal (best effort): a read-only reader (the gate as SlurmUser) cannot open a
+WAL database whose writer has gone and whose ``-shm`` it cannot create.
 
 See docs/collector.md for the threat model and the deployment.
 """
@@ -35,6 +41,7 @@ import ipaddress
 import logging
 import os
 import pwd
+import re
 import select
 import signal
 import socket
@@ -56,12 +63,12 @@ __all__ = ["Addresses", "Collector", "ScanResult", "run"]
 
 log = logging.getLogger("ncclguard.collector")
 
-ADDRESS_RETRY_S = 30.0  # an unknown node makes Slurm be asked again, at most this often
-# A file changed this recently is read again at the next scan even if its (inode, size,
-# mtime) look the same: mtimes come from a coarse clock (a jiffy on ext4), and inodes are
-# reused, so two writes in one tick can leave the same triple ("racily clean", as git's
-# index calls it). Reading again costs one read and one hash: the digest is known.
-RACY_NS = 2_000_000_000
+ADDRESS_RETRY_S = 30.0  # Slurm is asked again at most this often when it failed, or
+                        # when a record names a node it did not list
+FUTURE_SKEW_S = 30  # a record signed further in the future is rejected as rewound
+LOG_PER_SCAN = 50  # rejection lines logged per scan at most; the rest are counted
+KEEP_RESOLVED_S = 30 * 86400  # resolved rejections are kept this long
+_PRINTABLE = re.compile(r"[A-Za-z0-9_.+@:=,-]{1,200}")
 
 
 def _setup_logging() -> None:
@@ -87,7 +94,13 @@ def publisher_uid(name: str) -> int:
 
 
 def resolve(names: Iterable[str]) -> frozenset[str]:
-    """The IPv4 addresses of host names and address literals (MUNGE encodes IPv4)."""
+    """The IPv4 addresses of host names and address literals (MUNGE encodes IPv4).
+
+    A name that resolves to a loopback address counts for nothing: munged's default
+    origin is the address of its own host name, which many images map to 127.0.1.1 or
+    127.0.0.1, so a loopback address from a lookup would let every such node sign as
+    this one. A loopback *literal* (an admin's explicit NodeAddr) is kept.
+    ``0.0.0.0`` (munged's origin when it cannot find one) never counts."""
     out: set[str] = set()
     for name in names:
         if not name:
@@ -97,12 +110,14 @@ def resolve(names: Iterable[str]) -> frozenset[str]:
         except ValueError:
             pass
         else:
-            if ip.version == 4:
+            if ip.version == 4 and not ip.is_unspecified:
                 out.add(str(ip))
             continue
         with contextlib.suppress(OSError, UnicodeError):
             for info in socket.getaddrinfo(name, None, socket.AF_INET, socket.SOCK_STREAM):
-                out.add(str(info[4][0]))
+                found = ipaddress.ip_address(info[4][0])
+                if not (found.is_loopback or found.is_unspecified):
+                    out.add(str(found))
     return frozenset(out)
 
 
@@ -111,8 +126,10 @@ class Addresses:
 
     From the static map when ``[collector.addresses]`` is set; otherwise from Slurm
     (``NodeAddr`` and ``NodeHostname`` of every node, resolved), asked again after
-    ``address_refresh_s``, or when a record names a node not known yet (at most every
-    ``ADDRESS_RETRY_S``). When Slurm cannot be asked, the last answer is kept.
+    ``address_refresh_s``, and at most every ``ADDRESS_RETRY_S`` when it failed or when
+    a record names a node it did not list. When Slurm cannot be asked, the last answer
+    is kept. An address that several nodes share proves nothing about which one signed:
+    it is dropped from all of them (``shared`` lists them).
     """
 
     def __init__(
@@ -125,10 +142,21 @@ class Addresses:
         self.slurm_nodes = slurm_nodes
         self.clock = clock
         self._map: dict[str, frozenset[str]] | None = None
-        self._at = -1e18
+        self._at: float | None = None
         self.error: str | None = None
+        self.shared: dict[str, list[str]] = {}  # address -> the nodes that share it
         if config.addresses:
-            self._map = {n: resolve(a) for n, a in config.addresses.items()}
+            self._map = self._unshared({n: resolve(a) for n, a in config.addresses.items()})
+
+    def _unshared(self, m: dict[str, frozenset[str]]) -> dict[str, frozenset[str]]:
+        owners: dict[str, list[str]] = {}
+        for node, addrs in m.items():
+            for a in addrs:
+                owners.setdefault(a, []).append(node)
+        self.shared = {a: sorted(n) for a, n in owners.items() if len(n) > 1}
+        if not self.shared:
+            return m
+        return {node: addrs - self.shared.keys() for node, addrs in m.items()}
 
     def _refresh(self) -> None:
         if self.config.addresses or self.slurm_nodes is None:
@@ -140,15 +168,15 @@ class Addresses:
             self.error = f"{type(e).__name__}: {e}"
             return
         self.error = None
-        self._map = {name: resolve((addr, host)) for name, addr, host in nodes}
+        self._map = self._unshared({name: resolve((addr, host)) for name, addr, host in nodes})
 
     def of(self, node: str) -> frozenset[str] | None:
         """The node's addresses, or None when the node is unknown."""
-        age = self.clock() - self._at
+        age = None if self._at is None else self.clock() - self._at
         if (
-            self._map is None
+            age is None
             or age >= self.config.address_refresh_s
-            or (node not in self._map and age >= ADDRESS_RETRY_S)
+            or ((self._map is None or node not in self._map) and age >= ADDRESS_RETRY_S)
         ):
             self._refresh()
         return None if self._map is None else self._map.get(node)
@@ -161,19 +189,26 @@ class Addresses:
 @dataclass
 class ScanResult:
     files: int = 0  # record files in the spool
-    read: int = 0  # files read this scan (new or changed)
+    read: int = 0  # files read this scan (new or changed, or read again once after that)
     accepted: dict[str, str] = field(default_factory=dict)  # host -> upsert status
     rejected: dict[str, str] = field(default_factory=dict)  # file -> cause
-    deferred: int = 0  # left for the next scan (munged or Slurm unavailable)
+    deferred: int = 0  # left for the next scan (munged or Slurm unavailable, or a stop)
     seconds: float = 0.0
 
 
 class _Defer(Exception):
-    """This record cannot be judged now (munged down, no node addresses yet)."""
+    """The rest of this scan cannot be judged now (munged down, no node addresses)."""
 
 
 def _state_text(st: spool.FileState | None) -> str:
     return "-" if st is None else f"{st.ino}:{st.size}:{st.mtime_ns}"
+
+
+def printable(name: str) -> str:
+    """A spool file name as logs and tables may show it: as it is when it holds only
+    harmless characters, else its ``repr`` (no newline, escape or control character of
+    a spool writer's choosing reaches a log line or a terminal)."""
+    return name if _PRINTABLE.fullmatch(name) else repr(name)[:200]
 
 
 class Collector:
@@ -194,8 +229,10 @@ class Collector:
         self.inv = Inventory(db, config=inv_cfg, values=GATE_VALUES, heartbeat_s=0)
         self.addresses = addresses or Addresses(config.collector, self._slurm_nodes)
         self.counts: dict[str, int] = {"accepted": 0}
-        self.spool_state: str | None = None
+        self.spool_state: str | None = None  # "ok", or why the spool cannot be listed
+        self.defer_state: str | None = None  # why records were deferred, or None
         self.logged: dict[str, str] = {}  # file -> the cause last logged for it
+        self.shared_logged: dict[str, list[str]] = {}
         self._load_state()
 
     def _slurm_nodes(self) -> list[tuple[str, str, str]]:
@@ -205,87 +242,110 @@ class Collector:
         return [(n.name, n.address, n.hostname) for n in nodes]
 
     def _load_state(self) -> None:
-        """What was handled before a restart: unchanged files are not read again."""
-        self.seen: dict[str, str] = {}
-        self.latest: dict[str, tuple[str, float]] = {}  # host -> (digest, encoded_at)
+        """What was handled before a restart: unchanged files are read once more (a
+        hash: the digests are known), never decoded again."""
+        self.seen: dict[str, str] = {}  # file -> its state when last judged
+        self.confirmed: set[str] = set()  # files read twice in that state
+        self.judged: dict[str, str] = {}  # file -> digest of the content last rejected
+        self._digests: dict[str, str] = {}  # file -> digest of what judge() read (a batch)
+        # host -> (digest, encode time, seq) of the record accepted last
+        self.latest: dict[str, tuple[str, float, int]] = {}
         for file, p in self.inv.publishers().items():
             self.seen[file] = p["file_state"]
-            self.latest[p["host"]] = (p["digest"], p["encoded_at"])
-        for r in self.inv.rejections():
-            self.seen[r["file"]] = r["file_state"]
-            self.logged[r["file"]] = r["cause"]
+            self.latest[p["host"]] = (p["digest"], p["encoded_at"], p["seq"])
+        for r in self.inv.rejections():  # newest first: the first row of a file wins
+            if r["file"] not in self.logged:
+                self.seen[r["file"]] = r["file_state"]
+                self.logged[r["file"]] = r["cause"]
 
-    def close(self) -> None:
-        """Leave the inventory readable without a writer (rollback journal), and close."""
-        try:
-            self.inv.set_journal_mode("delete")
-        except InventoryError as e:
-            log.error("cannot switch %s back from WAL (readers need the collector "
-                      "running until it is): %s", self.inv.path, e)
+    def close(self, *, leave_wal: bool = False) -> None:
+        """Close the inventory; unless ``leave_wal``, switch it back to a rollback
+        journal first, so that readers without write access can open it while no
+        collector runs. Best effort: a reader holding the file keeps the -wal and -shm
+        files in place, which readers can use."""
+        if not leave_wal:
+            try:
+                self.inv.set_journal_mode("delete", wait_s=2.0)
+            except InventoryError as e:
+                log.warning("%s stays in WAL mode (-wal and -shm stay; readers can use "
+                            "them): %s", self.inv.path, e)
         self.inv.close()
 
     # ---------------------------------------------------------------- one record
 
     def judge(self, name: str, st: spool.FileState | None) -> Published | Rejected | None:
-        """The verdict on one spool file: accepted, rejected, or None for a record that
-        is the one already accepted (nothing to write)."""
+        """The verdict on one spool file: accepted, rejected, or None when there is
+        nothing to write (the record already accepted, the content already rejected,
+        or a file gone since the listing)."""
         state = _state_text(st)
         host = spool.host_of(name)
+        shown = printable(name)
 
         def reject(cause: str, detail: str) -> Rejected:
-            return Rejected(name, cause, host, detail, state)
+            return Rejected(shown, cause, host, detail, state)
 
+        if self.judged.get(name) == f"state:{state}":
+            return None  # rejected for what this state alone shows (name, type, size)
         if host is None:
-            return reject("name-mismatch", f"{name!r} is not <node name>{spool.SUFFIX}")
+            return reject("name-mismatch", f"{shown} is not <node name>{spool.SUFFIX}")
         if st is None:
             return reject("not-a-file", f"{self.spool / name} is not a regular file")
         try:
             data = spool.read(self.spool / name, max_bytes=self.cfg.spool.max_record_bytes)
         except spool.RecordError as e:
+            if e.cause == "unreadable" and not (self.spool / name).exists():
+                return None  # removed since the listing: gone, not bad
             return reject(e.cause, e.detail)
         digest = hashlib.sha256(data).hexdigest()
+        self._digests[name] = digest
         latest = self.latest.get(host)
-        if latest is not None and latest[0] == digest:
+        if (latest is not None and latest[0] == digest) or self.judged.get(name) == digest:
             return None
         try:
             cred = munge.decode(data, socket_path=self.cfg.spool.munge_socket or None)
         except munge.MungeUnavailable as e:
-            raise _Defer(str(e)) from None
+            raise _Defer(f"munged: {e}") from None
         except munge.MungeError as e:
             return reject("undecodable", f"{self.spool / name}: {e}")
         if cred.status == munge.EXPIRED:
             return reject("expired", f"signed at {_ts(cred.encoded_at)}, ttl {cred.ttl} s")
-        if cred.status == munge.REWOUND:
-            return reject("rewound", f"signed at {_ts(cred.encoded_at)}, in the future")
+        now = time.time()
+        if cred.status == munge.REWOUND or cred.encoded_at > now + FUTURE_SKEW_S:
+            return reject("rewound", f"signed at {_ts(cred.encoded_at)}, "
+                          f"{cred.encoded_at - now:.0f} s in the future (the node's clock "
+                          f"is ahead; at most {FUTURE_SKEW_S} s is accepted)")
         if cred.uid != self.uid:
             return reject("wrong-uid", f"signed by uid {cred.uid}, expected {self.uid} "
                           f"({self.cfg.collector.publisher})")
         addrs = self.addresses.of(host)
         if addrs is None:
             if not self.addresses.known:
-                raise _Defer(f"no node addresses yet: {self.addresses.error}")
+                raise _Defer(f"no node addresses from Slurm yet: {self.addresses.error}")
             return reject("unknown-node", f"{host} is not a node of Slurm or of "
                           f"[collector.addresses] (signed from {cred.origin})")
         if cred.origin not in addrs:
             return reject("wrong-address", f"signed from {cred.origin}, which is not "
                           f"{host}'s ({', '.join(sorted(addrs)) or 'no address resolved'})")
         try:
-            rec_host, fp = spool.parse_payload(
+            rec = spool.parse_payload(
                 cred.payload, max_bytes=8 * self.cfg.spool.max_record_bytes
             )
         except spool.RecordError as e:
             return reject(e.cause, e.detail)
-        if rec_host != host:
-            return reject("name-mismatch", f"file {name} holds the record of {rec_host!r}")
-        if latest is not None and cred.encoded_at < latest[1]:
-            return reject("replayed", f"signed at {_ts(cred.encoded_at)}, older than the "
-                          f"record accepted from {_ts(latest[1])}")
-        return Published(fp, float(cred.encoded_at), name, state, digest, cred.origin, cred.uid)
+        if rec.host != host:
+            return reject("name-mismatch", f"file {shown} holds the record of {rec.host!r}")
+        if latest is not None and (cred.encoded_at, rec.seq) <= (latest[1], latest[2]):
+            return reject("replayed", f"signed at {_ts(cred.encoded_at)} (seq {rec.seq}), "
+                          f"not newer than the record accepted from {_ts(latest[1])} "
+                          f"(seq {latest[2]})")
+        return Published(rec.fingerprint, float(min(cred.encoded_at, now)), shown, state,
+                         digest, cred.origin, cred.uid, float(cred.encoded_at), rec.seq)
 
     # ---------------------------------------------------------------- one scan
 
-    def scan(self) -> ScanResult:
-        """List the spool, judge every new or changed file, write the verdicts."""
+    def scan(self, should_stop: Callable[[], bool] = lambda: False) -> ScanResult:
+        """List the spool, judge every new or changed file (and each once more after
+        that), write the verdicts. ``should_stop`` is asked between records."""
         t0 = time.monotonic()
         result = ScanResult()
         try:
@@ -297,73 +357,126 @@ class Collector:
             return result
         self._spool_state("ok")
         result.files = len(listing)
-        todo = [(n, st) for n, st in listing if self.seen.get(n) != _state_text(st)]
+        self._forget_vanished({n for n, _ in listing})
+        todo = [(n, st) for n, st in listing
+                if self.seen.get(n) != _state_text(st) or n not in self.confirmed]
         batch_max = self.cfg.collector.batch_max
-        racy_after = time.time_ns() - RACY_NS
+        logged = 0
         for i in range(0, len(todo), batch_max):
-            self._batch(todo[i : i + batch_max], result, racy_after)
+            done, logged = self._batch(todo[i : i + batch_max], result, logged, should_stop)
+            if not done:
+                result.deferred += max(0, len(todo) - (i + batch_max))
+                break
+        else:
+            self._defer_state(None)
+        if logged > LOG_PER_SCAN:
+            log.error("%d more rejections in this scan were not logged: ncclguard rejections "
+                      "lists them all", logged - LOG_PER_SCAN)
+        self._log_shared()
         result.seconds = time.monotonic() - t0
         return result
 
-    def _batch(self, files: list[tuple[str, spool.FileState | None]], result: ScanResult,
-               racy_after: int) -> None:
+    def _batch(
+        self,
+        files: list[tuple[str, spool.FileState | None]],
+        result: ScanResult,
+        logged: int,
+        should_stop: Callable[[], bool],
+    ) -> tuple[bool, int]:
+        """Judge and write one batch. (False, ...) when the scan must stop here."""
         accepted: list[Published] = []
         rejected: list[Rejected] = []
-        seen_now: dict[str, str] = {}
-        racy = {n for n, st in files if st is not None and st.mtime_ns >= racy_after}
-        for name, st in files:
+        judged: list[tuple[str, spool.FileState | None]] = []
+        done = True
+        for k, (name, st) in enumerate(files):
+            if should_stop():
+                result.deferred += len(files) - k
+                done = False
+                break
             try:
                 verdict = self.judge(name, st)
             except _Defer as e:
-                result.deferred += 1
-                self._spool_state(f"records deferred: {e}")
-                continue
+                result.deferred += len(files) - k
+                self._defer_state(str(e))
+                done = False
+                break
+            except Exception as e:  # one record must never stop the rest
+                verdict = Rejected(printable(name), "malformed", spool.host_of(name),
+                                   f"{type(e).__name__}: {str(e)[:300]}", _state_text(st))
             result.read += 1
-            if verdict is None:
-                seen_now[name] = _state_text(st)
-            elif isinstance(verdict, Published):
+            judged.append((name, st))
+            if isinstance(verdict, Published):
                 accepted.append(verdict)
-            else:
+            elif isinstance(verdict, Rejected):
                 rejected.append(verdict)
-        if not accepted and not rejected:
-            self._mark_seen(seen_now, racy)
-            return
-        statuses = self.inv.ingest(accepted, rejected)
+        statuses = self.inv.ingest(accepted, rejected) if accepted or rejected else []
         invalid = [
             Rejected(p.file, "malformed", spool.host_of(p.file), s, p.file_state)
             for p, s in zip(accepted, statuses, strict=True) if s.startswith("invalid")
         ]
         if invalid:
             self.inv.ingest([], invalid)
-        self._mark_seen(seen_now, racy)
+        for name, st in judged:  # the first read of a state, then its confirmation
+            state = _state_text(st)
+            if self.seen.get(name) == state:
+                self.confirmed.add(name)
+            else:
+                self.seen[name] = state
+                self.confirmed.discard(name)
+        by_shown = {printable(n): n for n, _ in judged}
         for p, status in zip(accepted, statuses, strict=True):
-            self._mark_seen({p.file: p.file_state}, racy)
             if status.startswith("invalid"):
                 continue
-            host = spool.host_of(p.file) or p.file
-            self.latest[host] = (p.digest, p.at)
+            host = spool.host_of(by_shown.get(p.file, p.file)) or p.file
+            self.latest[host] = (p.digest, p.encoded_at, p.seq)
+            self.judged.pop(by_shown.get(p.file, p.file), None)
             self.counts["accepted"] += 1
             result.accepted[host] = status
             if self.logged.pop(p.file, None) is not None:
                 log.info("%s: %s accepted again", host, p.file)
             if status in ("inserted", "changed"):
-                log.info("%s: fingerprint %s (record signed at %s)", host, status, _ts(p.at))
+                log.info("%s: fingerprint %s (record signed at %s)", host, status,
+                         _ts(p.encoded_at))
         for r in [*rejected, *invalid]:
-            self._mark_seen({r.file: r.file_state}, racy)
+            name = by_shown.get(r.file, r.file)
             result.rejected[r.file] = r.cause
             self.counts[r.cause] = self.counts.get(r.cause, 0) + 1
+            # not judged again as it is: its content, or (unread) its name, type and size
+            self.judged[name] = self._digests.get(name, f"state:{r.file_state}")
             if self.logged.get(r.file) != r.cause:
                 self.logged[r.file] = r.cause
-                level = logging.WARNING if r.cause == "replayed" else logging.ERROR
-                log.log(level, "%s: record %s rejected (%s), the node keeps its previous "
-                        "record: %s", r.host or "?", r.file, r.cause, r.detail)
+                logged += 1
+                if logged <= LOG_PER_SCAN:
+                    level = logging.WARNING if r.cause == "replayed" else logging.ERROR
+                    log.log(level, "%s: record %s rejected (%s), the node keeps its previous "
+                            "record: %s", r.host or "?", r.file, r.cause, r.detail)
+        self._digests.clear()
+        return done, logged
 
-    def _mark_seen(self, states: dict[str, str], racy: set[str]) -> None:
-        for name, state in states.items():
-            if name in racy:
-                self.seen.pop(name, None)  # look again next scan
-            else:
-                self.seen[name] = state
+    def _forget_vanished(self, present: set[str]) -> None:
+        """Drop what is known of files that are gone, and mark their rejections
+        resolved (the file is gone); drop resolved rejections older than a month."""
+        gone = [n for n in self.seen if n not in present]
+        for n in gone:
+            self.seen.pop(n, None)
+            self.confirmed.discard(n)
+            self.judged.pop(n, None)
+        gone_shown = [printable(n) for n in gone]
+        stale_logged = [f for f in self.logged if f in gone_shown]
+        for f in stale_logged:
+            del self.logged[f]
+        if stale_logged:
+            self.inv.resolve_rejections(stale_logged, keep_s=KEEP_RESOLVED_S)
+
+    def _log_shared(self) -> None:
+        if self.addresses.shared != self.shared_logged:
+            self.shared_logged = dict(self.addresses.shared)
+            for addr, nodes in self.shared_logged.items():
+                named = ", ".join(nodes[:8]) + (f" and {len(nodes) - 8} more"
+                                                if len(nodes) > 8 else "")
+                log.warning("address %s belongs to %s: it proves nothing about which of "
+                            "them signed, so no record signed from it is accepted for "
+                            "them", addr, named)
 
     def _spool_state(self, state: str) -> None:
         if state != self.spool_state:
@@ -373,6 +486,14 @@ class Collector:
             else:
                 log.error("%s", state)
             self.spool_state = state
+
+    def _defer_state(self, state: str | None) -> None:
+        if state != self.defer_state:
+            if state is None:
+                log.info("records are judged again (munged and Slurm answer)")
+            else:
+                log.error("records deferred to the next scan: %s", state)
+            self.defer_state = state
 
 
 def _ts(t: float) -> str:
@@ -428,23 +549,33 @@ def run(
                  config.source, collector.spool, collector.inv.path, collector.uid)
         notifier.ready("collecting")
         scans = 0
+        last_failure: str | None = None
         while not flags.stop:
             if flags.reload:
                 flags.reload = False
                 notifier.reloading()
-                try:
-                    new = load_config(config_path)
-                    collector.close()
-                    collector = Collector(new, db=db)
-                    log.info("config reloaded from %s", new.source)
+                try:  # the new one first: a config that fails leaves the old one working
+                    new = Collector(load_config(config_path), db=db)
                 except (configmod.ConfigError, InventoryError) as e:
                     log.error("config not reloaded, keeping the previous one: %s", e)
+                else:
+                    collector.close(leave_wal=True)
+                    collector = new
+                    log.info("config reloaded from %s", new.cfg.source)
                 notifier.ready("config reloaded")
             try:
-                res = collector.scan()
+                res = collector.scan(lambda: flags.stop)
+                failure = None
             except InventoryError as e:
-                log.error("inventory write failed, retrying at the next scan: %s", e)
+                failure = f"inventory write failed, retrying at the next scan: {e}"
                 res = ScanResult()
+            except Exception as e:  # a bug must not stop the cluster's one writer
+                failure = f"scan failed, retrying at the next scan: {type(e).__name__}: {e}"
+                res = ScanResult()
+            if failure != last_failure:
+                if failure:
+                    log.error("%s", failure)
+                last_failure = failure
             scans += 1
             notifier.watchdog()
             if res.accepted or res.rejected:

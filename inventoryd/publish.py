@@ -86,6 +86,7 @@ class Publisher:
             if not self.cleaned:
                 spool.remove_leftovers(d, host, LEFTOVER_S, now)
                 self.cleaned = True
+            spool.clear_the_way(d, host)
             path = spool.write(d, host, cred + b"\n")
             st = os.stat(path, follow_symlinks=False)
         except OSError as e:

@@ -298,6 +298,8 @@ def _check(section: str, key: str, typ: Any, value: Any, where: str) -> Any:
             raise ConfigError(f"{where}: must be at least 2 (one node cannot disagree)")
         if key in ("record_ttl_s", "max_record_bytes", "batch_max") and value == 0:
             raise ConfigError(f"{where}: must be greater than 0")
+        if key == "record_ttl_s" and value >= 2**31:
+            raise ConfigError(f"{where}: at most {2**31 - 1} (munged caps it at its --max-ttl)")
         return value
     if typ == "float":
         if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:

@@ -52,6 +52,8 @@ ERRORS: dict[int, str] = {
     15: "expired", 16: "rewound", 17: "replayed", 18: "unauthorized",
 }  # fmt: skip
 EXPIRED, REWOUND, REPLAYED = 15, 16, 17
+#: munged not there, stopped, out of memory or confused: try again later, never "bad"
+_UNAVAILABLE = (1, 5, 6, 7)
 #: decoded, authentic, with payload and metadata, but not valid now
 _DECODED_ANYWAY = (EXPIRED, REWOUND, REPLAYED)
 
@@ -139,7 +141,7 @@ class _Lib:
         detail = self.lib.munge_ctx_strerror(ctx)
         text = detail.decode(errors="replace") if detail else f"munge error {rc}"
         where = f" (socket {socket_path})" if socket_path else ""
-        cls = MungeUnavailable if rc == 6 else MungeError  # EMUNGE_SOCKET: munged not there
+        cls = MungeUnavailable if rc in _UNAVAILABLE else MungeError
         return cls(rc, f"{doing}{where}: {text}")
 
 
@@ -165,9 +167,15 @@ def encode(
     try:
         vctx = ctypes.c_void_p(ctx)
         if ttl is not None:
-            m.lib.munge_ctx_set(vctx, ctypes.c_int(_OPT_TTL), ctypes.c_int(int(ttl)))
+            if not 0 < ttl < 2**31:
+                raise MungeError(2, f"ttl {ttl}: expected 1 to {2**31 - 1} seconds")
+            rc = m.lib.munge_ctx_set(vctx, ctypes.c_int(_OPT_TTL), ctypes.c_int(int(ttl)))
+            if rc:
+                raise m.error(ctx, rc, f"munge ttl {ttl}", socket_path)
         if compress:
-            m.lib.munge_ctx_set(vctx, ctypes.c_int(_OPT_ZIP_TYPE), ctypes.c_int(_ZIP_ZLIB))
+            rc = m.lib.munge_ctx_set(vctx, ctypes.c_int(_OPT_ZIP_TYPE), ctypes.c_int(_ZIP_ZLIB))
+            if rc:
+                raise m.error(ctx, rc, "munge zlib", socket_path)
         out = ctypes.c_char_p()
         rc = m.lib.munge_encode(ctypes.byref(out), ctx, payload, len(payload))
         if rc:
@@ -203,7 +211,7 @@ def decode(cred: bytes, *, socket_path: str | None = None) -> Credential:
                 m.free(buf)
         vctx = ctypes.c_void_p(ctx)
         addr = ctypes.create_string_buffer(4)
-        encoded, decoded = ctypes.c_long(), ctypes.c_long()
+        encoded, decoded = ctypes.c_int64(), ctypes.c_int64()  # time_t: 64-bit Linux
         ttl = ctypes.c_int()
         m.lib.munge_ctx_get(vctx, ctypes.c_int(_OPT_ADDR4), addr)
         m.lib.munge_ctx_get(vctx, ctypes.c_int(_OPT_ENCODE_TIME), ctypes.byref(encoded))

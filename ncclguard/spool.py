@@ -3,7 +3,11 @@
 A node's ``ncclguard-inventoryd run`` publishes its fingerprint as ``<spool>/<host>.rec``:
 a MUNGE credential (:mod:`ncclguard.munge`) whose payload is the canonical JSON
 
-    {"ncclguard_record": 1, "host": "n3", "fingerprint": {...}}
+    {"ncclguard_record": 1, "host": "n3", "seq": 1796054192123456789, "fingerprint": {...}}
+
+``seq`` is the publisher's clock in nanoseconds when it signed: signed with the rest, it
+orders two records of one node that munged encoded in the same second (encode times
+are whole seconds), so that neither can be put back after the other.
 
 written atomically (a temporary file in the same directory, ``fsync``, ``rename``, then
 ``fsync`` of the directory), so a reader sees the old record or the new one, never a
@@ -36,6 +40,7 @@ __all__ = [
     "RECORD_VERSION",
     "SUFFIX",
     "FileState",
+    "Record",
     "RecordError",
     "SpoolError",
     "check_dir",
@@ -144,15 +149,49 @@ def check_dir(path: Path, *, create: bool = False) -> None:
 # ------------------------------------------------------------------ the payload
 
 
-def payload(fingerprint: dict[str, Any]) -> bytes:
-    """The bytes a node signs: its canonical record."""
+def payload(fingerprint: dict[str, Any], seq: int | None = None) -> bytes:
+    """The bytes a node signs: its canonical record (``seq``: default, the clock in ns)."""
+    import time
+
     from ncclguard.fingerprint.canonical import canonical_json
     from ncclguard.fingerprint.model import hostname
 
     host = hostname(fingerprint)
     record_name(host)
-    doc = {"ncclguard_record": RECORD_VERSION, "host": host, "fingerprint": fingerprint}
+    doc = {"ncclguard_record": RECORD_VERSION, "host": host,
+           "seq": time.time_ns() if seq is None else seq, "fingerprint": fingerprint}
     return canonical_json(doc).encode()
+
+
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+def _check_values(doc: Any) -> str | None:
+    """Why ``doc`` cannot be stored as it is, or None: a string that is not valid UTF-8
+    (a lone surrogate from a ``\\ud800`` escape), an integer SQLite cannot hold, or a
+    number that is not finite (``NaN``, ``Infinity``: not JSON, though Python reads them)."""
+    stack = [doc]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, str):
+            try:
+                x.encode()
+            except UnicodeEncodeError:
+                return f"a string that is not valid UTF-8: {x[:40]!r}"
+        elif isinstance(x, bool) or x is None:
+            continue
+        elif isinstance(x, int):
+            if not _INT64[0] <= x <= _INT64[1]:
+                return f"an integer outside 64 bits: {str(x)[:40]}"
+        elif isinstance(x, float):
+            if x != x or x in (float("inf"), float("-inf")):
+                return f"a number that is not finite: {x}"
+        elif isinstance(x, dict):
+            stack.extend(x.keys())
+            stack.extend(x.values())
+        elif isinstance(x, list):
+            stack.extend(x)
+    return None
 
 
 #: top-level parts of a fingerprint and the JSON type each must have
@@ -162,9 +201,15 @@ _PARTS: dict[str, type] = {
 }  # fmt: skip
 
 
-def parse_payload(data: bytes, *, max_bytes: int) -> tuple[str, dict[str, Any]]:
-    """``(host, fingerprint)`` of a decoded payload, or :class:`RecordError`
-    ("oversized", "malformed", "name-mismatch")."""
+class Record(NamedTuple):
+    host: str
+    seq: int
+    fingerprint: dict[str, Any]
+
+
+def parse_payload(data: bytes, *, max_bytes: int) -> Record:
+    """The record in a decoded payload, or :class:`RecordError` ("oversized",
+    "malformed", "name-mismatch")."""
     if len(data) > max_bytes:
         raise RecordError("oversized", f"payload of {len(data)} bytes (limit {max_bytes})")
     try:
@@ -176,9 +221,11 @@ def parse_payload(data: bytes, *, max_bytes: int) -> tuple[str, dict[str, Any]]:
     version = doc.get("ncclguard_record")
     if type(version) is not int or version != RECORD_VERSION:  # True == 1 in Python
         raise RecordError("malformed", f"record version {version!r}, expected {RECORD_VERSION}")
-    host, fp = doc.get("host"), doc.get("fingerprint")
+    host, fp, seq = doc.get("host"), doc.get("fingerprint"), doc.get("seq")
     if not isinstance(host, str) or not _HOST.fullmatch(host):
         raise RecordError("malformed", f"record host {str(host)[:80]!r} is not a node name")
+    if type(seq) is not int or not 0 <= seq <= _INT64[1]:
+        raise RecordError("malformed", f"record seq {repr(seq)[:40]} is not a count")
     if not isinstance(fp, dict):
         raise RecordError("malformed", "the record holds no fingerprint object")
     if type(fp.get("schema")) is not int or fp.get("schema") != SCHEMA:
@@ -196,7 +243,10 @@ def parse_payload(data: bytes, *, max_bytes: int) -> tuple[str, dict[str, Any]]:
         raise RecordError(
             "name-mismatch", f"record for {host!r} holds the fingerprint of {str(fp_host)[:80]!r}"
         )
-    return host, fp
+    why = _check_values(fp)
+    if why:
+        raise RecordError("malformed", f"the fingerprint holds {why}")
+    return Record(host, seq, fp)
 
 
 # ------------------------------------------------------------------ files
@@ -230,6 +280,16 @@ def write(spool: Path, host: str, data: bytes) -> Path:
         finally:
             os.close(dfd)
     return target
+
+
+def clear_the_way(spool: Path, host: str) -> None:
+    """A directory at the node's own record name (a rename cannot replace it) is moved
+    aside as ``.<host>.rec.blocked.<random>``, where the collector never looks; a
+    symlink or FIFO there is replaced by the rename itself."""
+    target = spool / record_name(host)
+    with contextlib.suppress(FileNotFoundError):
+        if stat.S_ISDIR(os.lstat(target).st_mode):
+            os.rename(target, spool / f"{_TMP_PREFIX}{target.name}.blocked.{secrets.token_hex(6)}")
 
 
 def remove_leftovers(spool: Path, host: str, older_than_s: float, now: float) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -83,14 +84,6 @@ def logs(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]
         lg.propagate = propagate
 
 
-def settle(d: Path) -> None:
-    """Date every spool entry 10 s back: the collector reads a file changed in the last
-    2 s again at its next scan (mtimes are coarse: inventoryd.collector.RACY_NS)."""
-    old = time.time() - 10
-    for p in d.iterdir():
-        os.utime(p, (old, old), follow_symlinks=False)
-
-
 def snapshot(db: Path) -> dict[str, tuple[str, float]]:
     with Inventory(db, readonly=True) as inv:
         return {h: (r.fp_hash, r.last_heartbeat) for h, r in inv.load(inv.hosts()).items()
@@ -106,11 +99,12 @@ def test_accepts_each_nodes_own_record_with_the_encode_time_as_heartbeat(env: An
     ms, d, db = env
     creds = {h: publish(ms, d, h, make_fp(h, "2.18.3" if h == "n3" else "2.21.5"))
              for h in NODES}
-    settle(d)
     c = Collector(config(ms, d), db=db)
     try:
         res = c.scan()
         assert res.accepted == dict.fromkeys(NODES, "inserted") and not res.rejected
+        again = c.scan()  # each file is read once more after a change: a hash, no write
+        assert again.read == len(NODES) and not again.accepted and not again.rejected
         assert c.scan().read == 0  # nothing changed: nothing read again
     finally:
         c.close()
@@ -125,9 +119,11 @@ def test_accepts_each_nodes_own_record_with_the_encode_time_as_heartbeat(env: An
         assert values["n3"][0] == node_values(make_fp("n3", "2.18.3"))  # type: ignore[index]
         pubs = inv.publishers()
         assert pubs["n1.rec"]["origin"] == ms.addr("n1") and pubs["n1.rec"]["uid"] == os.getuid()
-    # a restarted collector reads nothing that it already accepted
+    # a restarted collector decodes nothing that it already accepted
     c = Collector(config(ms, d), db=db)
     try:
+        res = c.scan()
+        assert res.read == len(NODES) and not res.accepted and not res.rejected
         assert c.scan().read == 0
     finally:
         c.close()
@@ -144,25 +140,33 @@ def _reject_case(env: Any, logs: pytest.LogCaptureFixture, write: Any, cause: st
     c = Collector(config(ms, d, **spool_kw), db=db)
     try:
         c.scan()
+        c.scan()
         before, hist = snapshot(db), history_len(db)
         logs.clear()
         file = write(ms, d)
-        settle(d)
         res = c.scan()
         assert res.rejected == {file: cause} and not res.accepted
         assert snapshot(db) == before and history_len(db) == hist
         lines = [r for r in logs.records if "rejected" in r.getMessage()]
         assert len(lines) == 1 and f"({cause})" in lines[0].getMessage()
         assert text in lines[0].getMessage() and file in lines[0].getMessage()
-        # the same bad file again: not read, not logged again; listed once
+        # the same bad file: read once more, then not at all; never logged or counted again
+        again = c.scan()
+        assert again.read == 1 and not again.rejected and not again.accepted
         assert c.scan().read == 0
-        if stat.S_ISREG(os.lstat(d / file).st_mode):  # touched: read again, not logged
+        touched = stat.S_ISREG(os.lstat(d / file).st_mode)
+        if touched:  # touched: read again; judged again only if the verdict was unread
             os.utime(d / file)
-            assert c.scan().read == 1
+            assert c.scan().read == 1 and c.scan().read == 1 and c.scan().read == 0
         assert len([r for r in logs.records if "rejected" in r.getMessage()]) == 1
+        assert snapshot(db) == before and history_len(db) == hist
         with Inventory(db, readonly=True) as inv:
             (row,) = [r for r in inv.rejections() if r["file"] == file]
+        # the count is of judgments: a verdict on what a stat shows (the size) is made
+        # again for a new stat; one on the content, only for new content
+        again_judged = touched and cause == "oversized"
         assert row["cause"] == cause and row["resolved_at"] is None
+        assert row["count"] == (2 if again_judged else 1)
     finally:
         c.close()
 
@@ -223,7 +227,7 @@ def test_a_replayed_record_is_ignored(env: Any, logs: pytest.LogCaptureFixture) 
         (d / "n2.rec").write_bytes(old)
         return "n2.rec"
 
-    _reject_case(env, logs, replay, "replayed", "older than the record accepted")
+    _reject_case(env, logs, replay, "replayed", "not newer than the record accepted")
     assert [r.levelname for r in logs.records if "rejected" in r.getMessage()] == ["WARNING"]
 
 
@@ -258,9 +262,11 @@ def test_a_malformed_payload_is_rejected(env: Any, logs: pytest.LogCaptureFixtur
     [
         (b'{"ncclguard_record": 2, "host": "n3", "fingerprint": {}}', "record version 2"),
         (b'{"ncclguard_record": 1, "host": "../n3", "fingerprint": {}}', "not a node name"),
-        (b'{"ncclguard_record": 1, "host": "n3", "fingerprint": {"schema": 1, '
+        (b'{"ncclguard_record": 1, "host": "n3", "seq": -1, "fingerprint": {}}',
+         "record seq -1 is not a count"),
+        (b'{"ncclguard_record": 1, "host": "n3", "seq": 1, "fingerprint": {"schema": 1, '
          b'"host": {"hostname": "n3"}, "libnccl": {}}}', "part 'libnccl' is dict"),
-        (b'{"ncclguard_record": 1, "host": "n3", "fingerprint": {"schema": 7}}',
+        (b'{"ncclguard_record": 1, "host": "n3", "seq": 1, "fingerprint": {"schema": 7}}',
          "fingerprint schema '7'"),
     ],
 )
@@ -340,7 +346,8 @@ def test_an_unknown_node_and_a_bad_file_name_are_rejected(
         res = c.scan()
     finally:
         c.close()
-    assert res.rejected == {"n9.rec": "unknown-node", "n 1.rec": "name-mismatch"}
+    # an odd name is shown as its repr in logs and tables
+    assert res.rejected == {"n9.rec": "unknown-node", "'n 1.rec'": "name-mismatch"}
     assert set(res.accepted) == {"n1"} and snapshot(db).keys() == {"n1"}
 
 
@@ -505,3 +512,271 @@ def test_the_service_writes_its_metrics(env: Any, tmp_path: Path) -> None:
     assert rej.labels == {"cause": "wrong-address"} and rej.value == 1
     assert fams["ncclguard_collector_spool_records"].samples[0].value == 2
     assert fams["ncclguard_collector_spool_up"].samples[0].value == 1
+
+
+# ---- found by a hostile review: each failed (crash, hang, forgery, rollback) before
+
+
+def _raw_payload(host: str, fp: dict, seq: int = 1) -> bytes:
+    """A payload as a hostile publisher may write it: json.dumps escapes what it likes."""
+    import json
+
+    return json.dumps({"ncclguard_record": 1, "host": host, "seq": seq,
+                       "fingerprint": fp}).encode()
+
+
+@pytest.mark.parametrize(
+    ("poison", "text"),
+    [("\ud800", "not valid UTF-8"), (2**64, "integer outside 64 bits"),
+     (float("nan"), "not finite")],
+    ids=["lone-surrogate", "int-2**64", "nan"],
+)
+def test_a_node_cannot_crash_the_collector_with_its_own_record(
+    env: Any, logs: pytest.LogCaptureFixture, poison: Any, text: str
+) -> None:
+    """Values Python reads but SQLite or UTF-8 cannot hold: that record is rejected, an
+    honest change in the same batch is written, and a restart does not trip on it."""
+    ms, d, db = env
+    for h in NODES:
+        publish(ms, d, h)
+    c = Collector(config(ms, d), db=db)
+    try:
+        c.scan()
+        fp = make_fp("n1", "2.18.3")
+        fp["libnccl"][0]["version_code"] = poison
+        (d / "n1.rec").write_bytes(sign(ms, "n1", _raw_payload("n1", fp)))
+        publish(ms, d, "n2", make_fp("n2", "2.23.4"))
+        res = c.scan()
+    finally:
+        c.close()
+    assert res.rejected == {"n1.rec": "malformed"} and res.accepted == {"n2": "changed"}
+    assert any(text in r.getMessage() for r in logs.records)
+    c = Collector(config(ms, d), db=db)
+    try:
+        assert not c.scan().accepted  # and no exception
+    finally:
+        c.close()
+
+
+def test_a_dead_munged_defers_the_scan_once_not_per_record(env: Any, tmp_path: Path) -> None:
+    """A stale socket (munged killed): libmunge retries for seconds per call; the scan
+    stops at the first and leaves every record for the next."""
+    ms, d, db = env
+    for h in NODES:
+        publish(ms, d, h)
+    from devtools.devcluster import Munged
+
+    dead = Munged(tmp_path / "m", "dead", ms.key, "127.42.250.3").start()
+    dead.proc.kill()  # type: ignore[union-attr]
+    dead.proc.wait()  # type: ignore[union-attr]
+    assert dead.socket.exists()  # left behind
+    cfg = config(ms, d)
+    cfg = cfg.replace(spool=cfg.spool.replace(munge_socket=str(dead.socket)))
+    c = Collector(cfg, db=db)
+    try:
+        t0 = time.monotonic()
+        res = c.scan()
+        assert res.deferred == len(NODES) and not res.accepted and not res.rejected
+        assert time.monotonic() - t0 < 8  # one libmunge timeout, not one per record
+        assert c.defer_state is not None and "munged" in c.defer_state
+        assert c.spool_state == "ok"  # the spool is fine: munged is not
+    finally:
+        c.close()
+
+
+def test_two_records_of_one_second_keep_their_order(env: Any, logs: pytest.LogCaptureFixture
+                                                    ) -> None:
+    """Encode times are whole seconds; the signed seq orders records within one."""
+    ms, d, db = env
+    first = sign(ms, "n2", spool.payload(make_fp("n2", "2.18.3"), seq=100))
+    second = sign(ms, "n2", spool.payload(make_fp("n2", "2.21.5"), seq=200))
+    assert munge.decode(first, socket_path=str(ms.extra("probe", "127.42.250.1").socket)
+                        ).encoded_at == munge.decode(
+        second, socket_path=str(ms.extra("probe", "127.42.250.1").socket)).encoded_at
+    c = Collector(config(ms, d), db=db)
+    try:
+        (d / "n2.rec").write_bytes(second)
+        assert c.scan().accepted == {"n2": "inserted"}
+        (d / "n2.rec").write_bytes(first)  # the older one of the same second, put back
+        assert c.scan().rejected == {"n2.rec": "replayed"}
+        (d / "n2.rec").write_bytes(second)
+        res = c.scan()
+        assert not res.accepted and not res.rejected  # the accepted one: nothing to do
+    finally:
+        c.close()
+    assert snapshot(db)["n2"][0] == fingerprint_hash(make_fp("n2", "2.21.5"))
+    assert history_len(db) == 1
+
+
+@pytest.fixture(scope="module")
+def clock_shift(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An LD_PRELOAD library, built by gcc here, that moves time(2) by $SHIFT_S: a
+    node whose clock is ahead, for its munged alone."""
+    d = tmp_path_factory.mktemp("shift")
+    (d / "shift.c").write_text(
+        "#define _GNU_SOURCE\n#include <time.h>\n#include <stdlib.h>\n"
+        "time_t time(time_t *t) {\n  struct timespec ts; clock_gettime(CLOCK_REALTIME, &ts);\n"
+        "  const char *o = getenv(\"SHIFT_S\"); time_t v = ts.tv_sec + (o ? atol(o) : 0);\n"
+        "  if (t) *t = v; return v;\n}\n")
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O2", "-o", str(d / "shift.so"),
+                    str(d / "shift.c")], check=True, capture_output=True, timeout=60)
+    os.chmod(d, 0o755)
+    return d / "shift.so"
+
+
+@pytest.mark.parametrize(("shift", "verdict"), [(3000, "rewound"), (10, "accepted")])
+def test_a_node_clock_ahead_is_bounded(env: Any, clock_shift: Path, monkeypatch: pytest.MonkeyPatch,
+                                        shift: int, verdict: str) -> None:
+    """munged accepts a credential from the future up to its time to live (an hour):
+    the collector accepts 30 s, and never stores a heartbeat in the future."""
+    from devtools.devcluster import Munged
+
+    ms, d, db = env
+    monkeypatch.setenv("LD_PRELOAD", str(clock_shift))
+    monkeypatch.setenv("SHIFT_S", str(shift))
+    fast = Munged(ms.directory, f"fast{shift}", ms.key, ms.addr("n2"), mode=0o755).start()
+    monkeypatch.delenv("LD_PRELOAD")
+    try:
+        cred = munge.encode(spool.payload(make_fp("n2")), socket_path=str(fast.socket))
+    finally:
+        fast.stop()
+    (d / "n2.rec").write_bytes(cred)
+    c = Collector(config(ms, d), db=db)
+    try:
+        res = c.scan()
+    finally:
+        c.close()
+    if verdict == "rewound":
+        assert res.rejected == {"n2.rec": "rewound"} and "n2" not in snapshot(db)
+    else:
+        assert res.accepted == {"n2": "inserted"}
+        assert snapshot(db)["n2"][1] <= time.time()  # clamped: never a future heartbeat
+
+
+def test_a_future_mtime_is_read_twice_not_for_ever(env: Any) -> None:
+    ms, d, db = env
+    (d / "n3.rec").write_bytes(b"garbage")
+    future = time.time() + 10 * 365 * 86400
+    os.utime(d / "n3.rec", (future, future))
+    c = Collector(config(ms, d), db=db)
+    try:
+        reads = [c.scan().read for _ in range(5)]
+    finally:
+        c.close()
+    assert reads == [1, 1, 0, 0, 0]
+    with Inventory(db, readonly=True) as inv:
+        assert [r["count"] for r in inv.rejections()] == [1]
+
+
+def test_files_that_go_away_are_forgotten_and_resolved(env: Any) -> None:
+    """2,000 junk files, then removed: nothing of them stays in memory, their
+    rejections are resolved; a file removed between listing and read is no rejection."""
+    ms, d, db = env
+    for i in range(2000):
+        (d / f"junk{i}.rec").write_bytes(b"x")
+    c = Collector(config(ms, d), db=db)
+    try:
+        assert len(c.scan().rejected) == 2000
+        for i in range(2000):
+            (d / f"junk{i}.rec").unlink()
+        c.scan()
+        assert not c.seen and not c.judged and not c.logged
+        with Inventory(db, readonly=True) as inv:
+            assert inv.rejections() == [] and len(inv.rejections(include_resolved=True)) == 2000
+        publish(ms, d, "n1")
+        st = next(s for n, s in spool.scan(d) if n == "n1.rec")
+        (d / "n1.rec").unlink()
+        assert c.judge("n1.rec", st) is None
+    finally:
+        c.close()
+
+
+def test_file_names_cannot_forge_log_lines(env: Any, logs: pytest.LogCaptureFixture) -> None:
+    ms, d, db = env
+    (d / "x\nERROR n1: record n1.rec rejected (wrong-address) FAKE\n.rec").write_bytes(b"x")
+    c = Collector(config(ms, d), db=db)
+    try:
+        c.scan()
+    finally:
+        c.close()
+    for r in logs.records:
+        assert "\n" not in r.getMessage()
+    with Inventory(db, readonly=True) as inv:
+        (row,) = inv.rejections()
+    assert "\n" not in row["file"] and row["file"].startswith("'x\\n")
+
+
+def test_a_directory_at_a_nodes_name_does_not_block_its_publisher(
+    env: Any, logs: pytest.LogCaptureFixture
+) -> None:
+    from inventoryd.publish import Publisher
+
+    ms, d, db = env
+    (d / "n2.rec").mkdir()
+    (d / "n2.rec" / "filler").write_bytes(b"x")
+    cfg = configmod.SpoolConfig(dir=str(d), munge_socket=str(ms.node("n2").socket))
+    Publisher(cfg, 300).publish(make_fp("n2"))
+    assert (d / "n2.rec").is_file()
+    aside = [p.name for p in d.iterdir() if p.name.startswith(".n2.rec.blocked.")]
+    assert len(aside) == 1
+    c = Collector(config(ms, d), db=db)
+    try:
+        assert c.scan().accepted == {"n2": "inserted"}
+    finally:
+        c.close()
+
+
+def test_close_with_a_reader_holding_the_file_is_quick_and_leaves_it_readable(
+    env: Any, controller_dir: Path, logs: pytest.LogCaptureFixture
+) -> None:
+    ms, d, _ = env
+    db = controller_dir / "inventory.db"
+    publish(ms, d, "n1")
+    c = Collector(config(ms, d), db=db)
+    c.scan()
+    reader = Inventory(db, readonly=True)
+    reader._conn.execute("BEGIN")
+    reader._conn.execute("SELECT count(*) FROM nodes").fetchone()  # holds a read lock
+    t0 = time.monotonic()
+    c.close()
+    took = time.monotonic() - t0
+    reader.close()
+    assert took < 5
+    assert any("stays in WAL mode" in r.getMessage() for r in logs.records)
+    r = as_nobody(db, "read")
+    assert r.returncode == 0 and "n1" in r.stdout, r.stderr
+
+
+def test_a_failed_reload_keeps_the_running_collector(env: Any, tmp_path: Path) -> None:
+    ms, d, db = env
+    conf = tmp_path / "collector.toml"
+    good = (f'[spool]\ndir = "{d}"\nmunge_socket = "{ms.controller.socket}"\n'
+            f'[collector]\npublisher = "{os.getuid()}"\nscan_interval_s = 0.1\n'
+            "[collector.addresses]\n" + "".join(f'{h} = ["{ms.addr(h)}"]\n' for h in NODES))
+    conf.write_text(good)
+    log = tmp_path / "collector.log"
+    env_ = {**os.environ, "PYTHONPATH": str(REPO)}
+    with open(log, "wb") as out:
+        p = subprocess.Popen([sys.executable, "-m", "inventoryd.main", "collect", "--config",
+                              str(conf), "--db", str(db)], cwd=REPO, env=env_, stderr=out)
+    try:
+        publish(ms, d, "n1")
+        _until(lambda: "n1: fingerprint inserted" in log.read_text())
+        conf.write_text(good.replace(f'publisher = "{os.getuid()}"',
+                                     'publisher = "no-such-user-xyz"'))
+        p.send_signal(signal.SIGHUP)
+        _until(lambda: "config not reloaded" in log.read_text())
+        publish(ms, d, "n1", make_fp("n1", "2.18.3"))
+        _until(lambda: "n1: fingerprint changed" in log.read_text())
+    finally:
+        p.terminate()
+        p.wait(timeout=30)
+    text = log.read_text()
+    assert "no such user" in text and "closed database" not in text and p.returncode == 0
+
+
+def _until(cond: Any, timeout: float = 20) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.05)

@@ -113,8 +113,7 @@ def _record(d: Path, host: str, mungeds: MungeSet) -> dict | None:
         return None
     cred = munge.decode(data, socket_path=str(mungeds.controller.socket))
     assert cred.origin == mungeds.addr(host) and cred.uid == os.getuid()
-    _, fp = spool.parse_payload(cred.payload, max_bytes=1 << 23)
-    return fp
+    return spool.parse_payload(cred.payload, max_bytes=1 << 23).fingerprint
 
 
 def _config(path: Path, d: Path, sock: Path, textfile: Path | None, interval: float = 0.2

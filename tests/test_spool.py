@@ -101,8 +101,10 @@ def test_decoding_is_thread_safe(mungeds: MungeSet) -> None:
 
 def test_payload_round_trip_and_names() -> None:
     fp = make_fp("gpu-001.a")
-    host, back = spool.parse_payload(spool.payload(fp), max_bytes=1 << 20)
-    assert host == "gpu-001.a" and back == fp
+    t0 = time.time_ns()
+    rec = spool.parse_payload(spool.payload(fp), max_bytes=1 << 20)
+    assert rec.host == "gpu-001.a" and rec.fingerprint == fp and t0 <= rec.seq <= time.time_ns()
+    assert spool.parse_payload(spool.payload(fp, seq=7), max_bytes=1 << 20).seq == 7
     assert spool.record_name("n1") == "n1.rec" and spool.host_of("n1.rec") == "n1"
     for bad in ("", ".n1", "../n1", "n/1", "n 1", "a" * 200):
         with pytest.raises(ValueError):
@@ -121,7 +123,10 @@ def test_payload_bounds_and_types() -> None:
         (b"[]", "not a JSON object"),
         (b'{"ncclguard_record": true, "host": "n1", "fingerprint": {}}', "record version True"),
         (b'{"ncclguard_record": 1, "host": 5, "fingerprint": {}}', "not a node name"),
-        (b'{"ncclguard_record": 1, "host": "n1", "fingerprint": []}', "no fingerprint object"),
+        (b'{"ncclguard_record": 1, "host": "n1", "seq": 1, "fingerprint": []}',
+         "no fingerprint object"),
+        (b'{"ncclguard_record": 1, "host": "n1", "seq": true, "fingerprint": {}}',
+         "record seq True is not a count"),
     ]:
         with pytest.raises(spool.RecordError) as e:
             spool.parse_payload(data, max_bytes=1 << 22)
@@ -194,9 +199,11 @@ def test_check_dir_refuses_missing_mounts_and_unsafe_dirs(tmp_path: Path) -> Non
 # ---- node addresses
 
 
-def test_resolve_keeps_ipv4_and_names() -> None:
-    assert resolve(["10.1.2.3", "", "::1", "localhost"]) >= {"10.1.2.3", "127.0.0.1"}
-    assert "::1" not in resolve(["::1"])
+def test_resolve_keeps_ipv4_and_drops_loopback_found_by_name() -> None:
+    """munged's default origin is its host name's address, which many images map to
+    loopback: a name resolving there proves nothing. A literal is the admin's word."""
+    assert resolve(["10.1.2.3", "", "::1", "localhost", "0.0.0.0"]) == {"10.1.2.3"}
+    assert resolve(["127.42.0.7"]) == {"127.42.0.7"}
     assert resolve(["no-such-host.invalid"]) == frozenset()
 
 
@@ -212,7 +219,7 @@ def test_addresses_from_slurm_are_refreshed_and_rate_limited() -> None:
         return list(answer)
 
     a = Addresses(configmod.CollectorConfig(address_refresh_s=600), slurm, lambda: now[0])
-    assert a.of("n1") == {"10.0.0.1"} and "127.0.0.1" in (a.of("n2") or ())
+    assert a.of("n1") == {"10.0.0.1"} and a.of("n2") == {"10.0.0.2"}  # localhost: nothing
     assert len(calls) == 1
     assert a.of("n9") is None and len(calls) == 1  # just asked: not again at once
     now[0] += ADDRESS_RETRY_S
@@ -228,8 +235,10 @@ def test_addresses_from_slurm_are_refreshed_and_rate_limited() -> None:
 def test_addresses_keep_the_last_answer_when_slurm_fails() -> None:
     now = [0.0]
     ok = [True]
+    calls = []
 
     def slurm() -> list[tuple[str, str, str]]:
+        calls.append(now[0])
         if not ok[0]:
             raise RuntimeError("slurmctld down")
         return [("n1", "10.0.0.1", "n1")]
@@ -239,16 +248,27 @@ def test_addresses_keep_the_last_answer_when_slurm_fails() -> None:
     ok[0] = False
     now[0] += 10_000
     assert a.of("n1") == {"10.0.0.1"} and a.error == "RuntimeError: slurmctld down"
-    never = Addresses(configmod.CollectorConfig(), slurm, lambda: 0.0)
-    assert never.of("n1") is None and not never.known  # the collector then defers
+    # Slurm never answered: asked once, then at most every ADDRESS_RETRY_S, not per record
+    calls.clear()
+    never = Addresses(configmod.CollectorConfig(), slurm, lambda: now[0])
+    assert [never.of(f"n{i}") for i in range(100)] == [None] * 100 and not never.known
+    assert len(calls) == 1
+    now[0] += ADDRESS_RETRY_S
+    ok[0] = True
+    assert never.of("n1") == {"10.0.0.1"} and len(calls) == 2
 
 
 def test_a_static_map_is_the_whole_truth() -> None:
     def slurm() -> list[tuple[str, str, str]]:
         raise AssertionError("Slurm must not be asked")
 
-    cfg = configmod.from_dict({"collector": {"addresses": {"gpu1": ["10.0.0.1", "localhost"]}}})
+    cfg = configmod.from_dict({"collector": {"addresses": {
+        "gpu1": ["10.0.0.1", "localhost"], "gpu2": ["10.0.0.2", "10.0.0.9"], "gpu3": ["10.0.0.9"],
+    }}})
     a = Addresses(cfg.collector, slurm)
-    assert a.of("gpu1") == {"10.0.0.1", "127.0.0.1"} and a.of("gpu2") is None and a.known
+    assert a.of("gpu1") == {"10.0.0.1"} and a.of("gpu4") is None and a.known
+    # an address two nodes share proves nothing about which one signed: dropped for both
+    assert a.of("gpu2") == {"10.0.0.2"} and a.of("gpu3") == frozenset()
+    assert a.shared == {"10.0.0.9": ["gpu2", "gpu3"]}
     with pytest.raises(configmod.ConfigError, match="expected a list of addresses"):
         configmod.from_dict({"collector": {"addresses": {"gpu1": "10.0.0.1"}}})

@@ -59,12 +59,14 @@ class Published(NamedTuple):
     """One record the collector accepted: the fingerprint, and where it came from."""
 
     fingerprint: Mapping[str, Any]
-    at: float  # the credential's encode time: the node's heartbeat
+    at: float  # the node's heartbeat: the credential's encode time (never in the future)
     file: str
     file_state: str  # the file's identity when read ("ino:size:mtime_ns")
     digest: str  # SHA-256 of the credential
     origin: str
     uid: int
+    encoded_at: float = 0.0  # the credential's encode time, as signed
+    seq: int = 0  # the publisher's signed sequence: orders records of one second
 
 
 class Rejected(NamedTuple):
@@ -75,6 +77,16 @@ class Rejected(NamedTuple):
     host: str | None
     detail: str
     file_state: str
+
+
+def _database_failure(e: Exception) -> bool:
+    """An error of the database itself (busy, full, I/O, damaged), as opposed to a value
+    that cannot be bound or a constraint that one record breaks."""
+    if isinstance(e, sqlite3.ProgrammingError):  # a value of a type SQLite cannot bind
+        return "binding parameter" not in str(e)  # ... or a closed connection
+    return isinstance(e, sqlite3.DatabaseError) and not isinstance(
+        e, sqlite3.IntegrityError | sqlite3.DataError
+    )
 
 
 class _NodeWrite:
@@ -249,31 +261,30 @@ class Inventory(Database):
 
         values = self.values
         now = time.time() if now is None else float(now)
-        nodes = []
-        for r in records:
-            fp = dict(r.fingerprint)
-            nodes.append(_NodeWrite(fp, hostname(fp), fingerprint_hash(fp), r.at, values))
 
         def always(_last: float | None, _now: float) -> bool:
             return True  # the node decides when to heartbeat: every new record is one
 
         def body(conn: sqlite3.Connection) -> list[str]:
             out: list[str] = []
-            for r, node in zip(records, nodes, strict=True):
+            for r in records:
                 conn.execute("SAVEPOINT rec")
                 try:
+                    fp = dict(r.fingerprint)
+                    node = _NodeWrite(fp, hostname(fp), fingerprint_hash(fp), r.at, values)
                     status = node.write(conn, always)
-                except (ValueError, TypeError, KeyError, AttributeError, RecursionError,
-                        sqlite3.InterfaceError, sqlite3.ProgrammingError,
-                        sqlite3.IntegrityError, sqlite3.DataError) as e:
-                    # a value the store cannot derive or bind: this record only
+                    conn.execute(
+                        "INSERT OR REPLACE INTO publishers VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                        (node.host, r.file, r.file_state, r.digest, r.encoded_at or r.at,
+                         r.seq, r.origin, r.uid, now),
+                    )
+                except Exception as e:
+                    if _database_failure(e):
+                        raise  # busy, full, damaged: the whole batch, as any write
+                    # a value the store cannot hash, derive or bind: this record only
                     conn.execute("ROLLBACK TO rec")
                     status = f"invalid: {type(e).__name__}: {str(e)[:200]}"
                 else:
-                    conn.execute(
-                        "INSERT OR REPLACE INTO publishers VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                        (node.host, r.file, r.file_state, r.digest, r.at, r.origin, r.uid, now),
-                    )
                     conn.execute(
                         "UPDATE rejections SET resolved_at = ? WHERE file = ? "
                         "AND resolved_at IS NULL", (now, r.file),
@@ -297,13 +308,30 @@ class Inventory(Database):
         """The collector's state per spool file: the record it last accepted."""
         rows = self._reading(
             "read publishers", lambda c: c.execute(
-                "SELECT host, file, file_state, digest, encoded_at, origin, uid, accepted_at "
-                "FROM publishers"
+                "SELECT host, file, file_state, digest, encoded_at, seq, origin, uid, "
+                "accepted_at FROM publishers"
             ).fetchall(),
         )
-        keys = ("host", "file", "file_state", "digest", "encoded_at", "origin", "uid",
+        keys = ("host", "file", "file_state", "digest", "encoded_at", "seq", "origin", "uid",
                 "accepted_at")
         return {r[1]: dict(zip(keys, r, strict=True)) for r in rows}
+
+    def resolve_rejections(self, files: Sequence[str], keep_s: float,
+                           now: float | None = None) -> None:
+        """Mark the rejections of ``files`` (gone from the spool) resolved, and delete
+        resolved rejections older than ``keep_s``."""
+        self._require_rw()
+        now = time.time() if now is None else float(now)
+
+        def body(conn: sqlite3.Connection) -> None:
+            for chunk in chunks(list(files)):
+                conn.execute(
+                    "UPDATE rejections SET resolved_at = ? WHERE resolved_at IS NULL "
+                    "AND file IN (SELECT value FROM json_each(?))", (now, json.dumps(chunk)),
+                )
+            conn.execute("DELETE FROM rejections WHERE resolved_at < ?", (now - keep_s,))
+
+        self._retrying(self._conn, body, "resolve rejections")
 
     def rejections(self, *, include_resolved: bool = False) -> list[dict[str, Any]]:
         """Records the collector rejected, newest first: file, cause, host, detail, count,

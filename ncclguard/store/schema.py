@@ -167,7 +167,8 @@ def _migrate_2_to_3(conn: sqlite3.Connection, values: GateValues) -> None:
     conn.execute(
         "CREATE TABLE publishers (host TEXT PRIMARY KEY, file TEXT NOT NULL, "
         "file_state TEXT NOT NULL, digest TEXT NOT NULL, encoded_at REAL NOT NULL, "
-        "origin TEXT NOT NULL, uid INTEGER NOT NULL, accepted_at REAL NOT NULL) WITHOUT ROWID"
+        "seq INTEGER NOT NULL, origin TEXT NOT NULL, uid INTEGER NOT NULL, "
+        "accepted_at REAL NOT NULL) WITHOUT ROWID"
     )
     conn.execute(
         "CREATE TABLE rejections (file TEXT NOT NULL, cause TEXT NOT NULL, host TEXT, "
