@@ -39,19 +39,15 @@ import contextlib
 import hashlib
 import ipaddress
 import logging
-import os
 import pwd
 import re
-import select
-import signal
 import socket
-import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
 
+from inventoryd.loop import Signals, log_to_stderr
 from inventoryd.sdnotify import Notifier
 from ncclguard import config as configmod
 from ncclguard import munge, spool
@@ -71,14 +67,6 @@ KEEP_RESOLVED_S = 30 * 86400  # resolved rejections are kept this long
 _PRINTABLE = re.compile(r"[A-Za-z0-9_.+@:=,-]{1,200}")
 
 
-def _setup_logging() -> None:
-    if log.handlers:
-        return
-    h = logging.StreamHandler(sys.stderr)
-    h.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
-    log.addHandler(h)
-    log.setLevel(logging.INFO)
-    log.propagate = False
 
 
 def publisher_uid(name: str) -> int:
@@ -503,20 +491,9 @@ def _ts(t: float) -> str:
 # -------------------------------------------------------------------- the service
 
 
-class _Flags:
-    stop = False
-    reload = False
-
-    def on_signal(self, signum: int, _frame: FrameType | None) -> None:
-        if signum == signal.SIGHUP:
-            self.reload = True
-        else:
-            self.stop = True
-
-
 def collect_once(config: configmod.Config, db: Path | None = None) -> ScanResult:
     """One scan (``collect --once``): the demo, tests, a cron-style deployment."""
-    _setup_logging()
+    log_to_stderr(log)
     c = Collector(config, db=db)
     try:
         return c.scan()
@@ -533,18 +510,20 @@ def run(
     max_scans: int | None = None,
 ) -> int:
     """The collector service: scan every ``scan_interval_s`` until SIGTERM/SIGINT."""
-    _setup_logging()
+    log_to_stderr(log)
     notifier = notifier or Notifier()
-    flags = _Flags()
-    r, w = os.pipe()
-    os.set_blocking(r, False)
-    os.set_blocking(w, False)
-    old_fd = signal.set_wakeup_fd(w)
-    old = {s: signal.signal(s, flags.on_signal)
-           for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
-    collector: Collector | None = None
     try:
-        collector = Collector(config, db=db)
+        with Signals() as flags:
+            return _serve(config_path, config, db, notifier, max_scans, flags)
+    except (InventoryError, configmod.ConfigError) as e:
+        log.error("collector cannot start: %s", e)
+        return 1
+
+
+def _serve(config_path: str | None, config: configmod.Config, db: Path | None,
+           notifier: Notifier, max_scans: int | None, flags: Signals) -> int:
+    collector = Collector(config, db=db)
+    try:
         log.info("collector started (config %s, spool %s, inventory %s, publisher uid %d)",
                  config.source, collector.spool, collector.inv.path, collector.uid)
         notifier.ready("collecting")
@@ -584,35 +563,12 @@ def run(
             _write_metrics(collector, res)
             if max_scans is not None and scans >= max_scans:
                 break
-            _sleep(flags, collector.cfg.collector.scan_interval_s, r, notifier)
+            flags.sleep(collector.cfg.collector.scan_interval_s, notifier)
         notifier.stopping()
         log.info("collector stopped")
         return 0
-    except (InventoryError, configmod.ConfigError) as e:
-        log.error("collector cannot start: %s", e)
-        return 1
     finally:
-        if collector is not None:
-            collector.close()
-        for s, h in old.items():
-            signal.signal(s, h)
-        signal.set_wakeup_fd(old_fd)
-        os.close(r)
-        os.close(w)
-
-
-def _sleep(flags: _Flags, seconds: float, wake_fd: int, notifier: Notifier) -> None:
-    end = time.monotonic() + seconds
-    ping = notifier.ping_interval()
-    while not (flags.stop or flags.reload):
-        left = end - time.monotonic()
-        if left <= 0:
-            return
-        ready, _, _ = select.select([wake_fd], [], [], min(left, ping) if ping else left)
-        if ready:
-            with contextlib.suppress(BlockingIOError):
-                os.read(wake_fd, 512)
-        notifier.watchdog()
+        collector.close()
 
 
 def _write_metrics(collector: Collector, res: ScanResult) -> None:

@@ -17,17 +17,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import random
-import select
-import signal
 import socket
 import sys
 import time
 from collections.abc import Callable, Mapping
-from types import FrameType
 from typing import Any
 
+from inventoryd.loop import Signals, log_to_stderr
 from inventoryd.publish import Publisher, PublishError
 from inventoryd.sdnotify import Notifier
 from ncclguard import config as configmod
@@ -40,14 +37,6 @@ Collector = Callable[[str, str | None, configmod.InventorydConfig], Mapping[str,
 log = logging.getLogger("ncclguard.inventoryd")
 
 
-def _setup_logging() -> None:
-    if log.handlers:
-        return
-    h = logging.StreamHandler(sys.stderr)  # journald keeps the unit's stderr
-    h.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
-    log.addHandler(h)
-    log.setLevel(logging.INFO)
-    log.propagate = False
 
 
 def _short_hostname() -> str:
@@ -146,20 +135,11 @@ class Daemon:
         self.collect_state: str | None = None
         self.last_change: float | None = None
         self.last_publish: float | None = None
-        self.stop = False
-        self.reload = False
+        self.signals = Signals()
         self.cycles = 0
 
-    # ---- signals
-
-    def on_signal(self, signum: int, _frame: FrameType | None) -> None:
-        if signum == signal.SIGHUP:
-            self.reload = True
-        else:
-            self.stop = True
-
     def do_reload(self) -> None:
-        self.reload = False
+        self.signals.reload = False
         self.notifier.reloading()
         try:
             new = load_config(self.config_path)
@@ -253,22 +233,6 @@ class Daemon:
         return d if ok else min(d, RETRY_S)
 
 
-def _sleep(daemon: Daemon, seconds: float, wake_fd: int) -> None:
-    """Sleep, petting the watchdog, until the time is up or a signal arrives."""
-    end = time.monotonic() + seconds
-    ping = daemon.notifier.ping_interval()
-    while not (daemon.stop or daemon.reload):
-        left = end - time.monotonic()
-        if left <= 0:
-            return
-        step = min(left, ping) if ping else left
-        ready, _, _ = select.select([wake_fd], [], [], step)
-        if ready:
-            with contextlib.suppress(BlockingIOError):
-                os.read(wake_fd, 512)
-        daemon.notifier.watchdog()
-
-
 def run(
     root: str,
     hostname: str | None,
@@ -280,22 +244,17 @@ def run(
     max_cycles: int | None = None,
 ) -> int:
     """The service loop. Returns 0 after SIGTERM/SIGINT (or ``max_cycles``)."""
-    _setup_logging()
+    log_to_stderr(log)
     daemon = Daemon(root, hostname, config_path, config, collector or _default_collector(),
                     notifier or Notifier())
-    r, w = os.pipe()
-    os.set_blocking(r, False)
-    os.set_blocking(w, False)
-    old_fd = signal.set_wakeup_fd(w)
-    old = {s: signal.signal(s, daemon.on_signal)
-           for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
-    try:
+    sig = daemon.signals
+    with sig:
         log.info("%s: started (config %s, spool %s)", daemon.node, config.source,
                  config.spool.spool_path())
         daemon.notifier.ready("collecting")
         last_status: str | None = None
-        while not daemon.stop:
-            if daemon.reload:
+        while not sig.stop:
+            if sig.reload:
                 daemon.do_reload()
             ok = daemon.cycle()
             daemon.notifier.watchdog()
@@ -304,15 +263,9 @@ def run(
                 last_status = status if daemon.notifier.status(status) else None
             if max_cycles is not None and daemon.cycles >= max_cycles:
                 break
-            if daemon.stop:
+            if sig.stop:
                 break
-            _sleep(daemon, daemon.delay(ok), r)
+            sig.sleep(daemon.delay(ok), daemon.notifier)
         daemon.notifier.stopping()
         log.info("%s: stopped", daemon.node)
         return 0
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-        signal.set_wakeup_fd(old_fd)
-        os.close(r)
-        os.close(w)
