@@ -61,7 +61,7 @@ log = logging.getLogger("ncclguard.collector")
 
 ADDRESS_RETRY_S = 30.0  # Slurm is asked again at most this often when it failed, or
                         # when a record names a node it did not list
-FUTURE_SKEW_S = 30  # a record signed further in the future is rejected as rewound
+FUTURE_SKEW_S = configmod.HEARTBEAT_SKEW_S  # signed further ahead: rejected as rewound
 LOG_PER_SCAN = 50  # rejection lines logged per scan at most; the rest are counted
 KEEP_RESOLVED_S = 30 * 86400  # resolved rejections are kept this long
 _PRINTABLE = re.compile(r"[A-Za-z0-9_.+@:=,-]{1,200}")

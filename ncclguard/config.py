@@ -22,6 +22,10 @@ DEFAULT_CONFIG_PATH = Path("/etc/ncclguard/config.toml")
 SYSTEM_STATE_DIR = Path("/var/lib/ncclguard")
 
 SEVERITIES = ("ignore", "warn", "refuse")
+#: A heartbeat further than this in the future (seconds) counts as stale: a node whose
+#: clock runs ahead would otherwise look fresh long after it died. The collector rejects
+#: records signed further ahead (docs/collector.md).
+HEARTBEAT_SKEW_S = 30.0
 class _Settings:
     """A frozen record of settings: the annotated class attributes are the fields and
     their defaults (a dict default is copied per instance).

@@ -181,7 +181,7 @@ def _inventory(run: Run) -> Inventory:
 
 
 def decide(run: Run, job: Job) -> int:
-    from ncclguard.policy import evaluate_values
+    from ncclguard.policy import evaluate_values, stale_hosts
     from ncclguard.store import InventoryError
 
     cfg = run.config
@@ -191,8 +191,8 @@ def decide(run: Run, job: Job) -> int:
             records = inv.load_values(job.nodes)
     except InventoryError as e:
         return run.fail("inventory", e)
-    oldest = time.time() - cfg.inventory.stale_after_s
-    stale = [h for h, r in records.items() if r is not None and r[1] < oldest]
+    stale = stale_hosts({h: r[1] for h, r in records.items() if r is not None},
+                        time.time(), cfg.inventory.stale_after_s)
     values = {h: (r[0] if r is not None else None) for h, r in records.items()}
     verdict = evaluate_values(values, cfg.policy, stale, job.partition or None)
     if verdict.odd_tie:  # refuse path only: several minimum odd sets, ask which to keep

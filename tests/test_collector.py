@@ -438,6 +438,8 @@ import os, sys
 from ncclguard.policy import GATE_VALUES
 from ncclguard.store import Inventory
 import sqlite3, json, contextlib, time, urllib.parse
+from ncclguard.store.schema import record_key
+record_key(1, "")  # its lazy import, while this Python (under /root here) is readable
 os.setgroups([]); os.setgid(65534); os.setuid(65534)
 if sys.argv[2] == "read":
     with Inventory(sys.argv[1], readonly=True, values=GATE_VALUES) as inv:

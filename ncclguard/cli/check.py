@@ -1,8 +1,10 @@
 """``ncclguard check HOSTLIST``: the gate's verdict for any set of nodes, as if a job had
 been given them (exit 0 accept, 1 warn, 2 refuse, 3 error).
 
-It judges as the gate does: the same :func:`~ncclguard.policy.evaluate`, the same stale
-nodes (``inventory.stale_after_s``), and the same tie-break
+It judges as the gate does, through the same path: the gate's read of the inventory
+(``load_values``: the stored policy values, trusted only when their key and types check
+out), :func:`~ncclguard.policy.evaluate_values`, the same stale nodes
+(:func:`~ncclguard.policy.stale_hosts`), and the same tie-break
 (:func:`~ncclguard.policy.break_tie`: keep the majority class of ``--partition``'s nodes
 as Slurm lists them, else of the whole inventory).
 """
@@ -41,7 +43,7 @@ def _members(c: Ctx, names: set[str]) -> list[str]:
 @format_options
 def check(hostlist: str, partition: str | None, as_json: bool, as_csv: bool) -> None:
     """The gate's verdict for a hypothetical allocation (exit 0 accept, 1 warn, 2 refuse)."""
-    from ncclguard.policy import break_tie, evaluate
+    from ncclguard.policy import break_tie, evaluate_values, stale_hosts
 
     c = get_ctx(as_json, as_csv)
     if c.fmt == "csv":
@@ -49,15 +51,15 @@ def check(hostlist: str, partition: str | None, as_json: bool, as_csv: bool) -> 
     hosts = expand_hosts([hostlist], "HOSTLIST")
     if not hosts:
         fail("HOSTLIST: the hostlist is empty")
-    recs = c.inv("load", hosts)
-    fps = {h: (r.fingerprint if r is not None else None) for h, r in recs.items()}
-    stale = [h for h, r in recs.items()
-             if r is not None and c.now - r.last_heartbeat > c.stale_after]
+    recs = c.inv("load_values", hosts)
+    values = {h: (r[0] if r is not None else None) for h, r in recs.items()}
+    stale = stale_hosts({h: r[1] for h, r in recs.items() if r is not None}, c.now,
+                        c.stale_after)
     policy = c.config.policy
-    verdict = evaluate(fps, policy, stale=stale, partition=partition)
+    verdict = evaluate_values(values, policy, stale, partition)
     verdict, tie_break = break_tie(
         verdict,
-        again=lambda prefer: evaluate(fps, policy, stale, partition, prefer),
+        again=lambda prefer: evaluate_values(values, policy, stale, partition, prefer),
         classes=lambda among: [k.hosts for k in c.inv("classes", among)],
         members=lambda names: _members(c, names),
     )

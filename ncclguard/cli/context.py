@@ -99,10 +99,12 @@ class Ctx:
     @property
     def inventory(self) -> Any:
         if self._inventory is None:
+            from ncclguard.policy import GATE_VALUES
             from ncclguard.store import Inventory, InventoryError
 
             try:
-                self._inventory = Inventory(self.db, readonly=True, config=self.config.inventory)
+                self._inventory = Inventory(self.db, readonly=True, config=self.config.inventory,
+                                            values=GATE_VALUES)
             except InventoryError as e:
                 fail(str(e))
         return self._inventory

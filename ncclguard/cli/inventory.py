@@ -16,8 +16,10 @@ import click
 from ncclguard.cli import output as out
 from ncclguard.cli.context import Ctx, format_options, get_ctx, resolve_sets
 from ncclguard.cli.errors import fail
+from ncclguard.config import HEARTBEAT_SKEW_S
 from ncclguard.hostlist import compress
 from ncclguard.policy.baseline import choose_baseline
+from ncclguard.policy.freshness import heartbeat_state, is_stale
 
 __all__ = ["classes", "nodes", "parse_where", "show"]
 
@@ -92,7 +94,8 @@ def _node_row(r: dict[str, Any], now: float, ttl: float) -> dict[str, Any]:
     """The store's row (ours to change) with the derived cells added."""
     hb = r.get("last_heartbeat")
     age = None if hb is None else now - hb
-    stale = age is None or age > ttl
+    state = heartbeat_state(hb, now, ttl)
+    stale = state != "ok"
     versions = r.get("nccl_versions") or []
     nccl = r.get("nccl_version")
     shown = nccl or "-"
@@ -103,7 +106,8 @@ def _node_row(r: dict[str, Any], now: float, ttl: float) -> dict[str, Any]:
     r["last_heartbeat"] = when
     r["age_s"] = None if age is None else round(age, 1)
     r["stale"] = stale
-    r["status"] = "stale" if stale else ("errors" if r.get("error_count") else "ok")
+    # "future": a heartbeat dated ahead of this clock (the node's clock is ahead)
+    r["status"] = state if stale else ("errors" if r.get("error_count") else "ok")
     # table-only cells
     r["nccl"] = shown
     up, total = r.get("rdma_ports_up"), r.get("rdma_ports_total")
@@ -190,7 +194,7 @@ def classes(partition: str | None, nodes_opt: str | None, as_json: bool, as_csv:
     sets = resolve_sets(c, partition, nodes_opt)
     node_set = sets[0] if sets else None
     cls = c.inv("classes", node_set.hosts if node_set else None)
-    stale = set(c.inv("stale", c.now, c.stale_after))
+    stale = set(c.inv("stale", c.now, c.stale_after, HEARTBEAT_SKEW_S))
     total = sum(len(k.hosts) for k in cls)
     fresh = {k.compat_key: sum(1 for h in k.hosts if h not in stale) for k in cls}
     base, why = choose_baseline(fresh, {k.compat_key: k.values for k in cls}, c.config)[:2]
@@ -248,7 +252,7 @@ def _show_text(rec: Any, now: float, ttl: float) -> str:
         ("nccl", d.get("compat.nccl")), ("net plugin", d.get("compat.net_plugin")),
         ("net ABI", d.get("compat.net_abi")), ("transport", d.get("compat.transport")),
         ("last heartbeat", f"{out.iso(rec.last_heartbeat)} ({out.age(age)} ago"
-                           + (", STALE)" if age > ttl else ")")),
+                           + (", STALE)" if is_stale(rec.last_heartbeat, now, ttl) else ")")),
         ("collected at", out.iso(rec.collected_at)), ("first seen", out.iso(rec.first_seen)),
         ("fingerprint", rec.fp_hash[:16]),
     ]))]
@@ -313,7 +317,8 @@ def show(node: str, as_json: bool, as_csv: bool) -> None:
         "host": rec.host, "compat_key": rec.compat_key, "fp_hash": rec.fp_hash,
         "first_seen": out.iso(rec.first_seen), "collected_at": out.iso(rec.collected_at),
         "last_heartbeat": out.iso(rec.last_heartbeat), "age_s": round(age, 1),
-        "stale": age > c.stale_after, "errors": rec.fingerprint.get("errors") or [],
+        "stale": is_stale(rec.last_heartbeat, c.now, c.stale_after),
+        "errors": rec.fingerprint.get("errors") or [],
         "fingerprint": rec.fingerprint,
     }
     c.emit(doc, text=_show_text(rec, c.now, c.stale_after) if c.fmt == "table" else None)

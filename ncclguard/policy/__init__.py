@@ -10,6 +10,7 @@ a :class:`Verdict`, and the decisions that several commands share.
 - :mod:`.settings`: :func:`load_config`, :func:`severity_of`.
 - :mod:`.baseline`: :func:`~.baseline.choose_baseline`, the one baseline class.
 - :mod:`.fpdiff`: field differences between fingerprints, each with its rule.
+- :mod:`.freshness`: whether a heartbeat is current (:func:`stale_hosts`).
 - :mod:`.drain`: drain recommendations.
 
 Standard library only on the gate's path (this package's ``__init__`` and what it imports).
@@ -24,7 +25,9 @@ from ncclguard.policy.evaluation import (
     node_values,
     odd_nodes,
     partitions_of,
+    valid_values,
 )
+from ncclguard.policy.freshness import heartbeat_state, is_stale, stale_hosts
 from ncclguard.policy.settings import DEFAULT_SEVERITY, load_config, severity_of
 from ncclguard.policy.tiebreak import break_tie, majority
 from ncclguard.policy.verdict import Finding, Verdict
@@ -38,11 +41,15 @@ __all__ = [
     "break_tie",
     "evaluate",
     "evaluate_values",
+    "heartbeat_state",
     "in_scope",
+    "is_stale",
     "load_config",
     "majority",
     "node_values",
     "odd_nodes",
     "partitions_of",
     "severity_of",
+    "stale_hosts",
+    "valid_values",
 ]

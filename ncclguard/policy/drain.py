@@ -34,6 +34,7 @@ from typing import Any, Protocol
 
 from ncclguard.config import Config
 from ncclguard.policy.baseline import choose_baseline, pin_diffs
+from ncclguard.policy.freshness import is_stale
 from ncclguard.policy.settings import BASELINE_KEYS, severity_of
 from ncclguard.slurm import clean_text
 from ncclguard.timeparse import iso_utc
@@ -178,7 +179,7 @@ def recommend(
             if f is None:
                 recs[h] = Recommendation(h, KIND_MISSING,
                                          f"{REASON_PREFIX} no heartbeat (not in the inventory)")
-            elif f.last_heartbeat is None or now - f.last_heartbeat > ttl:
+            elif is_stale(f.last_heartbeat, now, ttl):
                 since = iso_utc(f.last_heartbeat) if f.last_heartbeat is not None else "ever"
                 recs[h] = Recommendation(h, KIND_STALE,
                                          f"{REASON_PREFIX} no heartbeat since {since}")

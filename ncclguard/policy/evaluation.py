@@ -37,6 +37,7 @@ __all__ = [
     "node_values",
     "odd_nodes",
     "partitions_of",
+    "valid_values",
 ]
 
 #: The marker (and format version) of a :func:`node_values` record.
@@ -57,13 +58,35 @@ def node_values(fp: dict) -> dict:
     return {NODE_VALUES: 1, "rules": {r.name: v for r, v in zip(COMPARISONS, values, strict=True)}}
 
 
+def valid_values(record: Any) -> bool:
+    """Whether ``record`` has the shape and types of a :func:`node_values` record:
+    ``{marker: 1, "rules": {rule: {aspect: str | None}}}``. The gate reads such records
+    from the inventory; one that is not (a damaged or poisoned row: ``"driver": ["x"]``)
+    would crash the comparison, which hashes the values."""
+    if not isinstance(record, dict):
+        return False
+    marker = record.get(NODE_VALUES)
+    rules = record.get("rules")
+    if type(marker) is not int or marker != 1 or not isinstance(rules, dict):
+        return False
+    for name, values in rules.items():
+        if not isinstance(name, str) or not isinstance(values, dict):
+            return False
+        for aspect, value in values.items():
+            if not isinstance(aspect, str) or not (value is None or isinstance(value, str)):
+                return False
+    return True
+
+
 class StoredValues(NamedTuple):
     """What the store keeps for the gate (``ncclguard.store.GateValues``): the records of
-    :func:`node_values`, their marker, and the version they were computed by."""
+    :func:`node_values`, their marker, the version they were computed by, and the check
+    of a decoded record."""
 
     version: int
     marker: str
     compute: Callable[[dict[str, Any]], dict[str, Any]]
+    check: Callable[[Any], bool] = valid_values
 
 
 #: Handed to every :class:`~ncclguard.store.Inventory` that writes the gate's tables or

@@ -12,7 +12,6 @@ policy derives of a fingerprint (``GATE_VALUES``) is handed in by the caller.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import sqlite3
 import time
@@ -400,8 +399,9 @@ class Inventory(Database):
         """
         if self.values is None:
             raise ValueError("load_values needs values= (ncclguard.policy.GATE_VALUES)")
-        version, marker = self.values.version, self.values.marker
+        version, check = self.values.version, self.values.check
         node_values = self.values.compute
+        from ncclguard.store.schema import record_key
 
         wanted = list(dict.fromkeys(hosts))
         out: dict[str, tuple[dict, float] | None] = dict.fromkeys(wanted)
@@ -421,17 +421,21 @@ class Inventory(Database):
                 "WHERE policy_key IN (SELECT value FROM json_each(?))",
                 (json.dumps(keys),),
             ):
+                # a record is trusted only when its key names its text and it has the
+                # policy's shape and types: anything else is computed again below
+                if not isinstance(text, str) or record_key(version, text) != key:
+                    continue
                 try:
                     values = json.loads(text)
-                except ValueError:
+                except (ValueError, RecursionError):
                     continue
-                if isinstance(values, dict) and marker in values:
+                if check(values):
                     decoded[key] = values
             redo: dict[str, float] = {}
             for host, key, heartbeat, _version in rows:
                 values = decoded.get(key)
-                if values is None:
-                    redo[host] = heartbeat
+                if values is None or not isinstance(heartbeat, int | float):
+                    redo[host] = heartbeat if isinstance(heartbeat, int | float) else 0.0
                 else:
                     out[host] = (values, heartbeat)
             if redo:
@@ -440,8 +444,12 @@ class Inventory(Database):
                     "WHERE host IN (SELECT value FROM json_each(?))",
                     (json.dumps(list(redo)),),
                 ):
-                    with contextlib.suppress(ValueError):  # unreadable too: None (unknown)
-                        out[host] = (node_values(json.loads(text)), redo[host])
+                    try:  # unreadable too: None (unknown), never an error of the job's
+                        values = node_values(json.loads(text))
+                    except Exception:  # noqa: S112 - a node's bad record is that node's
+                        continue
+                    if check(values):
+                        out[host] = (values, redo[host])
 
         self._reading("load nodes", q)
         return out
@@ -544,12 +552,15 @@ class Inventory(Database):
         )
         return json.loads(row[0]) if row else None
 
-    def stale(self, now: float, ttl: float) -> list[str]:
-        """Hosts whose last heartbeat is older than ``ttl`` seconds at ``now``."""
+    def stale(self, now: float, ttl: float, future_s: float | None = None) -> list[str]:
+        """Hosts whose last heartbeat is older than ``ttl`` seconds at ``now`` (or, with
+        ``future_s``, further than that ahead of ``now``: ``ncclguard.policy.freshness``)."""
+        ahead = float("inf") if future_s is None else now + future_s
         rows = self._reading(
             "query stale nodes",
             lambda c: c.execute(
-                "SELECT host FROM nodes WHERE last_heartbeat < ? ORDER BY host", (now - ttl,)
+                "SELECT host FROM nodes WHERE last_heartbeat < ? OR last_heartbeat > ? "
+                "ORDER BY host", (now - ttl, ahead)
             ).fetchall(),
         )
         return [r[0] for r in rows]

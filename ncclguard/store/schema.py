@@ -15,7 +15,9 @@ from typing import Any, Protocol
 
 from ncclguard.fingerprint.canonical import canonical_json
 
-__all__ = ["MIGRATIONS", "SCHEMA_VERSION", "GateValues", "gate_record", "write_gate_row"]
+__all__ = [
+    "MIGRATIONS", "SCHEMA_VERSION", "GateValues", "gate_record", "record_key", "write_gate_row",
+]
 
 # Each migration takes the schema from version i to i+1. They run inside one
 # BEGIN IMMEDIATE transaction together with the user_version bump, so a
@@ -123,7 +125,8 @@ class GateValues(Protocol):
 
     The policy owns it (``ncclguard.policy.GATE_VALUES``: its ``node_values`` and their
     version); the store's callers hand it in, so that the store never imports the policy.
-    ``marker`` is a key that every record holds (a check on what is decoded).
+    ``marker`` is a key that every record holds; ``check`` tells a record of the right
+    shape and types from one that is not (a check on what is decoded).
     """
 
     @property
@@ -132,15 +135,34 @@ class GateValues(Protocol):
     def marker(self) -> str: ...
     @property
     def compute(self) -> Callable[[dict[str, Any]], dict[str, Any]]: ...
+    @property
+    def check(self) -> Callable[[Any], bool]: ...
+
+
+def _sha256() -> Callable[[bytes], Any]:
+    """SHA-256 without importing OpenSSL where CPython has its own (the gate reads keys
+    on every job: hashlib costs it about 3 ms, the builtin module 1.5): ``_sha256`` up
+    to 3.11, ``_sha2`` from 3.12, else hashlib."""
+    import importlib
+
+    for name in ("_sha256", "_sha2", "hashlib"):
+        try:
+            return importlib.import_module(name).sha256  # type: ignore[no-any-return,unused-ignore]
+        except (ImportError, AttributeError):
+            continue
+    raise ImportError("no SHA-256 implementation")
+
+
+def record_key(version: int, text: str) -> str:
+    """The key of a stored ``policy_values`` record: it names its text, so that a reader
+    can tell a record whose text was changed under its key."""
+    return str(_sha256()(f"{version}:{text}".encode()).hexdigest()[:32])
 
 
 def gate_record(values: GateValues, fp: dict[str, Any]) -> tuple[str, str]:
     """``(key, canonical JSON)`` of what the policy reads of one fingerprint."""
-    import hashlib  # writers only: the gate's read path does not pay for OpenSSL
-
     text = canonical_json(values.compute(fp))
-    key = hashlib.sha256(f"{values.version}:{text}".encode()).hexdigest()[:32]
-    return key, text
+    return record_key(values.version, text), text
 
 
 def write_gate_row(
