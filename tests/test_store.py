@@ -270,6 +270,22 @@ def test_world_writable_directory_is_refused(db: Path, readonly: bool) -> None:
 
 
 @pytest.mark.parametrize("readonly", [False, True])
+def test_a_link_into_a_world_writable_directory_is_refused(tmp_path: Path, readonly: bool
+                                                           ) -> None:
+    """Issue 12: a symlinked inventory path skipped the check for readers: the link sat
+    in a safe directory, the file in one that anyone could replace it in."""
+    unsafe = tmp_path / "tmp"
+    unsafe.mkdir()
+    Inventory(unsafe / "inventory.db", values=GATE_VALUES).close()
+    os.chmod(unsafe, 0o777)
+    safe = tmp_path / "etc"
+    safe.mkdir()
+    (safe / "inventory.db").symlink_to(unsafe / "inventory.db")
+    with pytest.raises(InventoryUnsafe, match=r"refusing .*the directory it links into"):
+        Inventory(safe / "inventory.db", values=GATE_VALUES, readonly=readonly)
+
+
+@pytest.mark.parametrize("readonly", [False, True])
 def test_corrupt_file_is_named(tmp_path: Path, readonly: bool) -> None:
     p = tmp_path / "inventory.db"
     p.write_bytes(b"this is not a database, it is a text file\n" * 200)

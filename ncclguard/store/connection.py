@@ -48,8 +48,15 @@ FILE_MODE = 0o644
 
 
 def _check_safe(path: Path) -> None:
-    """Refuse a database, or a directory holding one, that others can write (as ssh does)."""
-    for p, what in ((path, "the file"), (path.parent, f"its directory {path.parent}")):
+    """Refuse a database, or a directory holding one, that others can write (as ssh does).
+    A symlinked path is judged by where it leads too: the link's directory, the file it
+    names and that file's directory (a link from a safe place into /tmp is not safe)."""
+    real = Path(os.path.realpath(path))
+    places = [(path, "the file"), (path.parent, f"its directory {path.parent}")]
+    if real != path:
+        places += [(real, f"the file it links to, {real}"),
+                   (real.parent, f"the directory it links into, {real.parent}")]
+    for p, what in places:
         try:
             st = os.stat(p)
         except FileNotFoundError:
