@@ -20,6 +20,9 @@ from typing import Any
 
 DEFAULT_CONFIG_PATH = Path("/etc/ncclguard/config.toml")
 SYSTEM_STATE_DIR = Path("/var/lib/ncclguard")
+#: The gate's audit trail, when this directory exists: SlurmUser's to write (the gate
+#: runs as SlurmUser; the inventory's directory is the collector's, ``ncclguard``'s).
+AUDIT_DIR = Path("/var/log/ncclguard")
 
 SEVERITIES = ("ignore", "warn", "refuse")
 #: A heartbeat further than this in the future (seconds) counts as stale: a node whose
@@ -85,9 +88,13 @@ def default_db_path() -> Path:
     return Path(state) / "ncclguard" / "inventory.db"
 
 
-def default_audit_path() -> Path:
-    """``decisions.jsonl`` next to the inventory (``$NCCLGUARD_DB`` or the default)."""
-    return InventoryConfig().db_path().with_name("decisions.jsonl")
+def default_audit_path(inventory: InventoryConfig | None = None) -> Path:
+    """``/var/log/ncclguard/decisions.jsonl`` when that directory exists (the install
+    creates it for SlurmUser), else ``decisions.jsonl`` next to the inventory (one
+    machine, tests: the per-user default)."""
+    if AUDIT_DIR.is_dir():
+        return AUDIT_DIR / "decisions.jsonl"
+    return (inventory or InventoryConfig()).db_path().with_name("decisions.jsonl")
 
 
 def default_state_dir() -> Path:
@@ -162,16 +169,16 @@ class GateConfig(_Settings):
     max_refusals: int = 3  # refusals of one job before it is held
     steer_wait_s: float = 30.0  # how long the detached follow-up waits for PENDING
     allow_opt_out: bool = True  # honour ncclguard=off in the job comment / --extra
-    audit_log: str = ""  # JSON lines; empty: next to the inventory
+    audit_log: str = ""  # JSON lines; empty: /var/log/ncclguard/, else next to the inventory
     slurm_bin_dir: str = ""  # where scontrol/squeue live; empty: PATH, then /usr/bin
     slurm_conf: str = ""  # slurm.conf for the Slurm commands; empty: $SLURM_CONF, then Slurm's own
 
     def audit_path(self, inventory: InventoryConfig | None = None) -> Path:
-        """``audit_log``, else ``decisions.jsonl`` next to the inventory, so that the gate
-        (as SlurmUser) and the admins' ``ncclguard decisions`` find the same file."""
+        """``audit_log``, else :func:`default_audit_path`, so that the gate (as SlurmUser)
+        and the admins' ``ncclguard decisions`` find the same file."""
         if self.audit_log:
             return Path(self.audit_log)
-        return (inventory or InventoryConfig()).db_path().with_name("decisions.jsonl")
+        return default_audit_path(inventory)
 
 
 class DrainConfig(_Settings):

@@ -102,3 +102,28 @@ def test_every_rule_gets_its_default_severity() -> None:
     assert cfg.policy.severity == {r.name: r.severity for r in RULES}
     assert cfg.policy.severity["nccl-version"] == "refuse"
     assert cfg.policy.severity["gpudirect"] == "warn"
+
+
+def test_the_audit_trail_has_a_directory_of_its_own(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 12: with the documented layout (the inventory's directory is ncclguard's) the
+    old default, next to the inventory, could never be written by the gate (SlurmUser)."""
+    import os
+
+    from ncclguard import audit
+
+    monkeypatch.setenv("NCCLGUARD_DB", str(tmp_path / "state" / "inventory.db"))
+    (tmp_path / "state").mkdir()
+    os.chown(tmp_path / "state", 999, 999)  # the collector's
+    log_dir = tmp_path / "log"
+    monkeypatch.setattr(configmod, "AUDIT_DIR", log_dir)
+    old = configmod.GateConfig().audit_path()
+    assert old == tmp_path / "state" / "decisions.jsonl"  # no log dir: next to it
+    with pytest.raises(audit.AuditError, match="owned by uid 999"):
+        audit.append(old, {"job": 1})
+    log_dir.mkdir()
+    new = configmod.GateConfig().audit_path()
+    assert new == log_dir / "decisions.jsonl"
+    audit.append(new, {"job": 1})
+    assert [r["job"] for r in audit.read(new)] == [1]
+    assert configmod.GateConfig(audit_log="/x/a.jsonl").audit_path() == Path("/x/a.jsonl")
