@@ -125,7 +125,7 @@ class Run:
                    lock_timeout=lock_timeout)
         if late:
             return EXIT_REFUSE
-        _best_effort(self, lambda s: s.set_admin_comment(self.job_id, text))
+        _set_comment(self, self.job_id, text)
         if not batch:
             _best_effort(self, lambda s: s.notify(self.job_id, text))
         return EXIT_REFUSE
@@ -145,6 +145,35 @@ def _slurm(run: Run) -> Slurm:
     deadline = run.t0 + (run.config.gate.deadline_s if run.config else _DEFAULT_DEADLINE_S) - 0.2
     gate = run.config.gate if run.config else None
     return Slurm.from_config(gate, timeout=SLURM_CALL_S, deadline=deadline)
+
+
+def merge_admin_comment(existing: str, ours: str, limit: int = 1000) -> str:
+    """The AdminComment to set: what someone else wrote stays, ahead of ours; an earlier
+    ``ncclguard:`` text of ours (a requeued job's) is replaced. ``ours`` is never cut
+    for theirs: theirs is shortened first."""
+    theirs = existing.split(" | ncclguard:", 1)[0].strip()
+    if not theirs or theirs.startswith("ncclguard:"):
+        return ours
+    room = limit - len(ours) - 3
+    if room < 20:
+        return ours
+    if len(theirs) > room:
+        theirs = theirs[: room - 3] + "..."
+    return f"{theirs} | {ours}"
+
+
+def _set_comment(run: Run, job_id: int | str, text: str) -> None:
+    """Set our AdminComment, keeping what someone else set there (issue 12: the warn
+    path overwrote it). When the current one cannot be read, ours is set alone."""
+    from ncclguard.slurm import SlurmError
+
+    existing = ""
+    try:
+        info = _slurm(run).job(job_id)
+        existing = info.admin_comment if info is not None else ""
+    except SlurmError as e:
+        run.log(f"slurm: {e}", error=True)
+    _best_effort(run, lambda s: s.set_admin_comment(job_id, merge_admin_comment(existing, text)))
 
 
 def _best_effort(run: Run, call: Any) -> bool:
@@ -211,7 +240,7 @@ def decide(run: Run, job: Job) -> int:
         return EXIT_OK
     if verdict.decision == "warn":
         run.log(verdict.summary())
-        _best_effort(run, lambda s: s.set_admin_comment(job.job_id, verdict.summary()))
+        _set_comment(run, job.job_id, verdict.summary())
         run.audit(action="none")
         return EXIT_OK
     return refuse(run, job, verdict)
@@ -281,7 +310,7 @@ def refuse(run: Run, job: Job, verdict: Verdict) -> int:
     summary = verdict.summary()
     if not job.batch:
         # salloc/srun: Slurm kills the job; the user's terminal gets the notify line.
-        _best_effort(run, lambda s: s.set_admin_comment(job.job_id, summary))
+        _set_comment(run, job.job_id, summary)
         _best_effort(run, lambda s: s.notify(job.job_id, summary))
         run.log(f"{summary} -> interactive job killed")
         run.audit(action="kill")
@@ -316,7 +345,7 @@ def refuse(run: Run, job: Job, verdict: Verdict) -> int:
         action = "requeue"
         suffix = f" | requeued (refusal {count}/{gate.max_refusals})"
     comment = _comment(verdict, suffix)
-    _best_effort(run, lambda s: s.set_admin_comment(job.job_id, comment))
+    _set_comment(run, job.job_id, comment)
     if action in ("steer", "hold"):
         try:
             spawn_followup(run, job, action, odd, comment)

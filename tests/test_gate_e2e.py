@@ -345,3 +345,28 @@ def test_the_running_collector_brings_a_change_to_the_gate(odd_cluster: DevClust
         rc = collector.wait(timeout=30)
     assert rc == 0 and "collector stopped" in log.read_text()
     assert not Path(f"{c.db}-wal").exists()  # a rollback journal again: readers need no -shm
+
+
+def test_a_warning_keeps_an_admin_comment_someone_else_set(odd_cluster: DevCluster) -> None:
+    """Issue 12: the warn path overwrote the AdminComment; what is not ours stays."""
+    c = odd_cluster
+    make_inventory(c, stale=("n2",))  # a stale node: warn
+    job = c.sbatch(["-N2", "-w", "n[1-2]", "--hold", "--wrap", "true"])
+    c.run(["scontrol", "update", f"jobid={job}", "AdminComment=site: chargeback 42"])
+    c.run(["scontrol", "release", str(job)])
+    assert c.wait_job(job, {"COMPLETED", "FAILED"}, 60) == "COMPLETED"
+    comment = admin_comment(c, job)
+    assert comment.startswith("site: chargeback 42 | ncclguard: warn"), comment
+
+
+def test_merge_admin_comment() -> None:
+    from prolog.gate import merge_admin_comment
+
+    assert merge_admin_comment("", "ncclguard: warn") == "ncclguard: warn"
+    assert merge_admin_comment("site: x", "ncclguard: warn") == "site: x | ncclguard: warn"
+    # a requeued job's earlier text of ours is replaced, theirs kept
+    assert merge_admin_comment("site: x | ncclguard: refuse, old", "ncclguard: refuse, new"
+                               ) == "site: x | ncclguard: refuse, new"
+    assert merge_admin_comment("ncclguard: refuse, old", "ncclguard: new") == "ncclguard: new"
+    long = merge_admin_comment("s" * 5000, "ncclguard: " + "w" * 900, limit=1000)
+    assert len(long) <= 1000 and long.endswith("w" * 900) and long.startswith("sss")
