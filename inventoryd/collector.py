@@ -577,8 +577,15 @@ def _write_metrics(collector: Collector, res: ScanResult) -> None:
         return
     from inventoryd.metrics import write_collector_textfile
 
+    now = time.time()
+    inv_cfg = collector.cfg.inventory
     try:
+        fresh = (len(collector.inv.stale(now, inv_cfg.stale_after_s, FUTURE_SKEW_S)),
+                 collector.inv.oldest_heartbeat())
         write_collector_textfile(d, collector.counts, files=res.files, seconds=res.seconds,
-                                 spool_ok=collector.spool_state == "ok")
+                                 spool_ok=collector.spool_state == "ok", stale=fresh[0],
+                                 oldest_heartbeat=fresh[1])
+    except InventoryError as e:
+        log.error("cannot read the inventory for the metrics: %s", e)
     except OSError as e:
         log.error("cannot write metrics to %s: %s", d, e.strerror or e)

@@ -105,6 +105,8 @@ def write_collector_textfile(
     files: int,
     seconds: float,
     spool_ok: bool,
+    stale: int | None = None,
+    oldest_heartbeat: float | None = None,
 ) -> Path:
     """The collector's metrics, ``ncclguard-collector.prom``, written atomically."""
     from prometheus_client import Counter
@@ -124,6 +126,13 @@ def write_collector_textfile(
           registry=reg).set(seconds)
     Gauge("ncclguard_collector_spool_up", "1 if the spool could be listed at the last scan",
           registry=reg).set(1 if spool_ok else 0)
+    if stale is not None:
+        Gauge("ncclguard_inventory_stale_nodes", "Nodes whose heartbeat is not current "
+              "(older than inventory.stale_after_s, or dated ahead)", registry=reg).set(stale)
+    if oldest_heartbeat is not None:
+        Gauge("ncclguard_inventory_oldest_heartbeat_timestamp_seconds",
+              "The oldest heartbeat in the inventory: an outage of the record path shows "
+              "as this falling behind", registry=reg).set(oldest_heartbeat)
     path = Path(directory) / COLLECTOR_FILE_NAME
     write_to_textfile(str(path), reg)
     return path

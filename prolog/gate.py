@@ -234,6 +234,13 @@ def decide(run: Run, job: Job) -> int:
         stale=sorted(stale),
         notes=list(verdict.notes),
     )
+    if stale:  # the inventory's freshness, in the controller's log: an outage shows
+        from ncclguard.policy.rules.unknown_node import age_text
+
+        ages = [a for a in stale.values() if a >= 0]
+        oldest = f", oldest heartbeat {age_text(max(ages))} old" if ages else ""
+        run.log(f"{len(stale)} of {len(job.nodes)} nodes stale{oldest}: compared by their "
+                "last known record")
     if verdict.decision == "accept":
         run.log(f"accept {job.nodelist}: {verdict.summary()}")
         run.audit(action="none")
@@ -257,7 +264,7 @@ def _partition_nodes(run: Run, partitions: set[str]) -> list[str]:
 
 
 def _break_tie(
-    run: Run, job: Job, verdict: Verdict, values: Mapping[str, Any], stale: list[str]
+    run: Run, job: Job, verdict: Verdict, values: Mapping[str, Any], stale: Mapping[str, float]
 ) -> tuple[Verdict, str | None]:
     """The policy's one tie-break (:func:`ncclguard.policy.break_tie`): keep the largest
     class of the job's partition, as Slurm lists its nodes (of the whole inventory when

@@ -298,7 +298,7 @@ def test_check_exit_codes_and_text(run: Run) -> None:
 
 def test_check_json_is_the_gates_verdict(run: Run, env: tuple[Path, Path]) -> None:
     from ncclguard import config as configmod
-    from ncclguard.policy import evaluate
+    from ncclguard.policy import evaluate, stale_hosts
     from ncclguard.store import Inventory
 
     doc = json.loads(ok(run("check", "n[01-04,14,16,99]", "--json"), 2).stdout)
@@ -310,7 +310,11 @@ def test_check_json_is_the_gates_verdict(run: Run, env: tuple[Path, Path]) -> No
     hosts = ["n01", "n02", "n03", "n04", "n14", "n16", "n99"]
     recs = Inventory(db, readonly=True).load(hosts)
     fps = {h: (r.fingerprint if r else None) for h, r in recs.items()}
-    verdict = evaluate(fps, configmod.load(cfg).policy, stale=["n16"])
+    conf = configmod.load(cfg)
+    stale = stale_hosts({h: r.last_heartbeat for h, r in recs.items() if r}, time.time(),
+                        conf.inventory.stale_after_s)
+    assert list(stale) == ["n16"]
+    verdict = evaluate(fps, conf.policy, stale=stale)
     assert verdict.to_dict() == doc
 
 

@@ -514,6 +514,10 @@ def test_the_service_writes_its_metrics(env: Any, tmp_path: Path) -> None:
     assert rej.labels == {"cause": "wrong-address"} and rej.value == 1
     assert fams["ncclguard_collector_spool_records"].samples[0].value == 2
     assert fams["ncclguard_collector_spool_up"].samples[0].value == 1
+    # the inventory's freshness: an outage of the record path shows in minutes
+    assert fams["ncclguard_inventory_stale_nodes"].samples[0].value == 0
+    oldest = fams["ncclguard_inventory_oldest_heartbeat_timestamp_seconds"].samples[0].value
+    assert time.time() - 60 < oldest <= time.time()
 
 
 # ---- found by a hostile review: each failed (crash, hang, forgery, rollback) before

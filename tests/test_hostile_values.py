@@ -160,3 +160,21 @@ def test_any_stored_record_is_judged_by_the_fingerprint_instead(tmp_path: Path, 
     with Inventory(tmp_path / "inventory.db", readonly=True, values=GATE_VALUES) as inv:
         got = inv.load_values(["n1", "n3"])
     assert got["n3"] is not None and got["n3"][0] == node_values(fingerprint("n3", "2.18.3"))
+
+
+def test_an_outage_is_visible_and_a_stale_difference_still_refuses(tmp_path: Path) -> None:
+    """Issue 12: records 20 minutes old on nodes that really mix NCCL 2.21.5 and 2.18.3
+    ran with only a warning. Now the last known stack is compared (refuse), the gate's
+    log counts the stale nodes, and ``classes`` says how old the oldest heartbeat is."""
+    old = time.time() - 1200
+    with Inventory(tmp_path / "inventory.db", values=GATE_VALUES) as inv:
+        for h in ("n1", "n2", "n3", "n4"):
+            inv.upsert(fingerprint(h, nccl=ODD.get(h, "2.21.5")), now=old)
+    r, _ = run_gate(tmp_path)
+    rec = last(tmp_path)
+    assert rec["decision"] == "refuse" and rec["odd_nodes"] == ["n3"], rec
+    assert rec["stale"] == ["n1", "n2", "n3"]
+    assert "3 of 3 nodes stale, oldest heartbeat 20 min old" in r.stderr
+    assert "stale heartbeat, oldest 20 min old: n[1-3]" in rec["summary"]
+    out = CliRunner().invoke(cli, ["--db", str(tmp_path / "inventory.db"), "classes"]).output
+    assert "freshness: 4 of 4 nodes stale" in out and "(20m ago)" in out, out

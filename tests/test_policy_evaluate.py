@@ -84,15 +84,25 @@ def test_unknown_nodes_warn_by_default_and_can_refuse() -> None:
     assert v.decision == "refuse" and v.odd_nodes == ["n3"]
 
 
-def test_stale_nodes_are_unknown_not_compared() -> None:
+def test_stale_nodes_are_compared_by_their_last_record() -> None:
+    """Issue 12: a stale node's last known stack is the best evidence there is; it was
+    left out, and a refuse-level difference in it became a warning."""
     fps = same("n1 n2") | {"n3": fingerprint("n3", nccl="2.18.3")}
-    v = evaluate(fps, DEFAULT, stale={"n3"})
-    assert v.decision == "warn"
+    v = evaluate(fps, DEFAULT, stale={"n3": 1200.0})
+    assert v.decision == "refuse" and v.odd_nodes == ["n3"]
     assert [(f.rule, f.groups_text()) for f in v.findings] == [
-        ("unknown-node", "stale heartbeat: n3")
+        ("nccl-version", "nccl 2.18.3: n3 | nccl 2.21.5: n[1-2]"),
+        ("unknown-node", "stale heartbeat, oldest 20 min old: n3"),
     ]
+    assert "oldest 20 min old" in v.summary()
+    # a stale node that agrees: warned about, never refused for being stale alone
+    v = evaluate(same("n1 n2 n3"), DEFAULT, stale={"n3": 1200.0})
+    assert v.decision == "warn" and v.odd_nodes == []
     v = evaluate(fps, severity(unknown_node="refuse"), stale=["n3"])
     assert v.odd_nodes == ["n3"]
+    # no record at all stays unknown, not compared
+    v = evaluate(same("n1 n2") | {"n3": None}, DEFAULT)
+    assert v.decision == "warn" and [f.rule for f in v.findings] == ["unknown-node"]
 
 
 def test_probe_error_is_unknown_not_different() -> None:

@@ -215,9 +215,15 @@ def classes(partition: str | None, nodes_opt: str | None, as_json: bool, as_csv:
     if node_set is not None:
         have = {h for k in cls for h in k.hosts}
         missing = [h for h in node_set.hosts if h not in have]
+    oldest = c.inv("oldest_heartbeat", node_set.hosts if node_set else None)
+    n_stale = sum(r["stale"] for r in rows)
+    freshness = {"stale": n_stale, "stale_after_s": c.stale_after,
+                 "oldest_heartbeat": out.iso(oldest),
+                 "oldest_age_s": None if oldest is None else round(c.now - oldest, 1)}
     doc = {
         "node_set": node_set.to_dict() if node_set else None,
         "total": total,
+        "freshness": freshness,
         "baseline": {"compat_key": base, "why": why},
         "classes": [{k: r[k] for k in ("compat_key", "values", "count", "share", "stale",
                                         "baseline", "hosts")} for r in rows],
@@ -229,6 +235,10 @@ def classes(partition: str | None, nodes_opt: str | None, as_json: bool, as_csv:
         lines.append(f"{total} nodes in {len(cls)} compatibility classes; baseline: "
                      + (f"{base} ({why})" if base else why))
         text = "\n".join(lines) + "\n" + out.table(rows, CLASS_COLUMNS)
+        if oldest is not None:
+            text += (f"freshness: {n_stale} of {total} nodes stale (no heartbeat for "
+                     f"{c.stale_after:.0f} s, or dated ahead); oldest heartbeat "
+                     f"{out.iso(oldest)} ({out.age(c.now - oldest)} ago)\n")
         if missing:
             text += f"not in the inventory: {len(missing)} nodes: {compress(missing)}\n"
     c.emit(doc, rows=rows, columns=CLASS_COLUMNS, text=text, csv_columns=CLASS_CSV)

@@ -5,8 +5,9 @@
 
 1. Scope: a partition that is not guarded, or fewer nodes than ``min_nodes``: accept,
    with a note.
-2. Nodes without a record, or with a stale heartbeat (``stale``, decided by the caller),
-   are *unknown*: the ``unknown-node`` rule names them and the other rules skip them.
+2. Nodes without a record are *unknown*: the ``unknown-node`` rule names them and the
+   other rules skip them. Nodes with a stale heartbeat (``stale``, decided by the caller)
+   are compared by their last known record, and ``unknown-node`` names them too.
 3. Nodes are grouped into classes first by fingerprint object (the store may hand one
    dict to all nodes of a class), then by the values each rule reads, so that N
    identical nodes cost one comparison.
@@ -305,7 +306,8 @@ def _evaluate(
         return Verdict("accept", nodes=nodes, notes=[note], partition=partition)
 
     stale_set = set(stale)
-    known = {h: fp for h, fp in fingerprints.items() if fp is not None and h not in stale_set}
+    # a stale node's last known record is the best evidence there is: it is compared
+    known = {h: fp for h, fp in fingerprints.items() if fp is not None}
     rules = [r for r in COMPARISONS if severity_of(config, r.name) != "ignore"]
     severities = [severity_of(config, r.name) for r in rules]
     classes = _classes(known, rules, read)
@@ -316,7 +318,7 @@ def _evaluate(
     unknown_sev = severity_of(config, unknown_node.NAME)
     forced_odd: list[str] = []
     if unknown_sev != "ignore":
-        found = unknown_node.check(fingerprints, stale_set, unknown_sev)
+        found = unknown_node.check(fingerprints, stale, unknown_sev)
         findings.extend(found)
         if found and unknown_sev == "refuse":
             missing, old = unknown_node.unknown_hosts(fingerprints, stale_set)
@@ -330,6 +332,10 @@ def _evaluate(
     odd: list[str] = []
     tie = False
     if decision == "refuse":
-        found_odd, tie = _odd_search(_refuse_signatures(rules, severities, classes), prefer)
+        # nodes the unknown-node rule refuses are odd already: search among the others
+        forced = set(forced_odd)
+        rest = [(v, [h for h in hosts if h not in forced]) for v, hosts in classes]
+        rest = [(v, hosts) for v, hosts in rest if hosts]
+        found_odd, tie = _odd_search(_refuse_signatures(rules, severities, rest), prefer)
         odd = forced_odd + found_odd
     return Verdict(decision, findings, odd, nodes, partition=partition, odd_tie=tie)

@@ -30,6 +30,10 @@ def is_stale(heartbeat: float | None, now: float, stale_after_s: float) -> bool:
 
 
 def stale_hosts(heartbeats: Mapping[str, float | None], now: float,
-                stale_after_s: float) -> list[str]:
-    """The hosts of ``heartbeats`` (host -> heartbeat) that are not current, sorted."""
-    return sorted(h for h, hb in heartbeats.items() if is_stale(hb, now, stale_after_s))
+                stale_after_s: float) -> dict[str, float]:
+    """The hosts of ``heartbeats`` (host -> heartbeat) that are not current, sorted, each
+    with its heartbeat's age in seconds (negative: dated in the future; ``inf``: none)."""
+    return {
+        h: (float("inf") if hb is None else now - hb)
+        for h, hb in sorted(heartbeats.items()) if is_stale(hb, now, stale_after_s)
+    }

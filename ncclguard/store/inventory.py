@@ -565,6 +565,19 @@ class Inventory(Database):
         )
         return [r[0] for r in rows]
 
+    def oldest_heartbeat(self, hosts: Iterable[str] | None = None) -> float | None:
+        """The oldest heartbeat of ``hosts`` (default: every node), or None: the
+        inventory's freshness, for ``classes`` and the collector's metrics."""
+        params: tuple[str, ...] = ()
+        if hosts is None:
+            sql = "SELECT min(last_heartbeat) FROM gate_nodes"
+        else:
+            sql = ("SELECT min(last_heartbeat) FROM gate_nodes "
+                   "WHERE host IN (SELECT value FROM json_each(?))")
+            params = (json.dumps(list(hosts)),)
+        row = self._reading("read heartbeats", lambda c: c.execute(sql, params).fetchone())
+        return None if row is None or row[0] is None else float(row[0])
+
     def hosts(self) -> list[str]:
         rows = self._reading(
             "list hosts", lambda c: c.execute("SELECT host FROM nodes ORDER BY host").fetchall()

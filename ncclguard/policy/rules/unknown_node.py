@@ -1,9 +1,14 @@
-"""unknown-node: a node with no record, or whose heartbeat is older than the TTL.
+"""unknown-node: a node with no record, or whose heartbeat is not current.
 
-Such a node was not checked: nothing is known about its NCCL stack, so it is never
-*different*; by default it is a warning, and it can be set to refuse. Whether a heartbeat
-is stale is decided by the caller (``inventory.stale_after_s``), keeping the policy free of
-clocks.
+A node with **no record** was not checked: nothing is known about its NCCL stack, so it is
+never *different*. A node with a **stale** heartbeat (older than the TTL, or dated in the
+future) is still compared by its last known record, the best evidence there is: a
+refuse-level difference in it still refuses (issue 12: an outage of the inventory path
+longer than the TTL turned the gate into a warning for the whole cluster). This rule
+names both kinds, the stale ones with the age of the oldest heartbeat; by default it is a
+warning, and it can be set to refuse. Whether a heartbeat is stale is decided by the
+caller (``ncclguard.policy.freshness``), keeping the policy free of clocks: ``stale`` may
+map each host to its heartbeat's age in seconds.
 """
 
 from __future__ import annotations
@@ -14,7 +19,8 @@ from ncclguard.policy.rules.base import Rule, Values
 from ncclguard.policy.verdict import Finding
 
 NAME = "unknown-node"
-MESSAGE = "nodes without a current inventory record were not checked"
+MESSAGE = ("nodes without a current inventory record: with none they were not checked, "
+           "with a stale one they were compared by their last known record")
 
 
 def _no_values(fp: dict) -> Values:
@@ -34,12 +40,22 @@ def unknown_hosts(
     return missing, old
 
 
+def age_text(seconds: float) -> str:
+    """``45 s``, ``20 min``, ``3 h``, ``2 d``; ``in the future`` for a negative age."""
+    if seconds < 0:
+        return "in the future"
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f} {unit}"
+    return f"{seconds:.0f} s"
+
+
 def check(
     fingerprints: Mapping[str, dict | None],
-    stale: Collection[str] = (),
+    stale: Collection[str] | Mapping[str, float] = (),
     severity: str = RULE.severity,
 ) -> list[Finding]:
-    """One finding naming the unchecked nodes, or none."""
+    """One finding naming the nodes without a current record, or none."""
     missing, old = unknown_hosts(fingerprints, stale)
     if not missing and not old:
         return []
@@ -47,7 +63,14 @@ def check(
     if missing:
         groups.append(("no record", missing))
     if old:
-        groups.append(("stale heartbeat", old))
+        label = "stale heartbeat"
+        if isinstance(stale, Mapping):
+            ages = [stale[h] for h in old]
+            if any(a < 0 for a in ages):
+                label += ", some dated in the future"
+            if any(a >= 0 for a in ages):
+                label += f", oldest {age_text(max(ages))} old"
+        groups.append((label, old))
     return [
         Finding.from_hosts(NAME, severity, MESSAGE, groups)
     ]
