@@ -204,3 +204,43 @@ def test_scan_skips_device_code_but_hashes_it() -> None:
     assert skipped["abis"]["net"] == [5]  # v9 lies wholly inside the skipped chunks
     assert skipped["sha256"] == whole["sha256"] == hashlib.sha256(data).hexdigest()
     assert skipped["size"] == len(data)
+
+
+def test_ncclgetversion_never_loads_a_library_others_control(tmp_path: Path) -> None:
+    """Issue 12: with ``ncclgetversion = true`` a ``libnccl.so.2`` in a user's conda env
+    ran its constructor in the daemon's process tree. Only a file whose whole path is
+    root's and writable by no one else is loaded now."""
+    import os
+
+    from conftest import build_shared_lib
+
+    marker = tmp_path / "ran"
+    body = (
+        "#include <stdio.h>\n"
+        "__attribute__((constructor)) static void pwn(void) {\n"
+        f'  FILE *f = fopen("{marker}", "a"); if (f) {{ fputs("x", f); fclose(f); }}\n'
+        "}\n"
+        "int ncclGetVersion(int *v) { *v = 22105; return 0; }\n"
+    )
+    root = tmp_path / "node"
+    conda = root / "home" / "alice" / "conda" / "lib"
+    lib = build_shared_lib(conda / "libnccl.so.2", soname="libnccl.so.2", body=body)
+    os.chown(root / "home" / "alice", 1000, 1000)  # the user's own tree
+    cfg = InventorydConfig(ncclgetversion=True, nccl_search_paths=("/home/alice/conda/lib",))
+    errors = ErrorLog()
+    libs = nccl.probe(NodeFS(root), errors, cfg, FileCache(None))
+    assert [x["path"] for x in libs] == ["/home/alice/conda/lib/libnccl.so.2"]
+    assert not marker.exists()  # its code never ran
+    (msg,) = [e["error"] for e in errors.entries if e["field"] == "libnccl.version"]
+    assert msg == "ncclGetVersion not called: /home/alice is owned by uid 1000, not root"
+    # the same file where only root can write: loaded (so the test's library does run)
+    os.chown(root / "home" / "alice", 0, 0)
+    os.chmod(lib, 0o666)
+    errors = ErrorLog()
+    nccl.probe(NodeFS(root), errors, cfg, FileCache(None))
+    assert not marker.exists()
+    assert "libnccl.so.2 is writable by others" in errors.entries[-1]["error"]
+    os.chmod(lib, 0o644)
+    errors = ErrorLog()
+    got = nccl.probe(NodeFS(root), errors, cfg, FileCache(None))
+    assert marker.exists() and got[0]["version_code"] == 22105

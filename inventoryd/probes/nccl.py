@@ -14,7 +14,10 @@ What, read from the file itself and never from its name (docs/nccl-facts.md):
 - its sha256.
 All in one buffered pass of bounded memory; the result is cached by file identity.
 Optionally (config ``ncclgetversion``) ``ncclGetVersion`` is called in a short-lived
-subprocess with a timeout, as a cross-check or when the banner is missing.
+subprocess with a timeout, as a cross-check or when the banner is missing. Loading a
+library runs its code (constructors): only a file whose whole path, from the node's root
+down, is owned by root and writable by no one else is ever loaded (:func:`untrusted`);
+a copy in a user's conda env under /home is read, never run.
 """
 
 from __future__ import annotations
@@ -259,10 +262,32 @@ def describe(
     return {"path": path, "realpath": real, **facts, "default": False, "origin": origin}
 
 
+def untrusted(fs: NodeFS, real: str) -> str | None:
+    """Why the library at node path ``real`` (symlinks resolved) must not be loaded, or
+    None: the file and every directory above it, up to the node's root, must be owned
+    by root and not writable by group or others (anyone else could put code there)."""
+    parts = [p for p in real.split("/") if p]
+    for i in range(len(parts), -1, -1):
+        node_path = "/" + "/".join(parts[:i])
+        try:
+            st = os.lstat(fs.host(node_path))
+        except OSError as e:
+            return f"cannot stat {node_path}: {_oserror(e)}"
+        if st.st_uid != 0:
+            return f"{node_path} is owned by uid {st.st_uid}, not root"
+        if st.st_mode & 0o022:
+            return f"{node_path} is writable by others (mode {oct(st.st_mode & 0o7777)})"
+    return None
+
+
 def _cross_check(
     fs: NodeFS, errors: ErrorLog, path: str, real: str, st: os.stat_result,
     facts: dict[str, Any], cache: FileCache,
 ) -> None:
+    why = untrusted(fs, real)
+    if why is not None:  # its code would run in our process tree: never
+        errors.add(PROBE, "libnccl.version", path, f"ncclGetVersion not called: {why}")
+        return
     got = cache.get(KIND_GETVERSION, real, st)
     if got is None:
         try:
