@@ -11,6 +11,8 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +27,11 @@ _KINDS = {
     stat.S_IFCHR: "a character device",
     stat.S_IFBLK: "a block device",
 }
+
+#: Called now and then while a long file is read (``ncclguard-inventoryd run`` sets it to
+#: pet systemd's watchdog): a collection that reads gigabytes makes progress, a hung one
+#: does not, and the watchdog can tell them apart.
+progress: ContextVar[Callable[[], object] | None] = ContextVar("progress", default=None)
 
 
 @dataclass

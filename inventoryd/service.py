@@ -163,8 +163,11 @@ class Daemon:
             self.publish_state = state
 
     def cycle(self) -> bool:
-        """Collect and store once. True when the inventory is up to date."""
+        """Collect and publish once. True when the published record is up to date."""
+        from inventoryd.nodefs import progress
+
         self.cycles += 1
+        token = progress.set(self.notifier.watchdog)  # a long read is progress, not a hang
         try:
             fp = self.collect(self.root, self.hostname, self.cfg.inventoryd)
         except Exception as e:  # a probe bug must not stop the node's daemon
@@ -173,6 +176,8 @@ class Daemon:
                 log.error("%s: collection failed: %s", self.node, state)
                 self.collect_state = state
             return False
+        finally:
+            progress.reset(token)
         if self.collect_state is not None:
             log.info("%s: collection works again", self.node)
             self.collect_state = None

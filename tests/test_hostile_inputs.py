@@ -71,7 +71,46 @@ def test_non_elf_file_named_libnccl(tmp_path: Path) -> None:
     (tmp_path / LIBDIR / "libnccl.so.2").write_bytes(b"NCCL version 2.21.5+cuda12.4\0 hello\n")
     libs, _ = _libs(tmp_path)
     assert libs[0]["version"] is None
-    assert libs[0]["version_error"] == "not an ELF file (no ELF magic); no version read"
+    assert libs[0]["version_error"] == "not an ELF file (no ELF magic); not read"
+    assert libs[0]["sha256"] is None  # only a library is hashed
+
+
+def test_huge_files_named_libnccl_are_not_read(tmp_path: Path) -> None:
+    """Issue 12: a 4 GiB sparse non-ELF libnccl.so.2 took 14.8 s to hash; at 1 TB the
+    daemon outlived its watchdog. Not ELF: not read. Larger than any libnccl: not read."""
+    import time
+
+    d = tmp_path / LIBDIR
+    d.mkdir(parents=True)
+    with open(d / "libnccl.so.2", "wb") as f:
+        f.truncate(3 << 29)  # 1.5 GiB: under the size bound, so the ELF check decides
+    with open(d / "libnccl.so.3", "wb") as f:  # an ELF header, then 3 GiB of nothing
+        f.write(b"\x7fELF\x02\x01\x01" + b"\0" * 57)
+        f.truncate(3 << 30)
+    t0 = time.monotonic()
+    libs, _ = _libs(tmp_path)
+    assert time.monotonic() - t0 < 2
+    by = {x["path"].rsplit("/", 1)[1]: x for x in libs}
+    assert by["libnccl.so.2"]["version_error"] == "not an ELF file (no ELF magic); not read"
+    assert by["libnccl.so.3"]["version_error"].startswith(
+        f"{3 << 30} bytes, more than any libnccl")
+    assert by["libnccl.so.3"]["size"] == 3 << 30 and by["libnccl.so.3"]["sha256"] is None
+
+
+def test_a_long_read_reports_progress() -> None:
+    """What keeps systemd's watchdog fed while a large library is hashed."""
+    import io
+
+    from inventoryd.nodefs import progress
+    from inventoryd.probes import nccl
+
+    ticks: list[int] = []
+    token = progress.set(lambda: ticks.append(1))
+    try:
+        nccl.scan(io.BytesIO(b"\0" * (64 * nccl.CHUNK)))
+    finally:
+        progress.reset(token)
+    assert len(ticks) == 64 // nccl.PROGRESS_EVERY
 
 
 def test_zero_byte_library(tmp_path: Path) -> None:

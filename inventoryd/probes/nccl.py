@@ -42,6 +42,8 @@ NAME_GLOB = "libnccl.so*"
 CHUNK = 1 << 20
 OVERLAP = 256  # longer than any string searched for, so none is lost at a chunk boundary
 MAX_LIBRARIES = 256
+MAX_LIBRARY_BYTES = 2 << 30  # a real libnccl is 0.2-0.6 GiB; a larger file is not read
+PROGRESS_EVERY = 16  # chunks (16 MiB) between two calls of nodefs.progress
 GETVERSION_TIMEOUT_S = 10.0
 # CUDA device code (fatbins of cubins and PTX) holds no host string literal
 DEVICE_CODE_SECTIONS = frozenset({".nv_fatbin", "__nv_relfatbin"})
@@ -121,8 +123,12 @@ def scan(f: BinaryIO, skip: list[tuple[int, int]] | None = None) -> dict[str, An
     Every byte is hashed; the strings are not searched for in chunks that lie wholly in a
     ``skip`` range (CUDA device code: 95 % of a libnccl, and no host string literal).
     """
+    from inventoryd.nodefs import progress
+
+    tick = progress.get()
     h = hashlib.sha256()
     sc = _Scanner()
+    chunks = 0
     buf = bytearray(OVERLAP + CHUNK)
     view = memoryview(buf)
     keep = 0
@@ -134,6 +140,9 @@ def scan(f: BinaryIO, skip: list[tuple[int, int]] | None = None) -> dict[str, An
             sc.feed(buf, keep, eof=True)
             break
         h.update(view[keep : keep + n])
+        chunks += 1
+        if tick is not None and chunks % PROGRESS_EVERY == 0:
+            tick()
         start, pos = pos, pos + n
         if any(a <= start and pos <= b for a, b in ranges):
             sc.feed(buf, keep, eof=True)  # the text before the skipped part ends here
@@ -149,14 +158,31 @@ def scan(f: BinaryIO, skip: list[tuple[int, int]] | None = None) -> dict[str, An
             "abis": abis}
 
 
+def _unread(size: int, why: str) -> dict[str, Any]:
+    """The facts of a file that is not read: no hash, no version, the reason."""
+    return {
+        "size": size, "sha256": None, "version": None, "version_code": None,
+        "cuda_version": None, "version_source": None, "version_error": why,
+        "git_version": None, "abis": {k: [] for k in ABI_KINDS},
+    }
+
+
 def analyze(f: BinaryIO, label: str) -> dict[str, Any]:
     """The file-only facts of one libnccl (cacheable): the schema fields but path/default."""
     from inventoryd.elf import ElfError, ElfReader  # only on a cache miss: a warm run skips it
 
     problem = None
     skip: list[tuple[int, int]] = []
-    if f.read(1) == b"":
+    size = f.seek(0, os.SEEK_END)
+    f.seek(0)
+    if size > MAX_LIBRARY_BYTES:  # not read at all: a 1 TB file would outlive the watchdog
+        return _unread(size, f"{size} bytes, more than any libnccl ({MAX_LIBRARY_BYTES}); "
+                       "not read")
+    head = f.read(4)
+    if head == b"":
         problem = "empty file (0 bytes)"
+    elif head != b"\x7fELF":  # only a library is hashed: a 4 GiB sparse file took 15 s
+        return _unread(size, "not an ELF file (no ELF magic); not read")
     else:
         try:
             f.seek(0)
