@@ -302,3 +302,21 @@ def test_dangling_link_is_not_a_library(tmp_path: Path) -> None:
     (tmp_path / LIBDIR / "libnccl.so").symlink_to("libnccl.so.2.99.9")  # a -dev link alone
     libs, errors = _libs(tmp_path)
     assert libs == [] and errors.entries == []
+
+
+def test_a_hundred_thousand_libnccl_names_are_listed_in_linear_time(tmp_path: Path) -> None:
+    """Issue 12: 100,000 ``libnccl.so*`` names in one linker directory took 40 s (a list
+    was searched for each name). Now one pass; the first 256 are read, and that is said."""
+    import os
+    import time
+
+    d = tmp_path / LIBDIR
+    d.mkdir(parents=True)
+    for i in range(100_000):
+        os.close(os.open(d / f"libnccl.so.{i}", os.O_CREAT | os.O_WRONLY, 0o644))
+    t0 = time.monotonic()
+    libs, errors = _libs(tmp_path)
+    took = time.monotonic() - t0
+    assert len(libs) == 256 and took < 20, took  # (quadratic: 40 s and more)
+    assert any("100000 libnccl files found; only the first 256" in e["error"]
+               for e in errors.entries)

@@ -372,15 +372,12 @@ class LinkerView:
 
     def dirs(self) -> list[str]:
         """Every directory the linker searches: cached libraries' dirs, conf dirs, standard."""
-        out: list[str] = []
+        out: dict[str, None] = {}  # ordered, and a set: ld.so.cache has thousands
         for e in self.cache or []:
-            d = e.path.rsplit("/", 1)[0] or "/"
-            if d not in out:
-                out.append(d)
+            out.setdefault(e.path.rsplit("/", 1)[0] or "/")
         for d in [*self.conf, *self.std]:
-            if d not in out:
-                out.append(d)
-        return out
+            out.setdefault(d)
+        return list(out)
 
     def listing(self, d: str) -> list[str] | None:
         """Sorted entry names of a directory (memoised), None if not listable.
@@ -399,11 +396,9 @@ class LinkerView:
 
     def find(self, name_glob: str) -> list[str]:
         """Node paths in the linker's directories whose name matches ``name_glob``."""
-        out: list[str] = []
+        out: dict[str, None] = {}  # ordered, and a set: a list here was quadratic
         for d in self.dirs():
             for n in self.listing(d) or []:
                 if fnmatch.fnmatchcase(n, name_glob):
-                    p = join_path(d, n)
-                    if p not in out:
-                        out.append(p)
-        return out
+                    out.setdefault(join_path(d, n))
+        return list(out)
