@@ -66,6 +66,7 @@ class ElfReader:
         self._elf = self._guard("header", lambda: ELFFile(f))
         self._loads: list[tuple[int, int, int]] = self._guard("program headers", self._load_map)
         self._dynamic: Any = self._guard("dynamic segment", self._find_dynamic)
+        self._tables: list[tuple[bytes, bool]] | None = None
 
     # ---- helpers -----------------------------------------------------------------------
 
@@ -163,23 +164,54 @@ class ElfReader:
 
     # ---- pointers ----------------------------------------------------------------------
 
-    def _relocation_tables(self) -> list[Any]:
+    def _relocation_tables(self) -> list[tuple[bytes, bool]]:
+        """``(raw table, is RELA)`` of the dynamic RELA and REL tables (``DT_RELA`` /
+        ``DT_RELASZ``, ``DT_REL`` / ``DT_RELSZ``), read once, bounded by MAX_RELOCATIONS."""
+        if self._tables is not None:
+            return self._tables
+        self._tables = []
         if self._dynamic is None:
-            return []
-        tables = self._dynamic.get_relocation_tables()
-        return [tables[k] for k in ("RELA", "REL") if k in tables]
+            return self._tables
+        tags: dict[str, int] = {}
+        for t in self._dynamic.iter_tags():
+            tags.setdefault(str(t.entry.d_tag), int(t.entry.d_val))
+        width = self._elf.elfclass // 8
+        for addr, size, rela in (("DT_RELA", "DT_RELASZ", True), ("DT_REL", "DT_RELSZ", False)):
+            if addr not in tags or size not in tags:
+                continue
+            entsize = width * (3 if rela else 2)
+            n = tags[size] // entsize
+            if n > MAX_RELOCATIONS:
+                raise ElfError(f"{self.label}: more than {MAX_RELOCATIONS} relocations")
+            off = self.file_offset(tags[addr], n * entsize)
+            if off is None:
+                raise ElfError(f"{self.label}: malformed ELF relocations: table outside "
+                               "the file")
+            self._tables.append((self._read_at(off, n * entsize), rela))
+        return self._tables
 
     def _find_relocation(self, vaddr: int) -> tuple[int, int, int | None] | None:
-        """(type, symbol index, addend or None for REL) of the relocation at ``vaddr``."""
-        seen = 0
-        for table in self._relocation_tables():
-            for rel in table.iter_relocations():
-                seen += 1
-                if seen > MAX_RELOCATIONS:
-                    raise ElfError(f"{self.label}: more than {MAX_RELOCATIONS} relocations")
-                if rel["r_offset"] == vaddr:
-                    addend = rel["r_addend"] if rel.is_RELA() else None
-                    return rel["r_info_type"], rel["r_info_sym"], addend
+        """(type, symbol index, addend or None for REL) of the relocation at ``vaddr``.
+
+        The tables are searched as bytes for ``r_offset == vaddr`` at entry boundaries
+        (one C-speed ``find`` per hit): walking them entry by entry in Python took 7 s
+        for a plugin with 500,000 relocations, per pointer."""
+        width = self._elf.elfclass // 8
+        end = "<" if self._elf.little_endian else ">"
+        word, sword = ("Q", "q") if width == 8 else ("I", "i")
+        key = struct.pack(end + word, vaddr)
+        for data, rela in self._relocation_tables():
+            entsize = width * (3 if rela else 2)
+            i = data.find(key)
+            while i >= 0:
+                if i % entsize == 0:
+                    fields = struct.unpack_from(end + word + (word + sword if rela else word),
+                                                data, i)
+                    info = fields[1]
+                    rtype, sym = ((info & 0xFFFFFFFF, info >> 32) if width == 8
+                                  else (info & 0xFF, info >> 8))
+                    return rtype, sym, (fields[2] if rela else None)
+                i = data.find(key, i + 1)
         return None
 
     def _symbol_value(self, index: int) -> int | None:
