@@ -57,20 +57,40 @@ class JobLogs:
         }
 
 
+MAX_LISTING = 100_000  # entries of the output directory looked at for a %N file name
+
+
 def resolve_output(path: str, node: str) -> str:
     """The file a job wrote for ``path`` (a :attr:`JobInfo.std_out`): ``%N`` is the short
     host name of the node that opened it, taken to be ``node`` (the batch host). When no
-    such file exists but exactly one file matches with ``%N`` as a wildcard, that one
-    (several slurmd on one host, or a host name that is not the node name)."""
+    such file exists, ``%N`` is in the file name only, and exactly one file of that one
+    directory matches with ``%N`` as a wildcard, that one (several slurmd on one host, or
+    a host name that is not the node name).
+
+    The path is the job's user's choice: it is never globbed (``-o /%N/%N/.../x`` made a
+    glob search the whole filesystem), only one directory is listed, at most
+    :data:`MAX_LISTING` of its entries."""
     if "%N" not in path:
         return path
     guess = path.replace("%N", node) if node else path
     if os.path.exists(guess):
         return guess
-    import glob
+    directory, _, name = path.rpartition("/")
+    if "%N" in directory or "%N" not in name:
+        return guess
+    import itertools
+    import re
 
-    matches = glob.glob("*".join(glob.escape(part) for part in path.split("%N")))
-    return matches[0] if len(matches) == 1 else guess
+    wanted = re.compile(".*".join(re.escape(part) for part in name.split("%N")), re.DOTALL)
+    try:
+        with os.scandir(directory or ".") as it:
+            matches = [e.name for e in itertools.islice(it, MAX_LISTING)
+                       if wanted.fullmatch(e.name)]
+    except OSError:
+        return guess
+    if len(matches) != 1:
+        return guess
+    return f"{directory}/{matches[0]}" if directory else matches[0]
 
 
 def job_logs(slurm: Any, job_id: str) -> JobLogs | None:

@@ -162,7 +162,7 @@ class Scanner:
         read and record it as a problem (the Epilog's bound). It is checked between
         blocks, after the first. ``owner_uid``: see :class:`~.logparse.LogReader`.
         """
-        reader = LogReader(path, owner_uid=owner_uid)
+        reader = LogReader(path, owner_uid=owner_uid, deadline=deadline)
         name = label or str(path)
         self.files.append(name)
         fast = self._literals is not None

@@ -26,6 +26,7 @@ import io
 import os
 import re
 import stat
+import time
 import zlib
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass
@@ -144,11 +145,15 @@ class LogReader:
     :attr:`problem`, so that the caller diagnoses what was read and says so.
     """
 
-    def __init__(self, path: str | os.PathLike[str], owner_uid: int | None = None) -> None:
+    def __init__(self, path: str | os.PathLike[str], owner_uid: int | None = None,
+                 deadline: float | None = None) -> None:
         """``owner_uid``: read the file only if it is a regular file owned by that user,
         opened without following a final symlink (the Epilog, which runs as SlurmUser,
-        reads paths that the job's user chose)."""
+        reads paths that the job's user chose). ``deadline`` (``time.monotonic()``):
+        stop reading there, after any chunk, and say so in :attr:`problem` (a 3 GiB line
+        or a gzip bomb yields no line for a long time: the caller cannot check it)."""
         self.path = str(path)
+        self.deadline = deadline
         self.problem: ReadProblem | None = None
         self.truncated_lines = 0  # lines longer than MAX_LINE
         self.bytes_read = 0
@@ -219,6 +224,9 @@ class LogReader:
                 if not chunk:
                     break
                 self.bytes_read += len(chunk)
+                if self.deadline is not None and time.monotonic() > self.deadline:
+                    self.problem = ReadProblem(self.path, lineno, "time limit reached")
+                    break
                 if skipping:
                     j = chunk.find(b"\n")
                     if j < 0:

@@ -1,0 +1,109 @@
+"""Issue 12: diagnose and the Epilog read files a job's user controls, as SlurmUser. No
+such file makes them run past their budget: every catalog pattern is linear on long
+adversarial lines, the deadline is checked inside the read loop (a line with no newline,
+a gzip bomb), and no user-chosen path is globbed."""
+
+from __future__ import annotations
+
+import gzip
+import os
+import time
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ncclguard.diagnose import catalog, resolve_output
+from ncclguard.diagnose.engine import Scanner
+
+BUDGET_S = 2.0
+LINE = 64 * 1024
+FILLERS = (b" ", b"a", b"0", b".", b"\t", b"x ", b", ", b"(", b"/", b"=", b"v", b"-", b":",
+           b"\xff", b"NCCL ")
+
+
+def _adversarial(needles: list[bytes]) -> Iterator[bytes]:
+    """Lines of 64 KiB of each character class, alone and after each literal a pattern
+    needs, ending in the class or in another character (what makes a lazy or greedy
+    group backtrack), and each literal repeated."""
+    for f in FILLERS:
+        n = LINE // len(f)
+        yield f * n
+        for nd in needles:
+            yield nd + f * n
+            yield nd + b"x" + f * n + b"y"
+            yield (nd + f) * (LINE // (len(nd) + len(f)))
+    for nd in needles:
+        yield nd * (LINE // max(len(nd), 1))
+
+
+def _patterns() -> list[tuple[str, catalog.Pattern]]:
+    return [(f"{s.id}:{i}", p) for s in catalog.load() for i, p in enumerate(s.patterns)]
+
+
+@pytest.mark.parametrize(("name", "pattern"), _patterns(), ids=[n for n, _ in _patterns()])
+def test_every_catalog_pattern_is_linear_on_long_lines(name: str, pattern: catalog.Pattern
+                                                       ) -> None:
+    """``^Using network (?P<net>.+?)\\s*$`` took 10 s on one 64 KiB line here (a run of
+    spaces before a last character): 133 s for a 1 MiB log of 17 such lines."""
+    needles = list(pattern.needles or [b""])
+    for line in _adversarial(needles):
+        t0 = time.perf_counter()
+        pattern.regex.search(line)
+        took = time.perf_counter() - t0
+        assert took < 0.5, f"{name}: {took:.1f} s on {line[:40]!r}..."
+
+
+def _scan(path: Path, budget: float = BUDGET_S) -> tuple[Scanner, float]:
+    scanner = Scanner(catalog.load())
+    t0 = time.monotonic()
+    scanner.feed(path, deadline=t0 + budget)
+    return scanner, time.monotonic() - t0
+
+
+def test_a_file_with_no_newline_stops_at_the_budget(tmp_path: Path) -> None:
+    """A 3 GiB file without a newline took 7.1 s with a budget of 2: the over-long line
+    was skipped without looking at the clock."""
+    p = tmp_path / "slurm-1.out"
+    with open(p, "wb") as f:
+        f.write(b"x" * (1 << 20))
+        f.truncate(3 << 30)  # the rest: zero bytes, no newline
+    scanner, took = _scan(p)
+    assert took < BUDGET_S + 0.5, took
+    assert [pr.cause for pr in scanner.problems] == ["time limit reached"]
+
+
+def test_a_gzip_bomb_stops_at_the_budget(tmp_path: Path) -> None:
+    """3 MB of gzip that inflates to 3 GiB took 8.1 s with a budget of 2."""
+    p = tmp_path / "slurm-2.out.gz"
+    comp = zlib.compressobj(9, zlib.DEFLATED, 31)  # a gzip stream
+    chunk = b"\0" * (1 << 20)
+    with open(p, "wb") as f:
+        for _ in range(3 * 1024):
+            f.write(comp.compress(chunk))
+        f.write(comp.flush())
+    assert p.stat().st_size < 8 << 20
+    with gzip.open(p) as g:  # it is what it says
+        assert g.read(10) == b"\0" * 10
+    scanner, took = _scan(p)
+    assert took < BUDGET_S + 0.5, took
+    assert [pr.cause for pr in scanner.problems] == ["time limit reached"]
+
+
+def test_a_deep_percent_n_path_is_not_globbed(tmp_path: Path) -> None:
+    """``-o /%N/%N/%N/%N/%N/%N/%N/x`` expanded to a filesystem-wide glob (depth 7: 30 s).
+    A %N in a directory part is never searched; in the file name, one directory is."""
+    t0 = time.monotonic()
+    deep = "/" + "/".join(["%N"] * 7) + "/x"
+    assert resolve_output(deep, "n1") == "/n1/n1/n1/n1/n1/n1/n1/x"
+    assert time.monotonic() - t0 < 0.5
+    (tmp_path / "out-gpu001.log").write_text("hi")
+    (tmp_path / "other.log").write_text("")
+    # the file of another host name than the node name: found in its one directory
+    assert resolve_output(f"{tmp_path}/out-%N.log", "n1") == f"{tmp_path}/out-gpu001.log"
+    (tmp_path / "out-gpu002.log").write_text("hi")
+    assert resolve_output(f"{tmp_path}/out-%N.log", "n1") == f"{tmp_path}/out-n1.log"
+    assert resolve_output(f"{tmp_path}/%N/out.log", "n1") == f"{tmp_path}/n1/out.log"
+    os.mkdir(tmp_path / "n[1]")  # glob metacharacters in the real name: no special meaning
+    assert resolve_output(f"{tmp_path}/n[1]/%N", "n2") == f"{tmp_path}/n[1]/n2"
