@@ -64,6 +64,7 @@ ADDRESS_RETRY_S = 30.0  # Slurm is asked again at most this often when it failed
 FUTURE_SKEW_S = configmod.HEARTBEAT_SKEW_S  # signed further ahead: rejected as rewound
 LOG_PER_SCAN = 50  # rejection lines logged per scan at most; the rest are counted
 KEEP_RESOLVED_S = 30 * 86400  # resolved rejections are kept this long
+PRUNE_EVERY_S = 3600.0  # history older than inventory.history_days is deleted this often
 _PRINTABLE = re.compile(r"[A-Za-z0-9_.+@:=,-]{1,200}")
 
 
@@ -221,6 +222,7 @@ class Collector:
         self.defer_state: str | None = None  # why records were deferred, or None
         self.logged: dict[str, str] = {}  # file -> the cause last logged for it
         self.shared_logged: dict[str, list[str]] = {}
+        self._pruned_at = -PRUNE_EVERY_S
         self._load_state()
 
     def _slurm_nodes(self) -> list[tuple[str, str, str]]:
@@ -361,8 +363,19 @@ class Collector:
             log.error("%d more rejections in this scan were not logged: ncclguard rejections "
                       "lists them all", logged - LOG_PER_SCAN)
         self._log_shared()
+        self._prune(t0)
         result.seconds = time.monotonic() - t0
         return result
+
+    def _prune(self, now_mono: float) -> None:
+        """Bound the history (``inventory.history_days``), at most once an hour."""
+        if now_mono - self._pruned_at < PRUNE_EVERY_S:
+            return
+        self._pruned_at = now_mono
+        n = self.inv.prune_history(time.time(), self.cfg.inventory.history_days)
+        if n:
+            log.info("history: %d rows older than %d days deleted", n,
+                     self.cfg.inventory.history_days)
 
     def _batch(
         self,

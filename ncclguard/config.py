@@ -107,7 +107,9 @@ class InventoryConfig(_Settings):
     journal_mode: str = "delete"  # the collector uses "wal" whatever this says (local disk)
     busy_timeout_ms: int = 2000
     write_retries: int = 8
-    stale_after_s: int = 900  # a heartbeat older than this makes a node unknown
+    stale_after_s: int = 900  # a heartbeat older than this makes a node stale
+    history_days: int = 180  # history rows older than this are deleted (each node keeps
+    #                          its newest); 0: keep for ever
 
     def db_path(self) -> Path:
         env = os.environ.get("NCCLGUARD_DB")

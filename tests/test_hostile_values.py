@@ -178,3 +178,38 @@ def test_an_outage_is_visible_and_a_stale_difference_still_refuses(tmp_path: Pat
     assert "stale heartbeat, oldest 20 min old: n[1-3]" in rec["summary"]
     out = CliRunner().invoke(cli, ["--db", str(tmp_path / "inventory.db"), "classes"]).output
     assert "freshness: 4 of 4 nodes stale" in out and "(20m ago)" in out, out
+
+
+@pytest.fixture(scope="module")
+def mixed_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("mixed")
+    inventory(d, ODD)
+    return d / "inventory.db"
+
+
+@given(text=st.one_of(
+    _json.map(lambda v: json.dumps(v, sort_keys=True)),
+    st.fixed_dictionaries({
+        "ncclguard_node_values": st.just(1),
+        "rules": st.dictionaries(st.sampled_from(["nccl-version", "net-plugin", "transport"]),
+                                 st.dictionaries(st.sampled_from(["nccl", "*", "x"]),
+                                                 st.one_of(st.none(), st.text(max_size=6),
+                                                           _json), max_size=3), max_size=3),
+    }).map(lambda v: json.dumps(v, sort_keys=True)),
+    st.text(max_size=40),
+))
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_no_stored_record_makes_a_real_difference_accepted(mixed_db: Path, text: str) -> None:
+    """Fuzz of the gate's read: whatever n3's stored record holds (rekeyed, as a writer
+    who knows the scheme would), the job on n[1-3], whose n3 really runs 2.18.3, is not
+    accepted."""
+    from ncclguard.config import PolicyConfig
+    from ncclguard.policy import evaluate_values
+
+    _poison(mixed_db, "n3", text, rekey=True)
+    with Inventory(mixed_db, readonly=True, values=GATE_VALUES) as inv:
+        got = inv.load_values(["n1", "n2", "n3"])
+    values = {h: (r[0] if r else None) for h, r in got.items()}
+    verdict = evaluate_values(values, PolicyConfig())
+    assert verdict.decision != "accept", (text, verdict.summary())

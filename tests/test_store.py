@@ -400,6 +400,7 @@ def test_migration_to_v2_backfills_the_gate_values(tmp_path: Path) -> None:
     conn.execute("DROP TABLE policy_values")
     conn.execute("DROP TABLE publishers")  # v3's
     conn.execute("DROP TABLE rejections")
+    conn.execute("ALTER TABLE nodes DROP COLUMN errors_hash")
     conn.execute("PRAGMA user_version = 1")
     conn.close()
     with Inventory(p, values=GATE_VALUES) as inv:
@@ -491,3 +492,41 @@ def test_only_the_other_write_bit_refuses(
             Inventory(db, values=GATE_VALUES, readonly=readonly).close()
     finally:
         os.chmod(db.parent, 0o755)
+
+
+def test_a_transient_error_is_shown_but_is_not_a_change(db: Path) -> None:
+    """Issue 12: errors were part of the fingerprint hash, so a node whose probe failed
+    now and then alternated between two fingerprints, a history row each time (6 MB a
+    simulated day). Now the errors are stored and shown, and only the stack is a change."""
+    clean = make_fp("n1")
+    flaky = make_fp("n1")
+    flaky["errors"] = [{"probe": "rdma", "field": "rdma.devices[mlx5_0].fw_ver",
+                        "path": "/sys/class/infiniband/mlx5_0/fw_ver", "error": "[Errno 5] EIO"}]
+    with Inventory(db, values=GATE_VALUES, heartbeat_s=300) as inv:
+        statuses = [inv.upsert(flaky if i % 2 else clean, now=1000 + i) for i in range(100)]
+        assert statuses[0] == "inserted" and "changed" not in statuses
+        assert len(inv.history("n1")) == 1
+        rec = inv.load(["n1"])["n1"]
+        assert rec is not None and rec.fingerprint["errors"] == flaky["errors"]  # the latest
+        assert inv.nodes()[0]["error_count"] == 1
+        assert inv.upsert(clean, now=2000) == "heartbeat"  # the errors went away: shown
+        assert inv.load(["n1"])["n1"].fingerprint["errors"] == []  # type: ignore[union-attr]
+        assert inv.upsert(make_fp("n1", "2.18.3"), now=3000) == "changed"  # the stack did
+        assert len(inv.history("n1")) == 2
+
+
+def test_history_is_kept_for_history_days(db: Path) -> None:
+    """Issue 12: history had no bound; rows older than ``inventory.history_days`` go,
+    each node's newest stays (what ``fingerprint_at`` answers for now)."""
+    day = 86400.0
+    with Inventory(db, values=GATE_VALUES) as inv:
+        for i, v in enumerate(["2.18.3", "2.21.5", "2.23.4"]):
+            inv.upsert(make_fp("n1", v), now=1000 + i * 100 * day)
+        inv.upsert(make_fp("n2"), now=1000)
+        assert inv.prune_history(1000 + 250 * day, keep_days=0) == 0
+        assert inv.prune_history(1000 + 250 * day, keep_days=180) == 1  # n1's 2.18.3
+        assert [h["host"] for h in inv.history()] == ["n1", "n1", "n2"]  # n2: its newest
+        assert inv.fingerprint_at("n2", 1000 + 250 * day) is not None
+        assert inv.prune_history(1000 + 900 * day, keep_days=180) == 1
+        assert [(h["host"], h["at"]) for h in inv.history()] == [
+            ("n1", 1000 + 200 * day), ("n2", 1000)]

@@ -10,10 +10,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
-__all__ = ["canonical_json", "fingerprint_diff", "fingerprint_hash"]
+__all__ = ["canonical_json", "errors_hash", "fingerprint_diff", "fingerprint_hash"]
 
 # fields that change on every collection and so are not part of the fingerprint hash
 _VOLATILE = (("host", "collected_at"),)
+# the probes' error list: a transient error (one read that failed once) is not a change of
+# the node's stack; each node alternating between two hashes added a history row per
+# flap (issue 12). The store keeps the latest errors all the same (``errors_hash``).
+_UNHASHED = ("errors",)
 
 
 def canonical_json(obj: Any) -> str:
@@ -21,7 +25,7 @@ def canonical_json(obj: Any) -> str:
 
 
 def _without_volatile(fp: dict[str, Any]) -> dict[str, Any]:
-    out = dict(fp)
+    out = {k: v for k, v in fp.items() if k not in _UNHASHED}
     for section, key in _VOLATILE:
         sub = out.get(section)
         if isinstance(sub, dict) and key in sub:
@@ -30,10 +34,19 @@ def _without_volatile(fp: dict[str, Any]) -> dict[str, Any]:
 
 
 def fingerprint_hash(fp: dict[str, Any]) -> str:
-    """sha256 of the canonical JSON, without the fields that change every collection."""
+    """sha256 of the canonical JSON, without the fields that change every collection and
+    without the probes' error list."""
     import hashlib  # writers only: the gate's read path does not pay for OpenSSL
 
     return hashlib.sha256(canonical_json(_without_volatile(fp)).encode()).hexdigest()
+
+
+def errors_hash(fp: dict[str, Any]) -> str:
+    """sha256 of the probes' error list alone: the store rewrites a node's stored
+    fingerprint when only its errors changed, without a history row."""
+    import hashlib
+
+    return hashlib.sha256(canonical_json(fp.get("errors") or []).encode()).hexdigest()
 
 
 _LIST_KEYS = ("path", "name", "port")

@@ -61,14 +61,18 @@ def node_values(fp: dict) -> dict:
 
 def valid_values(record: Any) -> bool:
     """Whether ``record`` has the shape and types of a :func:`node_values` record:
-    ``{marker: 1, "rules": {rule: {aspect: str | None}}}``. The gate reads such records
-    from the inventory; one that is not (a damaged or poisoned row: ``"driver": ["x"]``)
-    would crash the comparison, which hashes the values."""
+    ``{marker: 1, "rules": {rule: {aspect: str | None}}}`` with every comparison rule.
+    The gate reads such records from the inventory; one that is not (a damaged or
+    poisoned row: ``"driver": ["x"]`` crashed the comparison, which hashes the values;
+    ``"rules": {}`` made every rule unknown, so never different) is computed again from
+    the fingerprint."""
     if not isinstance(record, dict):
         return False
     marker = record.get(NODE_VALUES)
     rules = record.get("rules")
     if type(marker) is not int or marker != 1 or not isinstance(rules, dict):
+        return False
+    if not rules.keys() >= _RULE_NAMES:
         return False
     for name, values in rules.items():
         if not isinstance(name, str) or not isinstance(values, dict):
@@ -77,6 +81,9 @@ def valid_values(record: Any) -> bool:
             if not isinstance(aspect, str) or not (value is None or isinstance(value, str)):
                 return False
     return True
+
+
+_RULE_NAMES = frozenset(r.name for r in COMPARISONS)
 
 
 class StoredValues(NamedTuple):

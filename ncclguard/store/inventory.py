@@ -49,7 +49,7 @@ class CompatClass(NamedTuple):
 
 
 _CURRENT = (
-    "SELECT n.fp_hash, n.last_heartbeat, g.values_version FROM nodes n "
+    "SELECT n.fp_hash, n.last_heartbeat, g.values_version, n.errors_hash FROM nodes n "
     "LEFT JOIN gate_nodes g ON g.host = n.host WHERE n.host = ?"
 )
 
@@ -116,19 +116,31 @@ class _NodeWrite:
 
     def write(self, conn: sqlite3.Connection, heartbeat_due: Callable[[float | None, float], bool]
               ) -> str:
-        from ncclguard.fingerprint.canonical import canonical_json, fingerprint_diff
+        from ncclguard.fingerprint.canonical import (
+            canonical_json,
+            errors_hash,
+            fingerprint_diff,
+        )
         from ncclguard.store.rows import DETAIL_DELETE, DETAIL_INSERT, detail_rows
 
         host, h, now, version = self.host, self.hash, self.now, self.values.version
         cur = conn.execute(_CURRENT, (host,)).fetchone()
+        e_hash = errors_hash(self.fp)
         if cur is not None and cur[0] == h:
             stale_values = cur[2] != version
-            if not stale_values and not heartbeat_due(cur[1], now):
+            new_errors = cur[3] != e_hash
+            if not stale_values and not new_errors and not heartbeat_due(cur[1], now):
                 return "unchanged"
             conn.execute(
                 "UPDATE nodes SET last_heartbeat = ?, collected_at = ? WHERE host = ?",
                 (now, self.collected, host),
             )
+            if new_errors:  # the same stack, other errors: shown, not a change (no history)
+                conn.execute(
+                    "UPDATE nodes SET fingerprint = ?, error_count = ?, errors_hash = ? "
+                    "WHERE host = ?",
+                    (canonical_json(self.fp), len(self.fp.get("errors") or []), e_hash, host),
+                )
             if stale_values:  # written by an older policy: derive them again
                 derived, gate_values = self.derived()
                 names = list(derived)
@@ -147,7 +159,7 @@ class _NodeWrite:
         fp_json = canonical_json(self.fp)
         cols = {
             "fp_hash": h, "fingerprint": fp_json, "collected_at": self.collected,
-            "last_heartbeat": now, "last_change": now, **derived,
+            "last_heartbeat": now, "last_change": now, "errors_hash": e_hash, **derived,
         }
         names = list(cols)
         if cur is None:
@@ -216,7 +228,7 @@ class Inventory(Database):
         or "unchanged" (nothing written).
         """
         self._require_rw()
-        from ncclguard.fingerprint.canonical import fingerprint_hash
+        from ncclguard.fingerprint.canonical import errors_hash, fingerprint_hash
 
         fp = dict(fingerprint)
         now = time.time() if now is None else float(now)
@@ -232,7 +244,7 @@ class Inventory(Database):
             row = None  # decide under the write lock below
         if (
             row is not None and row[0] == h and row[2] == self.values.version
-            and not self._heartbeat_due(row[1], now)
+            and row[3] == errors_hash(fp) and not self._heartbeat_due(row[1], now)
         ):
             return "unchanged"
         node = _NodeWrite(fp, host, h, now, self.values)
@@ -583,6 +595,22 @@ class Inventory(Database):
             "list hosts", lambda c: c.execute("SELECT host FROM nodes ORDER BY host").fetchall()
         )
         return [r[0] for r in rows]
+
+    def prune_history(self, now: float, keep_days: float) -> int:
+        """Delete history rows older than ``keep_days`` (0: none), except each node's
+        newest (``fingerprint_at`` still answers for today). Returns how many."""
+        self._require_rw()
+        if keep_days <= 0:
+            return 0
+
+        def body(conn: sqlite3.Connection) -> int:
+            cur = conn.execute(
+                "DELETE FROM history WHERE at < ? AND id NOT IN "
+                "(SELECT max(id) FROM history GROUP BY host)", (now - keep_days * 86400,),
+            )
+            return int(cur.rowcount)
+
+        return self._retrying(self._conn, body, "prune history")
 
     def integrity_check(self) -> str:
         """``PRAGMA integrity_check``: "ok" or SQLite's list of problems."""

@@ -185,7 +185,10 @@ def write_gate_row(
 
 def _migrate_2_to_3(conn: sqlite3.Connection, values: GateValues) -> None:
     """Add the collector's tables (docs/collector.md): ``publishers``, the record it last
-    accepted from each spool file, and ``rejections``, one row per file and cause."""
+    accepted from each spool file, and ``rejections``, one row per file and cause; and
+    ``nodes.errors_hash``, the hash of the probes' error list, which the fingerprint hash
+    leaves out (a transient error is not a change: docs/store.md)."""
+    conn.execute("ALTER TABLE nodes ADD COLUMN errors_hash TEXT")
     conn.execute(
         "CREATE TABLE publishers (host TEXT PRIMARY KEY, file TEXT NOT NULL, "
         "file_state TEXT NOT NULL, digest TEXT NOT NULL, encoded_at REAL NOT NULL, "
