@@ -36,9 +36,20 @@ def collect(
     cache: FileCache | None = None,
 ) -> Fingerprint:
     """The fingerprint of the node whose files are under ``root``."""
+    from inventoryd.nodefs import READ_BUDGET_BYTES, read_budget
+
     config = config or InventorydConfig()
     fs = NodeFS(root)
     errors = ErrorLog()
+    budget = read_budget.set([READ_BUDGET_BYTES])
+    try:
+        return _collect(fs, errors, hostname, config, cache)
+    finally:
+        read_budget.reset(budget)
+
+
+def _collect(fs: NodeFS, errors: ErrorLog, hostname: str | None, config: InventorydConfig,
+             cache: FileCache | None) -> Fingerprint:
     if cache is None:
         cache = FileCache.open(config)
     host_ = _run(errors, host.PROBE, lambda: host.probe(fs, errors, hostname),

@@ -211,7 +211,7 @@ class ElfReader:
                     rtype, sym = ((info & 0xFFFFFFFF, info >> 32) if width == 8
                                   else (info & 0xFF, info >> 8))
                     return rtype, sym, (fields[2] if rela else None)
-                i = data.find(key, i + 1)
+                i = data.find(key, i - i % entsize + entsize)  # the next entry: linear
         return None
 
     def _symbol_value(self, index: int) -> int | None:

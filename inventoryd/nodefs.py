@@ -15,6 +15,7 @@ from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 from ncclguard.fingerprint.shape import ProbeError
 
@@ -32,6 +33,37 @@ _KINDS = {
 #: pet systemd's watchdog): a collection that reads gigabytes makes progress, a hung one
 #: does not, and the watchdog can tell them apart.
 progress: ContextVar[Callable[[], object] | None] = ContextVar("progress", default=None)
+
+MAX_LIBRARY_BYTES = 2 << 30  # a real libnccl is 0.2-0.6 GiB, a plugin far less
+READ_BUDGET_BYTES = 8 << 30  # library bytes one collection reads at most (cache misses)
+#: What is left of this collection's read budget (``collect()`` sets it): files that
+#: others can touch (a conda env on a search path) are read again after each change.
+read_budget: ContextVar[list[int] | None] = ContextVar("read_budget", default=None)
+
+
+def library_unreadable(f: BinaryIO) -> tuple[int, str | None]:
+    """``(size, why it is not read)`` of an open file named like a library, or
+    ``(size, None)`` to read it: larger than any library, not ELF (only a library is
+    hashed), or past this collection's read budget. An empty file is the caller's."""
+    size = f.seek(0, os.SEEK_END)
+    f.seek(0)
+    if size > MAX_LIBRARY_BYTES:
+        return size, f"{size} bytes, more than any library ({MAX_LIBRARY_BYTES}); not read"
+    head = f.read(4)
+    f.seek(0)
+    if size and head != b"\x7fELF":
+        return size, "not an ELF file (no ELF magic); not read"
+    left = read_budget.get()
+    if left is not None:
+        if size > left[0]:  # raised, so that the file cache does not keep this answer
+            raise BudgetSpent(f"this collection already read {READ_BUDGET_BYTES} bytes of "
+                              "libraries; the next one reads this file")
+        left[0] -= size
+    return size, None
+
+
+class BudgetSpent(OSError):
+    """This collection's read budget is spent: the file is read by a later one."""
 
 
 @dataclass

@@ -18,9 +18,17 @@ from typing import Any
 from ncclguard import munge, spool
 from ncclguard.config import SpoolConfig
 
-__all__ = ["PublishError", "Publisher"]
+__all__ = ["PublishError", "Publisher", "publish_state"]
 
 LEFTOVER_S = 3600.0  # a temporary file of ours older than this is a dead write's
+
+
+def publish_state(fp: Mapping[str, Any]) -> str:
+    """What makes a publish due: the stack (the fingerprint hash) and the probes' errors,
+    which the hash leaves out but the inventory shows."""
+    from ncclguard.fingerprint.canonical import errors_hash, fingerprint_hash
+
+    return fingerprint_hash(dict(fp)) + errors_hash(dict(fp))
 
 
 class PublishError(Exception):
@@ -52,10 +60,9 @@ class Publisher:
         return (st.st_ino, st.st_size, st.st_mtime_ns) == self.written
 
     def due(self, fp: Mapping[str, Any], now: float) -> bool:
-        from ncclguard.fingerprint.canonical import fingerprint_hash
         from ncclguard.fingerprint.model import hostname
 
-        if self.last_at is None or fingerprint_hash(dict(fp)) != self.last_hash:
+        if self.last_at is None or publish_state(fp) != self.last_hash:
             return True
         if now - self.last_at >= self.heartbeat_s or now < self.last_at:
             return True
@@ -64,7 +71,6 @@ class Publisher:
     def publish(self, fp: Mapping[str, Any], now: float | None = None) -> Path:
         """Sign and write ``fp`` now. :class:`PublishError` when it cannot be done;
         ``ValueError`` for a fingerprint without a usable host name."""
-        from ncclguard.fingerprint.canonical import fingerprint_hash
         from ncclguard.fingerprint.model import hostname
 
         now = time.time() if now is None else now
@@ -93,6 +99,6 @@ class Publisher:
             raise PublishError("spool", f"cannot write {d / spool.record_name(host)}: "
                                f"{e.strerror or e}") from None
         self.written = (st.st_ino, st.st_size, st.st_mtime_ns)
-        self.last_hash = fingerprint_hash(record)
+        self.last_hash = publish_state(record)
         self.last_at = now
         return path

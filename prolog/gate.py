@@ -147,24 +147,30 @@ def _slurm(run: Run) -> Slurm:
     return Slurm.from_config(gate, timeout=SLURM_CALL_S, deadline=deadline)
 
 
+SEPARATOR = " || "  # between others' AdminComment text and ours: ours never holds it
+
+
 def merge_admin_comment(existing: str, ours: str, limit: int = 1000) -> str:
-    """The AdminComment to set: what someone else wrote stays, ahead of ours; an earlier
-    ``ncclguard:`` text of ours (a requeued job's) is replaced. ``ours`` is never cut
-    for theirs: theirs is shortened first."""
-    theirs = existing.split(" | ncclguard:", 1)[0].strip()
-    if not theirs or theirs.startswith("ncclguard:"):
+    """The AdminComment to set: what someone else wrote stays, in order, ahead of ours,
+    joined by :data:`SEPARATOR`; only our earlier text (a requeued job's: a segment that
+    starts ``ncclguard:``) is replaced. ``ours`` is never cut for theirs: theirs is
+    shortened first."""
+    kept = [seg.strip() for seg in existing.split(SEPARATOR)]
+    theirs = SEPARATOR.join(seg for seg in kept if seg and not seg.startswith("ncclguard:"))
+    if not theirs:
         return ours
-    room = limit - len(ours) - 3
+    room = limit - len(ours) - len(SEPARATOR)
     if room < 20:
         return ours
     if len(theirs) > room:
         theirs = theirs[: room - 3] + "..."
-    return f"{theirs} | {ours}"
+    return f"{theirs}{SEPARATOR}{ours}"
 
 
-def _set_comment(run: Run, job_id: int | str, text: str) -> None:
+def _set_comment(run: Run, job_id: int | str, text: str) -> str:
     """Set our AdminComment, keeping what someone else set there (issue 12: the warn
-    path overwrote it). When the current one cannot be read, ours is set alone."""
+    path overwrote it), and return what was set. When the current one cannot be read,
+    ours is set alone."""
     from ncclguard.slurm import SlurmError
 
     existing = ""
@@ -173,7 +179,9 @@ def _set_comment(run: Run, job_id: int | str, text: str) -> None:
         existing = info.admin_comment if info is not None else ""
     except SlurmError as e:
         run.log(f"slurm: {e}", error=True)
-    _best_effort(run, lambda s: s.set_admin_comment(job_id, merge_admin_comment(existing, text)))
+    merged = merge_admin_comment(existing, text)
+    _best_effort(run, lambda s: s.set_admin_comment(job_id, merged))
+    return merged
 
 
 def _best_effort(run: Run, call: Any) -> bool:
@@ -352,7 +360,7 @@ def refuse(run: Run, job: Job, verdict: Verdict) -> int:
         action = "requeue"
         suffix = f" | requeued (refusal {count}/{gate.max_refusals})"
     comment = _comment(verdict, suffix)
-    _set_comment(run, job.job_id, comment)
+    comment = _set_comment(run, job.job_id, comment)  # the follow-up sets it again: merged
     if action in ("steer", "hold"):
         try:
             spawn_followup(run, job, action, odd, comment)

@@ -107,3 +107,33 @@ def test_a_deep_percent_n_path_is_not_globbed(tmp_path: Path) -> None:
     assert resolve_output(f"{tmp_path}/%N/out.log", "n1") == f"{tmp_path}/n1/out.log"
     os.mkdir(tmp_path / "n[1]")  # glob metacharacters in the real name: no special meaning
     assert resolve_output(f"{tmp_path}/n[1]/%N", "n2") == f"{tmp_path}/n[1]/n2"
+
+
+def test_gzip_that_never_yields_data_stops_at_the_budget(tmp_path: Path) -> None:
+    """Review of issue 12: one gzip read can run long without returning: millions of
+    empty members, or a file-name field parsed byte by byte. The deadline is checked on
+    every raw read."""
+    empty = gzip.compress(b"")
+    p = tmp_path / "empty-members.gz"
+    p.write_bytes(empty * 2_000_000)  # 40 MB, nothing in it
+    scanner, took = _scan(p)
+    assert took < BUDGET_S + 0.5, took
+    assert [pr.cause for pr in scanner.problems] == ["time limit reached"]
+    q = tmp_path / "fname.gz"
+    header = b"\x1f\x8b\x08\x08" + b"\0" * 6  # FNAME set
+    q.write_bytes(header + b"a" * (200 << 20) + b"\0")
+    scanner, took = _scan(q)
+    assert took < BUDGET_S + 0.5, took
+    assert [pr.cause for pr in scanner.problems] == ["time limit reached"]
+
+
+def test_many_percent_n_in_a_file_name_match_in_linear_time(tmp_path: Path) -> None:
+    """Review of issue 12: the %N match was a regex of ``.*`` groups: 8 of them against a
+    60-character name took 7.9 s, 10 ran for minutes, before the Epilog had a deadline."""
+    (tmp_path / ("a" * 60)).write_text("")
+    t0 = time.monotonic()
+    name = "%N" * 10 + "b"
+    assert resolve_output(f"{tmp_path}/{name}", "n1") == f"{tmp_path}/{name.replace('%N', 'n1')}"
+    assert time.monotonic() - t0 < 0.5
+    (tmp_path / "x-n7-y-n7-z").write_text("")
+    assert resolve_output(f"{tmp_path}/x-%N-y-%N-z", "q") == f"{tmp_path}/x-n7-y-n7-z"

@@ -356,17 +356,32 @@ def test_a_warning_keeps_an_admin_comment_someone_else_set(odd_cluster: DevClust
     c.run(["scontrol", "release", str(job)])
     assert c.wait_job(job, {"COMPLETED", "FAILED"}, 60) == "COMPLETED"
     comment = admin_comment(c, job)
-    assert comment.startswith("site: chargeback 42 | ncclguard: warn"), comment
+    assert comment.startswith("site: chargeback 42 || ncclguard: warn"), comment
 
 
 def test_merge_admin_comment() -> None:
     from prolog.gate import merge_admin_comment
 
+    old = "ncclguard: refuse, odd n3: nccl-version [a: n3 | b: n[1-2]] | requeued (1/3)"
     assert merge_admin_comment("", "ncclguard: warn") == "ncclguard: warn"
-    assert merge_admin_comment("site: x", "ncclguard: warn") == "site: x | ncclguard: warn"
-    # a requeued job's earlier text of ours is replaced, theirs kept
-    assert merge_admin_comment("site: x | ncclguard: refuse, old", "ncclguard: refuse, new"
-                               ) == "site: x | ncclguard: refuse, new"
-    assert merge_admin_comment("ncclguard: refuse, old", "ncclguard: new") == "ncclguard: new"
+    assert merge_admin_comment("site: x", "ncclguard: warn") == "site: x || ncclguard: warn"
+    # a requeued job's earlier text of ours is replaced; theirs, before or after, kept
+    assert merge_admin_comment(f"site: x || {old} || site: y", "ncclguard: new"
+                               ) == "site: x || site: y || ncclguard: new"
+    assert merge_admin_comment(old, "ncclguard: new") == "ncclguard: new"
+    assert merge_admin_comment("site: a | b", "ncclguard: n") == "site: a | b || ncclguard: n"
     long = merge_admin_comment("s" * 5000, "ncclguard: " + "w" * 900, limit=1000)
     assert len(long) <= 1000 and long.endswith("w" * 900) and long.startswith("sss")
+
+
+def test_the_steering_follow_up_keeps_an_admin_comment_too(odd_cluster: DevCluster) -> None:
+    """The follow-up sets the comment again when it holds the job: the merged one."""
+    c = odd_cluster
+    gate_config(c, 'steering = "hold"')
+    job = c.sbatch(["-N3", "--hold", "--wrap", "true"])
+    c.run(["scontrol", "update", f"jobid={job}", "AdminComment=site: chargeback 42"])
+    c.run(["scontrol", "release", str(job)])
+    wait_for(lambda: c.job_field(job, "Reason").startswith("JobHeld"), 40, "the hold")
+    comment = admin_comment(c, job)
+    assert comment.startswith("site: chargeback 42 || ncclguard: refuse"), comment
+    assert "held: incompatible nodes (gate.steering = hold)" in comment

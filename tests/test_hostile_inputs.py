@@ -93,7 +93,7 @@ def test_huge_files_named_libnccl_are_not_read(tmp_path: Path) -> None:
     by = {x["path"].rsplit("/", 1)[1]: x for x in libs}
     assert by["libnccl.so.2"]["version_error"] == "not an ELF file (no ELF magic); not read"
     assert by["libnccl.so.3"]["version_error"].startswith(
-        f"{3 << 30} bytes, more than any libnccl")
+        f"{3 << 30} bytes, more than any library")
     assert by["libnccl.so.3"]["size"] == 3 << 30 and by["libnccl.so.3"]["sha256"] is None
 
 
@@ -364,3 +364,50 @@ def test_a_plugin_with_500000_relocations_is_read_without_walking_them(
         syms = elf.exported()
         assert elf.pointed_string(syms["ncclNetPlugin_v8"].value) == "IBext_v8"
         assert elf.pointed_string(syms["ncclNetPlugin_v7"].value) == "IBext_v7"
+
+
+def test_plugins_have_the_same_bounds(tmp_path: Path) -> None:
+    """Review of issue 12: the bounds were on libnccl only; a 4 GiB sparse non-ELF
+    ``libnccl-net-x.so`` was hashed whole (11.6 s)."""
+    import time
+
+    from inventoryd.probes import plugins
+
+    d = tmp_path / LIBDIR
+    d.mkdir(parents=True)
+    with open(d / "libnccl-net.so", "wb") as f:
+        f.truncate(4 << 30)
+    with open(d / "libnccl-tuner.so", "wb") as f:
+        f.truncate(1 << 30)  # under the size bound: the ELF check decides
+    t0 = time.monotonic()
+    with open(d / "libnccl-net.so", "rb") as f:
+        big = plugins.analyze(f, "libnccl-net.so")
+    with open(d / "libnccl-tuner.so", "rb") as f:
+        not_elf = plugins.analyze(f, "libnccl-tuner.so")
+    assert time.monotonic() - t0 < 1
+    assert big["sha256"] is None and "more than any library" in big["error"]
+    assert not_elf["sha256"] is None and not_elf["error"].startswith("not an ELF file")
+
+
+def test_a_collection_reads_at_most_its_budget_and_does_not_cache_the_rest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ELF-headed sparse files under the size bound (4 files: 27 s) in a directory the
+    user controls can be touched before every cycle: a collection reads at most
+    READ_BUDGET_BYTES of libraries; what it skips is read by a later one (not cached)."""
+    from inventoryd import nodefs
+    from inventoryd.collect import collect
+
+    monkeypatch.setattr(nodefs, "READ_BUDGET_BYTES", 3 << 20)
+    d = tmp_path / LIBDIR
+    d.mkdir(parents=True)
+    for i in range(3):
+        with open(d / f"libnccl.so.{i}", "wb") as f:
+            f.write(b"\x7fELF\x02\x01\x01" + b"\0" * 57)
+            f.truncate(2 << 20)
+    cache = FileCache(None)
+    first = collect(root=str(tmp_path), hostname="h1", cache=cache)
+    skipped = [e for e in first["errors"] if "already read" in e["error"]]
+    assert len(skipped) == 2  # 2 MiB read of 3: the next 2 MiB file does not fit
+    second = collect(root=str(tmp_path), hostname="h1", cache=cache)
+    assert len([e for e in second["errors"] if "already read" in e["error"]]) == 1

@@ -88,7 +88,10 @@ def test_a_node_whose_values_and_fingerprint_are_both_bad_is_unknown(tmp_path: P
 def test_check_reads_what_the_gate_reads(tmp_path: Path) -> None:
     """A ``gate_nodes`` row pointing n3 at the baseline's (valid) record: the gate and
     check now read the same rows and give the same answer. (Before: the gate read
-    ``gate_nodes``, check the fingerprints.)"""
+    ``gate_nodes``, check the fingerprints, and they disagreed.) That answer is accept:
+    a valid record under its own key is the collector's word, and the gate reads no
+    fingerprint for it; only the inventory file's permissions keep such a row out
+    (docs/threat-model.md)."""
     inventory(tmp_path, ODD)
     db = tmp_path / "inventory.db"
     conn = sqlite3.connect(db, isolation_level=None)
@@ -187,23 +190,41 @@ def mixed_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d / "inventory.db"
 
 
+_RULES = sorted(node_values(fingerprint("n1"))["rules"])
+
+
+def _mutated(change: tuple[str, str, object]) -> str:
+    """A real record of the baseline's values with one aspect of one rule changed."""
+    rule, aspect, value = change
+    rec = node_values(fingerprint("n1"))
+    rec["rules"].setdefault(rule, {})[aspect] = value
+    return json.dumps(rec, sort_keys=True)
+
+
 @given(text=st.one_of(
     _json.map(lambda v: json.dumps(v, sort_keys=True)),
     st.fixed_dictionaries({
         "ncclguard_node_values": st.just(1),
-        "rules": st.dictionaries(st.sampled_from(["nccl-version", "net-plugin", "transport"]),
+        "rules": st.dictionaries(st.sampled_from([*_RULES, "x"]),
                                  st.dictionaries(st.sampled_from(["nccl", "*", "x"]),
                                                  st.one_of(st.none(), st.text(max_size=6),
-                                                           _json), max_size=3), max_size=3),
+                                                           _json), max_size=3),
+                                 min_size=len(_RULES) - 1, max_size=len(_RULES) + 1),
     }).map(lambda v: json.dumps(v, sort_keys=True)),
+    st.tuples(st.sampled_from(_RULES), st.sampled_from(["nccl", "*", "net plugin", "x"]),
+              st.one_of(st.none(), st.text(max_size=8), _json)).map(_mutated),
     st.text(max_size=40),
 ))
 @settings(max_examples=150, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_no_stored_record_makes_a_real_difference_accepted(mixed_db: Path, text: str) -> None:
-    """Fuzz of the gate's read: whatever n3's stored record holds (rekeyed, as a writer
-    who knows the scheme would), the job on n[1-3], whose n3 really runs 2.18.3, is not
-    accepted."""
+    """Fuzz of the gate's read: n3's stored record replaced by random JSON, by records of
+    the policy's shape with random rules and values, and by the baseline's real record
+    with one aspect changed, each under a key that names it. Whatever the record, the job
+    on n[1-3], whose n3 really runs 2.18.3, is not accepted unless the record claims
+    n3's NCCL is the baseline's or unknown: what a writer who knows the format can
+    claim, and what the gate, reading no fingerprint for a trusted record, takes as the
+    collector's word (docs/threat-model.md)."""
     from ncclguard.config import PolicyConfig
     from ncclguard.policy import evaluate_values
 
@@ -212,4 +233,9 @@ def test_no_stored_record_makes_a_real_difference_accepted(mixed_db: Path, text:
         got = inv.load_values(["n1", "n2", "n3"])
     values = {h: (r[0] if r else None) for h, r in got.items()}
     verdict = evaluate_values(values, PolicyConfig())
+    n3 = values["n3"]
+    version = (n3 or {}).get("rules", {}).get("nccl-version", {})
+    claimed = version["nccl"] if "nccl" in version else version.get("*")  # value_of
+    if claimed in ("2.21.5", None) or n3 == values["n1"]:
+        return  # a consistent claim: the collector's word (docs/threat-model.md)
     assert verdict.decision != "accept", (text, verdict.summary())

@@ -263,6 +263,9 @@ def test_publisher_republishes_a_replaced_or_deleted_record(
     assert pub.due(make_fp("n3", "2.18.3"), 1001.0)  # changed
     assert pub.due(fp, 1300.0)  # heartbeat due
     assert pub.due(fp, 999.0)  # the clock went back
+    flaky = make_fp("n3")
+    flaky["errors"] = [{"probe": "rdma", "field": "x", "path": "/x", "error": "EIO"}]
+    assert pub.due(flaky, 1001.0)  # new errors: published (shown), though not a change
     path.write_bytes(b"MUNGE:someone else's:\n")  # replaced (e.g. another node's forgery)
     assert pub.due(fp, 1001.0)
     pub.publish(fp, 1001.0)

@@ -517,16 +517,30 @@ def test_a_transient_error_is_shown_but_is_not_a_change(db: Path) -> None:
 
 def test_history_is_kept_for_history_days(db: Path) -> None:
     """Issue 12: history had no bound; rows older than ``inventory.history_days`` go,
-    each node's newest stays (what ``fingerprint_at`` answers for now)."""
+    except what each node had at the cutoff (``fingerprint_at`` inside the window must
+    not change) and so its newest."""
     day = 86400.0
     with Inventory(db, values=GATE_VALUES) as inv:
         for i, v in enumerate(["2.18.3", "2.21.5", "2.23.4"]):
             inv.upsert(make_fp("n1", v), now=1000 + i * 100 * day)
         inv.upsert(make_fp("n2"), now=1000)
+        at80 = inv.fingerprint_at("n1", 1000 + 80 * day)
         assert inv.prune_history(1000 + 250 * day, keep_days=0) == 0
-        assert inv.prune_history(1000 + 250 * day, keep_days=180) == 1  # n1's 2.18.3
-        assert [h["host"] for h in inv.history()] == ["n1", "n1", "n2"]  # n2: its newest
-        assert inv.fingerprint_at("n2", 1000 + 250 * day) is not None
-        assert inv.prune_history(1000 + 900 * day, keep_days=180) == 1
+        assert inv.prune_history(1000 + 250 * day, keep_days=180) == 0  # day 0 is day 70's
+        assert inv.fingerprint_at("n1", 1000 + 80 * day) == at80
+        assert inv.prune_history(1000 + 900 * day, keep_days=180) == 2  # days 0 and 100
         assert [(h["host"], h["at"]) for h in inv.history()] == [
             ("n1", 1000 + 200 * day), ("n2", 1000)]
+        assert inv.fingerprint_at("n2", 1000 + 900 * day) is not None
+
+
+def test_a_new_hash_of_the_same_fingerprint_is_no_change(db: Path) -> None:
+    """An upgrade that hashes otherwise (issue 12 left the errors out): the first record
+    after it is a heartbeat, not a change with an empty diff."""
+    fp = make_fp("n1")
+    with Inventory(db, values=GATE_VALUES) as inv:
+        inv.upsert(fp, now=1000)
+        conn = inv._conn
+        conn.execute("UPDATE nodes SET fp_hash = 'an-older-formula' WHERE host = 'n1'")
+        assert inv.upsert(fp, now=2000) == "heartbeat"
+        assert len(inv.history("n1")) == 1

@@ -42,7 +42,6 @@ NAME_GLOB = "libnccl.so*"
 CHUNK = 1 << 20
 OVERLAP = 256  # longer than any string searched for, so none is lost at a chunk boundary
 MAX_LIBRARIES = 256
-MAX_LIBRARY_BYTES = 2 << 30  # a real libnccl is 0.2-0.6 GiB; a larger file is not read
 PROGRESS_EVERY = 16  # chunks (16 MiB) between two calls of nodefs.progress
 GETVERSION_TIMEOUT_S = 10.0
 # CUDA device code (fatbins of cubins and PTX) holds no host string literal
@@ -173,16 +172,15 @@ def analyze(f: BinaryIO, label: str) -> dict[str, Any]:
 
     problem = None
     skip: list[tuple[int, int]] = []
-    size = f.seek(0, os.SEEK_END)
-    f.seek(0)
-    if size > MAX_LIBRARY_BYTES:  # not read at all: a 1 TB file would outlive the watchdog
-        return _unread(size, f"{size} bytes, more than any libnccl ({MAX_LIBRARY_BYTES}); "
-                       "not read")
-    head = f.read(4)
-    if head == b"":
+    from inventoryd.nodefs import library_unreadable
+
+    # only a library is hashed, and not past the bounds: a 4 GiB sparse file took 15 s,
+    # a 1 TB one would outlive the watchdog
+    size, why = library_unreadable(f)
+    if why is not None:
+        return _unread(size, why)
+    if size == 0:
         problem = "empty file (0 bytes)"
-    elif head != b"\x7fELF":  # only a library is hashed: a 4 GiB sparse file took 15 s
-        return _unread(size, "not an ELF file (no ELF magic); not read")
     else:
         try:
             f.seek(0)

@@ -64,8 +64,8 @@ def valid_values(record: Any) -> bool:
     ``{marker: 1, "rules": {rule: {aspect: str | None}}}`` with every comparison rule.
     The gate reads such records from the inventory; one that is not (a damaged or
     poisoned row: ``"driver": ["x"]`` crashed the comparison, which hashes the values;
-    ``"rules": {}`` made every rule unknown, so never different) is computed again from
-    the fingerprint."""
+    ``"rules": {}`` or ``{rule: {}}`` made every rule unknown, so never different) is
+    computed again from the fingerprint."""
     if not isinstance(record, dict):
         return False
     marker = record.get(NODE_VALUES)
@@ -75,8 +75,8 @@ def valid_values(record: Any) -> bool:
     if not rules.keys() >= _RULE_NAMES:
         return False
     for name, values in rules.items():
-        if not isinstance(name, str) or not isinstance(values, dict):
-            return False
+        if not isinstance(name, str) or not isinstance(values, dict) or not values:
+            return False  # node_values gives every rule at least one aspect
         for aspect, value in values.items():
             if not isinstance(aspect, str) or not (value is None or isinstance(value, str)):
                 return False

@@ -189,6 +189,10 @@ class _NodeWrite:
             if rows:
                 conn.executemany(DETAIL_INSERT[table], rows)
         write_gate_row(conn, host, gate_values, now, version)
+        if cur is not None and not diff:
+            # the same fingerprint under another hash (a release that hashes otherwise,
+            # e.g. without the errors list): no change, no history row
+            return "heartbeat"
         conn.execute(
             "INSERT INTO history (host, at, old_hash, new_hash, diff, fingerprint) "
             "VALUES (?, ?, ?, ?, ?, ?)",
@@ -588,7 +592,7 @@ class Inventory(Database):
                    "WHERE host IN (SELECT value FROM json_each(?))")
             params = (json.dumps(list(hosts)),)
         row = self._reading("read heartbeats", lambda c: c.execute(sql, params).fetchone())
-        return None if row is None or row[0] is None else float(row[0])
+        return row[0] if row is not None and isinstance(row[0], int | float) else None
 
     def hosts(self) -> list[str]:
         rows = self._reading(
@@ -603,10 +607,14 @@ class Inventory(Database):
         if keep_days <= 0:
             return 0
 
+        cutoff = now - keep_days * 86400
+
         def body(conn: sqlite3.Connection) -> int:
+            # each host keeps the newest row from before the cutoff: what it had at any
+            # time inside the window (fingerprint_at), and its newest of all
             cur = conn.execute(
                 "DELETE FROM history WHERE at < ? AND id NOT IN "
-                "(SELECT max(id) FROM history GROUP BY host)", (now - keep_days * 86400,),
+                "(SELECT max(id) FROM history WHERE at < ? GROUP BY host)", (cutoff, cutoff),
             )
             return int(cur.rowcount)
 
