@@ -544,3 +544,17 @@ def test_a_new_hash_of_the_same_fingerprint_is_no_change(db: Path) -> None:
         conn.execute("UPDATE nodes SET fp_hash = 'an-older-formula' WHERE host = 'n1'")
         assert inv.upsert(fp, now=2000) == "heartbeat"
         assert len(inv.history("n1")) == 1
+
+
+def test_a_world_writable_ancestor_without_the_sticky_bit_is_refused(tmp_path: Path) -> None:
+    """Review of issue 12: only the file and its directory were checked. A directory
+    above them that anyone may write, without the sticky bit (unlike /tmp), lets anyone
+    swap the inventory's directory."""
+    top = tmp_path / "shared"
+    (top / "ncclguard").mkdir(parents=True)
+    Inventory(top / "ncclguard" / "inventory.db", values=GATE_VALUES).close()
+    os.chmod(top, 0o777)
+    with pytest.raises(InventoryUnsafe, match=r"the directory .*shared above it has mode"):
+        Inventory(top / "ncclguard" / "inventory.db", readonly=True)
+    os.chmod(top, 0o1777)  # sticky, as /tmp: others cannot rename what is not theirs
+    Inventory(top / "ncclguard" / "inventory.db", readonly=True).close()

@@ -65,6 +65,16 @@ def _check_safe(path: Path) -> None:
             raise InventoryError(path, f"cannot stat {p}: {e.strerror or e}") from None
         if st.st_mode & stat.S_IWOTH:
             raise InventoryUnsafe(path, f"{what} has mode {stat.filemode(st.st_mode)}")
+    # every directory above: one that anyone may write without the sticky bit lets
+    # anyone rename the inventory's directory away and put another in its place
+    for d in real.parents[1:]:
+        try:
+            st = os.stat(d)
+        except OSError:
+            continue
+        if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+            raise InventoryUnsafe(path, f"the directory {d} above it has mode "
+                                  f"{stat.filemode(st.st_mode)}")
 
 
 def _uri(path: Path, mode: str) -> str:
