@@ -462,7 +462,7 @@ class Collector:
             self.seen.pop(n, None)
             self.confirmed.discard(n)
             self.judged.pop(n, None)
-        gone_shown = [printable(n) for n in gone]
+        gone_shown = {printable(n) for n in gone}
         stale_logged = [f for f in self.logged if f in gone_shown]
         for f in stale_logged:
             del self.logged[f]

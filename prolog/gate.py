@@ -53,6 +53,8 @@ class Run:
         self.finished = False
         # partitions -> their nodes (one sinfo a run)
         self.members: dict[frozenset[str], list[str]] = {}
+        # job id -> Slurm's record of it (one squeue a run: on 22.05 it lists every job)
+        self.jobs: dict[str, Any] = {}
 
     @property
     def on_error(self) -> str:
@@ -150,11 +152,16 @@ def _slurm(run: Run) -> Slurm:
 SEPARATOR = " || "  # between others' AdminComment text and ours: ours never holds it
 
 
-def merge_admin_comment(existing: str, ours: str, limit: int = 1000) -> str:
+def merge_admin_comment(existing: str, ours: str, limit: int | None = None) -> str:
     """The AdminComment to set: what someone else wrote stays, in order, ahead of ours,
     joined by :data:`SEPARATOR`; only our earlier text (a requeued job's: a segment that
     starts ``ncclguard:``) is replaced. ``ours`` is never cut for theirs: theirs is
-    shortened first."""
+    shortened first. ``limit``: Slurm's text bound as the adapter sends it
+    (``ncclguard.slurm.model.MAX_TEXT``)."""
+    if limit is None:
+        from ncclguard.slurm.model import MAX_TEXT
+
+        limit = MAX_TEXT
     kept = [seg.strip() for seg in existing.split(SEPARATOR)]
     theirs = SEPARATOR.join(seg for seg in kept if seg and not seg.startswith("ncclguard:"))
     if not theirs:
@@ -175,13 +182,22 @@ def _set_comment(run: Run, job_id: int | str, text: str) -> str:
 
     existing = ""
     try:
-        info = _slurm(run).job(job_id)
+        info = _job_info(run, job_id)
         existing = info.admin_comment if info is not None else ""
     except SlurmError as e:
         run.log(f"slurm: {e}", error=True)
     merged = merge_admin_comment(existing, text)
     _best_effort(run, lambda s: s.set_admin_comment(job_id, merged))
     return merged
+
+
+def _job_info(run: Run, job_id: int | str) -> Any:
+    """Slurm's record of the job (``JobInfo`` or None), asked once per run: the steering
+    check and the AdminComment both read it. A failure raises and is not remembered."""
+    key = str(job_id)
+    if key not in run.jobs:
+        run.jobs[key] = _slurm(run).job(job_id)
+    return run.jobs[key]
 
 
 def _best_effort(run: Run, call: Any) -> bool:
@@ -379,8 +395,7 @@ def _cannot_steer(run: Run, job: Job, odd: list[str]) -> str:
 
     cfg = run.config
     assert cfg is not None
-    slurm = _slurm(run)
-    info = slurm.job(job.job_id)
+    info = _job_info(run, job.job_id)
     required = set(expand(info.required_nodes)) if info and info.required_nodes else set()
     pinned = required & set(odd)
     if pinned:

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-_MAX_TEXT = 1000  # longest AdminComment / notify text we send
+MAX_TEXT = 1000  # longest AdminComment / notify text we send
 
 
 class SlurmError(Exception):
@@ -108,7 +108,7 @@ class JobInfo:
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
 
-def clean_text(text: str, limit: int = _MAX_TEXT) -> str:
+def clean_text(text: str, limit: int = MAX_TEXT) -> str:
     """One line of printable text, at most ``limit`` characters (for AdminComment/notify)."""
     line = " ".join("".join(c if c.isprintable() else " " for c in text).split())
     return line if len(line) <= limit else line[: limit - 3] + "..."

@@ -156,12 +156,12 @@ class Family:
     mod10: tuple[str, ...] = ()  # parsers of releases (24.11+) whose nodes expand %b
 
 
-def _flat_node(n: Mapping[str, Any]) -> NodeInfo:
-    f = _Fields(n)
+def _node(f: _Fields, state: str, flags: tuple[str, ...]) -> NodeInfo:
+    """A node record: the fields both families spell alike, and its state as read."""
     return NodeInfo(
         name=f.text("name") or f.text("hostname"),
-        state=f.text("state").lower(),
-        flags=tuple(x.upper() for x in f.words("state_flags")),
+        state=state.lower(),
+        flags=tuple(x.upper() for x in flags),
         reason=f.text("reason"),
         partitions=f.words("partitions"),
         features=f.words("features"),
@@ -169,22 +169,17 @@ def _flat_node(n: Mapping[str, Any]) -> NodeInfo:
         address=f.text("address"),
         hostname=f.text("hostname"),
     )
+
+
+def _flat_node(n: Mapping[str, Any]) -> NodeInfo:
+    f = _Fields(n)
+    return _node(f, f.text("state"), f.words("state_flags"))
 
 
 def _typed_node(n: Mapping[str, Any]) -> NodeInfo:
     f = _Fields(n)
     states = f.words("state")  # ["IDLE", "DRAIN"]: the base state, then flags
-    return NodeInfo(
-        name=f.text("name") or f.text("hostname"),
-        state=states[0].lower() if states else "",
-        flags=tuple(x.upper() for x in states[1:]),
-        reason=f.text("reason"),
-        partitions=f.words("partitions"),
-        features=f.words("features"),
-        cpus=f.int("cpus"),
-        address=f.text("address"),
-        hostname=f.text("hostname"),
-    )
+    return _node(f, states[0] if states else "", states[1:])
 
 
 def _comments(f: _Fields) -> tuple[str, str]:
