@@ -18,6 +18,7 @@ the wrapper sets both.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import shlex
@@ -34,6 +35,8 @@ from types import TracebackType
 from ncclguard.slurm import Slurm
 
 SBIN = ("/usr/sbin", "/usr/bin", "/sbin", "/bin")
+#: The job_submit.lua the project ships (docs/scheduling.md).
+JOB_SUBMIT_LUA = Path(__file__).resolve().parents[1] / "slurm" / "job_submit.lua"
 
 
 CONTROLLER_ORIGIN = "127.42.255.254"
@@ -178,6 +181,9 @@ class DevCluster:
     ``NCCLGUARD_CONFIG``, ``NCCLGUARD_DB``, ``SLURM_CONF`` and ``PATH``).
     ``gate_config``: the TOML text the wrapper points ``NCCLGUARD_CONFIG`` at;
     ``db``: the inventory path for ``NCCLGUARD_DB`` (default ``root/inventory.db``).
+    ``job_submit``: prevention at scheduling time (docs/scheduling.md): the project's
+    ``slurm/job_submit.lua`` (``JobSubmitPlugins=lua``) reading this cluster's file of
+    classes, and ``SlurmctldPrimaryOnProg`` running ``ncclguard features sync``.
     """
 
     def __init__(
@@ -193,6 +199,7 @@ class DevCluster:
         partitions: Mapping[str, str] | None = None,
         prolog_timeout_s: int = 30,
         extra_conf: str = "",
+        job_submit: bool = False,
     ) -> None:
         missing = missing_programs()
         if missing:
@@ -212,6 +219,9 @@ class DevCluster:
         self.partitions = dict(partitions or {"debug": f"n[1-{nodes}]"})
         self.prolog_timeout_s = prolog_timeout_s
         self.extra_conf = extra_conf
+        self.job_submit = job_submit
+        self.classes_file = self.root / "features" / "classes"
+        self.features_hook = self.root / "ncclguard-features.sh"
         self.conf = self.root / "slurm.conf"
         self.munge_socket = self.root / "munge" / "munged.socket"
         self.records = self.root / "records"  # the spool nodes publish to
@@ -239,6 +249,8 @@ class DevCluster:
                      f'munge_socket = "{self.munge_socket}"\n')
         if "[collector]" not in text:
             text += f'\n[collector]\npublisher = "{os.getuid()}"\n'
+        if "[features]" not in text:
+            text += f'\n[features]\nclasses_file = "{self.classes_file}"\n'
         self.config_path.write_text(text)
 
     def node_config(self, node: str) -> Path:
@@ -296,6 +308,9 @@ class DevCluster:
         ]
         if self.prolog:
             lines.append(f"PrologSlurmctld={self.wrapper}")
+        if self.job_submit:
+            lines += ["JobSubmitPlugins=lua", f"SlurmctldPrimaryOnProg={self.features_hook}"]
+            self._write_job_submit()
         for port, name in enumerate(self.node_names, start=first):
             lines.append(
                 f"NodeName={name} NodeHostname={name} NodeAddr={self.node_addrs[name]} "
@@ -321,6 +336,29 @@ class DevCluster:
             f"2>>{shlex.quote(str(self.gate_log))}\n"
         )
         os.chmod(self.wrapper, 0o700)  # run by SlurmUser (root here) only
+
+    def _write_job_submit(self) -> None:
+        """The project's job_submit.lua beside slurm.conf (where Slurm looks for it),
+        reading this cluster's file of classes; and the hook that restores the features
+        (``SlurmctldPrimaryOnProg``, ``strigger --reconfig``)."""
+        text = JOB_SUBMIT_LUA.read_text()
+        line = 'ncclguard.CLASSES_FILE = "/var/lib/ncclguard-features/classes"'
+        assert line in text, f"{JOB_SUBMIT_LUA}: no {line!r} to point at this cluster's file"
+        (self.root / "job_submit.lua").write_text(
+            text.replace(line, f"ncclguard.CLASSES_FILE = {json.dumps(str(self.classes_file))}"))
+        self.classes_file.parent.mkdir(mode=0o755, exist_ok=True)
+        self.features_hook.write_text(
+            "#!/bin/sh\n"
+            "# Written by devtools.devcluster: puts the class features back (docs/scheduling.md).\n"
+            f"PATH={shlex.quote(self.env['PATH'])}\n"
+            f"SLURM_CONF={shlex.quote(str(self.conf))}\n"
+            f"NCCLGUARD_CONFIG={shlex.quote(str(self.config_path))}\n"
+            f"NCCLGUARD_DB={shlex.quote(str(self.db))}\n"
+            "export PATH SLURM_CONF NCCLGUARD_CONFIG NCCLGUARD_DB\n"
+            f"exec {shlex.quote(self.python)} -I -m inventoryd.main features --once "
+            f">>{shlex.quote(str(self.root / 'log' / 'features-hook.log'))} 2>&1\n"
+        )
+        os.chmod(self.features_hook, 0o700)
 
     # ------------------------------------------------------------- lifecycle
     def _spawn(self, name: str, argv: Sequence[str]) -> None:
@@ -379,6 +417,19 @@ class DevCluster:
         self.wait_nodes_idle(timeout)
         return self
 
+    def restart_slurmctld(self, timeout: float = 60.0) -> None:
+        """Stop slurmctld (SIGTERM) and start it again the plain way: state recovered from
+        StateSaveLocation, runtime node features lost (slurm-facts.md)."""
+        p = self._procs.pop("slurmctld")
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGTERM)
+        p.wait(timeout=30)
+        self._spawn(
+            "slurmctld",
+            [find_program("slurmctld") or "slurmctld", "-D", "-i", "-f", str(self.conf)],
+        )
+        self._wait(self._ctld_up, timeout, "slurmctld to answer scontrol ping")
+
     def _ctld_up(self) -> bool:
         self._check_alive()
         try:  # a port taken by another listener: the ping hangs there, slurmctld exits
@@ -412,7 +463,8 @@ class DevCluster:
         self._wait(idle, timeout, "all nodes idle")
 
     def stop(self) -> None:
-        order = [n for n in self._procs if n.startswith("slurmd")] + ["slurmctld"]
+        order = (["features"] + [n for n in self._procs if n.startswith("slurmd")]
+                 + ["slurmctld"])
         for name in order + [n for n in self._procs if n.startswith("munged")]:
             p = self._procs.get(name)
             if p is None or p.poll() is not None:
@@ -557,6 +609,49 @@ class DevCluster:
         if check and r.returncode != 0:
             raise ClusterError(f"collect --once failed ({r.returncode}): {r.stderr}")
         return r
+
+    # ------------------------------------------------------- class features
+    def features(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        """``ncclguard features ARGS`` against this cluster (``sync``, ``check``...)."""
+        env = {**self.env, "NCCLGUARD_CONFIG": str(self.config_path),
+               "NCCLGUARD_DB": str(self.db)}
+        r = subprocess.run([self.python, "-m", "ncclguard.cli", "features", *args], env=env,
+                           capture_output=True, text=True, timeout=120, cwd=self.root / "tmp")
+        if check and r.returncode != 0:
+            raise ClusterError(f"ncclguard features {' '.join(args)} failed ({r.returncode}): "
+                               f"{r.stdout}{r.stderr}")
+        return r
+
+    def start_features_daemon(self) -> None:
+        """``ncclguard-inventoryd features``, the controller's service, until stop()."""
+        env = {**self.env, "NCCLGUARD_CONFIG": str(self.config_path),
+               "NCCLGUARD_DB": str(self.db)}
+        saved, self.env = self.env, env
+        try:
+            self._spawn("features", [self.python, "-m", "inventoryd.main", "features"])
+        finally:
+            self.env = saved
+
+    def stop_features_daemon(self) -> None:
+        p = self._procs.pop("features", None)
+        if p is not None and p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
+            p.wait(timeout=15)
+
+    def set_reconfig_trigger(self) -> None:
+        """The permanent trigger that runs the features hook after a reconfigure."""
+        self.run(["strigger", "--set", "--reconfig", "--flags=PERM",
+                  f"--program={self.features_hook}"])
+
+    def node_features(self) -> dict[str, tuple[str, ...]]:
+        """Each node's active features, as Slurm has them now."""
+        r = self.run(["sinfo", "-h", "-N", "-o", "%N %b"])
+        out: dict[str, tuple[str, ...]] = {}
+        for line in r.stdout.splitlines():
+            name, _, feats = line.strip().partition(" ")
+            out[name] = tuple(f for f in feats.strip().split(",") if f and f != "(null)")
+        return out
 
     def remove_records(self) -> None:
         """Empty the spool (the records of every node)."""

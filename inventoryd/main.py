@@ -1,5 +1,6 @@
 """ncclguard-inventoryd: "once" prints this node's fingerprint, "run" keeps its signed
-record in the spool current, "collect" (on the controller) writes the inventory.
+record in the spool current, "collect" (on the controller) writes the inventory, and
+"features" (on the controller, as SlurmUser) keeps Slurm's class features current.
 
 argparse rather than click: the daemon runs on every node, and stays small.
 """
@@ -48,7 +49,29 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--db", default=None, help="inventory database (overrides the config)")
     c.add_argument("--spool", default=None, help="spool directory (overrides the config)")
     c.add_argument("--once", action="store_true", help="one scan, then exit")
+    text = ("keep Slurm's class features and job_submit.lua's file current (the controller's "
+            "service, as SlurmUser; docs/scheduling.md)")
+    f = sub.add_parser("features", help=text, description=text)
+    f.add_argument("--config", default=None, help="config file (default: $NCCLGUARD_CONFIG "
+                   "or /etc/ncclguard/config.toml)")
+    f.add_argument("--db", default=None, help="inventory database (overrides the config)")
+    f.add_argument("--once", action="store_true", help="one sync, then exit")
     return p
+
+
+def _features_once(cfg: configmod.Config) -> int:
+    from inventoryd.features import FeatureKeeper
+    from ncclguard.sched.classfile import ClassFileError
+    from ncclguard.slurm import SlurmError
+    from ncclguard.store import InventoryError
+
+    try:
+        did = FeatureKeeper(cfg).step()
+    except (SlurmError, InventoryError, ClassFileError) as e:
+        print(f"ncclguard-inventoryd: {e}", file=sys.stderr)
+        return 1
+    print(f"ncclguard-inventoryd: {did}", file=sys.stderr)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,6 +85,12 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["NCCLGUARD_DB"] = args.db
     if getattr(args, "spool", None):
         os.environ["NCCLGUARD_SPOOL"] = args.spool
+    if args.command == "features":
+        from inventoryd import features
+
+        if args.once:
+            return _features_once(cfg)
+        return features.run(args.config, cfg)
     if args.command == "collect":
         from inventoryd import collector
 

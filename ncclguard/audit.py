@@ -35,12 +35,14 @@ class AuditError(OSError):
 LOCK_TIMEOUT_S = 1.0  # another writer holding the lock longer than this: give up, loudly
 
 
-def _check_dir(d: Path) -> None:
+def check_dir(d: Path, what: str = "the audit log") -> None:
+    """Refuse to write ``what`` into ``d`` unless only we or root can write there:
+    :class:`AuditError` (an ``OSError``) names the directory and why."""
     st = os.stat(d)
     if not stat.S_ISDIR(st.st_mode):
         raise AuditError(f"{d}: not a directory")
     if st.st_mode & 0o002:  # sticky or not (/tmp): anyone could plant or pre-create the file
-        raise AuditError(f"{d}: writable by everyone; refusing to write the audit log there")
+        raise AuditError(f"{d}: writable by everyone; refusing to write {what} there")
     if st.st_mode & 0o022 and st.st_uid not in (0, os.geteuid()):
         raise AuditError(f"{d}: owned by uid {st.st_uid} and group/world-writable")
     if st.st_uid not in (0, os.geteuid()):
@@ -51,7 +53,7 @@ def _open_for_append(path: Path) -> int:
     d = path.parent
     if not d.exists():
         d.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
-    _check_dir(d)
+    check_dir(d)
     flags = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
     try:
         fd = os.open(path, flags, FILE_MODE)

@@ -156,6 +156,17 @@ class CollectorConfig(_Settings):
     textfile_dir: str = ""  # node_exporter textfile dir for the collector's metrics
 
 
+class FeaturesConfig(_Settings):
+    """Class features in Slurm, and the file job_submit.lua reads (docs/scheduling.md)."""
+
+    # the file the shipped job_submit.lua reads; on the controller's local disk, in a
+    # directory only SlurmUser (who runs the sync) and root can write
+    classes_file: str = "/var/lib/ncclguard-features/classes"
+    interval_s: float = 2.0  # how often the sync daemon looks (one cheap Slurm call)
+    verify_s: float = 300.0  # how often it compares every node's features with Slurm's
+    max_alternatives: int = 64  # classes in one job's group, at most (Slurm's limit: 64)
+
+
 class PolicyConfig(_Settings):
     partitions: tuple[str, ...] = ()  # guarded partitions; empty: all
     min_nodes: int = 2
@@ -197,6 +208,7 @@ class Config(_Settings):
     inventoryd: InventorydConfig = InventorydConfig()
     spool: SpoolConfig = SpoolConfig()
     collector: CollectorConfig = CollectorConfig()
+    features: FeaturesConfig = FeaturesConfig()
     policy: PolicyConfig = PolicyConfig()
     gate: GateConfig = GateConfig()
     drain: DrainConfig = DrainConfig()
@@ -210,6 +222,7 @@ _SECTIONS: dict[str, type] = {
     "inventoryd": InventorydConfig,
     "spool": SpoolConfig,
     "collector": CollectorConfig,
+    "features": FeaturesConfig,
     "policy": PolicyConfig,
     "gate": GateConfig,
     "drain": DrainConfig,
@@ -311,6 +324,8 @@ def _check(section: str, key: str, typ: Any, value: Any, where: str) -> Any:
             raise ConfigError(f"{where}: must be at least 2 (one node cannot disagree)")
         if key in ("record_ttl_s", "max_record_bytes", "batch_max") and value == 0:
             raise ConfigError(f"{where}: must be greater than 0")
+        if key == "max_alternatives" and not 1 <= value <= 64:
+            raise ConfigError(f"{where}: expected 1 to 64 (past 64 slurmctld crashes)")
         if key == "record_ttl_s" and value >= 2**31:
             raise ConfigError(f"{where}: at most {2**31 - 1} (munged caps it at its --max-ttl)")
         return value
@@ -319,7 +334,7 @@ def _check(section: str, key: str, typ: Any, value: Any, where: str) -> Any:
             raise ConfigError(f"{where}: expected a non-negative number")
         if key in ("max_share", "majority", "jitter") and value > 1:
             raise ConfigError(f"{where}: expected a share between 0 and 1")
-        if key in ("interval_s", "deadline_s", "scan_interval_s") and value == 0:
+        if key in ("interval_s", "deadline_s", "scan_interval_s", "verify_s") and value == 0:
             raise ConfigError(f"{where}: must be greater than 0")
         return float(value)
     if typ == "str":

@@ -43,6 +43,7 @@ __all__ = [
     "Record",
     "RecordError",
     "SpoolError",
+    "atomic_write",
     "check_dir",
     "host_of",
     "parse_payload",
@@ -255,13 +256,21 @@ def parse_payload(data: bytes, *, max_bytes: int) -> Record:
 def write(spool: Path, host: str, data: bytes) -> Path:
     """Publish ``data`` as ``<spool>/<host>.rec`` atomically. ``OSError`` on failure (the
     temporary file is removed)."""
-    target = spool / record_name(host)
-    tmp = spool / f"{_TMP_PREFIX}{target.name}.{secrets.token_hex(6)}"
+    return atomic_write(spool / record_name(host), data, FILE_MODE)
+
+
+def atomic_write(target: Path, data: bytes, mode: int) -> Path:
+    """Replace ``target`` with ``data`` atomically: a new file beside it (never through a
+    link), written, fsynced and renamed over it; then the directory is fsynced. A reader
+    sees the old file or the new one, never a part. ``OSError`` on failure (the
+    temporary file is removed)."""
+    directory = target.parent
+    tmp = directory / f"{_TMP_PREFIX}{target.name}.{secrets.token_hex(6)}"
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
-    fd = os.open(tmp, flags, FILE_MODE)
+    fd = os.open(tmp, flags, mode)
     try:
         try:
-            os.fchmod(fd, FILE_MODE)
+            os.fchmod(fd, mode)
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]
@@ -274,7 +283,7 @@ def write(spool: Path, host: str, data: bytes) -> Path:
             os.unlink(tmp)
         raise
     with contextlib.suppress(OSError):  # the rename itself survives a crash
-        dfd = os.open(spool, os.O_RDONLY | os.O_DIRECTORY)
+        dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
         try:
             os.fsync(dfd)
         finally:

@@ -18,6 +18,7 @@ from typing import NamedTuple
 from ncclguard.hostlist import HostlistError, expand
 
 OPT_OUT = "ncclguard=off"
+CLASS_FEATURE_PREFIX = "nc_"  # ncclguard.policy.schedule.FEATURE_PREFIX (kept light here)
 
 
 BATCH_VARIABLES = ("SLURM_JOB_STDIN", "SLURM_JOB_STDOUT", "SLURM_JOB_STDERR")
@@ -53,6 +54,18 @@ class Job(NamedTuple):
     comment: str = ""
     extra: str = ""
     name: str = ""
+    constraints: str = ""  # --constraint, with the class group job_submit.lua added
+
+    @property
+    def class_group(self) -> bool:
+        """Whether the job carries a matching-OR group of class features (``[nc_..|..]``,
+        docs/scheduling.md): Slurm then gave it nodes of one class."""
+        start = self.constraints.find("[")
+        end = self.constraints.find("]", start + 1)
+        if start < 0 or end < 0:
+            return False
+        names = self.constraints[start + 1:end].split("|")
+        return all(n.startswith(CLASS_FEATURE_PREFIX) for n in names)
 
     @property
     def opted_out(self) -> bool:
@@ -97,4 +110,5 @@ class Job(NamedTuple):
             comment=e.get("SLURM_JOB_COMMENT", ""),
             extra=e.get("SLURM_JOB_EXTRA", ""),
             name=e.get("SLURM_JOB_NAME", ""),
+            constraints=e.get("SLURM_JOB_CONSTRAINTS", ""),
         )

@@ -28,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "drain-recommend": ("ncclguard.cli.drain", "drain_recommend"),
     "diagnose": ("ncclguard.cli.diagnose", "diagnose"),
     "rejections": ("ncclguard.cli.rejections", "rejections"),
+    "features": ("ncclguard.cli.features", "features"),
 }
 
 

@@ -279,8 +279,41 @@ class Slurm:
             ],
         )
 
+    def set_features(self, nodes: str | Iterable[str], available: Iterable[str],
+                     active: Iterable[str] | None = None) -> None:
+        """Set the available and active features of ``nodes`` (``active``: the same as
+        ``available`` when not given). Each replaces the nodes' whole list
+        (slurm-facts.md: merge a node's own features back in). Needs root, SlurmUser or
+        a Slurm admin."""
+        avail = list(available)
+        act = avail if active is None else list(active)
+        bad = [f for f in (*avail, *act) if not f or any(c in f for c in _NOT_IN_FEATURE)]
+        if bad:
+            raise SlurmError(f"not a feature name: {bad[0]!r}")
+        self.run("scontrol", ["update", f"NodeName={_node_list(nodes)}",
+                              f"AvailableFeatures={','.join(avail)}",
+                              f"ActiveFeatures={','.join(act)}"])
+
+    def active_features(self, node: str) -> tuple[str, ...] | None:
+        """One node's active features, asking slurmctld for that node only (``scontrol
+        show node -o NAME``, the same text on every release); None: no such node."""
+        try:
+            out = self.run("scontrol", ["show", "node", "-o", node])
+        except SlurmError as e:
+            if "not found" in (e.stderr or str(e)).lower():
+                return None
+            raise
+        for word in out.split():
+            if word.startswith("ActiveFeatures="):
+                value = word.partition("=")[2]
+                return () if value in ("", "(null)") else tuple(v for v in value.split(",") if v)
+        raise SlurmError(f"scontrol show node {node}: no ActiveFeatures in {out[:200]!r}")
+
     def resume(self, nodes: str | Iterable[str]) -> None:
         self.run("scontrol", ["update", f"NodeName={_node_list(nodes)}", "State=RESUME"])
+
+
+_NOT_IN_FEATURE = frozenset(",=&|[]()*: \t\n")
 
 
 def _without_program(text: str, path: str, name: str) -> str:

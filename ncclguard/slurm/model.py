@@ -70,6 +70,7 @@ class NodeInfo:
     reason: str = ""
     partitions: tuple[str, ...] = ()
     features: tuple[str, ...] = ()  # the node's available features
+    active_features: tuple[str, ...] = ()
     cpus: int = 0
     address: str = ""  # NodeAddr (Slurm fills in NodeHostname, then NodeName, when unset)
     hostname: str = ""  # NodeHostname

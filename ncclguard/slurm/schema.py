@@ -165,6 +165,7 @@ def _node(f: _Fields, state: str, flags: tuple[str, ...]) -> NodeInfo:
         reason=f.text("reason"),
         partitions=f.words("partitions"),
         features=f.words("features"),
+        active_features=f.words("active_features"),
         cpus=f.int("cpus"),
         address=f.text("address"),
         hostname=f.text("hostname"),

@@ -1,0 +1,126 @@
+"""``ncclguard features``: the class features in Slurm, and the file job_submit.lua reads.
+
+- ``features sync [--dry-run]``: make Slurm's features match the inventory (SlurmUser or a
+  Slurm admin), then write the file; ``--dry-run`` prints the ``scontrol`` calls only.
+- ``features check``: whether Slurm's features and the file match the inventory (exit 1
+  when they do not): the check an admin runs after a reconfigure, or from monitoring.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ncclguard.cli import output as out
+from ncclguard.cli.context import Ctx, format_options, get_ctx
+from ncclguard.cli.errors import fail
+
+__all__ = ["features"]
+
+DRIFT_COLUMNS: list[out.Column] = [("host", "NODE"), ("has", "SLURM HAS"),
+                                   ("want", "INVENTORY SAYS")]
+
+
+@click.group()
+def features() -> None:
+    """Class features in Slurm (prevention at scheduling time, docs/scheduling.md)."""
+
+
+def _sync(c: Ctx, dry_run: bool) -> Any:
+    from ncclguard.sched import classfile
+    from ncclguard.sched.sync import sync
+    from ncclguard.slurm import SlurmError
+    from ncclguard.store import InventoryError
+
+    try:
+        return sync(c.config, c.slurm, dry_run=dry_run, now=c.now, inventory=c.inventory)
+    except (SlurmError, InventoryError, classfile.ClassFileError) as e:
+        fail(str(e))
+
+
+@features.command("sync")
+@click.option("--dry-run", is_flag=True, help="Print the scontrol calls; change nothing.")
+@format_options
+def sync_cmd(dry_run: bool, as_json: bool, as_csv: bool) -> None:
+    """Set each node's class feature in Slurm (its own features kept), only where it
+    differs, then write the file of classes for job_submit.lua."""
+    c = get_ctx(as_json, as_csv)
+    res = _sync(c, dry_run)
+    updates = res.plan.updates
+    doc = {
+        "dry_run": dry_run,
+        "nodes": len(res.plan.nodes),
+        "changed": res.plan.changed_hosts,
+        "calls": [u.describe() for u in updates],
+        "applied": len(res.applied),
+        "errors": res.errors,
+        "classes_file": str(res.written) if res.written else None,
+    }
+    lines = [("would run: " if dry_run else "ran: ") + u.describe() for u in updates]
+    if dry_run:
+        lines.append(f"{len(res.plan.changed_hosts)} of {len(res.plan.nodes)} nodes would change "
+                     f"in {len(updates)} calls (dry run: nothing changed)")
+    else:
+        lines.append(f"{len(res.plan.changed_hosts)} of {len(res.plan.nodes)} nodes updated in "
+                     f"{len(res.applied)} calls")
+        lines += [f"error: {e}" for e in res.errors]
+        lines.append(f"wrote {res.written}" if res.written else
+                     "the file of classes was NOT written (an update failed): the gate checks "
+                     "every job until a sync succeeds")
+    c.emit(doc, text="\n".join(lines) + "\n")
+    if res.errors:
+        raise SystemExit(3)
+
+
+@features.command("check")
+@format_options
+def check_cmd(as_json: bool, as_csv: bool) -> None:
+    """Compare Slurm's class features and the file of classes with the inventory; exit 1
+    when they differ (run `ncclguard features sync`, or see why the daemon did not)."""
+    from ncclguard.sched import classfile
+
+    c = get_ctx(as_json, as_csv)
+    res = _sync(c, dry_run=True)
+    rows = []
+    by_name = {n.name: n for n in res.plan.nodes}
+    for host in res.plan.changed_hosts:
+        have = [f for f in by_name[host].active_features if f.startswith("nc_")]
+        rows.append({"host": host, "has": ",".join(have) or "-",
+                     "want": res.plan.classes.get(host) or "-"})
+    path = Path(c.config.features.classes_file)
+    state: dict[str, Any] = {"path": str(path)}
+    try:
+        cf = classfile.read(path)
+    except classfile.ClassFileError as e:
+        state.update(ok=False, problem=str(e))
+    else:
+        age = c.now - cf.verified
+        state.update(verified=out.iso(cf.verified), age_s=round(age, 1))
+        named = {k.feature for lst in cf.partitions.values() for k in lst}
+        present = {f for n in res.plan.nodes for f in n.active_features}
+        missing = sorted(named - present)
+        if missing:
+            state.update(ok=False, problem=f"names features Slurm does not have: "
+                         f"{', '.join(missing[:5])}")
+        elif age > classfile.LUA_FRESH_S:
+            state.update(ok=False, problem=f"last verified {age:.0f} s ago: job_submit.lua "
+                         f"ignores it after {classfile.LUA_FRESH_S} s (is the features "
+                         "daemon running?)")
+        else:
+            state.update(ok=True, problem=None)
+    ok = not rows and state["ok"]
+    doc = {"ok": ok, "nodes": len(res.plan.nodes), "differ": rows, "classes_file": state}
+    text = None
+    if c.fmt == "table":
+        text = (f"{len(rows)} of {len(res.plan.nodes)} nodes have other class features in "
+                "Slurm than the inventory gives them\n")
+        if rows:
+            text += out.table(rows, DRIFT_COLUMNS)
+        text += f"classes file {path}: " + (
+            f"verified {state['age_s']:.0f} s ago" if state["ok"] else str(state["problem"])
+        ) + "\n"
+    c.emit(doc, rows=rows, columns=DRIFT_COLUMNS, text=text)
+    if not ok:
+        raise SystemExit(1)

@@ -1,0 +1,217 @@
+"""Scheduling classes (ncclguard.policy.schedule), the lua's file of classes
+(ncclguard.sched.classfile) and the sync plan (ncclguard.sched.sync), without Slurm.
+The real slurmctld with the shipped job_submit.lua: tests/test_sched_slurm.py."""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from policy_fingerprints import fingerprint
+from test_policy_properties import CONFIGS, _fp, allocations
+
+from ncclguard.config import Config, FeaturesConfig, PolicyConfig
+from ncclguard.policy import evaluate_values, node_values
+from ncclguard.policy.schedule import (
+    FEATURE_PREFIX,
+    MAX_ALTERNATIVES,
+    UNKNOWN_FEATURE,
+    ClassCount,
+    _short_names,
+    rank_classes,
+    scheduling_classes,
+)
+from ncclguard.sched import classfile
+from ncclguard.sched.sync import class_table, plan
+from ncclguard.slurm import NodeInfo
+from prolog.job import CLASS_FEATURE_PREFIX, Job
+
+LUA = Path(__file__).resolve().parents[1] / "slurm" / "job_submit.lua"
+
+
+def _values(fps: dict) -> dict:
+    return {h: (node_values(fp) if fp is not None else None) for h, fp in fps.items()}
+
+
+# ----------------------------------------------------------------- classes
+def test_one_feature_per_refuse_level_class() -> None:
+    fps = {
+        "n1": fingerprint("n1", nccl="2.21.5"),
+        "n2": fingerprint("n2", nccl="2.21.5", driver="535.1"),  # gpu-driver: warn only
+        "n3": fingerprint("n3", nccl="2.18.3"),  # nccl-version: refuse
+        "n4": None,
+    }
+    cls = scheduling_classes(_values(fps), PolicyConfig())
+    assert cls["n1"] == cls["n2"] and cls["n1"] != cls["n3"]
+    assert re.fullmatch(r"nc_[0-9a-f]{8}", cls["n1"] or "")
+    assert cls["n4"] == UNKNOWN_FEATURE  # unknown-node is warn by default
+    strict = PolicyConfig(severity={"unknown-node": "refuse", "gpu-driver": "refuse"})
+    cls = scheduling_classes(_values(fps), strict, stale=["n2"])
+    assert cls["n4"] is None and cls["n2"] is None  # refuse: no class, never scheduled
+    # the feature is a digest of what the rules read, not of the host: stable per class
+    again = scheduling_classes(_values({"x": fingerprint("x", nccl="2.18.3")}), PolicyConfig())
+    assert again["x"] == scheduling_classes(_values(fps), PolicyConfig())["n3"]
+
+
+def test_a_stale_node_keeps_the_class_of_its_last_record_when_unknown_node_warns() -> None:
+    fps = {"n1": fingerprint("n1"), "n2": fingerprint("n2", nccl="2.18.3")}
+    cls = scheduling_classes(_values(fps), PolicyConfig(), stale=["n1", "n2"])
+    assert cls["n1"] != cls["n2"] and None not in cls.values()
+
+
+@settings(max_examples=200, deadline=None)
+@given(allocations, st.sampled_from(sorted(CONFIGS)), st.sets(st.sampled_from(["n1", "n2"])))
+def test_nodes_that_share_a_feature_are_never_refused_by_the_gate(
+    nodes: dict, config_name: str, stale: set[str]
+) -> None:
+    """The invariant prevention rests on: any set of nodes with one class feature passes
+    the gate's own evaluation without a refuse-level finding."""
+    config = CONFIGS[config_name]
+    fps = {h: (_fp(k) if k is not None else None) for h, k in nodes.items()}
+    values = _values(fps)
+    stale &= set(fps)
+    cls = scheduling_classes(values, config, stale)
+    for feature in {f for f in cls.values() if f}:
+        members = {h: values[h] for h, f in cls.items() if f == feature}
+        v = evaluate_values(members, config, stale & set(members))
+        assert not [f for f in v.findings if f.severity == "refuse"], (feature, members)
+
+
+def test_short_names_grow_until_unique() -> None:
+    a, b, c = "abcdef0123" + "0" * 54, "abcdef0124" + "0" * 54, "ffffffff" + "1" * 56
+    names = _short_names([a, b, c])
+    assert names[a] == FEATURE_PREFIX + "abcdef0123" and names[b] == FEATURE_PREFIX + "abcdef0124"
+    assert names[c] == FEATURE_PREFIX + "ffffffff"
+
+
+def test_rank_largest_first_unknown_last_small_dropped_and_capped() -> None:
+    features = {f"h{i}": "nc_aaaaaaaa" for i in range(3)}
+    features |= {f"k{i}": "nc_bbbbbbbb" for i in range(5)}
+    features |= {f"u{i}": UNKNOWN_FEATURE for i in range(9)}
+    features |= {"lonely": "nc_cccccccc", "none": None}
+    assert rank_classes(features) == [ClassCount("nc_bbbbbbbb", 5), ClassCount("nc_aaaaaaaa", 3),
+                                      ClassCount(UNKNOWN_FEATURE, 9)]
+    assert rank_classes(features, ["h0", "h1", "k0"]) == [ClassCount("nc_aaaaaaaa", 2)]
+    many = {f"n{i}{j}": f"nc_{i:08x}" for i in range(70) for j in range(2)}
+    assert len(rank_classes(many)) == MAX_ALTERNATIVES
+    assert len(rank_classes(many, limit=5)) == 5
+
+
+# --------------------------------------------------------------- the file
+def _cf(**kw: object) -> classfile.ClassFile:
+    base: dict = dict(verified=1_700_000_000, partitions={
+        "*": (ClassCount("nc_0123abcd", 4), ClassCount("nc_unknown", 2)),
+        "gpu": (ClassCount("nc_0123abcd", 4),)})
+    return classfile.ClassFile(**(base | kw))  # type: ignore[arg-type]
+
+
+def test_file_round_trip() -> None:
+    cf = _cf(guarded=("gpu", "a100"), opt_out=False, max_alternatives=8)
+    assert classfile.parse(classfile.render(cf).decode()) == cf
+
+
+@pytest.mark.parametrize(("text", "cause"), [
+    ("", "line 1"),
+    ("ncclguard-classes 2\nend\n", "line 1"),
+    ("ncclguard-classes 1\nverified 1\nmin_nodes 2\nmax_alternatives 64\nopt_out 1\n"
+     "guarded *\n", "no 'end'"),
+    ("ncclguard-classes 1\nverified x\nend\n", "line 2"),
+    ("ncclguard-classes 1\nverified 1\nverified 2\nend\n", "line 3"),
+    ("ncclguard-classes 1\nverified 1\nmin_nodes 2\nmax_alternatives 65\nopt_out 1\n"
+     "guarded *\nend\n", "max_alternatives 65"),
+    ("ncclguard-classes 1\nverified 1\nmin_nodes 2\nmax_alternatives 64\nopt_out 1\n"
+     "guarded *\npartition * nc_x]:3\nend\n", "not a class"),
+    ("ncclguard-classes 1\nverified 1\nmin_nodes 2\nmax_alternatives 64\nopt_out 1\n"
+     "guarded *\npartition a;b nc_0123abcd:3\nend\n", "partition"),
+    ("ncclguard-classes 1\nverified 1\nmin_nodes 2\nmax_alternatives 64\nopt_out 1\n"
+     "guarded *\nend\nmore\n", "after 'end'"),
+    ("ncclguard-classes 1\nverified 1\nend\n", "missing min_nodes"),
+])
+def test_a_bad_file_is_refused_with_the_line(text: str, cause: str) -> None:
+    with pytest.raises(classfile.ClassFileError, match=re.escape(cause)):
+        classfile.parse(text, "f")
+
+
+def test_write_is_atomic_and_refuses_a_directory_others_can_write(tmp_path: Path) -> None:
+    target = tmp_path / "sched" / "classes"
+    classfile.write(target, _cf())
+    assert stat.S_IMODE(os.stat(target).st_mode) == 0o644
+    assert classfile.read(target) == _cf()
+    assert sorted(p.name for p in target.parent.iterdir()) == ["classes"]
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    os.chmod(open_dir, 0o777)
+    with pytest.raises(classfile.ClassFileError, match="writable by everyone"):
+        classfile.write(open_dir / "classes", _cf())
+    assert not (open_dir / "classes").exists()
+
+
+def test_the_lua_and_python_agree_on_limits() -> None:
+    lua = LUA.read_text()
+    assert f"ncclguard.FRESH_S = {classfile.LUA_FRESH_S}\n" in lua
+    assert f"ncclguard.MAX_TERMS = {MAX_ALTERNATIVES} " in lua
+    assert f'ncclguard.CLASSES_FILE = "{FeaturesConfig().classes_file}"' in lua
+    assert CLASS_FEATURE_PREFIX == FEATURE_PREFIX
+
+
+# ------------------------------------------------------------------ the plan
+def _node(name: str, feats: tuple[str, ...] = (), parts: tuple[str, ...] = ("debug",),
+          active: tuple[str, ...] | None = None) -> NodeInfo:
+    return NodeInfo(name=name, state="idle", features=feats,
+                    active_features=feats if active is None else active, partitions=parts)
+
+
+def test_plan_merges_own_features_and_changes_only_what_differs() -> None:
+    nodes = [
+        _node("n1", ("gpu", "nc_aaaaaaaa")),  # right already
+        _node("n2", ("gpu",)),  # lacks its class
+        _node("n3", ("nc_bbbbbbbb",)),  # wrong class
+        _node("n4", ("ssd", "nc_aaaaaaaa")),  # excluded now: loses the class, keeps ssd
+        _node("n5", ("gpu", "nc_dddddddd"), active=("nc_dddddddd",)),  # gpu not active
+    ]
+    want = {"n1": "nc_aaaaaaaa", "n2": "nc_aaaaaaaa", "n3": "nc_aaaaaaaa", "n4": None,
+            "n5": "nc_aaaaaaaa"}
+    p = plan(nodes, want)
+    calls = {u.hosts: (u.available, u.active) for u in p.updates}
+    assert calls == {
+        ("n2",): (("gpu", "nc_aaaaaaaa"), ("gpu", "nc_aaaaaaaa")),
+        ("n3",): (("nc_aaaaaaaa",), ("nc_aaaaaaaa",)),
+        ("n4",): (("ssd",), ("ssd",)),
+        ("n5",): (("gpu", "nc_aaaaaaaa"), ("nc_aaaaaaaa",)),
+    }
+    assert p.changed_hosts == ["n2", "n3", "n4", "n5"]
+    same = [_node(f"m{i}", ("nc_aaaaaaaa",)) for i in range(3)] + [_node("m9")]
+    p = plan(same, {"m0": "nc_bbbbbbbb", "m1": "nc_bbbbbbbb", "m2": "nc_bbbbbbbb",
+                    "m9": "nc_bbbbbbbb"})
+    assert [u.hosts for u in p.updates] == [("m0", "m1", "m2", "m9")]  # one call per list
+
+
+def test_class_table_per_partition() -> None:
+    nodes = [_node(f"a{i}", parts=("gpu", "all")) for i in range(4)]
+    nodes += [_node(f"b{i}", parts=("all",)) for i in range(3)]
+    classes = {n.name: ("nc_aaaaaaaa" if n.name[0] == "a" else "nc_bbbbbbbb") for n in nodes}
+    cfg = Config(policy=PolicyConfig(partitions=("gpu",), min_nodes=3))
+    cf = class_table(cfg, nodes, classes, verified=5.0)
+    assert cf.partitions["*"] == (ClassCount("nc_aaaaaaaa", 4), ClassCount("nc_bbbbbbbb", 3))
+    assert cf.partitions["gpu"] == (ClassCount("nc_aaaaaaaa", 4),)
+    assert cf.guarded == ("gpu",) and cf.min_nodes == 3 and cf.verified == 5
+
+
+# ------------------------------------------------------------------- the gate
+@pytest.mark.parametrize(("constraint", "group"), [
+    ("[nc_0123abcd|nc_unknown]", True),
+    ("(gpu)&[nc_0123abcd|nc_99aa00bb]", True),
+    ("[a|b]", False),
+    ("nc_0123abcd", False),
+    ("", False),
+    ("[nc_0123abcd|x]", False),
+])
+def test_the_gate_knows_a_class_group(constraint: str, group: bool) -> None:
+    env = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]",
+           "SLURM_JOB_CONSTRAINTS": constraint}
+    assert Job.from_env(env).class_group is group

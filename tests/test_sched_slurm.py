@@ -1,0 +1,307 @@
+"""Prevention at scheduling time on a real cluster: slurmctld with the shipped
+slurm/job_submit.lua, class features kept by ``ncclguard-inventoryd features``, and the
+gate as PrologSlurmctld behind them (docs/scheduling.md).
+
+Inventory: class A = n[1-4] (NCCL 2.21.5), class B = n[5-6] (2.18.3, refuse-level).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest_slurm import require_slurm
+from policy_fingerprints import fingerprint
+
+from devtools.devcluster import DevCluster
+from ncclguard import audit
+from ncclguard.sched import classfile
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+A, B = "n[1-4]", "n[5-6]"
+
+
+def _versions(host: str) -> str:
+    return "2.18.3" if host in ("n5", "n6") else "2.21.5"
+
+
+def _inventory(c: DevCluster) -> None:
+    c.remove_inventory()
+    c.remove_records()
+    for host in c.node_names:
+        c.publish_fingerprint(host, fingerprint(host, nccl=_versions(host)))
+    r = c.collect()
+    assert f"{len(c.node_names)} accepted, 0 rejected" in r.stderr, r.stderr
+
+
+def _gate_config(c: DevCluster) -> None:
+    c.write_gate_config(f'[gate]\naudit_log = "{c.audit_path}"\nsteer_wait_s = 30\n'
+                        "[features]\n"
+                        f'classes_file = "{c.classes_file}"\ninterval_s = 0.5\n')
+
+
+def _wait(pred, timeout: float, what: str) -> float:  # type: ignore[no-untyped-def]
+    t0 = time.monotonic()
+    while not pred():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.2)
+    return time.monotonic() - t0
+
+
+def _classes(c: DevCluster) -> dict[str, str]:
+    return {h: next((f for f in fs if f.startswith("nc_")), "") for h, fs in
+            c.node_features().items()}
+
+
+def _features_in_place(c: DevCluster) -> bool:
+    cls = _classes(c)
+    if not all(cls.values()):
+        return False
+    try:
+        cf = classfile.read(c.classes_file)
+    except classfile.ClassFileError:
+        return False
+    return time.time() - cf.verified < 5
+
+
+@pytest.fixture(scope="module")
+def sched_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevCluster]:
+    require_slurm()
+    root = tmp_path_factory.mktemp("sched")
+    with DevCluster(root, nodes=6, prolog=True, job_submit=True) as c:
+        _gate_config(c)
+        _inventory(c)
+        c.set_reconfig_trigger()
+        c.start_features_daemon()
+        _wait(lambda: _features_in_place(c), 30, "the features daemon's first sync")
+        yield c
+
+
+@pytest.fixture
+def sc(sched_cluster: DevCluster) -> Iterator[DevCluster]:
+    c = sched_cluster
+    c.cancel_all()
+    c.wait_nodes_idle(60)
+    if "features" not in c._procs:  # a test stopped it
+        c.start_features_daemon()
+    _wait(lambda: _features_in_place(c), 30, "the class features")
+    yield c
+    c.cancel_all()
+
+
+def _sbatch(c: DevCluster, *args: str) -> subprocess.CompletedProcess[str]:
+    return c.run(["sbatch", *args], check=False)
+
+
+def _job_id(r: subprocess.CompletedProcess[str]) -> int:
+    assert r.returncode == 0, r.stderr
+    return int(r.stdout.split()[-1])
+
+
+def _features(c: DevCluster, job: int) -> str:
+    return c.job_field(job, "Features")
+
+
+def _records(c: DevCluster, job: int) -> list[dict]:
+    return audit.read(c.audit_path, job=job)
+
+
+# ------------------------------------------------------------------- the sync
+def test_sync_gives_each_class_one_feature_keeps_own_features_and_is_idempotent(
+    sc: DevCluster,
+) -> None:
+    c = sc
+    c.stop_features_daemon()
+    c.run(["scontrol", "update", "NodeName=n1", "AvailableFeatures=bigmem",
+           "ActiveFeatures=bigmem"])
+    dry = c.features("sync", "--dry-run").stdout
+    assert "would run: scontrol update NodeName=n1 AvailableFeatures=bigmem,nc_" in dry
+    assert "1 of 6 nodes would change in 1 calls (dry run" in dry
+    assert c.node_features()["n1"] == ("bigmem",)  # a dry run changes nothing
+    out = c.features("sync").stdout
+    assert "1 of 6 nodes updated in 1 calls" in out, out
+    feats = c.node_features()
+    assert "bigmem" in feats["n1"]
+    cls = _classes(c)
+    assert len({cls[h] for h in ("n1", "n2", "n3", "n4")}) == 1
+    assert len({cls["n5"], cls["n6"]}) == 1 and cls["n5"] != cls["n1"]
+    assert "0 of 6 nodes updated in 0 calls" in c.features("sync").stdout
+    assert c.features("check").returncode == 0
+    c.run(["scontrol", "update", "NodeName=n2", "AvailableFeatures=", "ActiveFeatures="])
+    r = c.features("check", check=False)
+    assert r.returncode == 1 and "1 of 6 nodes have other class features" in r.stdout
+    assert f"n2    -          {cls['n2']}" in r.stdout or "n2" in r.stdout
+    c.run(["scontrol", "update", "NodeName=n1", f"AvailableFeatures={cls['n1']}",
+           f"ActiveFeatures={cls['n1']}"])  # as before the test, for the others
+
+
+# ------------------------------------------------------------------- the lua
+@pytest.mark.parametrize(("args", "added"), [
+    (["-N2"], True), (["-n3"], True), (["-N1-3"], True), (["-N1"], False), ([], False),
+    (["-n2", "--ntasks-per-node=2"], False), (["-N2", "--comment=ncclguard=off"], False),
+])
+def test_the_lua_adds_the_class_group_to_jobs_that_may_span_nodes(
+    sc: DevCluster, args: list[str], added: bool
+) -> None:
+    job = _job_id(_sbatch(sc, "--hold", *args, "--wrap", "true"))
+    feats = _features(sc, job)
+    cls = _classes(sc)
+    if added:
+        assert feats == f"[{cls['n1']}|{cls['n5']}]"  # the larger class first
+    else:
+        assert feats in ("(null)", "")
+
+
+def test_a_user_constraint_is_kept_and_a_users_own_bracket_group_left_alone(
+    sc: DevCluster,
+) -> None:
+    c = sc
+    cls = _classes(c)
+    c.run(["scontrol", "update", "NodeName=n[1-2]", f"AvailableFeatures=fast,{cls['n1']}",
+           f"ActiveFeatures=fast,{cls['n1']}"])
+    try:
+        job = _job_id(_sbatch(c, "--hold", "-N2", "-C", "fast", "--wrap", "true"))
+        assert _features(c, job) == f"(fast)&[{cls['n1']}|{cls['n5']}]"
+        own = f"[{cls['n1']}|{cls['n5']}]"
+        job = _job_id(_sbatch(c, "--hold", "-N2", "-C", own, "--wrap", "true"))
+        assert _features(c, job) == own
+    finally:
+        c.run(["scontrol", "update", "NodeName=n[1-2]", f"AvailableFeatures={cls['n1']}",
+               f"ActiveFeatures={cls['n1']}"])
+
+
+def test_a_job_larger_than_every_class_is_rejected_at_submit_with_why(sc: DevCluster) -> None:
+    r = _sbatch(sc, "-N5", "--wrap", "true")
+    assert r.returncode != 0
+    assert ("ncclguard: this job needs 5 nodes with one NCCL stack, but the largest such set "
+            "in the default partition has 4 nodes") in r.stderr
+
+
+def test_65_alternatives_are_rejected_and_slurmctld_stays_up(sc: DevCluster) -> None:
+    many = "|".join(f"f{i}" for i in range(65))
+    for args in (["-C", f"[{many}]"], ["-C", f"x&[{many}]"]):
+        r = _sbatch(sc, "-N2", *args, "--wrap", "true")
+        assert r.returncode != 0
+        assert "may name at most 64 features (Slurm's limit); this one names" in r.stderr
+    held = _job_id(_sbatch(sc, "--hold", "-N1", "--wrap", "true"))
+    r = sc.run(["scontrol", "update", f"jobid={held}", f"Features=[{many}]"], check=False)
+    assert r.returncode != 0  # slurm_job_modify checks an update the same way
+    assert sc.run(["scontrol", "ping"]).stdout.count("UP") >= 1
+
+
+def test_the_class_list_is_capped_at_64(sc: DevCluster, tmp_path: Path) -> None:
+    """70 classes in the file (their features exist in Slurm): a job gets the 64 largest,
+    runs, and slurmctld stays up."""
+    c = sc
+    c.stop_features_daemon()
+    extra = [f"nc_{i:08x}" for i in range(70)]
+    real = _classes(c)
+    try:
+        c.run(["scontrol", "update", "NodeName=n[1-4]",
+               f"AvailableFeatures={real['n1']},{','.join(extra)}",
+               f"ActiveFeatures={real['n1']},{','.join(extra)}"])
+        classes = tuple(classfile.ClassCount(f, 4) for f in extra)
+        classfile.write(c.classes_file, classfile.ClassFile(
+            verified=int(time.time()) + 1, partitions={"*": classes, "debug": classes}))
+        time.sleep(1.1)
+        job = _job_id(_sbatch(c, "-N2", "--wrap", "true"))
+        feats = _features(c, job)
+        assert feats.startswith("[nc_00000000|") and feats.count("|") == 63
+        assert c.wait_job(job, {"COMPLETED", "FAILED"}, 60) == "COMPLETED"
+        assert "UP" in c.run(["scontrol", "ping"]).stdout
+    finally:
+        c.run(["scontrol", "update", "NodeName=n[1-4]", f"AvailableFeatures={real['n1']}",
+               f"ActiveFeatures={real['n1']}"])
+
+
+# -------------------------------------------------------- no refusal, one class
+def test_sbatch_N4_with_the_large_class_partly_busy_waits_and_lands_on_one_class(
+    sc: DevCluster,
+) -> None:
+    """Without the group Slurm would take n[2-5] (mixed) and the gate would refuse it."""
+    c = sc
+    blocker = _job_id(_sbatch(c, "-w", "n1", "--exclusive", "--wrap", "sleep 8"))
+    assert c.wait_job(blocker, {"RUNNING"}, 60) == "RUNNING"
+    job = _job_id(_sbatch(c, "-N4", "--wrap", "hostname"))
+    time.sleep(2)
+    assert c.job_field(job, "JobState") == "PENDING"  # waits for class A, not n[2-5]
+    assert c.wait_job(job, {"COMPLETED", "FAILED"}, 90) == "COMPLETED"
+    assert c.job_field(job, "NodeList") == A
+    assert c.job_field(job, "Restarts") == "0"
+    recs = _records(c, job)
+    assert [r["decision"] for r in recs] == ["accept"]
+    assert recs[0]["path"] == "features"
+
+
+@pytest.mark.parametrize("cmd", ["srun", "salloc"])
+def test_interactive_jobs_land_on_one_class(sc: DevCluster, cmd: str) -> None:
+    """n[1-3] busy: the free nodes are n4 (A), n5 and n6 (B). Without the group Slurm
+    would give a two-node job n[4-5] and the gate would kill it."""
+    c = sc
+    blocker = _job_id(_sbatch(c, "-N3", "-w", "n[1-3]", "--exclusive", "--wrap", "sleep 60"))
+    assert c.wait_job(blocker, {"RUNNING"}, 60) == "RUNNING"
+    argv = ["srun", "-N2", "hostname"] if cmd == "srun" else ["salloc", "-N2", "hostname"]
+    r = c.run(argv, check=False, timeout=60)
+    assert r.returncode == 0, r.stderr
+    decisions = [rec for rec in audit.read(c.audit_path) if rec.get("nodes") == B
+                 and rec.get("decision") == "accept"]
+    assert decisions and decisions[-1]["path"] == "features"
+
+
+# ---------------------------------------------------------- lost and restored
+def _one_class(c: DevCluster, job: int) -> bool:
+    nodes = c.slurm().hostnames(c.job_field(job, "NodeList"))
+    return len({_versions(h) for h in nodes}) == 1
+
+
+def test_features_come_back_after_reconfigure(sc: DevCluster) -> None:
+    c = sc
+    before = _classes(c)
+    c.run(["scontrol", "reconfigure"])
+    # in the gap: refused at submit (22.05: the lua names features Slurm just lost), or
+    # accepted (24.11 restarts in place: the lua, reloaded, waits for a verification,
+    # so the gate checks the job); never run on a mixed set
+    r = _sbatch(c, "-N3", "--wrap", "hostname")
+    if r.returncode != 0:
+        assert "Invalid feature specification" in r.stderr, r.stderr
+    took = _wait(lambda: _classes(c) == before, 30, "the class features after reconfigure")
+    print(f"class features back {took:.1f} s after scontrol reconfigure")
+    if r.returncode == 0:
+        job = _job_id(r)
+        assert c.wait_job(job, {"COMPLETED", "FAILED"}, 90) == "COMPLETED"
+        assert _one_class(c, job)
+    job = _job_id(_sbatch(c, "-N2", "--wrap", "hostname"))
+    assert c.wait_job(job, {"COMPLETED", "FAILED"}, 90) == "COMPLETED"
+    assert _one_class(c, job)
+
+
+def test_after_a_plain_restart_the_features_return_and_the_gap_is_the_gates(
+    sc: DevCluster,
+) -> None:
+    c = sc
+    before = _classes(c)
+    c.stop_features_daemon()
+    hook = c.features_hook.read_text()
+    c.features_hook.write_text("#!/bin/sh\nexit 0\n")  # the gap, held open: no restore yet
+    try:
+        c.restart_slurmctld()
+        c.wait_nodes_idle(60)
+        assert not any(_classes(c).values())  # a plain restart drops runtime features
+        # in the gap the lua adds no group (the file predates this slurmctld): the job
+        # is accepted by Slurm, and the gate checks it
+        job = _job_id(_sbatch(c, "-N3", "--wrap", "hostname"))
+        assert _features(c, job) in ("(null)", "")
+        assert c.wait_job(job, {"COMPLETED", "FAILED"}, 120) == "COMPLETED"
+        recs = _records(c, job)
+        assert recs[0]["path"] == "gate" and recs[-1]["decision"] == "accept"
+        assert _one_class(c, job)
+    finally:
+        c.features_hook.write_text(hook)
+    c.restart_slurmctld()  # now with the hook: it puts the features back at start
+    took = _wait(lambda: _classes(c) == before, 30, "the class features after restart")
+    print(f"class features back {took:.1f} s after a plain restart (SlurmctldPrimaryOnProg)")
