@@ -17,9 +17,12 @@ twice. It then
    the collector (``collect --once``) write the inventory; shows a forged record rejected;
 4. shows ``ncclguard classes``, a batch job that lands on the mixed set ``n[1-4]`` (Slurm
    picks the lowest-numbered idle nodes), is refused, steered away from ``n1`` and then
-   completes on ``n[2-5]``, ``ncclguard decisions``, ``ncclguard check`` of a bad hostlist
-   and ``ncclguard drain-recommend``;
-6. leaves the cluster running and prints how to use it and how to stop it.
+   completes on ``n[2-5]``, ``ncclguard decisions``;
+5. starts the features daemon (class features in Slurm, the file job_submit.lua reads)
+   and shows the same job, with ``n2`` busy, waiting for its class and running on
+   ``n[2-5]`` with no refusal, and an ``srun -N2`` on one class;
+6. shows ``ncclguard check`` of a bad hostlist and ``ncclguard drain-recommend``;
+7. leaves the cluster running and prints how to use it and how to stop it.
 
 ``<dir>/state.json`` records what the demo did (job id, paths) for the end-to-end test.
 """
@@ -53,7 +56,7 @@ PLUGIN_ABIS = (8, 7, 6, 5)
 PLUGIN_PATH = "/usr/lib/x86_64-linux-gnu/libnccl-net.so"  # NCCL's default name, linker search
 NCCL_CONF = "NCCL_IB_HCA=mlx5\nNCCL_SOCKET_IFNAME=ib0\n"
 WAIT_REFUSAL_S = 60.0
-STEPS = 7
+STEPS = 8
 WAIT_COMPLETE_S = 120.0
 
 
@@ -201,7 +204,7 @@ class Demo:
         self.write_config()
         cluster = DevCluster(self.cluster_dir, nodes=NODES, prolog=True,
                              gate_config=self.gate_config(), db=self.db,
-                             python=sys.executable, prolog_timeout_s=30)
+                             python=sys.executable, prolog_timeout_s=30, job_submit=True)
         try:
             cluster.start(timeout=90)
         except (ClusterError, OSError) as e:
@@ -257,13 +260,22 @@ class Demo:
              "a compatible set.")
         self.job_story(cluster)
 
-        step(6, "ncclguard check: the gate's verdict on any hostlist",
+        step(6, "Prevention: Slurm itself never picks a mixed set",
+             "Each class becomes a node feature (nc_ and 8 hex digits), kept in Slurm by "
+             "`ncclguard-inventoryd features` on the controller. The shipped job_submit.lua "
+             "adds the matching-OR constraint [class|class|...] to every multi-node job, so "
+             "all its nodes carry one class. Here n2, a node of the large class, is busy: "
+             "without the constraint Slurm would take n1,n3-n5 (mixed); with it the job "
+             "waits for n2 and runs on n[2-5], with no refusal and no requeue.")
+        self.prevention_story(cluster)
+
+        step(7, "ncclguard check: the gate's verdict on any hostlist",
              "The same policy the prolog runs, on a set you name; exit 0 accept, 1 warn, "
              "2 refuse. Here: the two nodes without the plugin and one good node.")
         self.ncclguard("check", "n[5-7]", ok=(2,))
         self.state["check"] = {"hostlist": "n[5-7]", "exit": 2}
 
-        step(7, "ncclguard drain-recommend",
+        step(8, "ncclguard drain-recommend",
              "Which nodes to drain, per partition, grouped by reason, measured against the "
              "majority class. `--apply` would drain them with an `ncclguard:` reason.")
         self.ncclguard("drain-recommend")
@@ -331,6 +343,45 @@ class Demo:
             f"{fields['Restarts']} refusal(s); steered away from {fields['ExcNodeList']}")
         self.ncclguard("decisions", "--job", str(job))
 
+    def prevention_story(self, cluster: DevCluster) -> None:
+        cluster.start_features_daemon()
+        deadline = time.monotonic() + 30
+        while not cluster.classes_file.exists():
+            if time.monotonic() > deadline:
+                raise DemoError("the features daemon wrote no file of classes within 30s; "
+                                f"see {self.cluster_dir / 'log' / 'features.out'}")
+            time.sleep(0.2)
+        time.sleep(1.1)  # job_submit.lua trusts a file verified after its own start
+        self.state["features_pid"] = cluster._procs["features"].pid
+        out = cluster.run(["sinfo", "-N", "-h", "-o", "%N %f"], check=False).stdout
+        show(["sinfo", "-N", "-h", "-o", "%N %f"], out)
+        blocker = cluster.sbatch(["-w", "n2", "--exclusive", "-J", "busy", "--wrap", "sleep 6"])
+        cluster.wait_job(blocker, {"RUNNING"}, 60)
+        wrap = 'echo "ran on $SLURM_JOB_NODELIST"'
+        args = [f"-N{JOB_NODES}", "-J", "demo-prevented", "--wrap", wrap]
+        job = cluster.sbatch(args)
+        say(f"    $ sbatch {' '.join(args[:-1])} '{wrap}'      # n2 busy")
+        say(f"      Submitted batch job {job}")
+        say(f"    Features={cluster.job_field(job, 'Features')} (added by job_submit.lua); "
+            f"state {cluster.job_field(job, 'JobState')}, waiting for its class")
+        self.state["prevented_job"] = job
+        self.save_state()
+        try:
+            state = cluster.wait_job(job, {"COMPLETED", "FAILED", "CANCELLED"},
+                                     timeout=WAIT_COMPLETE_S)
+        except ClusterError as e:
+            raise DemoError(f"job {job} did not finish: {e}") from None
+        fields = {k: cluster.job_field(job, k) for k in ("JobState", "NodeList", "Restarts")}
+        self.state["prevented"] = fields
+        self.save_state()
+        if state != "COMPLETED":
+            raise DemoError(f"job {job} ended {state}:\n{cluster.show_job(job)}")
+        say(f"    job {job} COMPLETED on {fields['NodeList']} after {fields['Restarts']} "
+            "refusal(s)")
+        r = cluster.run(["srun", "-N2", "-J", "demo-srun", "hostname"], check=False, timeout=60)
+        show(["srun", "-N2", "hostname"], r.stdout + r.stderr)
+        self.ncclguard("decisions", "--since", "5m")
+
     def wait_refusal(self, job: int) -> dict[str, Any]:
         """The gate's first refusal of ``job``, from its audit trail (bounded wait)."""
         deadline = time.monotonic() + WAIT_REFUSAL_S
@@ -390,7 +441,7 @@ def preflight() -> None:
 
 
 # munge/*.pid: the controller's munged and each node's
-PIDFILES = ("log/slurmd-*.pid", "slurmctld.pid", "munge/*.pid")
+PIDFILES = ("features.pid", "log/slurmd-*.pid", "slurmctld.pid", "munge/*.pid")
 
 
 def _cmdline(pid: int) -> str:

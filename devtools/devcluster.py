@@ -628,11 +628,14 @@ class DevCluster:
                "NCCLGUARD_DB": str(self.db)}
         saved, self.env = self.env, env
         try:
-            self._spawn("features", [self.python, "-m", "inventoryd.main", "features"])
+            self._spawn("features", [self.python, "-m", "inventoryd.main", "features",
+                                     "--config", str(self.config_path)])
         finally:
             self.env = saved
+        (self.root / "features.pid").write_text(f"{self._procs['features'].pid}\n")
 
     def stop_features_daemon(self) -> None:
+        (self.root / "features.pid").unlink(missing_ok=True)
         p = self._procs.pop("features", None)
         if p is not None and p.poll() is None:
             with contextlib.suppress(ProcessLookupError):

@@ -38,7 +38,9 @@ ncclguard.MAX_FILE = 1048576
 
 local NO_VAL = 4294967294
 local NO_VAL16 = 65534
--- Set when this script is loaded: by a new slurmctld, or after the script changed.
+-- Set when this script is loaded: by a new slurmctld, or after the script changed. The
+-- file is trusted once verified in a later second (os.time() counts whole seconds, and a
+-- verification in the same second may have come before a restart).
 ncclguard.LOADED_AT = os.time()
 
 local cache = { at = nil, cf = nil, err = nil }
@@ -134,7 +136,7 @@ function ncclguard.classes(now)
   end
   local cf = cache.cf
   if cf == nil then return nil, cache.err end
-  if cf.verified < ncclguard.LOADED_AT then
+  if cf.verified <= ncclguard.LOADED_AT then
     return nil, "the classes were not verified since this slurmctld started"
   end
   if now - cf.verified > ncclguard.FRESH_S then

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -183,6 +184,9 @@ def test_classes_json(run: Run) -> None:
     assert not small["baseline"]
     assert doc["baseline"]["compat_key"] == big["compat_key"]
     assert abs(big["share"] + small["share"] - 1) < 1e-6
+    # each class's Slurm feature (docs/scheduling.md): the stale node keeps its class's
+    assert re.fullmatch(r"nc_[0-9a-f]{8}", big["feature"])
+    assert re.fullmatch(r"nc_[0-9a-f]{8}", small["feature"]) and small["feature"] != big["feature"]
 
 
 def test_classes_table_and_csv(run: Run) -> None:

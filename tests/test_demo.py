@@ -77,14 +77,15 @@ def test_demo_end_to_end_twice(demo_env: dict[str, str], tmp_path: Path) -> None
     first = run_demo(demo_env)
     assert first.returncode == 0, failed(first)
     first_pids = set(demo_pids(base))
-    assert len(first_pids) == 1 + 7 + 1 + 7  # munged, one per node, slurmctld, 7 slurmd
+    # munged, one per node, slurmctld, 7 slurmd, the features daemon
+    assert len(first_pids) == 1 + 7 + 1 + 7 + 1
 
     r = run_demo(demo_env)  # run twice, works twice
     out = r.stdout
     assert r.returncode == 0, failed(r)
     assert f"stopped the demo that was running in {base}" in out
     pids = set(demo_pids(base))
-    assert len(pids) == 16 and not pids & first_pids
+    assert len(pids) == 17 and not pids & first_pids
     state = json.loads((base / "state.json").read_text())
 
     # -- classes: what it printed is what the inventory holds
@@ -98,7 +99,7 @@ def test_demo_end_to_end_twice(demo_env: dict[str, str], tmp_path: Path) -> None
     by_hosts = {",".join(sorted(c.hosts)): c for c in classes}
     assert set(by_hosts) == {"n2,n3,n4,n5", "n1", "n6", "n7"}
     # -- the records: published, collected, a forgery rejected and listed
-    section = out.split("==> [3/7]")[1].split("==> [4/7]")[0]
+    section = out.split("==> [3/8]")[1].split("==> [4/8]")[0]
     assert "7 records in the spool, 7 accepted, 0 rejected, 0 deferred" in section
     assert ("n3: record n3.rec rejected (wrong-address), the node keeps its previous "
             "record: signed from 127.42.0.2, which is not n3's (127.42.0.3)") in section
@@ -106,7 +107,7 @@ def test_demo_end_to_end_twice(demo_env: dict[str, str], tmp_path: Path) -> None
     with Inventory(state["db"], readonly=True) as inv:
         assert [r["cause"] for r in inv.rejections(include_resolved=True)] == ["wrong-address"]
         assert inv.publishers()["n3.rec"]["origin"] == "127.42.0.3"
-    section = out.split("==> [4/7]")[1].split("==> [5/7]")[0]
+    section = out.split("==> [4/8]")[1].split("==> [5/8]")[0]
     for c in classes:
         line = next(ln for ln in section.splitlines() if c.compat_key in ln)
         assert str(len(c.hosts)) in line.split()
@@ -141,11 +142,28 @@ def test_demo_end_to_end_twice(demo_env: dict[str, str], tmp_path: Path) -> None
     output_file = Path(state["slurm_conf"]).parent / "tmp" / f"slurm-{job}.out"
     assert output_file.read_text().strip() == f"ran on {info['NodeList']}"
 
+    # -- prevention: the same job with n2 busy waits for its class, no refusal
+    section = out.split("==> [6/8]")[1].split("==> [7/8]")[0]
+    prevented = state["prevented_job"]
+    info = scontrol_job(slurm_env, prevented)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0"
+    assert info["NodeList"] == "n[2-5]"
+    assert re.fullmatch(r"\[nc_[0-9a-f]{8}\]", info["Features"]), info["Features"]
+    assert f"Features={info['Features']} (added by job_submit.lua)" in section
+    assert f"job {prevented} COMPLETED on n[2-5] after 0 refusal(s)" in section
+    mine = [a for a in [json.loads(ln) for ln in Path(state["audit_log"]).read_text()
+                        .splitlines()] if a.get("job") == prevented]
+    assert [(a["decision"], a["path"]) for a in mine] == [("accept", "features")]
+    srun = [a for a in [json.loads(ln) for ln in Path(state["audit_log"]).read_text()
+                        .splitlines()] if a.get("job", 0) > prevented and a.get("batch") is False]
+    assert srun and srun[-1]["decision"] == "accept" and srun[-1]["path"] == "features"
+    assert set(expand(srun[-1]["nodes"])) <= {"n2", "n3", "n4", "n5"}
+
     # -- check of a bad hostlist, and the drain recommendation
-    check = out.split("==> [6/7]")[1].split("==> [7/7]")[0]
+    check = out.split("==> [7/8]")[1].split("==> [8/8]")[0]
     assert "ncclguard: refuse (3 nodes: n[5-7])" in check
     assert "odd nodes: n[6-7]" in check
-    drain = out.split("==> [7/7]")[1]
+    drain = out.split("==> [8/8]")[1]
     assert "recommend drain: 3 of 7 nodes" in drain
     reco = {ln.split()[-1] for ln in drain.splitlines() if ln.strip().startswith("ncclguard:")}
     assert reco == {"n1", "n6", "n7"}

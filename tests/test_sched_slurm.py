@@ -219,6 +219,29 @@ def test_the_class_list_is_capped_at_64(sc: DevCluster, tmp_path: Path) -> None:
                f"ActiveFeatures={real['n1']}"])
 
 
+@pytest.mark.parametrize("text", [
+    "ncclguard-classes 1\nverified {now}\nmin_nodes 2\nmax_alternatives 64\nopt_out 1\n"
+    "guarded *\npartition * nc_0123abcd:4|x]&y:4\nend\n",  # a feature that is not ours
+    "ncclguard-classes 1\nverified {now}\nmin_nodes 2\nmax_alternatives 64\nopt_out 1\n"
+    "guarded *\npartition * nc_0123abcd:4\n",  # cut short: no end line
+    "ncclguard-classes 1\nverified 1\nmin_nodes 2\nmax_alternatives 64\nopt_out 1\n"
+    "guarded *\npartition * nc_0123abcd:4\nend\n",  # not verified for a long time
+    "\x00\xff" * 600_000,  # garbage, larger than the lua reads
+], ids=["injected", "cut-short", "old", "garbage"])
+def test_a_bad_or_old_file_adds_nothing_and_the_gate_checks_the_job(
+    sc: DevCluster, text: str
+) -> None:
+    c = sc
+    c.stop_features_daemon()
+    c.classes_file.write_bytes(text.replace("{now}", str(int(time.time()) + 1))
+                               .encode("latin-1"))
+    time.sleep(1.1)  # the lua reads the file again at most once a second
+    job = _job_id(_sbatch(c, "-N2", "--wrap", "hostname"))
+    assert _features(c, job) in ("(null)", "")
+    assert c.wait_job(job, {"COMPLETED", "FAILED"}, 90) == "COMPLETED"
+    assert _records(c, job)[0]["path"] == "gate"
+
+
 # -------------------------------------------------------- no refusal, one class
 def test_sbatch_N4_with_the_large_class_partly_busy_waits_and_lands_on_one_class(
     sc: DevCluster,
@@ -278,6 +301,21 @@ def test_features_come_back_after_reconfigure(sc: DevCluster) -> None:
     job = _job_id(_sbatch(c, "-N2", "--wrap", "hostname"))
     assert c.wait_job(job, {"COMPLETED", "FAILED"}, 90) == "COMPLETED"
     assert _one_class(c, job)
+
+
+def test_without_the_daemon_the_hooks_restore_the_features(sc: DevCluster) -> None:
+    """The permanent ``strigger --reconfig`` (22.05 to 23.02) or ``SlurmctldPrimaryOnProg``
+    (a restart, and 23.11+'s reconfigure, which restarts in place) alone bring them back."""
+    c = sc
+    before = _classes(c)
+    c.stop_features_daemon()
+    hook_log = c.root / "log" / "features-hook.log"
+    runs = hook_log.read_text().count("\n") if hook_log.exists() else 0
+    c.run(["scontrol", "reconfigure"])
+    took = _wait(lambda: _classes(c) == before, 40, "the class features after reconfigure")
+    print(f"hooks alone: class features back {took:.1f} s after scontrol reconfigure "
+          f"(Slurm {c.slurm().version()})")
+    assert hook_log.read_text().count("\n") > runs  # the hook did it, nothing else ran
 
 
 def test_after_a_plain_restart_the_features_return_and_the_gap_is_the_gates(

@@ -13,7 +13,8 @@ import pytest
 SYSTEMD = Path(__file__).resolve().parents[1] / "systemd"
 UNIT = SYSTEMD / "ncclguard-inventoryd.service"
 COLLECTOR = SYSTEMD / "ncclguard-collector.service"
-UNITS = {UNIT: "run", COLLECTOR: "collect"}
+FEATURES = SYSTEMD / "ncclguard-features.service"
+UNITS = {UNIT: "run", COLLECTOR: "collect", FEATURES: "features"}
 
 needs_analyze = pytest.mark.skipif(shutil.which("systemd-analyze") is None,
                                    reason="systemd-analyze is not installed")

@@ -17,7 +17,7 @@ __all__ = ["decisions"]
 
 DECISION_COLUMNS: list[out.Column] = [
     ("time", "TIME"), ("job", "JOB"), ("partition", "PARTITION"), ("decision", "DECISION"),
-    ("action", "ACTION"), ("nodes", "NODES"), ("summary", "SUMMARY"),
+    ("action", "ACTION"), ("path", "BY"), ("nodes", "NODES"), ("summary", "SUMMARY"),
 ]
 
 
@@ -40,6 +40,9 @@ def _decision_row(rec: Mapping[str, Any]) -> dict[str, Any]:
         "partition": _first(rec, "partition"),
         "decision": _first(rec, "decision") or verdict.get("decision"),
         "action": _first(rec, "action"),
+        # which check placed the job (docs/scheduling.md): features (Slurm, one class) or
+        # gate; records written before it existed have neither
+        "path": _first(rec, "path"),
         "nodes": _first(rec, "nodes", "nodelist", "hosts"),
         "summary": _first(rec, "summary", "message") or verdict.get("summary"),
     }

@@ -174,12 +174,12 @@ def nodes(partition: str | None, nodes_opt: str | None, where: tuple[str, ...], 
 CLASS_COLUMNS: list[out.Column] = [
     ("baseline_mark", " "), ("compat_key", "CLASS"), ("count", "NODES"), ("share_pct", "SHARE"),
     ("nccl", "NCCL"), ("net_plugin", "PLUGIN"), ("net_abi", "ABI"), ("transport", "TRANSPORT"),
-    ("stale", "STALE"), ("hosts", "HOSTS"),
+    ("stale", "STALE"), ("feature", "FEATURE"), ("hosts", "HOSTS"),
 ]
 CLASS_CSV: list[out.Column] = [
     ("compat_key", "compat_key"), ("count", "count"), ("share", "share"), ("nccl", "nccl"),
     ("net_plugin", "net_plugin"), ("net_abi", "net_abi"), ("transport", "transport"),
-    ("stale", "stale"), ("baseline", "baseline"), ("hosts", "hosts"),
+    ("stale", "stale"), ("baseline", "baseline"), ("feature", "feature"), ("hosts", "hosts"),
 ]
 
 
@@ -198,6 +198,7 @@ def classes(partition: str | None, nodes_opt: str | None, as_json: bool, as_csv:
     total = sum(len(k.hosts) for k in cls)
     fresh = {k.compat_key: sum(1 for h in k.hosts if h not in stale) for k in cls}
     base, why = choose_baseline(fresh, {k.compat_key: k.values for k in cls}, c.config)[:2]
+    features = _class_features(c, cls)
     rows = []
     for k in cls:
         v = k.values if isinstance(k.values, dict) else {}
@@ -209,7 +210,7 @@ def classes(partition: str | None, nodes_opt: str | None, as_json: bool, as_csv:
             "net_abi": v.get("net_abi"), "transport": v.get("transport"),
             "stale": sum(1 for h in k.hosts if h in stale),
             "baseline": k.compat_key == base, "baseline_mark": "*" if k.compat_key == base else "",
-            "hosts": compress(k.hosts),
+            "feature": features.get(k.compat_key), "hosts": compress(k.hosts),
         })
     missing: list[str] = []
     if node_set is not None:
@@ -226,7 +227,7 @@ def classes(partition: str | None, nodes_opt: str | None, as_json: bool, as_csv:
         "freshness": freshness,
         "baseline": {"compat_key": base, "why": why},
         "classes": [{k: r[k] for k in ("compat_key", "values", "count", "share", "stale",
-                                        "baseline", "hosts")} for r in rows],
+                                        "baseline", "feature", "hosts")} for r in rows],
         "missing": {"count": len(missing), "hosts": compress(missing) if missing else ""},
     }
     text = None
@@ -242,6 +243,26 @@ def classes(partition: str | None, nodes_opt: str | None, as_json: bool, as_csv:
         if missing:
             text += f"not in the inventory: {len(missing)} nodes: {compress(missing)}\n"
     c.emit(doc, rows=rows, columns=CLASS_COLUMNS, text=text, csv_columns=CLASS_CSV)
+
+
+def _class_features(c: Ctx, cls: list[Any]) -> dict[str, str | None]:
+    """Each class's Slurm feature (docs/scheduling.md): the one most of its nodes get
+    (a stale node may get none, where ``unknown-node`` refuses)."""
+    from collections import Counter
+
+    from ncclguard.sched.sync import desired
+    from ncclguard.store import InventoryError
+
+    hosts = [h for k in cls for h in k.hosts]
+    try:
+        per_host = desired(c.config, hosts, c.now, inventory=c.inventory)
+    except InventoryError as e:
+        fail(str(e))
+    out: dict[str, str | None] = {}
+    for k in cls:
+        counts = Counter(f for h in k.hosts if (f := per_host.get(h)))
+        out[k.compat_key] = counts.most_common(1)[0][0] if counts else None
+    return out
 
 
 def _load_one(c: Ctx, host: str) -> Any:
