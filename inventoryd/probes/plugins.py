@@ -390,9 +390,15 @@ def probe(
             if rec is not None:
                 tried.append((rec, kind))
         if kind == "rma" and effective["gin"]["abi"] is not None:
-            tried.append((records[effective["gin"]["plugin"]], effective["gin"]["via"]))
-        if net_lib is not None and exported(net_lib["abis"], kind):
+            tried.append((records[effective["gin"]["plugin"]], "gin"))
+        if net_lib is not None:
             tried.append((net_lib, "net"))
+        # a library NCCL falls back to counts only where it exports this kind at all
+        kept: dict[str, tuple[dict[str, Any], str]] = {}
+        for r, via in tried:
+            if (via == kind or exported(r["abis"], kind)) and r["path"] not in kept:
+                kept[r["path"]] = (r, via)
+        tried = list(kept.values())
         pick = next(((r, via) for r, via in tried if usable(kind, r)), None)
         if pick is not None:
             effective[kind] = _in_force(kind, lib, pick[0], pick[1])
