@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from ncclguard.fingerprint.abi import exported, highest_common
-from ncclguard.fingerprint.model import PROBES
+from ncclguard.fingerprint.model import EFFECTIVE_KINDS, PROBES, obj
 
 __all__ = [
     "ABSENT",
@@ -25,6 +25,7 @@ __all__ = [
     "net_plugin_state",
     "plugin_in_force",
     "plugin_record",
+    "plugins_in_force",
 ]
 
 ABSENT = "none"
@@ -189,6 +190,25 @@ def plugin_in_force(fp: dict, kind: str) -> tuple[str, int] | None:
         return None
     name = rec.get("name") if isinstance(rec.get("name"), str) else None
     return (name or _name(entry, kind), abi)
+
+
+def plugins_in_force(fp: dict) -> list[dict[str, Any]]:
+    """One row per plugin kind: the library NCCL loads for it and the ABI in force (the
+    policy's reading, :func:`plugin_in_force`), and the
+    probe's reason when there is none."""
+    net = obj(fp, "net")
+    state = net_plugin(fp)
+    rows = [{"kind": "net", "plugin": net.get("plugin"), "via": "net" if net.get("plugin")
+             else None, "name": state[0] if state else None,
+             "abi": state[1] if state else None, "reason": net.get("reason")}]
+    eff = obj(fp, "effective")
+    for kind in EFFECTIVE_KINDS:
+        rec = obj(eff, kind)
+        state = plugin_in_force(fp, kind)
+        rows.append({"kind": kind, "plugin": rec.get("plugin"), "via": rec.get("via"),
+                     "name": state[0] if state else None, "abi": state[1] if state else None,
+                     "reason": rec.get("reason") if rec else "not recorded (an older daemon)"})
+    return rows
 
 
 def net_plugin_state(fp: dict) -> tuple[bool, str | None] | None:
