@@ -30,6 +30,12 @@ NCCL_WHEELS: dict[str, str] = {
     "2.18.3": "nvidia-nccl-cu12",
     "2.21.5": "nvidia-nccl-cu11",
     "2.26.2": "nvidia-nccl-cu12",
+    # the plugin-kind boundaries of issue 13 (docs/fingerprint.md, "Plugin kinds by NCCL")
+    "2.23.4": "nvidia-nccl-cu12",
+    "2.27.7": "nvidia-nccl-cu12",
+    "2.28.9": "nvidia-nccl-cu12",
+    "2.30.7": "nvidia-nccl-cu13",  # the cu13 build: a CUDA 13 libnccl among the cu12 ones
+    "2.32.3": "nvidia-nccl-cu12",
 }
 
 
@@ -126,9 +132,15 @@ def build_plugin(
     tuner_abis: Sequence[int] = (),
     collnet: Sequence[int] = (),
     profiler_abis: Sequence[int] = (),
+    env_abis: Sequence[int] = (),
+    gin_abis: Sequence[int] = (),
+    rma_abis: Sequence[int] = (),
     collnet_name: str = "testcoll",
     tuner_name: str = "testtuner",
     profiler_name: str = "testprof",
+    env_name: str = "testenv",
+    gin_name: str = "testgin",
+    rma_name: str = "testrma",
     filename: str = "libnccl-net.so",
     reloc: str = "relative",
     writable: bool = False,
@@ -147,6 +159,9 @@ def build_plugin(
     exports += [(f"ncclCollNetPlugin_v{v}", collnet_name) for v in collnet]
     exports += [(f"ncclTunerPlugin_v{v}", tuner_name) for v in tuner_abis]
     exports += [(f"ncclProfiler_v{v}", profiler_name) for v in profiler_abis]
+    exports += [(f"ncclEnvPlugin_v{v}", env_name) for v in env_abis]
+    exports += [(f"ncclGinPlugin_v{v}", gin_name) for v in gin_abis]
+    exports += [(f"ncclRmaPlugin_v{v}", rma_name) for v in rma_abis]
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     src = out_dir / (filename + ".c")

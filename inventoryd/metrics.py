@@ -12,6 +12,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Gauge, Info, write_to_textfile
 
+from ncclguard.fingerprint.fields import plugins_in_force
 from ncclguard.fingerprint.model import obj
 
 FILE_NAME = "ncclguard.prom"
@@ -54,6 +55,20 @@ def registry_for(
             "name": _s(x.get("name")), "abi": _s(max(mine) if mine else None),
             "default": _s(bool(x.get("default"))), "error": _s(x.get("error")),
         })
+    in_force = Info("ncclguard_plugin_in_force", "The library NCCL loads for each plugin "
+                    "kind (net, tuner, profiler, env, gin, rma) and its ABI in force",
+                    ["kind"], registry=reg)
+    abi = Gauge("ncclguard_plugin_abi_in_force", "ABI version NCCL uses for each plugin kind "
+                "(0: none, or a library NCCL ignores); absent: unknown", ["kind"],
+                registry=reg)
+    for row in plugins_in_force(dict(fp)):
+        kind = _s(row["kind"])
+        in_force.labels(kind=kind).info({
+            "plugin": _s(row["plugin"]), "via": _s(row["via"]), "name": _s(row["name"]),
+            "abi": _s(row["abi"]), "reason": _s(row["reason"]),
+        })
+        if row["abi"] is not None:
+            abi.labels(kind=kind).set(row["abi"])
     port = Info("ncclguard_rdma_port", "An RDMA port on this node", ["device", "port"],
                 registry=reg)
     rdma = obj(fp, "rdma")

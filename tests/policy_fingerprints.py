@@ -143,6 +143,10 @@ def fingerprint(
             "effective_net_abi": abi,
             "reason": reason,
         },
+        # a daemon of issue 13 or later: no tuner, profiler, env, GIN or RMA plugin
+        "effective": {k: {"plugin": None, "via": None, "name": None, "abi": None,
+                          "reason": f"no {k} plugin"}
+                      for k in ("tuner", "profiler", "env", "gin", "rma")},
         "rdma": {
             "abi_version": {"verbs": "6", "mad": "5"},
             "libibverbs": {"path": "/usr/lib/x86_64-linux-gnu/libibverbs.so.1",

@@ -84,7 +84,8 @@ def test_environment_and_missing_files(tmp_path: Path, monkeypatch: pytest.Monke
         ('[policy.severity]\nnccl-version = "loud"\n',
          r"nccl-version = 'loud': expected one of ignore, warn, refuse"),
         ('[baseline]\nnccl_version = "2.21.5"\n',
-         r"baseline\.nccl_version: unknown key \(known: nccl, net_plugin, net_abi, transport\)"),
+         r"baseline\.nccl_version: unknown key \(known: nccl, net_plugin, net_abi, "
+         r"env_plugin, transport\)"),
     ],
 )
 def test_rule_names_and_baseline_keys_are_the_policys(

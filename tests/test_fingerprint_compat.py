@@ -16,6 +16,7 @@ def test_values_of_a_plain_ib_node() -> None:
         "nccl_paths": {},
         "net_plugin": "none",
         "net_abi": 0,
+        "env_plugin": "none",
         "transport": "IB",
     }
     assert tuple(compat_values(fingerprint())) == COMPAT_FIELDS
@@ -34,6 +35,7 @@ def test_values_with_plugin_and_configured_paths() -> None:
         "nccl_paths": {"/opt/nccl/lib/libnccl.so.2": "2.18.3"},
         "net_plugin": "IBext_v8",
         "net_abi": 8,
+        "env_plugin": "none",
         "transport": "IBext_v8",
     }
     # the plugin's highest ABI that the older library knows
@@ -79,3 +81,11 @@ def test_key_changes_with_each_refuse_field() -> None:
     assert len(keys) == len(variants)
     # a warn-level difference does not change the key
     assert compat_key(fingerprint(driver="535.104.05")) == base
+
+
+def test_env_plugin_unknown_on_a_record_without_the_effective_part() -> None:
+    """A daemon before issue 13 wrote no ``effective`` part: its env plugin is unknown
+    (never a difference), not "none"."""
+    fp = fingerprint()
+    del fp["effective"]
+    assert compat_values(fp)["env_plugin"] is None

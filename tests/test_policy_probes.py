@@ -54,7 +54,7 @@ def test_identical_real_nodes_accept(node: Callable[..., dict]) -> None:
     assert {compat_key(fp) for fp in fps.values()} == {compat_key(fps["n1"])}
     assert compat_values(fps["n1"]) == {
         "nccl": "2.21.5", "nccl_paths": {}, "net_plugin": "none", "net_abi": 0,
-        "transport": "IB",
+        "env_plugin": "none", "transport": "IB",
     }
     v = evaluate(fps, DEFAULT)
     assert v.decision == "accept", v.format_text()

@@ -20,13 +20,32 @@ MULTIARCH = "/usr/lib/x86_64-linux-gnu"
 
 # The facts table (docs/nccl-facts.md): net/collnet ABIs tried per NCCL version, newest
 # first; tuner and profiler literals as found in these very files (tuner v2 only in
-# 2.21; the profiler from 2.23.4).
+# 2.21; the profiler from 2.23.4). Env, GIN and RMA (issue 13): read with strings(1) from
+# these wheels and from NCCL's source: 2.28.9 dlsyms "ncclGinPlugin_v11" in
+# src/plugin/net/net_v11.cc and "ncclEnvPlugin_v1" in src/plugin/env/env_v1.cc
+# (v2.28.9-1); 2.30.7 has gin_v13/v14, rma_v13/v14, env_v1/v2 in src/plugin/ (v2.30.7-1);
+# 2.32.3's own strings name ncclRmaPlugin_v13..v16 and ncclProfiler_v1..v7.
+NO_NEW = {"env": [], "gin": [], "rma": []}
 FACTS: dict[str, dict[str, Any]] = {
-    "2.18.3": {"code": 21803, "cuda": "12.1", "net": [6, 5, 4], "tuner": [], "profiler": []},
+    "2.18.3": {"code": 21803, "cuda": "12.1", "net": [6, 5, 4], "tuner": [], "profiler": [],
+               **NO_NEW},
     "2.21.5": {"code": 22105, "cuda": "11.0", "net": [8, 7, 6, 5], "tuner": [2],
-               "profiler": []},
+               "profiler": [], **NO_NEW},
+    "2.23.4": {"code": 22304, "cuda": "12.6", "net": [8, 7, 6, 5], "tuner": [3, 2],
+               "profiler": [1], **NO_NEW},
     "2.26.2": {"code": 22602, "cuda": "12.2", "net": [10, 9, 8, 7, 6], "tuner": [4, 3, 2],
-               "profiler": [3, 2, 1]},
+               "profiler": [3, 2, 1], **NO_NEW},
+    "2.27.7": {"code": 22707, "cuda": "12.9", "net": [10, 9, 8, 7, 6], "tuner": [4, 3, 2],
+               "profiler": [4, 3, 2, 1], **NO_NEW},
+    "2.28.9": {"code": 22809, "cuda": "12.9", "net": [11, 10, 9, 8, 7, 6],
+               "tuner": [5, 4, 3, 2], "profiler": [5, 4, 3, 2, 1],
+               "env": [1], "gin": [11], "rma": []},
+    "2.30.7": {"code": 23007, "cuda": "13.3", "net": [12, 11, 10, 9, 8, 7, 6],
+               "tuner": [6, 5, 4, 3, 2], "profiler": [6, 5, 4, 3, 2, 1],
+               "env": [2, 1], "gin": [14, 13], "rma": [14, 13]},
+    "2.32.3": {"code": 23203, "cuda": "12.9", "net": [12, 11, 10, 9, 8, 7, 6],
+               "tuner": [6, 5, 4, 3, 2], "profiler": [7, 6, 5, 4, 3, 2, 1],
+               "env": [2, 1], "gin": [14, 13], "rma": [16, 15, 14, 13]},
 }
 
 
@@ -53,7 +72,8 @@ def test_real_library_matches_the_facts(version: str, analyzed, nccl_lib) -> Non
     assert got["cuda_version"] == want["cuda"]
     assert got["version_source"] == "banner" and got["version_error"] is None
     assert got["abis"] == {"net": want["net"], "collnet": want["net"],
-                           "tuner": want["tuner"], "profiler": want["profiler"]}
+                           "tuner": want["tuner"], "profiler": want["profiler"],
+                           "env": want["env"], "gin": want["gin"], "rma": want["rma"]}
     path = nccl_lib(version)
     assert got["size"] == path.stat().st_size
     with open(path, "rb") as f:
@@ -100,11 +120,13 @@ def test_scan_finds_strings_across_chunk_boundaries() -> None:
 def test_scan_counts_only_whole_literals() -> None:
     data = (b"\0_ZL15ncclProfiler_v1\0" b"17ncclProfiler_v2_t\0" b"ncclNetPlugin_v9x\0"
             b"ncclNetPlugin_v81234567\0" b"\0Failed to find ncclNetPlugin_v6\0"
-            b"\0ncclTunerPlugin_v3\0" b"NCCL git version master 0123abcd\0")
+            b"\0ncclTunerPlugin_v3\0" b"NCCL git version master 0123abcd\0"
+            b"\0ncclGinPlugin_v14\0" b"_ZL16ncclRmaPlugin_v16\0" b"\0ncclEnvPlugin_v2\0")
     got = _scan(data)
     # tail-merged "... ncclNetPlugin_v6" is still the dlsym literal; "v9x" and a run of
     # digits are not an ABI literal; mangled names and type names do not count
-    assert got["abis"] == {"net": [6], "collnet": [], "tuner": [3], "profiler": []}
+    assert got["abis"] == {"net": [6], "collnet": [], "tuner": [3], "profiler": [],
+                           "env": [2], "gin": [14], "rma": []}
     assert got["git"] == "master 0123abcd"
     assert got["banner"] is None
 

@@ -57,7 +57,8 @@ def test_exports_and_names(tmp_path: Path, reloc: str, executable: bool, writabl
     with open(so, "rb") as f:
         facts = plugins.analyze(f, "/x/libnccl-net.so")
     assert facts["error"] is None
-    assert facts["abis"] == {"net": [8, 7], "collnet": [8], "tuner": [2], "profiler": [1]}
+    assert facts["abis"] == {"net": [8, 7], "collnet": [8], "tuner": [2], "profiler": [1],
+                            "env": [], "gin": [], "rma": []}
     assert facts["names"] == {"net": "IBext_v8", "collnet": "SHARP", "tuner": "ExtTuner",
                               "profiler": "testprof"}
 
@@ -127,8 +128,14 @@ def test_no_plugin_and_no_library(tmp_path: Path, real_lib) -> None:
         ("ofi", (2, 21, 5), [["ofi", "libnccl-net-ofi.so"]]),
         ("/opt/x/libp.so", (2, 26, 2), [["/opt/x/libp.so", "libnccl-net-/opt/x/libp.so.so"]]),
         ("a,b", (2, 26, 2), [["a,b", "libnccl-net-a,b.so"]]),
-        ("a,b", (2, 27, 3), [["a", "libnccl-net-a.so"], ["b", "libnccl-net-b.so"]]),
-        ("none", (2, 27, 3), [["none", "libnccl-net-none.so"]]),
+        # 2.27.3 (plugin_open.cc at v2.27.3-1): a lib*.so name as given only, any other
+        # only as libnccl-net-X.so
+        ("a,b", (2, 27, 3), [["libnccl-net-a.so"], ["libnccl-net-b.so"]]),
+        ("none", (2, 27, 3), [["libnccl-net-none.so"]]),
+        ("libp.so,b", (2, 27, 3), [["libp.so"], ["libnccl-net-b.so"]]),
+        # 2.27.5 on: the second try is skipped for a path or a lib*.so name
+        ("a,/opt/x/libp.so", (2, 27, 7), [["a", "libnccl-net-a.so"], ["/opt/x/libp.so"]]),
+        ("libp.so", (2, 30, 7), [["libp.so"]]),
         ("none", (2, 28, 3), []),
         ("NONE", (2, 29, 1), []),
         ("ofi", None, [["ofi", "libnccl-net-ofi.so"]]),

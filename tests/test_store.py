@@ -27,6 +27,7 @@ from ncclguard.store import (
     InventoryReadOnly,
     InventoryUnsafe,
 )
+from ncclguard.store.rows import PLUGIN_COLUMNS
 from ncclguard.store.schema import MIGRATIONS
 from ncclguard.timeparse import parse_iso
 
@@ -401,6 +402,8 @@ def test_migration_to_v2_backfills_the_gate_values(tmp_path: Path) -> None:
     conn.execute("DROP TABLE publishers")  # v3's
     conn.execute("DROP TABLE rejections")
     conn.execute("ALTER TABLE nodes DROP COLUMN errors_hash")
+    for col in PLUGIN_COLUMNS:  # v4's
+        conn.execute(f"ALTER TABLE nodes DROP COLUMN {col}")
     conn.execute("PRAGMA user_version = 1")
     conn.close()
     with Inventory(p, values=GATE_VALUES) as inv:
@@ -558,3 +561,36 @@ def test_a_world_writable_ancestor_without_the_sticky_bit_is_refused(tmp_path: P
         Inventory(top / "ncclguard" / "inventory.db", readonly=True)
     os.chmod(top, 0o1777)  # sticky, as /tmp: others cannot rename what is not theirs
     Inventory(top / "ncclguard" / "inventory.db", readonly=True).close()
+
+
+def test_migrates_a_real_v3_inventory(tmp_path: Path) -> None:
+    """``tests/data/store/inventory-v3.db`` was written by ncclguard before issue 13 (commit
+    969d602; ``make_inventory_v3.py`` says how). The v3 -> v4 migration adds the plugin
+    columns and fills them from each stored fingerprint: ``new`` (a daemon of issue 13
+    behind an old collector) gets its values, ``old`` (no ``effective`` part) stays NULL,
+    i.e. unknown, until it publishes again."""
+    import shutil
+
+    p = tmp_path / "inventory.db"
+    shutil.copyfile(Path(__file__).parent / "data" / "store" / "inventory-v3.db", p)
+    os.chmod(p, 0o644)
+    conn = sqlite3.connect(p)
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == 3
+    conn.close()
+    with pytest.raises(InventoryCorrupt, match="older"):
+        Inventory(p, readonly=True)  # a reader never migrates
+    with Inventory(p, values=GATE_VALUES) as inv:
+        assert inv.schema_version() == SCHEMA_VERSION == 4
+        rows = {r["host"]: r for r in inv.nodes({})}
+    new, old = rows["new"], rows["old"]
+    assert (new["tuner_plugin"], new["tuner_abi"]) == ("PackedTuner", 6)
+    assert (new["profiler_plugin"], new["profiler_abi"]) == ("testprof", 7)
+    assert (new["gin_plugin"], new["gin_abi"]) == ("PackedGin", 14)
+    assert (new["env_plugin"], new["env_abi"]) == ("SiteEnv", 2)
+    assert (new["rma_plugin"], new["rma_abi"]) == ("none", 0)
+    assert all(old[c] is None for c in PLUGIN_COLUMNS)
+    assert old["net_abi"] == 11 and old["nccl_version"] == "2.28.9"  # v3's columns kept
+    with Inventory(p, readonly=True, values=GATE_VALUES) as ro:  # v3 records: recomputed
+        got = ro.load_values(["new", "old"])
+    assert got["new"][0]["rules"]["env-plugin"]["env plugin"] == "SiteEnv v2"  # type: ignore[index]
+    assert got["old"][0]["rules"]["env-plugin"]["env plugin"] is None  # type: ignore[index]

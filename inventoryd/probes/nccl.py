@@ -9,7 +9,8 @@ What, read from the file itself and never from its name (docs/nccl-facts.md):
 - ``NCCL git version <branch> <hash>`` when present;
 - the plugin ABIs the library looks up by name with ``dlsym``: the string literals
   ``ncclNetPlugin_vN``, ``ncclCollNetPlugin_vN``, ``ncclTunerPlugin_vN``,
-  ``ncclProfiler_vN`` (as whole C strings: the mangled ``_ZL15ncclProfiler_v1`` of a
+  ``ncclProfiler_vN``, and from 2.28 ``ncclEnvPlugin_vN``, ``ncclGinPlugin_vN``,
+  ``ncclRmaPlugin_vN`` (as whole C strings: the mangled ``_ZL15ncclProfiler_v1`` of a
   static variable is not one);
 - its sha256.
 All in one buffered pass of bounded memory; the result is cached by file identity.
@@ -33,9 +34,10 @@ from inventoryd.filecache import FileCache
 from inventoryd.nodefs import ErrorLog, NodeFS
 from inventoryd.probes import linker
 from ncclguard.config import InventorydConfig
+from ncclguard.fingerprint.abi import ABI_KINDS
 
 PROBE = "nccl"
-KIND = "libnccl/1"
+KIND = "libnccl/2"  # /2: the env, GIN and RMA ABIs (issue 13)
 KIND_GETVERSION = "libnccl-getversion/1"
 DEFAULT_SONAME = "libnccl.so.2"  # what applications link against and frameworks dlopen
 NAME_GLOB = "libnccl.so*"
@@ -53,9 +55,9 @@ _BANNER = re.compile(
 _GIT = re.compile(rb"NCCL git version ([\x20-\x7e]{1,200})\x00")
 _DIGITS = re.compile(rb"(\d{1,3})\x00")
 # "...Plugin_v" hits: the literal's prefix -> ABI kind
-_PLUGIN_PREFIXES = ((b"ncclCollNet", "collnet"), (b"ncclNet", "net"), (b"ncclTuner", "tuner"))
+_PLUGIN_PREFIXES = ((b"ncclCollNet", "collnet"), (b"ncclNet", "net"), (b"ncclTuner", "tuner"),
+                    (b"ncclEnv", "env"), (b"ncclGin", "gin"), (b"ncclRma", "rma"))
 _IDENT = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_")
-ABI_KINDS = ("net", "collnet", "tuner", "profiler")
 
 
 def version_code(major: int, minor: int, patch: int) -> int:

@@ -221,13 +221,15 @@ def classes(partition: str | None, nodes_opt: str | None, as_json: bool, as_csv:
     freshness = {"stale": n_stale, "stale_after_s": c.stale_after,
                  "oldest_heartbeat": out.iso(oldest),
                  "oldest_age_s": None if oldest is None else round(c.now - oldest, 1)}
+    in_force = _class_in_force(c, {h: k.compat_key for k in cls for h in k.hosts})
     doc = {
         "node_set": node_set.to_dict() if node_set else None,
         "total": total,
         "freshness": freshness,
         "baseline": {"compat_key": base, "why": why},
-        "classes": [{k: r[k] for k in ("compat_key", "values", "count", "share", "stale",
-                                        "baseline", "feature", "hosts")} for r in rows],
+        "classes": [{**{k: r[k] for k in ("compat_key", "values", "count", "share", "stale",
+                                           "baseline", "feature", "hosts")},
+                     "in_force": in_force.get(r["compat_key"], {})} for r in rows],
         "missing": {"count": len(missing), "hosts": compress(missing) if missing else ""},
     }
     text = None
@@ -265,6 +267,27 @@ def _class_features(c: Ctx, cls: list[Any]) -> dict[str, str | None]:
     return out
 
 
+def _class_in_force(c: Ctx, key_of: dict[str, str]) -> dict[str, dict[str, dict[str, int]]]:
+    """Per class: ``{kind: {"NAME vN" | "none" | "unknown": nodes}}`` for the plugins other
+    than net (the store's v4 columns). A class is grouped on the refuse-level values only,
+    so its nodes may differ here (a tuner, a GIN plugin: warn-level rules)."""
+    from ncclguard.fingerprint.model import EFFECTIVE_KINDS
+
+    if not key_of:
+        return {}
+    out: dict[str, dict[str, dict[str, int]]] = {}
+    for row in c.inv("nodes", {"host": sorted(key_of)}):
+        per = out.setdefault(key_of[row["host"]], {k: {} for k in EFFECTIVE_KINDS})
+        for kind in EFFECTIVE_KINDS:
+            name, abi = row.get(f"{kind}_plugin"), row.get(f"{kind}_abi")
+            value = ("unknown" if name is None else name if name == "none" or not abi
+                     else f"{name} v{abi}")
+            if name not in (None, "none") and not abi:
+                value = f"{name} (ignored: no common ABI)"
+            per[kind][value] = per[kind].get(value, 0) + 1
+    return out
+
+
 def _load_one(c: Ctx, host: str) -> Any:
     rec = c.inv("load", [host]).get(host)
     if rec is None:
@@ -272,7 +295,27 @@ def _load_one(c: Ctx, host: str) -> Any:
     return rec
 
 
+def _abi_summary(abis: Any) -> str:
+    """``tuner v6-v2 profiler v7-v1 env v2-v1 gin v14-v13 rma v16-v13`` (what is there)."""
+    if not isinstance(abis, dict):
+        return ""
+    parts = []
+    for kind in ("tuner", "profiler", "env", "gin", "rma"):
+        vs = [v for v in abis.get(kind) or () if isinstance(v, int)]
+        if vs:
+            parts.append(f"{kind} v{max(vs)}" + (f"-v{min(vs)}" if len(vs) > 1 else ""))
+    return " ".join(parts)
+
+
+def _in_force(fp: dict[str, Any]) -> list[dict[str, Any]]:
+    from ncclguard.fingerprint.fields import plugins_in_force
+
+    return plugins_in_force(fp)
+
+
 def _show_text(rec: Any, now: float, ttl: float) -> str:
+    from ncclguard.fingerprint.fields import plugins_in_force
+
     fp = rec.fingerprint
     from ncclguard.policy.fpdiff import derived
 
@@ -290,11 +333,12 @@ def _show_text(rec: Any, now: float, ttl: float) -> str:
     host = fp.get("host") or {}
     parts.append(out.section("host", out.kv([(k, host.get(k)) for k in
                                              ("kernel", "boot_id", "tool_version")])))
-    libs = [{**x, "abi_net": (x.get("abis") or {}).get("net")} for x in fp.get("libnccl") or []]
+    libs = [{**x, "abi_net": (x.get("abis") or {}).get("net"),
+             "abi_other": _abi_summary(x.get("abis"))} for x in fp.get("libnccl") or []]
     parts.append(out.section("libnccl", out.table(libs, [
         ("path", "PATH"), ("version", "VERSION"), ("cuda_version", "CUDA"),
-        ("abi_net", "NET ABIS"), ("default", "DEFAULT"), ("origin", "ORIGIN"),
-        ("version_error", "ERROR")])))
+        ("abi_net", "NET ABIS"), ("abi_other", "OTHER PLUGIN ABIS"), ("default", "DEFAULT"),
+        ("origin", "ORIGIN"), ("version_error", "ERROR")])))
     plugins = [{**x, "abi": (x.get("abis") or {}).get(x.get("kind"))}
                for x in fp.get("plugins") or []]
     parts.append(out.section("plugins", out.table(plugins, [
@@ -303,6 +347,10 @@ def _show_text(rec: Any, now: float, ttl: float) -> str:
     net = fp.get("net") or {}
     parts.append(out.section("net (default libnccl x default net plugin)", out.kv(
         [(k, net.get(k)) for k in ("libnccl", "plugin", "effective_net_abi", "reason")])))
+    parts.append(out.section("plugins in force (default libnccl x the library NCCL loads "
+                             "for each kind)", out.table(plugins_in_force(fp), [
+        ("kind", "KIND"), ("plugin", "PLUGIN"), ("via", "VIA"), ("name", "NAME"),
+        ("abi", "ABI"), ("reason", "REASON")])))
     rdma = fp.get("rdma") or {}
     ports = [{"device": dv.get("name"), "fw_ver": dv.get("fw_ver"),
               "hca_type": dv.get("hca_type"), **p}
@@ -350,6 +398,7 @@ def show(node: str, as_json: bool, as_csv: bool) -> None:
         "last_heartbeat": out.iso(rec.last_heartbeat), "age_s": round(age, 1),
         "stale": is_stale(rec.last_heartbeat, c.now, c.stale_after),
         "errors": rec.fingerprint.get("errors") or [],
+        "in_force": _in_force(rec.fingerprint),
         "fingerprint": rec.fingerprint,
     }
     c.emit(doc, text=_show_text(rec, c.now, c.stale_after) if c.fmt == "table" else None)

@@ -1,8 +1,8 @@
 """The refuse-level fields of a fingerprint, and a short key that groups identical nodes.
 
 Two nodes with the same :func:`compat_key` agree on everything that the refuse-by-default
-rules (``nccl-version``, ``net-plugin``, ``transport``) look at, so the store keeps one
-class per key and the policy compares classes, not nodes.
+rules (``nccl-version``, ``net-plugin``, ``env-plugin``, ``transport``) look at, so the
+store keeps one class per key and the policy compares classes, not nodes.
 
 :func:`compat_values` returns (``None`` always means *unknown*, never *absent*)::
 
@@ -14,6 +14,7 @@ class per key and the policy compares classes, not nodes.
       "net_plugin": "IBext_v8",      # name of the default net plugin; "none": no plugin
                                      # or one that NCCL ignores (no common ABI)
       "net_abi": 8,                  # effective ncclNetPlugin_vN; 0: no plugin in use
+      "env_plugin": "none",          # "NAME vN" of the env plugin NCCL loads; "none"
       "transport": "IB"              # ncclguard.fingerprint.transport.effective_transport
     }
 
@@ -25,12 +26,12 @@ from __future__ import annotations
 
 import json
 
-from ncclguard.fingerprint.fields import ABSENT, nccl_version, net_plugin
+from ncclguard.fingerprint.fields import ABSENT, nccl_version, net_plugin, plugin_in_force
 from ncclguard.fingerprint.transport import effective_transport
 
 __all__ = ["COMPAT_FIELDS", "VALUES_VERSION", "compat_key", "compat_values"]
 
-COMPAT_FIELDS = ("nccl", "nccl_paths", "net_plugin", "net_abi", "transport")
+COMPAT_FIELDS = ("nccl", "nccl_paths", "net_plugin", "net_abi", "env_plugin", "transport")
 
 #: The version of what is derived from a fingerprint where it is written: these compat
 #: values, the store's query columns (:mod:`ncclguard.store.rows`), the field readers of
@@ -40,7 +41,7 @@ COMPAT_FIELDS = ("nccl", "nccl_paths", "net_plugin", "net_abi", "transport")
 #: values at its next cycle, and until then the gate recomputes them from the stored
 #: fingerprint instead of trusting an older record (slower: a bump costs the gate time
 #: until every daemon has run once).
-VALUES_VERSION = 2
+VALUES_VERSION = 3  # 3: env-plugin, gin-rma, tuner and compat.env_plugin (issue 13)
 
 
 def _configured_paths(fp: dict) -> dict[str, str | None] | None:
@@ -54,6 +55,16 @@ def _configured_paths(fp: dict) -> dict[str, str | None] | None:
     }
 
 
+def env_plugin(fp: dict) -> str | None:
+    """``"NAME vN"`` of the env plugin NCCL loads; ``"none"`` (none, or one NCCL ignores);
+    ``None``: unknown. The env-plugin rule's main value."""
+    state = plugin_in_force(fp, "env")
+    if state is None:
+        return None
+    name, abi = state
+    return ABSENT if name == ABSENT or not abi else f"{name} v{abi}"
+
+
 def compat_values(fp: dict) -> dict:
     """The values that the refuse-by-default rules compare (see the module doc)."""
     plugin = net_plugin(fp)
@@ -64,6 +75,7 @@ def compat_values(fp: dict) -> dict:
         "nccl_paths": _configured_paths(fp),
         "net_plugin": plugin[0] if plugin is not None else None,
         "net_abi": plugin[1] if plugin is not None else None,
+        "env_plugin": env_plugin(fp),
         "transport": effective_transport(fp),
     }
 

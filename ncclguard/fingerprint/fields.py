@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ncclguard.fingerprint.model import PROBES
+from ncclguard.fingerprint.abi import exported, highest_common
+from ncclguard.fingerprint.model import EFFECTIVE_KINDS, PROBES, obj
 
 __all__ = [
     "ABSENT",
@@ -22,6 +23,9 @@ __all__ = [
     "nccl_version",
     "net_plugin",
     "net_plugin_state",
+    "plugin_in_force",
+    "plugin_record",
+    "plugins_in_force",
 ]
 
 ABSENT = "none"
@@ -93,6 +97,38 @@ def nccl_version(fp: dict) -> str | None:
     return lib.get("version")
 
 
+def _abi_in_force(fp: dict, entry: dict, kind: str, stored: Any) -> int | None:
+    """The ABI NCCL uses for ``kind`` from the plugin file ``entry``: the highest both it
+    and the default libnccl know (:mod:`ncclguard.fingerprint.abi`), ``0`` for none in
+    common; the probe's ``stored`` value only when the ABI lists are missing."""
+    plugin_abis = entry.get("abis")
+    version = nccl_version(fp)
+    if version == ABSENT:
+        return 0  # no libnccl: nothing loads the plugin
+    lib = default_libnccl(fp)
+    lib_abis = (lib.get("abis") or {}).get(kind) if lib is not None and version else None
+    if not isinstance(plugin_abis, dict) or not lib_abis:  # a library naming no ABI: a stub
+        return int(stored) if type(stored) is int else None
+    return highest_common(lib_abis, exported(plugin_abis, kind)) or 0
+
+
+def _name(entry: dict, kind: str) -> str:
+    names = entry.get("names") or {}
+    name = (entry.get("name") if entry.get("kind") == kind else None) or names.get(kind)
+    if not name:
+        path = entry.get("path") or ""
+        name = path.rsplit("/", 1)[-1] or "?"
+    return str(name)
+
+
+def plugin_record(fp: dict, path: Any) -> dict | None:
+    """The ``plugins`` entry of the file at ``path`` (any kind), if listed."""
+    for p in fp.get("plugins") or ():
+        if isinstance(p, dict) and p.get("path") == path:
+            return p
+    return None
+
+
 def net_plugin(fp: dict) -> tuple[str, int] | None:
     """``(name, effective net ABI)`` of the default net plugin; ``None`` when unknown.
 
@@ -119,24 +155,60 @@ def net_plugin(fp: dict) -> tuple[str, int] | None:
         entry = {"path": path}
     if entry.get("error"):
         return None
-    names = entry.get("names") or {}
-    name = entry.get("name") or names.get("net")
-    if not name:
-        path = entry.get("path") or ""
-        name = path.rsplit("/", 1)[-1] or "?"
-    plugin_abis = (entry.get("abis") or {}).get("net")
-    version = nccl_version(fp)
-    if version == ABSENT:
-        return (name, 0)  # no libnccl: nothing loads the plugin
-    lib = default_libnccl(fp)
-    lib_abis = (lib.get("abis") or {}).get("net") if lib is not None and version else None
-    if plugin_abis is None or not lib_abis:  # a library naming no ABI: unknown (a stub)
-        abi = net.get("effective_net_abi") if isinstance(net, dict) else None
-        if abi is None:
+    stored = net.get("effective_net_abi") if isinstance(net, dict) else None
+    abi = _abi_in_force(fp, entry, "net", stored)
+    return None if abi is None else (_name(entry, "net"), abi)
+
+
+def plugin_in_force(fp: dict, kind: str) -> tuple[str, int] | None:
+    """``(name, ABI)`` of the ``kind`` plugin NCCL loads (tuner, profiler, env, gin, rma),
+    read from ``effective.<kind>`` as :func:`net_plugin` reads the net one.
+
+    ``("none", 0)``: none (no file, the kind disabled, or a libnccl that loads no such
+    plugin); ABI ``0``: the file NCCL opens shares no ABI with the libnccl, so NCCL does
+    not use it; ``None``: unknown (the probe failed, the file could not be read, or the
+    record predates the ``effective`` part: a daemon before issue 13).
+    """
+    eff = part(fp, "effective")
+    if not isinstance(eff, dict) or part(fp, "plugins") is None:
+        return None
+    rec = eff.get(kind)
+    if not isinstance(rec, dict):
+        return None
+    path = rec.get("plugin")
+    if path is None:
+        if errored(fp, "plugins", exact=True) or errored(fp, f"plugins.{kind}"):
             return None
-        return (name, int(abi))
-    common = set(plugin_abis) & set(lib_abis)
-    return (name, max(common) if common else 0)
+        if rec.get("via") is None and rec.get("abi") is None and rec.get("reason") is None:
+            return None  # an empty record: not an answer
+        return (ABSENT, 0)
+    entry = plugin_record(fp, path) or {"path": path}
+    if entry.get("error"):
+        return None
+    abi = _abi_in_force(fp, entry, kind, rec.get("abi"))
+    if abi is None:
+        return None
+    name = rec.get("name") if isinstance(rec.get("name"), str) else None
+    return (name or _name(entry, kind), abi)
+
+
+def plugins_in_force(fp: dict) -> list[dict[str, Any]]:
+    """One row per plugin kind: the library NCCL loads for it and the ABI in force (the
+    policy's reading, :func:`plugin_in_force`), and the
+    probe's reason when there is none."""
+    net = obj(fp, "net")
+    state = net_plugin(fp)
+    rows = [{"kind": "net", "plugin": net.get("plugin"), "via": "net" if net.get("plugin")
+             else None, "name": state[0] if state else None,
+             "abi": state[1] if state else None, "reason": net.get("reason")}]
+    eff = obj(fp, "effective")
+    for kind in EFFECTIVE_KINDS:
+        rec = obj(eff, kind)
+        state = plugin_in_force(fp, kind)
+        rows.append({"kind": kind, "plugin": rec.get("plugin"), "via": rec.get("via"),
+                     "name": state[0] if state else None, "abi": state[1] if state else None,
+                     "reason": rec.get("reason") if rec else "not recorded (an older daemon)"})
+    return rows
 
 
 def net_plugin_state(fp: dict) -> tuple[bool, str | None] | None:

@@ -15,7 +15,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ncclguard.fingerprint.shape import GpuPart, HostPart, NcclConfPart, NetPart, RdmaPart
+    from ncclguard.fingerprint.shape import (
+        EffectivePlugin,
+        GpuPart,
+        HostPart,
+        NcclConfPart,
+        NetPart,
+        RdmaPart,
+    )
 
 __all__ = [
     "NCCL_CONF_PATH",
@@ -36,6 +43,7 @@ PROBES: dict[str, str] = {
     "libnccl": "nccl",
     "plugins": "plugins",
     "net": "plugins",
+    "effective": "plugins",
     "rdma": "rdma",
     "netifs": "netifs",
     "nccl_conf": "nccl_conf",
@@ -55,6 +63,15 @@ def empty_host(hostname: str | None, collected_at: str) -> HostPart:
 
 def empty_net(reason: str = "the plugin probe failed") -> NetPart:
     return {"libnccl": None, "plugin": None, "effective_net_abi": None, "reason": reason}
+
+
+#: The kinds of the ``effective`` part (the net plugin's is the ``net`` part).
+EFFECTIVE_KINDS = ("tuner", "profiler", "env", "gin", "rma")
+
+
+def empty_effective(reason: str = "the plugin probe failed") -> dict[str, EffectivePlugin]:
+    return {k: {"plugin": None, "via": None, "name": None, "abi": None, "reason": reason}
+            for k in EFFECTIVE_KINDS}
 
 
 def empty_rdma() -> RdmaPart:

@@ -11,6 +11,7 @@ from typing import Literal, TypedDict
 
 __all__ = [
     "Abis",
+    "EffectivePlugin",
     "Fingerprint",
     "GpuPart",
     "HostPart",
@@ -39,6 +40,9 @@ class Abis(TypedDict, total=False):
     collnet: list[int]
     tuner: list[int]
     profiler: list[int]
+    env: list[int]  # ncclEnvPlugin_vN (2.28+)
+    gin: list[int]  # ncclGinPlugin_vN (2.28+)
+    rma: list[int]  # ncclRmaPlugin_vN (2.30.7+)
 
 
 class Libnccl(TypedDict, total=False):
@@ -58,7 +62,7 @@ class Libnccl(TypedDict, total=False):
 
 
 class Plugin(TypedDict, total=False):
-    kind: str  # "net" | "tuner" | "profiler" | ...
+    kind: str  # "net" | "tuner" | "profiler" | "env" | "gin" | "rma"
     path: str
     realpath: str | None
     size: int | None
@@ -76,6 +80,16 @@ class NetPart(TypedDict):
     plugin: str | None  # the default net plugin
     effective_net_abi: int | None
     reason: str | None  # why effective_net_abi is null
+
+
+class EffectivePlugin(TypedDict):
+    """The plugin NCCL loads for one kind (``effective.<kind>``)."""
+
+    plugin: str | None  # its library's path; null: none (reason says why)
+    via: str | None  # whose library it is: the kind's own, "net" or "gin" (a fallback)
+    name: str | None  # the name string of its struct
+    abi: int | None  # the highest ABI both it and the default libnccl know
+    reason: str | None  # why abi is null
 
 
 class RdmaPort(TypedDict, total=False):
@@ -144,6 +158,7 @@ class Fingerprint(TypedDict):
     libnccl: list[Libnccl]
     plugins: list[Plugin]
     net: NetPart
+    effective: dict[str, EffectivePlugin]  # tuner, profiler, env, gin, rma
     rdma: RdmaPart
     netifs: list[Netif]
     nccl_conf: NcclConfPart

@@ -11,8 +11,8 @@ from typing import Any
 
 from ncclguard.fingerprint.canonical import canonical_json
 from ncclguard.fingerprint.compat import compat_key, compat_values
-from ncclguard.fingerprint.fields import active_ports
-from ncclguard.fingerprint.model import obj
+from ncclguard.fingerprint.fields import ABSENT, active_ports, plugin_in_force
+from ncclguard.fingerprint.model import EFFECTIVE_KINDS, obj
 from ncclguard.fingerprint.transport import effective_transport
 
 __all__ = [
@@ -20,10 +20,28 @@ __all__ = [
     "DETAIL_INSERT",
     "HAS_NCCL",
     "NODE_COLUMNS",
+    "PLUGIN_COLUMNS",
     "WHERE_COLUMNS",
     "derive",
     "detail_rows",
+    "plugin_columns",
 ]
+
+#: The v4 query columns (issue 13): per kind, the name of the plugin NCCL loads
+#: (``"none"``: none) and its ABI in force (0: none; NULL: unknown).
+PLUGIN_COLUMNS = tuple(f"{k}_{c}" for k in EFFECTIVE_KINDS for c in ("plugin", "abi"))
+
+
+def plugin_columns(fp: dict[str, Any]) -> dict[str, Any]:
+    """``{<kind>_plugin, <kind>_abi}`` of :data:`PLUGIN_COLUMNS`, read with
+    :func:`ncclguard.fingerprint.fields.plugin_in_force` (a plugin NCCL ignores: its name,
+    ABI 0)."""
+    out: dict[str, Any] = {}
+    for kind in EFFECTIVE_KINDS:
+        state = plugin_in_force(fp, kind)
+        out[f"{kind}_plugin"] = None if state is None else state[0]
+        out[f"{kind}_abi"] = None if state is None else (0 if state[0] == ABSENT else state[1])
+    return out
 
 
 def derive(fp: dict[str, Any]) -> dict[str, Any]:
@@ -61,6 +79,7 @@ def derive(fp: dict[str, Any]) -> dict[str, Any]:
         "rdma_ports_total": len(ports),
         "driver": gpu.get("driver_version"),
         "error_count": len(fp.get("errors") or []),
+        **plugin_columns(fp),
     }
 
 
@@ -117,7 +136,7 @@ DETAIL_DELETE = {
 NODE_COLUMNS = (
     "host", "nccl_version", "nccl_versions", "net_plugin", "net_plugin_name", "net_abi",
     "transport", "rdma_ports_up", "rdma_ports_total", "driver", "last_heartbeat",
-    "error_count", "compat_key",
+    "error_count", "compat_key", *PLUGIN_COLUMNS,
 )
 WHERE_COLUMNS = {c: f"n.{c}" for c in NODE_COLUMNS}
 HAS_NCCL = "has_nccl"  # any libnccl on the node has this version

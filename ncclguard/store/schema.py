@@ -203,9 +203,32 @@ def _migrate_2_to_3(conn: sqlite3.Connection, values: GateValues) -> None:
     )
 
 
+def _migrate_3_to_4(conn: sqlite3.Connection, values: GateValues) -> None:
+    """Add the query columns of the plugins in force per kind (issue 13: tuner, profiler,
+    env, GIN, RMA; ``ncclguard.store.rows.PLUGIN_COLUMNS``) and fill them from each stored
+    fingerprint. A fingerprint from a daemon before issue 13 has no ``effective`` part:
+    its columns stay NULL (unknown) until that node publishes again."""
+    from ncclguard.store.rows import PLUGIN_COLUMNS, plugin_columns
+
+    for col in PLUGIN_COLUMNS:
+        kind = "INTEGER" if col.endswith("_abi") else "TEXT"
+        conn.execute(f"ALTER TABLE nodes ADD COLUMN {col} {kind}")
+    sets = ", ".join(f"{c} = ?" for c in PLUGIN_COLUMNS)
+    for host, fp_json in conn.execute("SELECT host, fingerprint FROM nodes").fetchall():
+        try:
+            fp = json.loads(fp_json)
+            cols = plugin_columns(fp) if isinstance(fp, dict) else None
+        except (ValueError, TypeError, AttributeError):
+            cols = None  # an unreadable or damaged fingerprint: unknown
+        if cols is not None:
+            conn.execute(f"UPDATE nodes SET {sets} WHERE host = ?",  # noqa: S608 - fixed names
+                         (*(cols[c] for c in PLUGIN_COLUMNS), host))
+
+
 MIGRATIONS: tuple[Callable[[sqlite3.Connection, GateValues], None], ...] = (
     _migrate_0_to_1,
     _migrate_1_to_2,
     _migrate_2_to_3,
+    _migrate_3_to_4,
 )
 SCHEMA_VERSION = len(MIGRATIONS)

@@ -3,7 +3,8 @@
 - :mod:`.nccl_version` (nccl-version), :mod:`.net_plugin` (net-plugin),
   :mod:`.transport` (transport), :mod:`.nccl_conf` (nccl-conf),
 - :mod:`.rdma` (rdma-rate, rdma-port-count, rdma-firmware),
-- :mod:`.gpu` (gpu-driver, gpudirect), :mod:`.unknown_node` (unknown-node).
+- :mod:`.gpu` (gpu-driver, gpudirect), :mod:`.unknown_node` (unknown-node),
+- :mod:`.plugin_kinds` (env-plugin, gin-rma, tuner).
 
 :data:`COMPARISONS` lists every rule that compares values between nodes, in the order
 findings are reported; ``unknown-node`` is about missing records and stands apart.
@@ -17,6 +18,7 @@ from ncclguard.policy.rules import (
     nccl_conf,
     nccl_version,
     net_plugin,
+    plugin_kinds,
     rdma,
     transport,
     unknown_node,
@@ -26,8 +28,11 @@ from ncclguard.policy.rules.base import Rule
 COMPARISONS: tuple[Rule, ...] = (
     nccl_version.RULE,
     net_plugin.RULE,
+    plugin_kinds.ENV,
     transport.RULE,
     nccl_conf.RULE,
+    plugin_kinds.TUNER,
+    plugin_kinds.GIN_RMA,
     rdma.RATE,
     rdma.PORT_COUNT,
     rdma.FIRMWARE,
