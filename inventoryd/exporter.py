@@ -43,6 +43,7 @@ from typing import Any
 from ncclguard import config as configmod
 from ncclguard.policy.baseline import choose_baseline
 from ncclguard.policy.freshness import is_stale
+from ncclguard.spool import CAUSES
 
 __all__ = [
     "MAX_SERIES",
@@ -68,6 +69,15 @@ _SIGNATURE = re.compile(r"[a-z0-9][a-z0-9-]{0,63}")
 DECISIONS = ("accept", "warn", "refuse", "error")
 ACTIONS = ("none", "steer", "requeue", "hold", "kill", "opt-out", "skip", "accept", "refuse")
 FOLLOWUP_RESULTS = ("done", "skipped", "failed")
+#: the (decision, action) pairs the gate writes (prolog/gate.py): exported at 0 from the
+#: start, so that Prometheus's increase() sees a first refusal (a series that appears
+#: at 1 has no increase)
+GATE_OUTCOMES = (
+    ("accept", "none"), ("accept", "opt-out"), ("accept", "skip"), ("warn", "none"),
+    ("refuse", "steer"), ("refuse", "requeue"), ("refuse", "hold"), ("refuse", "kill"),
+    ("error", "accept"), ("error", "refuse"), ("error", "hold"),
+)
+DIAGNOSE_OUTCOMES = ("diagnosed", "clean", "error")
 
 
 def _label(value: Any, unknown: str = "unknown") -> str:
@@ -290,6 +300,7 @@ class AuditTail:
         self.read_max = read_max
         self.counts = AuditCounts()
         self.rules = frozenset(r.name for r in RULES)
+        self.signatures: tuple[str, ...] = ()  # the catalog's ids: exported at 0
         self._id: tuple[int, int] | None = None
         self._offset = 0
         self._partial = b""
@@ -354,6 +365,19 @@ class AuditTail:
         if self.error != why:
             log.error("metrics: cannot read the audit trail: %s", why)
         self.up, self.error = False, why
+
+
+def _signature_ids(config: configmod.Config) -> tuple[str, ...]:
+    """The diagnose catalog's signature ids (the built-in one when the site's files
+    cannot be read: the diagnoses are counted all the same)."""
+    from ncclguard.diagnose import CatalogError, load_catalog
+
+    try:
+        cat = load_catalog(config.diagnose.signature_files)
+    except (CatalogError, OSError):
+        cat = load_catalog()
+    ids = [s.id for s in cat.signatures if _SIGNATURE.fullmatch(s.id)]
+    return tuple(ids[: MAX_SERIES - 1])
 
 
 # ----------------------------------------------------------------- Slurm's partitions
@@ -443,6 +467,7 @@ class Exporter:
         path = audit_path if audit_path is not None else config.gate.audit_path(
             config.inventory)
         self.audit = AuditTail(path)
+        self.audit.signatures = _signature_ids(config)
         self.cache_s = config.collector.metrics_cache_s if cache_s is None else cache_s
         self.clock = clock
         self.stats = ScanStats()
@@ -503,9 +528,10 @@ class Exporter:
         rej = counter("ncclguard_collector_records_rejected",
                       "Signed records rejected since the collector started, by cause",
                       labels=["cause"])
-        for cause, n in sorted(s.counts.items()):
-            if cause != "accepted":
-                rej.add_metric([cause], n)
+        causes = dict.fromkeys(CAUSES, 0) | {k: n for k, n in s.counts.items()
+                                             if k != "accepted"}
+        for cause, n in sorted(causes.items()):
+            rej.add_metric([cause], n)
         yield rej
         scans = counter("ncclguard_collector_scans", "Scans of the spool since start")
         scans.add_metric([], s.scans)
@@ -547,30 +573,29 @@ class Exporter:
                       "The time of the newest audit record read")
             g.add_metric([], a.last_ts)
             yield g
-        for name, text, labels, values in (
+        rules = sorted(self.audit.rules)
+        for name, text, labels, zeros, values in (
             ("ncclguard_gate_decisions", "The gate's decisions by outcome and action "
              "(error with action accept: the gate failed open)", ["decision", "action"],
-             a.decisions),
+             GATE_OUTCOMES, a.decisions),
             ("ncclguard_gate_rule_decisions", "Gate decisions in which a rule found a "
-             "difference, by outcome and rule", ["decision", "rule"], a.rules),
+             "difference, by outcome and rule", ["decision", "rule"],
+             [(d, r) for d in ("warn", "refuse") for r in rules], a.rules),
             ("ncclguard_gate_followups", "The gate's detached follow-ups (steer: "
              "ExcNodeList set; hold: job held) by result", ["action", "result"],
-             a.followups),
+             [(x, r) for x in ("steer", "hold") for r in FOLLOWUP_RESULTS], a.followups),
+            ("ncclguard_diagnoses", "Failed jobs' logs that matched a signature, by "
+             "signature id (EpilogSlurmctld hook)", ["signature"],
+             [(sig,) for sig in self.audit.signatures], {(k,): n for k, n in
+                                                         a.diagnoses.items()}),
+            ("ncclguard_diagnose_jobs", "Jobs the epilog hook diagnosed, by outcome "
+             "(diagnosed, clean, error)", ["outcome"], [(o,) for o in DIAGNOSE_OUTCOMES],
+             {(k,): n for k, n in a.diagnose_jobs.items()}),
         ):
             c = counter(name, text, labels=labels)
-            for key, n in sorted(_capped(values).items()):
+            for key, n in sorted(_capped(dict.fromkeys(zeros, 0) | dict(values)).items()):
                 c.add_metric(list(key), n)
             yield c
-        c = counter("ncclguard_diagnoses", "Failed jobs' logs that matched a signature, by "
-                    "signature id (EpilogSlurmctld hook)", labels=["signature"])
-        for sig, n in sorted(a.diagnoses.items()):
-            c.add_metric([sig], n)
-        yield c
-        c = counter("ncclguard_diagnose_jobs", "Jobs the epilog hook diagnosed, by outcome "
-                    "(diagnosed, clean, error)", labels=["outcome"])
-        for outcome, n in sorted(a.diagnose_jobs.items()):
-            c.add_metric([outcome], n)
-        yield c
 
 
 def _inventory_families(snap: ClusterSnapshot, now: float, gauge: Any) -> Iterator[Any]:

@@ -280,6 +280,12 @@ def test_gate_and_diagnose_series(inventory: Path, tmp_path: Path) -> None:
     assert value(text, "ncclguard_diagnose_jobs_total", outcome="diagnosed") == 1
     assert value(text, "ncclguard_audit_up") == 1
     assert value(text, "ncclguard_audit_records_total") == 4
+    # what has not happened yet is there at 0, so that increase() sees its first time
+    assert value(text, "ncclguard_gate_decisions_total", decision="refuse", action="steer") == 0
+    assert value(text, "ncclguard_diagnoses_total", signature="nccl-version-differs") == 0
+    assert value(text, "ncclguard_collector_records_rejected_total", cause="wrong-uid") == 0
+    assert value(text, "ncclguard_gate_rule_decisions_total", decision="warn",
+                 rule="gpu-driver") == 0
 
 
 def test_the_inventory_is_read_at_most_every_cache_s(inventory: Path, tmp_path: Path) -> None:
