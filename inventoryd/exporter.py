@@ -645,7 +645,7 @@ def _inventory_families(snap: ClusterSnapshot, now: float, gauge: Any) -> Iterat
                ["transport"], {(k,): n for k, n in snap.transports.items()})
     yield many("ncclguard_collector_rejections_unresolved", "Spool files whose last record "
                "was rejected, by cause (ncclguard rejections lists them)", ["cause"],
-               {(k,): n for k, n in snap.rejections.items()})
+               {(k,): 0 for k in CAUSES} | {(k,): n for k, n in snap.rejections.items()})
     yield one("ncclguard_partitions_known", "1 if Slurm's partitions are known (else the "
               "partition metrics are absent)", 0 if snap.partitions is None else 1)
     if snap.partitions is None:
