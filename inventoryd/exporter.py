@@ -411,10 +411,11 @@ class Partitions:
             got = {p: tuple(sorted(set(h))) for p, h in self.ask().items()}
         except Exception as e:  # a Slurm call: keep the last answer
             self._ok = False
+            why = f"{type(e).__name__}: {'; '.join(str(e).splitlines())}"
             if self.error is None:
-                log.warning("metrics: Slurm's partitions are unknown: %s: %s",
-                            type(e).__name__, e)
-            self.error = f"{type(e).__name__}: {e}"
+                log.warning("metrics: Slurm's partitions are unknown (no partition "
+                            "metrics until Slurm answers): %s", why)
+            self.error = why
             return
         self._ok, self.error = True, None
         self.map = got
