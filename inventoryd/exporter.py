@@ -612,6 +612,8 @@ def _inventory_families(snap: ClusterSnapshot, now: float, gauge: Any) -> Iterat
             g.add_metric(list(key), v)
         return g
 
+    yield one("ncclguard_exporter_snapshot_seconds", "How long the last read of the "
+              "inventory for these metrics took", snap.seconds)
     yield one("ncclguard_inventory_nodes", "Nodes in the inventory", snap.nodes)
     yield one("ncclguard_inventory_stale_nodes", "Nodes whose heartbeat is not current "
               "(older than inventory.stale_after_s, or dated ahead)", snap.stale)
