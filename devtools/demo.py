@@ -22,7 +22,10 @@ twice. It then
    and shows the same job, with ``n2`` busy, waiting for its class and running on
    ``n[2-5]`` with no refusal, and an ``srun -N2`` on one class;
 6. shows ``ncclguard check`` of a bad hostlist and ``ncclguard drain-recommend``;
-7. leaves the cluster running and prints how to use it and how to stop it.
+7. starts the collector as the controller's service (``ncclguard-inventoryd collect``)
+   with its metrics endpoint on a free loopback port, and prints the metrics line that
+   shows the split and where to point Prometheus;
+8. leaves the cluster running and prints how to use it and how to stop it.
 
 ``<dir>/state.json`` records what the demo did (job id, paths) for the end-to-end test.
 """
@@ -39,11 +42,13 @@ import subprocess
 import sys
 import textwrap
 import time
+import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from devtools.devcluster import ClusterError, DevCluster, find_program, missing_programs
+from devtools.devcluster import _free_port_block as free_port_block
 from devtools.ncclwheels import PartUnavailable, build_plugin, extract_nccl, nccl_path
 from devtools.nodetree import NodeTreeError, build_node
 
@@ -56,7 +61,7 @@ PLUGIN_ABIS = (8, 7, 6, 5)
 PLUGIN_PATH = "/usr/lib/x86_64-linux-gnu/libnccl-net.so"  # NCCL's default name, linker search
 NCCL_CONF = "NCCL_IB_HCA=mlx5\nNCCL_SOCKET_IFNAME=ib0\n"
 WAIT_REFUSAL_S = 60.0
-STEPS = 8
+STEPS = 9
 WAIT_COMPLETE_S = 120.0
 
 
@@ -98,6 +103,11 @@ def build_nodes(root: Path, libs: Mapping[str, Path], plugin: Path) -> dict[str,
 # ------------------------------------------------------------------------- output
 
 
+def free_port() -> int:
+    """A free loopback port for the metrics endpoint (the dev cluster's own picker)."""
+    return free_port_block(1)
+
+
 def say(text: str = "") -> None:
     print(text, flush=True)
 
@@ -127,6 +137,7 @@ class Demo:
         self.audit = self.base / "decisions.jsonl"
         self.config = self.cluster_dir / "ncclguard.toml"
         self.bin = Path(sys.executable).parent
+        self.metrics_port = free_port()
         self.state: dict[str, Any] = {"dir": str(self.base), "db": str(self.db),
                                       "config": str(self.config), "audit_log": str(self.audit)}
 
@@ -148,6 +159,11 @@ class Demo:
             [drain]
             # 3 odd nodes of 7: above the 10% a real cluster should allow (the default)
             max_share = 0.5
+
+            [collector]
+            publisher = "{os.getuid()}"
+            # the cluster's metrics for Prometheus (docs/metrics.md)
+            metrics_port = {self.metrics_port}
             """)
 
     def env(self) -> dict[str, str]:
@@ -280,6 +296,14 @@ class Demo:
              "majority class. `--apply` would drain them with an `ncclguard:` reason.")
         self.ncclguard("drain-recommend")
 
+        step(9, "The cluster's NCCL drift, for Prometheus",
+             "The collector runs as the controller's service would "
+             "(`ncclguard-inventoryd collect`) and serves the cluster's metrics: classes per "
+             "partition, the baseline's share, versions, stale nodes, rejections, and the "
+             "gate's decisions from its audit trail. prometheus/ncclguard.rules.yml alerts "
+             "on a split partition (docs/alerts.md).")
+        self.metrics(cluster)
+
         self.save_state()
         conf = cluster.conf
         say()
@@ -293,6 +317,41 @@ class Demo:
         else:
             say(f"Stop it with: NCCLGUARD_DEMO_DIR={self.base} scripts/demo.sh stop")
         return 0
+
+    def metrics(self, cluster: DevCluster) -> None:
+        """Start the collector service with its endpoint; show the line of the split."""
+        log = open(self.cluster_dir / "log" / "collector.log", "ab")  # noqa: SIM115
+        try:
+            p = subprocess.Popen([str(self.bin / "ncclguard-inventoryd"), "collect",
+                                  "--config", str(self.config)], env=self.env(),
+                                 stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                 start_new_session=True)
+        finally:
+            log.close()
+        (self.cluster_dir / "collector.pid").write_text(f"{p.pid}\n")
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        want = ("ncclguard_partition_classes", "ncclguard_partition_baseline_share",
+                "ncclguard_nccl_version_nodes")
+        lines: list[str] = []
+        deadline = time.monotonic() + 60
+        while not any(ln.startswith(want[0] + "{") for ln in lines):
+            if time.monotonic() > deadline or p.poll() is not None:
+                raise DemoError(f"the collector's metrics did not answer on {url}; see "
+                                f"{self.cluster_dir / 'log' / 'collector.log'}")
+            time.sleep(0.5)
+            try:
+                with urllib.request.urlopen(url, timeout=5) as r:
+                    lines = r.read().decode().splitlines()
+            except OSError:
+                lines = []
+        shown = [ln for ln in lines if ln.startswith(want)]
+        show(["curl", "-s", url, "|", "grep", "-E", "'^ncclguard_(partition_classes|"
+              "partition_baseline_share|nccl_version_nodes)'"], "\n".join(shown))
+        split = next(ln for ln in shown if ln.startswith(want[0] + "{"))
+        say(f"    the split: {split}  (alert NcclguardPartitionSplit: more than 1)")
+        say(f"    Point Prometheus at {url} (job and rules: prometheus/prometheus.example.yml,")
+        say("    prometheus/ncclguard.rules.yml); all metrics: docs/metrics.md")
+        self.state["metrics"] = {"url": url, "split": split, "pid": p.pid}
 
     def write_config(self) -> None:
         self.cluster_dir.mkdir(parents=True, exist_ok=True)
@@ -440,8 +499,10 @@ def preflight() -> None:
         raise DemoError("cannot run the demo:\n  - " + "\n  - ".join(problems))
 
 
+# features.pid, collector.pid: the controller's services (steps 6, 9), stopped first;
 # munge/*.pid: the controller's munged and each node's
-PIDFILES = ("features.pid", "log/slurmd-*.pid", "slurmctld.pid", "munge/*.pid")
+PIDFILES = ("features.pid", "collector.pid", "log/slurmd-*.pid", "slurmctld.pid",
+            "munge/*.pid")
 
 
 def _cmdline(pid: int) -> str:
@@ -475,7 +536,7 @@ def stop(base: Path, quiet: bool = False, timeout: float = 20.0) -> bool:
         if not quiet:
             say(f"no demo running in {base.resolve()}")
         return False
-    for pid, what in pids.items():  # ordered like PIDFILES: slurmd, slurmctld, munged
+    for pid, what in pids.items():  # ordered like PIDFILES: collector, slurmd, slurmctld, munged
         if not quiet:
             say(f"stopping {Path(what).stem} (pid {pid})")
         with contextlib.suppress(ProcessLookupError):

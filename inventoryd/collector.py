@@ -46,6 +46,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from inventoryd.loop import Signals, log_to_stderr
 from inventoryd.sdnotify import Notifier
@@ -54,6 +55,9 @@ from ncclguard import munge, spool
 from ncclguard.policy import GATE_VALUES, load_config
 from ncclguard.store import Inventory, InventoryError
 from ncclguard.store.inventory import Published, Rejected
+
+if TYPE_CHECKING:
+    from inventoryd.exporter import Served
 
 __all__ = ["Addresses", "Collector", "ScanResult", "run"]
 
@@ -536,6 +540,7 @@ def run(
 def _serve(config_path: str | None, config: configmod.Config, db: Path | None,
            notifier: Notifier, max_scans: int | None, flags: Signals) -> int:
     collector = Collector(config, db=db)
+    served = _metrics(collector)
     try:
         log.info("collector started (config %s, spool %s, inventory %s, publisher uid %d)",
                  config.source, collector.spool, collector.inv.path, collector.uid)
@@ -553,6 +558,9 @@ def _serve(config_path: str | None, config: configmod.Config, db: Path | None,
                 else:
                     collector.close(leave_wal=True)
                     collector = new
+                    if served is not None:
+                        served.close()
+                    served = _metrics(collector)
                     log.info("config reloaded from %s", new.cfg.source)
                 notifier.ready("config reloaded")
             try:
@@ -573,7 +581,8 @@ def _serve(config_path: str | None, config: configmod.Config, db: Path | None,
             if res.accepted or res.rejected:
                 notifier.status(f"{len(res.accepted)} accepted, {len(res.rejected)} rejected "
                                 f"in {res.seconds:.2f}s")
-            _write_metrics(collector, res)
+            if served is not None:
+                _report(served, collector, res, scans)
             if max_scans is not None and scans >= max_scans:
                 break
             flags.sleep(collector.cfg.collector.scan_interval_s, notifier)
@@ -581,24 +590,42 @@ def _serve(config_path: str | None, config: configmod.Config, db: Path | None,
         log.info("collector stopped")
         return 0
     finally:
+        if served is not None:
+            served.close()
         collector.close()
 
 
-def _write_metrics(collector: Collector, res: ScanResult) -> None:
-    d = collector.cfg.collector.textfile_dir
-    if not d:
-        return
-    from inventoryd.metrics import write_collector_textfile
+# -------------------------------------------------------------------- the metrics
 
-    now = time.time()
-    inv_cfg = collector.cfg.inventory
+
+def _metrics(collector: Collector) -> Served | None:
+    """The cluster's metrics (inventoryd/exporter.py), when ``[collector] metrics_port``
+    or ``textfile_dir`` asks for them. A port that cannot be bound is logged, and the
+    collector runs on without its endpoint: it is the inventory's one writer."""
+    c = collector.cfg.collector
+    if not (c.metrics_port or c.textfile_dir):
+        return None
+    from inventoryd.exporter import Served, from_config
+
+    exporter = from_config(collector.cfg, collector.inv.path)
     try:
-        fresh = (len(collector.inv.stale(now, inv_cfg.stale_after_s, FUTURE_SKEW_S)),
-                 collector.inv.oldest_heartbeat())
-        write_collector_textfile(d, collector.counts, files=res.files, seconds=res.seconds,
-                                 spool_ok=collector.spool_state == "ok", stale=fresh[0],
-                                 oldest_heartbeat=fresh[1])
-    except InventoryError as e:
-        log.error("cannot read the inventory for the metrics: %s", e)
+        return Served(exporter, address=c.metrics_address, port=c.metrics_port,
+                      textfile_dir=c.textfile_dir)
     except OSError as e:
-        log.error("cannot write metrics to %s: %s", d, e.strerror or e)
+        log.error("metrics: cannot listen on %s:%d (%s); no HTTP endpoint",
+                  c.metrics_address, c.metrics_port, e.strerror or e)
+        return Served(exporter, textfile_dir=c.textfile_dir) if c.textfile_dir else None
+
+
+def _report(served: Served, collector: Collector, res: ScanResult, scans: int) -> None:
+    """After each scan: the collector's counters to the exporter; the textfile."""
+    from inventoryd.exporter import ScanStats
+
+    served.exporter.scanned(ScanStats(
+        counts=dict(collector.counts), files=res.files, seconds=res.seconds,
+        deferred=res.deferred, spool_ok=collector.spool_state == "ok", scans=scans,
+        last_scan=time.time()))
+    try:
+        served.write_textfile()
+    except OSError as e:
+        log.error("cannot write metrics to %s: %s", served.textfile_dir, e.strerror or e)

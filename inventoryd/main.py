@@ -1,6 +1,7 @@
 """ncclguard-inventoryd: "once" prints this node's fingerprint, "run" keeps its signed
-record in the spool current, "collect" (on the controller) writes the inventory, and
-"features" (on the controller, as SlurmUser) keeps Slurm's class features current.
+record in the spool current, "collect" (on the controller) writes the inventory and serves
+the cluster's metrics, "metrics" prints those once, and "features" (on the controller,
+as SlurmUser) keeps Slurm's class features current.
 
 argparse rather than click: the daemon runs on every node, and stays small.
 """
@@ -56,6 +57,14 @@ def _parser() -> argparse.ArgumentParser:
                    "or /etc/ncclguard/config.toml)")
     f.add_argument("--db", default=None, help="inventory database (overrides the config)")
     f.add_argument("--once", action="store_true", help="one sync, then exit")
+    text = ("print the cluster's metrics once, as the collector serves them to Prometheus "
+            "(docs/metrics.md)")
+    m = sub.add_parser("metrics", help=text, description=text)
+    m.add_argument("--config", default=None, help="config file (default: $NCCLGUARD_CONFIG "
+                   "or /etc/ncclguard/config.toml)")
+    m.add_argument("--db", default=None, help="inventory database (overrides the config)")
+    m.add_argument("--no-slurm", action="store_true",
+                   help="do not ask Slurm for the partitions (no partition metrics)")
     return p
 
 
@@ -105,6 +114,14 @@ def main(argv: list[str] | None = None) -> int:
                   f"{res.deferred} deferred", file=sys.stderr)
             return 1 if res.deferred else 0
         return collector.run(args.config, cfg)
+    if args.command == "metrics":
+        from inventoryd.exporter import Served, from_config
+
+        exporter = from_config(cfg, None, ask_partitions=not args.no_slurm)
+        if exporter.partitions is not None:
+            exporter.partitions.refresh()
+        sys.stdout.write(Served(exporter).text())
+        return 0 if exporter.refresh() is not None else 1
     if args.command == "once":
         from inventoryd.collect import collect
 

@@ -110,44 +110,5 @@ def write_textfile(
     return path
 
 
+#: the collector's file (its cluster metrics: inventoryd/exporter.py, docs/metrics.md)
 COLLECTOR_FILE_NAME = "ncclguard-collector.prom"
-
-
-def write_collector_textfile(
-    directory: Path | str,
-    counts: Mapping[str, int],
-    *,
-    files: int,
-    seconds: float,
-    spool_ok: bool,
-    stale: int | None = None,
-    oldest_heartbeat: float | None = None,
-) -> Path:
-    """The collector's metrics, ``ncclguard-collector.prom``, written atomically."""
-    from prometheus_client import Counter
-
-    reg = CollectorRegistry()
-    Counter("ncclguard_collector_records_accepted", "Signed records accepted since start",
-            registry=reg).inc(counts.get("accepted", 0))
-    rejected = Counter("ncclguard_collector_records_rejected",
-                       "Signed records rejected since start, by cause", ["cause"],
-                       registry=reg)
-    for cause, n in sorted(counts.items()):
-        if cause != "accepted":
-            rejected.labels(cause=cause).inc(n)
-    Gauge("ncclguard_collector_spool_records", "Record files in the spool at the last scan",
-          registry=reg).set(files)
-    Gauge("ncclguard_collector_scan_seconds", "Duration of the last scan",
-          registry=reg).set(seconds)
-    Gauge("ncclguard_collector_spool_up", "1 if the spool could be listed at the last scan",
-          registry=reg).set(1 if spool_ok else 0)
-    if stale is not None:
-        Gauge("ncclguard_inventory_stale_nodes", "Nodes whose heartbeat is not current "
-              "(older than inventory.stale_after_s, or dated ahead)", registry=reg).set(stale)
-    if oldest_heartbeat is not None:
-        Gauge("ncclguard_inventory_oldest_heartbeat_timestamp_seconds",
-              "The oldest heartbeat in the inventory: an outage of the record path shows "
-              "as this falling behind", registry=reg).set(oldest_heartbeat)
-    path = Path(directory) / COLLECTOR_FILE_NAME
-    write_to_textfile(str(path), reg)
-    return path

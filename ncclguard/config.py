@@ -154,6 +154,9 @@ class CollectorConfig(_Settings):
     # node -> its addresses: a static map used instead of Slurm's NodeAddr/NodeHostname
     addresses: dict[str, tuple[str, ...]] = {}  # noqa: RUF012 - copied per instance
     textfile_dir: str = ""  # node_exporter textfile dir for the collector's metrics
+    metrics_port: int = 0  # serve the cluster's metrics on this port (0: no HTTP endpoint)
+    metrics_address: str = "127.0.0.1"  # ... on this address (loopback: a local Prometheus)
+    metrics_cache_s: float = 10.0  # the inventory is read for the metrics at most this often
 
 
 class FeaturesConfig(_Settings):
@@ -326,6 +329,8 @@ def _check(section: str, key: str, typ: Any, value: Any, where: str) -> Any:
             raise ConfigError(f"{where}: must be greater than 0")
         if key == "max_alternatives" and not 1 <= value <= 64:
             raise ConfigError(f"{where}: expected 1 to 64 (past 64 slurmctld crashes)")
+        if key == "metrics_port" and value > 65535:
+            raise ConfigError(f"{where}: expected a TCP port (1-65535), or 0 for none")
         if key == "record_ttl_s" and value >= 2**31:
             raise ConfigError(f"{where}: at most {2**31 - 1} (munged caps it at its --max-ttl)")
         return value

@@ -13,8 +13,9 @@
 #   scripts/slurm-root.sh remove               delete the cached root
 #
 # NCCLGUARD_SLURM_ROOT: where the root lives (default /var/cache/ncclguard/trixie-slurm).
-# Needs root (debootstrap, chroot, mount). The root is rebuilt when this script's package
-# list changes; `remove` forces it. Facts: docs/slurm-versions.md.
+# Needs root (debootstrap, chroot, mount). A package added to the list below is installed
+# into the cached root (apt-get, no rebuild); the root is rebuilt only when the suite or
+# the root's version tag changes; `remove` forces it. Facts: docs/slurm-versions.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 me=scripts/slurm-root.sh
@@ -23,9 +24,11 @@ action=${1:-test}
 root=$(realpath -m -- "${NCCLGUARD_SLURM_ROOT:-/var/cache/ncclguard/trixie-slurm}")
 suite=trixie
 # everything scripts/test.sh and the tests need inside, so that the cached root is complete
+# (prometheus: promtool and the server for the alert-rule tests)
 packages=(slurm-wlm munge python3 python3-venv gcc libc6-dev systemd make git
-          ca-certificates procps iproute2)
-stamp_want="$suite ${packages[*]} v1"
+          ca-certificates procps iproute2 prometheus)
+root_version=v1 # a new tag rebuilds the root; a new package is only installed into it
+stamp_want="$suite ${packages[*]} $root_version"
 
 die() { echo "$me: $*" >&2; exit 2; }
 
@@ -129,8 +132,34 @@ in_root() {
         NCCLGUARD_TEST_CACHE=/root/.cache/ncclguard "${keep[@]}" "$@"
 }
 
+install_packages() {
+    # apt-get install the package list in the root (what is there already stays as it is)
+    local log
+    log=$(mktemp)
+    if ! in_root bash -c 'export DEBIAN_FRONTEND=noninteractive
+        apt-get update -qq && apt-get install -y -qq --no-install-recommends "$@"' \
+        apt "${packages[@]}" >"$log" 2>&1; then
+        tail -n 20 "$log" >&2
+        rm -f "$log"
+        return 1
+    fi
+    rm -f "$log"
+}
+
 build() {
-    if [[ -f $root/.ncclguard-root && "$(cat "$root/.ncclguard-root")" == "$stamp_want" ]]; then
+    local have=""
+    [[ -f $root/.ncclguard-root ]] && have=$(cat "$root/.ncclguard-root")
+    if [[ $have == "$stamp_want" ]]; then
+        return 0
+    fi
+    # the same suite and root version, another package list (one added): install what it
+    # lacks into the cached root instead of building it again
+    if [[ -n $have && -e $owner && ${have%% *} == "$suite" && ${have##* } == "$root_version" ]]; then
+        echo "$me: installing the packages the cached root in $root lacks ..."
+        bind_system
+        install_packages || die "apt-get install in the $suite root failed (log above)"
+        bind_system # again: ca-certificates may have rewritten the bundle
+        echo "$stamp_want" >"$root/.ncclguard-root"
         return 0
     fi
     command -v debootstrap >/dev/null || {
@@ -148,14 +177,9 @@ build() {
         tail -n 20 "$log" >&2
         die "debootstrap $suite failed (log above)"
     fi
-    bind_system
-    if ! in_root bash -c 'export DEBIAN_FRONTEND=noninteractive
-        apt-get update -qq && apt-get install -y -qq --no-install-recommends "$@"' \
-        apt "${packages[@]}" >"$log" 2>&1; then
-        tail -n 20 "$log" >&2
-        die "apt-get install in the $suite root failed (log above)"
-    fi
     rm -f "$log"
+    bind_system
+    install_packages || die "apt-get install in the $suite root failed (log above)"
     bind_system # again: ca-certificates rewrote the bundle
     echo "$stamp_want" >"$root/.ncclguard-root"
     echo "$me: $(in_root sh -c 'dpkg-query -W -f "slurm-wlm \${Version}, " slurm-wlm; python3 --version')"

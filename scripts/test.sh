@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install what the tests need (Slurm, munge, gcc, python3-venv, the venv), run ruff, the
+# Install what the tests need (Slurm, munge, gcc, Prometheus, python3-venv, the venv), run ruff, the
 # layering contract (import-linter) and mypy, then the whole suite, the real-Slurm tests
 # included, on this machine's Slurm and then on Debian 13's Slurm 24.11 in a debootstrap
 # root (scripts/slurm-root.sh). `make test` and CI (.ci/run) call exactly this.
@@ -7,8 +7,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 need_apt=()
+# prometheus: promtool (the alert rules' unit tests) and the server (scraping the collector)
 for cmd in slurmctld:slurm-wlm slurmd:slurm-wlm munged:munge gcc:gcc systemd-analyze:systemd \
-           ldconfig:libc-bin python3:python3; do
+           ldconfig:libc-bin python3:python3 promtool:prometheus prometheus:prometheus; do
     command -v "${cmd%%:*}" >/dev/null 2>&1 || need_apt+=("${cmd##*:}")
 done
 # Debian's python3 has no venv/ensurepip without python3-venv

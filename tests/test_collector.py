@@ -509,9 +509,11 @@ def test_the_service_writes_its_metrics(env: Any, tmp_path: Path) -> None:
     fams = {f.name: f for f in text_string_to_metric_families(
         (prom / "ncclguard-collector.prom").read_text())}
     assert fams["ncclguard_collector_records_accepted"].samples[0].value == 1
-    (rej,) = [x for x in fams["ncclguard_collector_records_rejected"].samples
-              if x.name.endswith("_total")]
-    assert rej.labels == {"cause": "wrong-address"} and rej.value == 1
+    rejected = {x.labels["cause"]: x.value
+                for x in fams["ncclguard_collector_records_rejected"].samples
+                if x.name.endswith("_total")}
+    # every cause is there from the start (at 0), so that increase() sees its first one
+    assert rejected == {**dict.fromkeys(spool.CAUSES, 0), "wrong-address": 1}
     assert fams["ncclguard_collector_spool_records"].samples[0].value == 2
     assert fams["ncclguard_collector_spool_up"].samples[0].value == 1
     # the inventory's freshness: an outage of the record path shows in minutes

@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -77,15 +78,15 @@ def test_demo_end_to_end_twice(demo_env: dict[str, str], tmp_path: Path) -> None
     first = run_demo(demo_env)
     assert first.returncode == 0, failed(first)
     first_pids = set(demo_pids(base))
-    # munged, one per node, slurmctld, 7 slurmd, the features daemon
-    assert len(first_pids) == 1 + 7 + 1 + 7 + 1
+    # munged, one per node, slurmctld, 7 slurmd, the features daemon, the collector service
+    assert len(first_pids) == 1 + 7 + 1 + 7 + 2
 
     r = run_demo(demo_env)  # run twice, works twice
     out = r.stdout
     assert r.returncode == 0, failed(r)
     assert f"stopped the demo that was running in {base}" in out
     pids = set(demo_pids(base))
-    assert len(pids) == 17 and not pids & first_pids
+    assert len(pids) == 18 and not pids & first_pids
     state = json.loads((base / "state.json").read_text())
 
     # -- classes: what it printed is what the inventory holds
@@ -99,7 +100,7 @@ def test_demo_end_to_end_twice(demo_env: dict[str, str], tmp_path: Path) -> None
     by_hosts = {",".join(sorted(c.hosts)): c for c in classes}
     assert set(by_hosts) == {"n2,n3,n4,n5", "n1", "n6", "n7"}
     # -- the records: published, collected, a forgery rejected and listed
-    section = out.split("==> [3/8]")[1].split("==> [4/8]")[0]
+    section = out.split("==> [3/9]")[1].split("==> [4/9]")[0]
     assert "7 records in the spool, 7 accepted, 0 rejected, 0 deferred" in section
     assert ("n3: record n3.rec rejected (wrong-address), the node keeps its previous "
             "record: signed from 127.42.0.2, which is not n3's (127.42.0.3)") in section
@@ -107,7 +108,7 @@ def test_demo_end_to_end_twice(demo_env: dict[str, str], tmp_path: Path) -> None
     with Inventory(state["db"], readonly=True) as inv:
         assert [r["cause"] for r in inv.rejections(include_resolved=True)] == ["wrong-address"]
         assert inv.publishers()["n3.rec"]["origin"] == "127.42.0.3"
-    section = out.split("==> [4/8]")[1].split("==> [5/8]")[0]
+    section = out.split("==> [4/9]")[1].split("==> [5/9]")[0]
     for c in classes:
         line = next(ln for ln in section.splitlines() if c.compat_key in ln)
         assert str(len(c.hosts)) in line.split()
@@ -143,7 +144,7 @@ def test_demo_end_to_end_twice(demo_env: dict[str, str], tmp_path: Path) -> None
     assert output_file.read_text().strip() == f"ran on {info['NodeList']}"
 
     # -- prevention: the same job with n2 busy waits for its class, no refusal
-    section = out.split("==> [6/8]")[1].split("==> [7/8]")[0]
+    section = out.split("==> [6/9]")[1].split("==> [7/9]")[0]
     prevented = state["prevented_job"]
     info = scontrol_job(slurm_env, prevented)
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0"
@@ -160,13 +161,25 @@ def test_demo_end_to_end_twice(demo_env: dict[str, str], tmp_path: Path) -> None
     assert set(expand(srun[-1]["nodes"])) <= {"n2", "n3", "n4", "n5"}
 
     # -- check of a bad hostlist, and the drain recommendation
-    check = out.split("==> [7/8]")[1].split("==> [8/8]")[0]
+    check = out.split("==> [7/9]")[1].split("==> [8/9]")[0]
     assert "ncclguard: refuse (3 nodes: n[5-7])" in check
     assert "odd nodes: n[6-7]" in check
-    drain = out.split("==> [8/8]")[1]
+    drain = out.split("==> [8/9]")[1].split("==> [9/9]")[0]
     assert "recommend drain: 3 of 7 nodes" in drain
     reco = {ln.split()[-1] for ln in drain.splitlines() if ln.strip().startswith("ncclguard:")}
     assert reco == {"n1", "n6", "n7"}
+
+    # -- the metrics: the collector service serves the split, where the demo says
+    metrics = out.split("==> [9/9]")[1]
+    url = state["metrics"]["url"]
+    split = 'ncclguard_partition_classes{partition="debug"} 4.0'
+    assert f"the split: {split}" in metrics
+    assert f"Point Prometheus at {url}" in metrics
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        served = resp.read().decode().splitlines()
+    assert split in served
+    assert 'ncclguard_nccl_version_nodes{version="2.18.3"} 1.0' in served
+    assert 'ncclguard_gate_decisions_total{action="steer",decision="refuse"} 1.0' in served
 
     # -- the README's terminal capture is what the demo prints (job ids aside)
     capture = (REPO / "README.md").read_text().split("```\n", 2)[1].split("```", 1)[0]

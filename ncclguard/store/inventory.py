@@ -594,6 +594,14 @@ class Inventory(Database):
         row = self._reading("read heartbeats", lambda c: c.execute(sql, params).fetchone())
         return row[0] if row is not None and isinstance(row[0], int | float) else None
 
+    def heartbeats(self) -> dict[str, float]:
+        """Every node's last heartbeat (host -> time): the exporter's freshness counts."""
+        rows = self._reading(
+            "read heartbeats",
+            lambda c: c.execute("SELECT host, last_heartbeat FROM nodes").fetchall(),
+        )
+        return {h: float(hb) for h, hb in rows if isinstance(hb, int | float)}
+
     def hosts(self) -> list[str]:
         rows = self._reading(
             "list hosts", lambda c: c.execute("SELECT host FROM nodes ORDER BY host").fetchall()
