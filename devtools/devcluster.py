@@ -321,6 +321,11 @@ class DevCluster:
             default = " Default=YES" if i == 0 else ""
             lines.append(f"PartitionName={name} Nodes={nodes}{default} MaxTime=INFINITE State=UP")
         if self.extra_conf:
+            # a setting given there replaces ours (Slurm would keep the first); node and
+            # partition lines add to ours
+            keys = {ln.split("=", 1)[0] for ln in self.extra_conf.splitlines() if "=" in ln}
+            keys -= {"NodeName", "PartitionName", "NodeSet", "Include"}
+            lines = [ln for ln in lines if ln.split("=", 1)[0] not in keys]
             lines.append(self.extra_conf)
         self.conf.write_text("\n".join(lines) + "\n")
         # The wrapper Slurm starts: no PATH, no SLURM_CONF in its environment.

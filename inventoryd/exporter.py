@@ -69,6 +69,8 @@ _SIGNATURE = re.compile(r"[a-z0-9][a-z0-9-]{0,63}")
 DECISIONS = ("accept", "warn", "refuse", "error")
 ACTIONS = ("none", "steer", "requeue", "hold", "kill", "opt-out", "skip", "accept", "refuse")
 FOLLOWUP_RESULTS = ("done", "skipped", "failed")
+#: which check placed a job (the audit's ``path``; "other": records written before it)
+PATHS = ("features", "gate", OTHER)
 #: the (decision, action) pairs the gate writes (prolog/gate.py): exported at 0 from the
 #: start, so that Prometheus's increase() sees a first refusal (a series that appears
 #: at 1 has no increase)
@@ -234,6 +236,7 @@ class AuditCounts:
     decisions: dict[tuple[str, str], int] = field(default_factory=dict)  # (decision, action)
     rules: dict[tuple[str, str], int] = field(default_factory=dict)  # (decision, rule)
     followups: dict[tuple[str, str], int] = field(default_factory=dict)  # (action, result)
+    paths: dict[tuple[str, str], int] = field(default_factory=dict)  # (path, decision)
     diagnoses: dict[str, int] = field(default_factory=dict)  # signature id
     diagnose_jobs: dict[str, int] = field(default_factory=dict)  # diagnosed | clean | error
     last_ts: float | None = None
@@ -256,6 +259,9 @@ class AuditCounts:
         d = _one_of(decision, DECISIONS)
         key = (d, _one_of(action, ACTIONS))
         self.decisions[key] = self.decisions.get(key, 0) + 1
+        if d in ("accept", "warn", "refuse"):  # which check placed it (docs/scheduling.md)
+            path = (_one_of(rec.get("path"), PATHS), d)
+            self.paths[path] = self.paths.get(path, 0) + 1
         findings = rec.get("findings")
         seen: set[str] = set()
         for f in findings if isinstance(findings, list) else []:
@@ -582,6 +588,10 @@ class Exporter:
             ("ncclguard_gate_rule_decisions", "Gate decisions in which a rule found a "
              "difference, by outcome and rule", ["decision", "rule"],
              [(d, r) for d in ("warn", "refuse") for r in rules], a.rules),
+            ("ncclguard_gate_paths", "The gate's accept/warn/refuse decisions by the check "
+             "that placed the job (features: Slurm placed it on one class; gate: no class "
+             "group, or its class no longer held)", ["path", "decision"],
+             [(x, d) for x in PATHS[:2] for d in ("accept", "warn", "refuse")], a.paths),
             ("ncclguard_gate_followups", "The gate's detached follow-ups (steer: "
              "ExcNodeList set; hold: job held) by result", ["action", "result"],
              [(x, r) for x in ("steer", "hold") for r in FOLLOWUP_RESULTS], a.followups),

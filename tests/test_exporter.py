@@ -268,6 +268,7 @@ def test_gate_and_diagnose_series(inventory: Path, tmp_path: Path) -> None:
     audit.append(path, _decision(1, "refuse", "hold", ("nccl-version",)))
     audit.append(path, _decision(2, "error", "accept"))
     audit.append(path, {"job": 1, "decision": "followup", "action": "hold", "result": "done"})
+    audit.append(path, {**_decision(4, "accept", "none"), "path": "features"})
     audit.append(path, {"job": 3, "action": "diagnose", "decision": "diagnosis",
                         "diagnoses": [{"id": "nccl-version-mismatch"}]})
     text = Served(ex).text()
@@ -279,7 +280,11 @@ def test_gate_and_diagnose_series(inventory: Path, tmp_path: Path) -> None:
     assert value(text, "ncclguard_diagnoses_total", signature="nccl-version-mismatch") == 1
     assert value(text, "ncclguard_diagnose_jobs_total", outcome="diagnosed") == 1
     assert value(text, "ncclguard_audit_up") == 1
-    assert value(text, "ncclguard_audit_records_total") == 4
+    assert value(text, "ncclguard_audit_records_total") == 5
+    # which check placed each job (docs/scheduling.md); older records have no path
+    assert value(text, "ncclguard_gate_paths_total", path="features", decision="accept") == 1
+    assert value(text, "ncclguard_gate_paths_total", path="other", decision="refuse") == 1
+    assert value(text, "ncclguard_gate_paths_total", path="gate", decision="refuse") == 0
     # what has not happened yet is there at 0, so that increase() sees its first time
     assert value(text, "ncclguard_gate_decisions_total", decision="refuse", action="steer") == 0
     assert value(text, "ncclguard_diagnoses_total", signature="nccl-version-differs") == 0
