@@ -12,9 +12,19 @@ import argparse
 import json
 import os
 import sys
+from typing import Any
 
 from ncclguard import config as configmod
 from ncclguard.policy import load_config
+
+
+def _controller_command(sub: Any, name: str, text: str) -> argparse.ArgumentParser:
+    """A controller-side command, with --config and --db."""
+    c: argparse.ArgumentParser = sub.add_parser(name, help=text, description=text)
+    c.add_argument("--config", default=None, help="config file (default: $NCCLGUARD_CONFIG "
+                   "or /etc/ncclguard/config.toml)")
+    c.add_argument("--db", default=None, help="inventory database (overrides the config)")
+    return c
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -43,26 +53,16 @@ def _parser() -> argparse.ArgumentParser:
     once.add_argument("--store", action="store_true",
                       help="also write it straight into an inventory this process can write "
                       "(tests, one machine; cluster nodes publish instead)")
-    text = "verify the spool's signed records and write the inventory (the controller's service)"
-    c = sub.add_parser("collect", help=text, description=text)
-    c.add_argument("--config", default=None, help="config file (default: $NCCLGUARD_CONFIG "
-                   "or /etc/ncclguard/config.toml)")
-    c.add_argument("--db", default=None, help="inventory database (overrides the config)")
+    c = _controller_command(sub, "collect", "verify the spool's signed records and write the "
+                            "inventory (the controller's service)")
     c.add_argument("--spool", default=None, help="spool directory (overrides the config)")
     c.add_argument("--once", action="store_true", help="one scan, then exit")
-    text = ("keep Slurm's class features and job_submit.lua's file current (the controller's "
-            "service, as SlurmUser; docs/scheduling.md)")
-    f = sub.add_parser("features", help=text, description=text)
-    f.add_argument("--config", default=None, help="config file (default: $NCCLGUARD_CONFIG "
-                   "or /etc/ncclguard/config.toml)")
-    f.add_argument("--db", default=None, help="inventory database (overrides the config)")
+    f = _controller_command(sub, "features", "keep Slurm's class features and job_submit.lua's "
+                            "file current (the controller's service, as SlurmUser; "
+                            "docs/scheduling.md)")
     f.add_argument("--once", action="store_true", help="one sync, then exit")
-    text = ("print the cluster's metrics once, as the collector serves them to Prometheus "
-            "(docs/metrics.md)")
-    m = sub.add_parser("metrics", help=text, description=text)
-    m.add_argument("--config", default=None, help="config file (default: $NCCLGUARD_CONFIG "
-                   "or /etc/ncclguard/config.toml)")
-    m.add_argument("--db", default=None, help="inventory database (overrides the config)")
+    m = _controller_command(sub, "metrics", "print the cluster's metrics once, as the "
+                            "collector serves them to Prometheus (docs/metrics.md)")
     m.add_argument("--no-slurm", action="store_true",
                    help="do not ask Slurm for the partitions (no partition metrics)")
     return p

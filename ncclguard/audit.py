@@ -97,9 +97,11 @@ def _line(rec: dict[str, Any]) -> str:
     return json.dumps(small, separators=(",", ":"), default=str)  # ~12 KiB at most
 
 
-def _lock(fd: int, path: Path, timeout: float) -> None:
-    """``flock(LOCK_EX)``, waiting at most ``timeout`` s: a stuck writer (or a stalled
-    network filesystem) must never hold the prolog past its deadline."""
+def lock(fd: int, path: Path, timeout: float, what: str = "record not written",
+         poll_s: float = 0.01) -> None:
+    """``flock(LOCK_EX)``, waiting at most ``timeout`` s, else :class:`AuditError` naming
+    ``path`` and ``what`` did not happen: a stuck writer (or a stalled network filesystem)
+    must never hold the prolog past its deadline."""
     import fcntl
 
     end = time.monotonic() + timeout
@@ -110,10 +112,9 @@ def _lock(fd: int, path: Path, timeout: float) -> None:
         except BlockingIOError:
             if time.monotonic() >= end:
                 raise AuditError(
-                    f"{path}: locked by another writer for more than {timeout:g} s; "
-                    "record not written"
+                    f"{path}: locked by another writer for more than {timeout:g} s; {what}"
                 ) from None
-            time.sleep(0.01)
+            time.sleep(poll_s)
 
 
 def append(
@@ -125,7 +126,7 @@ def append(
     p = Path(path)
     fd = _open_for_append(p)
     try:
-        _lock(fd, p, lock_timeout)
+        lock(fd, p, lock_timeout)
         size = os.fstat(fd).st_size
         if size and os.pread(fd, 1, size - 1) != b"\n":
             data = b"\n" + data  # a torn last line (a writer killed mid-write) stays alone

@@ -204,9 +204,9 @@ local function classes_for(cf, partition)
   return cf.partitions["*"] or {}, partition or "the default partition"
 end
 
--- Decide for one job description: slurm.SUCCESS (maybe with job_desc.features set) or
--- an error code with a message to the user.
-function ncclguard.submit(job_desc)
+-- slurm.ERROR (with a message to the user) for a constraint or --prefer that could
+-- crash slurmctld, else nil.
+local function refuse_crash(job_desc)
   for _, field in ipairs({ "features", "prefer" }) do
     local msg = ncclguard.too_many_terms(job_desc[field])
     if msg then
@@ -215,6 +215,14 @@ function ncclguard.submit(job_desc)
       return slurm.ERROR
     end
   end
+  return nil
+end
+
+-- Decide for one job description: slurm.SUCCESS (maybe with job_desc.features set) or
+-- an error code with a message to the user.
+function ncclguard.submit(job_desc)
+  local refused = refuse_crash(job_desc)
+  if refused then return refused end
   if is_set(job_desc.het_job_offset, NO_VAL) then return slurm.SUCCESS end
   local user = job_desc.features
   if user ~= nil and string.find(user, "[", 1, true) then return slurm.SUCCESS end
@@ -264,14 +272,7 @@ end
 -- An update of a job: the same crash check. A changed constraint loses the class group
 -- (the gate still checks the job).
 function ncclguard.modify(job_desc)
-  for _, field in ipairs({ "features", "prefer" }) do
-    local msg = ncclguard.too_many_terms(job_desc[field])
-    if msg then
-      slurm.log_user("%s", msg)
-      return slurm.ERROR
-    end
-  end
-  return slurm.SUCCESS
+  return refuse_crash(job_desc) or slurm.SUCCESS
 end
 
 function slurm_job_submit(job_desc, part_list, submit_uid)

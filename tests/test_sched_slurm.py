@@ -10,7 +10,6 @@ from __future__ import annotations
 import subprocess
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from conftest_slurm import require_slurm
@@ -194,29 +193,50 @@ def test_65_alternatives_are_rejected_and_slurmctld_stays_up(sc: DevCluster) -> 
     assert sc.run(["scontrol", "ping"]).stdout.count("UP") >= 1
 
 
-def test_the_class_list_is_capped_at_64(sc: DevCluster, tmp_path: Path) -> None:
-    """70 classes in the file (their features exist in Slurm): a job gets the 64 largest,
-    runs, and slurmctld stays up."""
+@pytest.mark.parametrize("user", [None, "fast", "&".join(["fast"] * 60)],
+                         ids=["alone", "with-a-user-constraint", "with-a-long-one"])
+def test_the_class_list_is_capped_at_64_and_the_constraint_at_1024(
+    sc: DevCluster, user: str | None
+) -> None:
+    """70 classes in the file (their features exist in Slurm): a job gets the 64 largest
+    (63 beside a user's constraint, which takes one of Slurm's 64 positions), never a
+    constraint over 1024 characters; it runs, and slurmctld stays up."""
     c = sc
     c.stop_features_daemon()
     extra = [f"nc_{i:08x}" for i in range(70)]
     real = _classes(c)
     try:
         c.run(["scontrol", "update", "NodeName=n[1-4]",
-               f"AvailableFeatures={real['n1']},{','.join(extra)}",
-               f"ActiveFeatures={real['n1']},{','.join(extra)}"])
+               f"AvailableFeatures=fast,{real['n1']},{','.join(extra)}",
+               f"ActiveFeatures=fast,{real['n1']},{','.join(extra)}"])
         classes = tuple(classfile.ClassCount(f, 4) for f in extra)
         classfile.write(c.classes_file, classfile.ClassFile(
             verified=int(time.time()) + 1, partitions={"*": classes, "debug": classes}))
         time.sleep(1.1)
-        job = _job_id(_sbatch(c, "-N2", "--wrap", "true"))
+        job = _job_id(_sbatch(c, "-N2", *(["-C", user] if user else []), "--wrap", "true"))
         feats = _features(c, job)
-        assert feats.startswith("[nc_00000000|") and feats.count("|") == 63
+        group = feats[feats.index("["):]
+        assert group.startswith("[nc_00000000|") and len(feats) <= 1024
+        alternatives = group.count("|") + 1
+        if user is None:
+            assert alternatives == 64 and feats == group
+        elif user == "fast":
+            assert alternatives == 63 and feats == f"(fast)&{group}"
+        else:
+            assert 1 < alternatives < 63 and feats == f"({user})&{group}"
         assert c.wait_job(job, {"COMPLETED", "FAILED"}, 60) == "COMPLETED"
         assert "UP" in c.run(["scontrol", "ping"]).stdout
     finally:
         c.run(["scontrol", "update", "NodeName=n[1-4]", f"AvailableFeatures={real['n1']}",
                f"ActiveFeatures={real['n1']}"])
+
+
+def test_heterogeneous_jobs_are_left_to_the_gate(sc: DevCluster) -> None:
+    r = _sbatch(sc, "--hold", "-N2", ":", "-N2", "--wrap", "true")
+    job = _job_id(r)
+    for component in (f"{job}+0", f"{job}+1"):
+        out = sc.run(["scontrol", "show", "job", component]).stdout
+        assert "Features=(null)" in out, out
 
 
 @pytest.mark.parametrize("text", [

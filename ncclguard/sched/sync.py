@@ -17,13 +17,13 @@ hook that fires on its own update finds nothing left to do.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ncclguard.audit import AuditError, lock
 from ncclguard.config import Config
 from ncclguard.hostlist import compress
 from ncclguard.policy import GATE_VALUES, stale_hosts
@@ -134,18 +134,13 @@ def class_table(config: Config, nodes: Sequence[NodeInfo], classes: Mapping[str,
 def _locked(path: Path, wait_s: float = 30.0) -> Iterator[None]:
     """One sync at a time (daemon, hooks, admins): an flock on ``<file>.lock``."""
     path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
-    fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    lock_path = Path(f"{path}.lock")
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     try:
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise classfile.ClassFileError(
-                        f"{path}.lock: another sync held it for {wait_s:.0f} s") from None
-                time.sleep(0.05)
+        try:
+            lock(fd, lock_path, wait_s, "no sync", poll_s=0.05)
+        except AuditError as e:
+            raise classfile.ClassFileError(str(e)) from None
         yield
     finally:
         os.close(fd)
