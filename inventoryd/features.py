@@ -9,9 +9,14 @@ Each ``[features] interval_s`` (2 s):
 2. else one sentinel node (``scontrol show node -o``, one node only): when it lacks its
    class feature, Slurm lost the runtime features (``scontrol reconfigure``, a plain
    restart): a full sync puts them back;
-3. else, every ``verify_s``, a full sync compares every node;
+3. else, every ``verify_s`` (60 s), a full sync compares every node (an admin's
+   ``scontrol update`` of some nodes' features, a node gone);
 4. then the file's ``verified`` is set to now, so that job_submit.lua keeps trusting it
-   (it trusts a file verified since its own slurmctld started, and recently).
+   (it trusts a file verified since its own slurmctld started, and recently); a file
+   that cannot be read is written again by a full sync.
+
+A full sync also moves pending jobs whose group names a class that is gone
+(:func:`~ncclguard.sched.sync.regroup_pending`).
 
 A failure (Slurm down, the inventory unreadable) is logged once and retried; the lua
 stops trusting the file ``FRESH_S`` after the last verification, and the gate checks
@@ -93,8 +98,11 @@ class FeatureKeeper:
                 raise SlurmError("; ".join(res.errors))
             self.applied, self.last_full = dict(res.plan.classes), now
             changed = len(res.plan.changed_hosts)
-            return f"{why}: {changed} nodes updated in {len(res.applied)} calls"
-        mark_verified(self.cfg, now)
+            moved = "".join(f"; job {j}: {old} -> {new}" for j, old, new in res.regrouped)
+            return f"{why}: {changed} nodes updated in {len(res.applied)} calls{moved}"
+        if not mark_verified(self.cfg, now):  # the file is gone or damaged: write it again
+            self.last_full = 0.0
+            return self.step()
         return ""
 
 

@@ -166,7 +166,7 @@ class FeaturesConfig(_Settings):
     # directory only SlurmUser (who runs the sync) and root can write
     classes_file: str = "/var/lib/ncclguard-features/classes"
     interval_s: float = 2.0  # how often the sync daemon looks (one cheap Slurm call)
-    verify_s: float = 300.0  # how often it compares every node's features with Slurm's
+    verify_s: float = 60.0  # how often it compares every node's features with Slurm's
     max_alternatives: int = 64  # classes in one job's group, at most (Slurm's limit: 64)
 
 

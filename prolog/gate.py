@@ -252,9 +252,10 @@ def decide(run: Run, job: Job) -> int:
         verdict, run.record["tie_break"] = _break_tie(run, job, verdict, values, stale)
     run.record.update(
         decision=verdict.decision,
-        # which check decided: Slurm placing the job on one class (the gate agreed), or
-        # the gate (no class group, or the group's class no longer held: the backstop)
-        path="features" if job.class_group and verdict.decision == "accept" else "gate",
+        # which check decided: Slurm placing the job on one class (the gate accepted or
+        # warned: classes ignore warn-level differences), or the gate (no class group,
+        # or the group's class no longer held: the backstop)
+        path="features" if job.class_group and verdict.decision != "refuse" else "gate",
         summary=verdict.summary(),
         findings=[f.to_dict() for f in verdict.findings],
         odd_nodes=verdict.odd_nodes,

@@ -2,7 +2,8 @@
 ncclguard's job_submit.lua: Slurm itself never picks a mixed set of nodes.
 
 Every multi-node job gets a matching-OR constraint over the compatibility classes,
-"[nc_1a2b3c4d|nc_99aa00bb]", so that all its nodes carry the same class feature
+"[nc_1a2b3c4d|nc_99aa00bb]" (in --prefer too, when the job has one: Slurm tries that
+first), so that all its nodes carry the same class feature
 (slurm-facts.md, "Prevention at scheduling"). The classes come from the file that
 `ncclguard features sync` writes (lua cannot ask Slurm for nodes), in preference order:
 the partition's largest class first. The PrologSlurmctld gate stays the backstop for
@@ -10,15 +11,18 @@ everything this does not cover. docs/scheduling.md has the deployment.
 
 Left alone: jobs that cannot span more than one node (or fewer than [policy] min_nodes),
 jobs with ncclguard=off in their comment or --extra (where the gate allows it), jobs in
-partitions the gate does not guard, jobs whose constraint has a bracket group of its own
-(Slurm allows one), heterogeneous jobs (each component would choose on its own), and
+partitions the gate does not guard, jobs whose constraint or --prefer has a bracket group
+of its own (Slurm allows one) or parentheses or a count (a*2) (Slurm rejects them inside
+the parentheses the group needs), heterogeneous jobs (each component would choose on its
+own), and
 every job while the file is missing, unreadable, malformed or not verified since this
 slurmctld started (its runtime features may be gone): the gate checks those.
 
 Refused at submit, with a message:
-  - a constraint (or --prefer) with a bracket group and more than 64 terms: slurmctld's
-    bitmaps hold 64 (MAX_FEATURES in src/slurmctld/node_scheduler.c, no bound check;
-    slurmctld 22.05 crashed on 79);
+  - a constraint (or --prefer) whose bracket groups name more than 64 features:
+    slurmctld's matching-OR bitmaps hold 64 positions, one per term of a bracket group
+    (MAX_FEATURES and _valid_features() in src/slurmctld/node_scheduler.c, no bound
+    check; slurmctld 22.05 crashed on 79);
   - a job that asks for more nodes than the largest class of its partition holds.
 
 Lua 5.1 (Debian's slurm-wlm links liblua5.1). A site with its own job_submit.lua keeps
@@ -80,6 +84,8 @@ function ncclguard.parse(data, where)
       elseif (key == "verified" or key == "min_nodes" or key == "max_alternatives"
               or key == "opt_out") and #w == 2 and string.match(w[2], "^%d+$") and cf[key] == nil then
         cf[key] = tonumber(w[2])
+      elseif key == "default" and #w == 2 and valid_partition(w[2]) and cf.default == nil then
+        cf.default = w[2]
       elseif key == "guarded" and #w >= 2 and cf.guarded == nil then
         cf.guarded = {}
         if not (#w == 2 and w[2] == "*") then
@@ -142,24 +148,31 @@ function ncclguard.classes(now)
   if now - cf.verified > ncclguard.FRESH_S then
     return nil, "the classes were last verified " .. (now - cf.verified) .. " s ago"
   end
+  if cf.verified > now + 2 then  -- the clock stepped back: the file's age is unknown
+    return nil, "the classes were verified in the future"
+  end
   return cf
 end
 
 local function is_set(v, none) return v ~= nil and v ~= none end
 
--- The number of feature terms in a constraint, and whether it has a bracket group.
+-- The number of alternatives in a constraint's bracket groups (matching OR), the terms
+-- slurmctld gives a position each in its 64-bit maps (_valid_features() in
+-- src/slurmctld/node_scheduler.c counts only the terms of a bracket group).
 function ncclguard.terms(constraint)
   local count = 0
-  for _ in string.gmatch(constraint, "[^&|,%[%]%(%)]+") do count = count + 1 end
-  return count, string.find(constraint, "[", 1, true) ~= nil
+  for group in string.gmatch(constraint, "%[([^%]]*)%]?") do
+    for _ in string.gmatch(group, "[^&|,%(%)]+") do count = count + 1 end
+  end
+  return count
 end
 
 -- nil, or the message for a constraint that could crash slurmctld.
 function ncclguard.too_many_terms(constraint)
   if constraint == nil then return nil end
-  local count, bracket = ncclguard.terms(constraint)
-  if bracket and count > ncclguard.MAX_TERMS then
-    return string.format("ncclguard: a constraint with a bracket group may name at most %d "
+  local count = ncclguard.terms(constraint)
+  if count > ncclguard.MAX_TERMS then
+    return string.format("ncclguard: a bracket group ([a|b|...]) may name at most %d "
       .. "features (Slurm's limit); this one names %d", ncclguard.MAX_TERMS, count)
   end
   return nil
@@ -171,11 +184,13 @@ function ncclguard.spans(job_desc, threshold)
   if is_set(maxn, NO_VAL) and maxn > 0 and maxn < threshold then return false end
   if is_set(minn, NO_VAL) and minn >= threshold then return true end
   if is_set(maxn, NO_VAL) and maxn >= threshold then return true end
+  -- no node count: tasks or GPUs per job decide how many nodes Slurm gives
   local tasks, per_node = job_desc.num_tasks, job_desc.ntasks_per_node
-  if is_set(tasks, NO_VAL) and tasks > 1 then
+  if is_set(tasks, NO_VAL) and tasks >= threshold then
     return not (is_set(per_node, NO_VAL16) and per_node >= tasks)
   end
-  return false
+  local tres = job_desc.tres_per_job
+  return tres ~= nil and string.find(tres, "gpu", 1, true) ~= nil
 end
 
 local function opted_out(job_desc)
@@ -198,10 +213,11 @@ end
 
 -- The classes for the job's partition: one partition's own list, else every node's.
 local function classes_for(cf, partition)
-  if partition ~= nil and string.find(partition, ",", 1, true) == nil and cf.partitions[partition] then
-    return cf.partitions[partition], partition
+  local name = partition or cf.default
+  if name ~= nil and string.find(name, ",", 1, true) == nil and cf.partitions[name] then
+    return cf.partitions[name], "partition " .. name
   end
-  return cf.partitions["*"] or {}, partition or "the default partition"
+  return cf.partitions["*"] or {}, "the cluster"
 end
 
 -- slurm.ERROR (with a message to the user) for a constraint or --prefer that could
@@ -218,14 +234,26 @@ local function refuse_crash(job_desc)
   return nil
 end
 
+-- A user's expression joined with the class group, or nil where joining is not safe:
+-- Slurm rejects nested parentheses and a count (a*2) inside parentheses, and allows one
+-- bracket group per job; such jobs are left to the gate.
+function ncclguard.combine(user, group)
+  if user == nil or user == "" then return group end
+  if string.find(user, "[%[%]%(%)%*]") then return nil end
+  return "(" .. user .. ")&" .. group
+end
+
 -- Decide for one job description: slurm.SUCCESS (maybe with job_desc.features set) or
 -- an error code with a message to the user.
 function ncclguard.submit(job_desc)
   local refused = refuse_crash(job_desc)
   if refused then return refused end
   if is_set(job_desc.het_job_offset, NO_VAL) then return slurm.SUCCESS end
-  local user = job_desc.features
-  if user ~= nil and string.find(user, "[", 1, true) then return slurm.SUCCESS end
+  local user, prefer = job_desc.features, job_desc.prefer
+  if (user ~= nil and string.find(user, "[", 1, true))
+     or (prefer ~= nil and string.find(prefer, "[", 1, true)) then
+    return slurm.SUCCESS  -- one bracket group per job: theirs
+  end
   local now = os.time()
   local cf, why = ncclguard.classes(now)
   if cf == nil then
@@ -242,14 +270,10 @@ function ncclguard.submit(job_desc)
   local need = 1
   if is_set(job_desc.min_nodes, NO_VAL) and job_desc.min_nodes > 1 then need = job_desc.min_nodes end
   local largest = 0
-  local prefix = ""
-  if user ~= nil and user ~= "" then prefix = "(" .. user .. ")&" end
-  local limit = cf.max_alternatives
-  if prefix ~= "" then limit = math.min(limit, ncclguard.MAX_TERMS - 1) end
   local chosen = {}
   for _, c in ipairs(list) do
     if c.nodes > largest then largest = c.nodes end
-    if c.nodes >= need and #chosen < limit then chosen[#chosen + 1] = c.feature end
+    if c.nodes >= need and #chosen < cf.max_alternatives then chosen[#chosen + 1] = c.feature end
   end
   if #chosen == 0 then
     local msg = string.format("ncclguard: this job needs %d nodes with one NCCL stack, but the "
@@ -258,13 +282,24 @@ function ncclguard.submit(job_desc)
     slurm.log_user("%s", msg)
     return slurm.ESLURM_INVALID_NODE_COUNT
   end
-  local constraint = prefix .. "[" .. table.concat(chosen, "|") .. "]"
-  while #constraint > ncclguard.MAX_CONSTRAINT and #chosen > 1 do
+  -- the group goes into --constraint and, when given, --prefer too: Slurm schedules by
+  -- --prefer first, and a preference without the group could pick two classes
+  local constraint, preferred
+  while #chosen > 0 do
+    local group = "[" .. table.concat(chosen, "|") .. "]"
+    constraint = ncclguard.combine(user, group)
+    preferred = prefer ~= nil and prefer ~= "" and ncclguard.combine(prefer, group) or nil
+    if constraint == nil or (prefer ~= nil and prefer ~= "" and preferred == nil) then
+      slurm.log_debug("ncclguard: a constraint it cannot join safely; the gate checks the job")
+      return slurm.SUCCESS
+    end
+    if #constraint <= ncclguard.MAX_CONSTRAINT
+       and (preferred == nil or #preferred <= ncclguard.MAX_CONSTRAINT) then break end
     table.remove(chosen)
-    constraint = prefix .. "[" .. table.concat(chosen, "|") .. "]"
   end
-  if #constraint > ncclguard.MAX_CONSTRAINT then return slurm.SUCCESS end
+  if #chosen == 0 then return slurm.SUCCESS end
   job_desc.features = constraint
+  if preferred ~= nil then job_desc.prefer = preferred end
   slurm.log_info("ncclguard: constraint %s for a job of uid %s", constraint, tostring(job_desc.user_id))
   return slurm.SUCCESS
 end

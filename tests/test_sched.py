@@ -111,12 +111,15 @@ def _cf(**kw: object) -> classfile.ClassFile:
 
 
 def test_file_round_trip() -> None:
-    cf = _cf(guarded=("gpu", "a100"), opt_out=False, max_alternatives=8)
+    cf = _cf(guarded=("gpu", "a100"), opt_out=False, max_alternatives=8, default="gpu")
     assert classfile.parse(classfile.render(cf).decode()) == cf
+    with pytest.raises(classfile.ClassFileError, match="not a partition name"):
+        classfile.render(_cf(guarded=("gpu+a100",)))  # the lua could never match it
 
 
 @pytest.mark.parametrize(("text", "cause"), [
-    ("", "line 1"),
+    ("", "cut short"),
+    ("\n", "line 1"),
     ("ncclguard-classes 2\nend\n", "line 1"),
     ("ncclguard-classes 1\nverified 1\nmin_nodes 2\nmax_alternatives 64\nopt_out 1\n"
      "guarded *\n", "no 'end'"),
@@ -131,6 +134,9 @@ def test_file_round_trip() -> None:
     ("ncclguard-classes 1\nverified 1\nmin_nodes 2\nmax_alternatives 64\nopt_out 1\n"
      "guarded *\nend\nmore\n", "after 'end'"),
     ("ncclguard-classes 1\nverified 1\nend\n", "missing min_nodes"),
+    ("ncclguard-classes 1\nverified \u00b2\nend\n", "line 2"),  # isdigit() says yes
+    ("ncclguard-classes 1\nverified 1\nmin_nodes 2\nmax_alternatives 64\nopt_out 1\n"
+     "guarded *\nend", "cut short"),  # the lua needs the final newline too
 ])
 def test_a_bad_file_is_refused_with_the_line(text: str, cause: str) -> None:
     with pytest.raises(classfile.ClassFileError, match=re.escape(cause)):

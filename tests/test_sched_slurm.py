@@ -178,19 +178,29 @@ def test_the_lua_adds_the_class_group_to_jobs_that_may_span_nodes(
         assert feats in ("(null)", "")
 
 
-def test_a_user_constraint_is_kept_and_a_users_own_bracket_group_left_alone(
+def test_a_user_constraint_and_prefer_get_the_group_and_what_cannot_be_joined_is_left(
     sc: DevCluster,
 ) -> None:
     c = sc
     cls = _classes(c)
+    group = f"[{cls['n1']}|{cls['n5']}]"
     c.run(["scontrol", "update", "NodeName=n[1-2]", f"AvailableFeatures=fast,{cls['n1']}",
            f"ActiveFeatures=fast,{cls['n1']}"])
     try:
         job = _job_id(_sbatch(c, "--hold", "-N2", "-C", "fast", "--wrap", "true"))
-        assert _features(c, job) == f"(fast)&[{cls['n1']}|{cls['n5']}]"
-        own = f"[{cls['n1']}|{cls['n5']}]"
-        job = _job_id(_sbatch(c, "--hold", "-N2", "-C", own, "--wrap", "true"))
-        assert _features(c, job) == own
+        assert _features(c, job) == f"(fast)&{group}"
+        # Slurm schedules by --prefer first: the group goes there too
+        job = _job_id(_sbatch(c, "--hold", "-N2", "--prefer=fast", "--wrap", "true"))
+        assert _features(c, job) == group
+        assert c.job_field(job, "Prefer") == f"(fast)&{group}"
+        # a user's own bracket group: theirs (one per job)
+        job = _job_id(_sbatch(c, "--hold", "-N2", "-C", group, "--wrap", "true"))
+        assert _features(c, job) == group
+        # parentheses and counts cannot sit inside the parentheses the group needs:
+        # accepted as the user wrote them, and left to the gate
+        for own in ("(fast|fast)&fast", "fast*2"):
+            job = _job_id(_sbatch(c, "--hold", "-N2", "-C", own, "--wrap", "true"))
+            assert _features(c, job) == own
     finally:
         c.run(["scontrol", "update", "NodeName=n[1-2]", f"AvailableFeatures={cls['n1']}",
                f"ActiveFeatures={cls['n1']}"])
@@ -200,7 +210,7 @@ def test_a_job_larger_than_every_class_is_rejected_at_submit_with_why(sc: DevClu
     r = _sbatch(sc, "-N5", "--wrap", "true")
     assert r.returncode != 0
     assert ("ncclguard: this job needs 5 nodes with one NCCL stack, but the largest such set "
-            "in the default partition has 4 nodes") in r.stderr
+            "in partition debug has 4 nodes") in r.stderr
 
 
 def test_65_alternatives_are_rejected_and_slurmctld_stays_up(sc: DevCluster) -> None:
@@ -208,7 +218,8 @@ def test_65_alternatives_are_rejected_and_slurmctld_stays_up(sc: DevCluster) -> 
     for args in (["-C", f"[{many}]"], ["-C", f"x&[{many}]"]):
         r = _sbatch(sc, "-N2", *args, "--wrap", "true")
         assert r.returncode != 0
-        assert "may name at most 64 features (Slurm's limit); this one names" in r.stderr
+        assert ("a bracket group ([a|b|...]) may name at most 64 features (Slurm's limit); "
+                "this one names 65") in r.stderr
     held = _job_id(_sbatch(sc, "--hold", "-N1", "--wrap", "true"))
     r = sc.run(["scontrol", "update", f"jobid={held}", f"Features=[{many}]"], check=False)
     assert r.returncode != 0  # slurm_job_modify checks an update the same way
@@ -220,9 +231,10 @@ def test_65_alternatives_are_rejected_and_slurmctld_stays_up(sc: DevCluster) -> 
 def test_the_class_list_is_capped_at_64_and_the_constraint_at_1024(
     sc: DevCluster, user: str | None
 ) -> None:
-    """70 classes in the file (their features exist in Slurm): a job gets the 64 largest
-    (63 beside a user's constraint, which takes one of Slurm's 64 positions), never a
-    constraint over 1024 characters; it runs, and slurmctld stays up."""
+    """70 classes in the file (their features exist in Slurm): a job gets the 64 largest,
+    beside a user's constraint too (slurmctld gives positions only to the terms of the
+    bracket group), never a constraint over 1024 characters; it runs, and slurmctld stays
+    up. A user's own group of exactly 64 is accepted."""
     c = sc
     extra = [f"nc_{i:08x}" for i in range(70)]
     real = _classes(c)
@@ -247,9 +259,12 @@ def _capped(c: DevCluster, user: str | None, extra: list[str], real: dict[str, s
         if user is None:
             assert alternatives == 64 and feats == group
         elif user == "fast":
-            assert alternatives == 63 and feats == f"(fast)&{group}"
+            assert alternatives == 64 and feats == f"(fast)&{group}"
         else:
-            assert 1 < alternatives < 63 and feats == f"({user})&{group}"
+            assert 1 < alternatives < 64 and feats == f"({user})&{group}"
+        assert c.wait_job(job, {"COMPLETED", "FAILED"}, 60) == "COMPLETED"
+        own = "[" + "|".join(extra[:64]) + "]"
+        job = _job_id(_sbatch(c, "-N2", "-C", own, "--wrap", "true"))
         assert c.wait_job(job, {"COMPLETED", "FAILED"}, 60) == "COMPLETED"
         assert "UP" in c.run(["scontrol", "ping"]).stdout
     finally:
@@ -318,9 +333,9 @@ def test_interactive_jobs_land_on_one_class(sc: DevCluster, cmd: str) -> None:
     argv = ["srun", "-N2", "hostname"] if cmd == "srun" else ["salloc", "-N2", "hostname"]
     r = c.run(argv, check=False, timeout=60)
     assert r.returncode == 0, r.stderr
-    decisions = [rec for rec in audit.read(c.audit_path) if rec.get("nodes") == B
-                 and rec.get("decision") == "accept"]
-    assert decisions and decisions[-1]["path"] == "features"
+    mine = [rec for rec in audit.read(c.audit_path) if rec.get("job", 0) > blocker]
+    assert [(rec["decision"], rec["nodes"], rec["batch"], rec["path"]) for rec in mine] == [
+        ("accept", B, False, "features")]
 
 
 # ---------------------------------------------------------- lost and restored
@@ -345,9 +360,34 @@ def test_features_come_back_after_reconfigure(sc: DevCluster) -> None:
         job = _job_id(r)
         assert c.wait_job(job, {"COMPLETED", "FAILED"}, 90) == "COMPLETED"
         assert _one_class(c, job)
+    time.sleep(2.5)  # the next verification, in a later second than a reloaded lua's
     job = _job_id(_sbatch(c, "-N2", "--wrap", "hostname"))
     assert c.wait_job(job, {"COMPLETED", "FAILED"}, 90) == "COMPLETED"
     assert _one_class(c, job)
+    assert [r["path"] for r in _records(c, job)] == ["features"]  # prevention is back
+    assert c.job_field(job, "Restarts") == "0"
+
+
+def test_pending_jobs_move_when_their_class_is_gone(sc: DevCluster) -> None:
+    """A pending job's group names classes by their NCCL stack: when n5 and n6 move to
+    class A, the class B it may hold is gone, and the sync gives it the current group."""
+    c = sc
+    cls = _classes(c)
+    job = _job_id(_sbatch(c, "--hold", "-N2", "-C", f"[{cls['n5']}]", "--wrap", "true"))
+    # a group as the lua writes it (only B), as if B had been the only class that fit
+    try:
+        for host in ("n5", "n6"):
+            c.publish_fingerprint(host, fingerprint(host, nccl="2.21.5"))
+        c.collect()
+        _wait(lambda: _classes(c)["n5"] == cls["n1"], 30, "n5 and n6 in class A")
+        _wait(lambda: _features(c, job) == f"[{cls['n1']}]", 30, "the pending job's new group")
+        c.run(["scontrol", "release", str(job)])
+        assert c.wait_job(job, {"COMPLETED", "FAILED"}, 60) == "COMPLETED"
+    finally:
+        for host in ("n5", "n6"):
+            c.publish_fingerprint(host, fingerprint(host, nccl=_versions(host)))
+        c.collect()
+        _wait(lambda: _classes(c) == cls, 30, "the classes as before")
 
 
 def test_without_the_daemon_the_hooks_restore_the_features(sc: DevCluster) -> None:

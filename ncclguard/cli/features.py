@@ -57,6 +57,7 @@ def sync_cmd(dry_run: bool, as_json: bool, as_csv: bool) -> None:
         "applied": len(res.applied),
         "errors": res.errors,
         "classes_file": str(res.written) if res.written else None,
+        "regrouped": [{"job": j, "old": o, "new": n} for j, o, n in res.regrouped],
     }
     lines = [("would run: " if dry_run else "ran: ") + u.describe() for u in updates]
     if dry_run:
@@ -66,9 +67,11 @@ def sync_cmd(dry_run: bool, as_json: bool, as_csv: bool) -> None:
         lines.append(f"{len(res.plan.changed_hosts)} of {len(res.plan.nodes)} nodes updated in "
                      f"{len(res.applied)} calls")
         lines += [f"error: {e}" for e in res.errors]
+        lines += [f"pending job {j}: its classes changed: {o} -> {n}"
+                  for j, o, n in res.regrouped]
         lines.append(f"wrote {res.written}" if res.written else
-                     "the file of classes was NOT written (an update failed): the gate checks "
-                     "every job until a sync succeeds")
+                     "an update failed: the file of classes names only what Slurm has; "
+                     "run it again")
     c.emit(doc, text="\n".join(lines) + "\n")
     if res.errors:
         raise SystemExit(3)
@@ -79,6 +82,7 @@ def sync_cmd(dry_run: bool, as_json: bool, as_csv: bool) -> None:
 def check_cmd(as_json: bool, as_csv: bool) -> None:
     """Compare Slurm's class features and the file of classes with the inventory; exit 1
     when they differ (run `ncclguard features sync`, or see why the daemon did not)."""
+    from ncclguard.policy.schedule import is_class_feature
     from ncclguard.sched import classfile
 
     c = get_ctx(as_json, as_csv)
@@ -86,7 +90,7 @@ def check_cmd(as_json: bool, as_csv: bool) -> None:
     rows = []
     by_name = {n.name: n for n in res.plan.nodes}
     for host in res.plan.changed_hosts:
-        have = [f for f in by_name[host].active_features if f.startswith("nc_")]
+        have = [f for f in by_name[host].active_features if is_class_feature(f)]
         rows.append({"host": host, "has": ",".join(have) or "-",
                      "want": res.plan.classes.get(host) or "-"})
     path = Path(c.config.features.classes_file)

@@ -41,6 +41,8 @@ ALL = "*"  # the partition entry for every node, and "every partition is guarded
 
 _FEATURE = re.compile(r"nc_(?:unknown|[0-9a-f]{8,64})")
 _PARTITION = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_DIGITS = re.compile(r"[0-9]{1,18}")
+_SPACE = re.compile(r"[ \t\r\v\f]+")
 
 
 class ClassFileError(ValueError):
@@ -54,6 +56,7 @@ class ClassFile:
     max_alternatives: int = MAX_ALTERNATIVES
     opt_out: bool = True
     guarded: tuple[str, ...] = ()  # () = every partition
+    default: str | None = None  # Slurm's default partition: for jobs that name none
     partitions: dict[str, tuple[ClassCount, ...]] = field(default_factory=dict)
 
 
@@ -66,6 +69,12 @@ def render(cf: ClassFile) -> bytes:
         f"opt_out {int(cf.opt_out)}",
         "guarded " + (" ".join(cf.guarded) if cf.guarded else ALL),
     ]
+    bad = [p for p in cf.guarded if not _PARTITION.fullmatch(p)]
+    if bad:
+        raise ClassFileError(f"[policy] partitions: {bad[0]!r} is not a partition name "
+                             "job_submit.lua can match (letters, digits, _ . -; 64 at most)")
+    if cf.default is not None and _PARTITION.fullmatch(cf.default):
+        lines.append(f"default {cf.default}")
     for name, classes in cf.partitions.items():
         if name != ALL and not _PARTITION.fullmatch(name):
             continue  # not a name the lua would match: Slurm's own are plain words
@@ -76,6 +85,8 @@ def render(cf: ClassFile) -> bytes:
 
 def parse(text: str, where: str = "classes file") -> ClassFile:
     """:class:`ClassFile` from the file's text; :class:`ClassFileError` naming the line."""
+    if not text.endswith("\n"):
+        raise ClassFileError(f"{where}: cut short (no final newline)")
     lines = text.split("\n")
     if not lines or lines[0] != MAGIC:
         raise ClassFileError(f"{where}: line 1 is not {MAGIC!r}")
@@ -83,7 +94,7 @@ def parse(text: str, where: str = "classes file") -> ClassFile:
     partitions: dict[str, tuple[ClassCount, ...]] = {}
     ended = False
     for n, line in enumerate(lines[1:], start=2):
-        words = line.split()
+        words = [w for w in _SPACE.split(line) if w]  # ASCII white space, as lua's %s
         if not words:
             continue
         if ended:
@@ -92,8 +103,11 @@ def parse(text: str, where: str = "classes file") -> ClassFile:
         if key == "end" and len(words) == 1:
             ended = True
         elif key in ("verified", "min_nodes", "max_alternatives", "opt_out") and len(words) == 2:
-            if not words[1].isdigit() or key in values:
+            if not _DIGITS.fullmatch(words[1]) or key in values:
                 raise ClassFileError(f"{where}: line {n}: {line[:80]!r}")
+            values[key] = words[1]
+        elif key == "default" and len(words) == 2 and _PARTITION.fullmatch(words[1]) \
+                and key not in values:
             values[key] = words[1]
         elif key == "guarded" and len(words) >= 2 and key not in values:
             if words[1:] != [ALL] and not all(_PARTITION.fullmatch(w) for w in words[1:]):
@@ -122,13 +136,14 @@ def parse(text: str, where: str = "classes file") -> ClassFile:
         max_alternatives=alternatives,
         opt_out=values["opt_out"] == "1",
         guarded=() if guarded == [ALL] else tuple(guarded),
+        default=values.get("default"),
         partitions=partitions,
     )
 
 
 def _class(word: str, where: str, n: int) -> ClassCount:
     feature, _, count = word.partition(":")
-    if not _FEATURE.fullmatch(feature) or not count.isdigit():
+    if not _FEATURE.fullmatch(feature) or not _DIGITS.fullmatch(count):
         raise ClassFileError(f"{where}: line {n}: not a class: {word[:80]!r}")
     return ClassCount(feature, int(count))
 

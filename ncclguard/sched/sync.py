@@ -17,7 +17,9 @@ hook that fires on its own update finds nothing left to do.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
+import re
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -71,6 +73,7 @@ class SyncResult:
     applied: list[Update] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     written: Path | None = None
+    regrouped: list[tuple[str, str, str]] = field(default_factory=list)  # (job, old, new)
     dry_run: bool = False
 
 
@@ -109,7 +112,7 @@ def plan(nodes: Sequence[NodeInfo], classes: Mapping[str, str | None]) -> Plan:
 
 
 def class_table(config: Config, nodes: Sequence[NodeInfo], classes: Mapping[str, str | None],
-                verified: float) -> classfile.ClassFile:
+                verified: float, default: str | None = None) -> classfile.ClassFile:
     """The lua's file: for every node and for each partition, the classes in preference
     order (largest first), those of at least two nodes, at most ``max_alternatives``."""
     limit = config.features.max_alternatives
@@ -126,8 +129,15 @@ def class_table(config: Config, nodes: Sequence[NodeInfo], classes: Mapping[str,
         max_alternatives=limit,
         opt_out=config.gate.allow_opt_out,
         guarded=tuple(config.policy.partitions),
+        default=default,
         partitions=table,
     )
+
+
+def in_slurm(nodes: Sequence[NodeInfo]) -> dict[str, str | None]:
+    """Each node's class feature as Slurm has it now (the first ``nc_`` one active)."""
+    return {n.name: next((f for f in n.active_features if is_class_feature(f)), None)
+            for n in nodes}
 
 
 @contextlib.contextmanager
@@ -135,7 +145,10 @@ def _locked(path: Path, wait_s: float = 30.0) -> Iterator[None]:
     """One sync at a time (daemon, hooks, admins): an flock on ``<file>.lock``."""
     path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
     lock_path = Path(f"{path}.lock")
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:  # read-only: flock needs no more, and a lock file root created still opens
+        fd = os.open(lock_path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        raise classfile.ClassFileError(f"{lock_path}: cannot open: {e.strerror or e}") from None
     try:
         try:
             lock(fd, lock_path, wait_s, "no sync", poll_s=0.05)
@@ -153,7 +166,10 @@ def sync(config: Config, slurm: Slurm, *, dry_run: bool = False, now: float | No
 
     ``inventory``: an open one to read (the CLI's), else the configured one.
     ``SlurmError`` from reading the nodes, ``ClassFileError`` or ``InventoryError``
-    propagate; a failed update is reported in ``errors`` and the file is not written.
+    propagate. While features move, the file names only classes Slurm has before and
+    after; a failed update is reported in ``errors``, and the file then names only what
+    Slurm reports it has. Then pending jobs whose group names a class gone (or too small
+    now) get the current group (:func:`regroup_pending`).
     """
     now = time.time() if now is None else now
     path = Path(config.features.classes_file)
@@ -165,6 +181,14 @@ def sync(config: Config, slurm: Slurm, *, dry_run: bool = False, now: float | No
         result = SyncResult(p, dry_run=dry_run)
         if dry_run:
             return result
+        default = slurm.default_partition()
+        before = in_slurm(nodes)
+        if any(before.get(h) != c for h, c in p.classes.items()):
+            # while features move, the lua may only name classes Slurm has before and after
+            kept = {f for f in before.values() if f} & {f for f in p.classes.values() if f}
+            classfile.write(path, class_table(config, nodes, {h: (c if c in kept else None)
+                                                     for h, c in p.classes.items()}, now,
+                                     default))
         for u in p.updates:
             try:
                 slurm.set_features(u.hosts, u.available, u.active)
@@ -172,10 +196,55 @@ def sync(config: Config, slurm: Slurm, *, dry_run: bool = False, now: float | No
             except SlurmError as e:
                 result.errors.append(f"{compress(u.hosts)}: {e}")
         if result.errors:
-            return result  # Slurm may lack some features: the lua must not name them
-        classfile.write(path, class_table(config, nodes, p.classes, now))
+            # some updates failed: the file names what Slurm reports it has, nothing else
+            try:
+                nodes = slurm.nodes()
+            except SlurmError as e:
+                result.errors.append(f"reading the nodes again: {e}")
+                path.unlink(missing_ok=True)  # no file: the lua adds nothing, the gate checks
+                return result
+            classfile.write(path, class_table(config, nodes, in_slurm(nodes), now, default))
+            return result
+        cf = class_table(config, nodes, p.classes, now, default)
+        classfile.write(path, cf)
         result.written = path
+        result.regrouped = regroup_pending(slurm, cf, result.errors)
         return result
+
+
+_GROUP = re.compile(r"(?:\((?P<user>[^()\[\]*]*)\)&)?\[(?P<group>[^\[\]]*)\]")
+
+
+def regroup_pending(slurm: Slurm, cf: classfile.ClassFile, errors: list[str]
+                    ) -> list[tuple[str, str, str]]:
+    """Pending jobs whose class group (as job_submit.lua wrote it) names a class the file no
+    longer lists, or one now smaller than the job, get the group the lua would give them
+    now (``scontrol update jobid=J Features=...``): class names follow the NCCL stack, and
+    a job holding only vanished ones would wait for ever. ``(job, old, new)`` for each."""
+    sizes = {name: {k.feature: k.nodes for k in lst} for name, lst in cf.partitions.items()}
+    changed = []
+    for job, features, partition, need in slurm.pending_features():
+        m = _GROUP.fullmatch(features)
+        if not m:
+            continue
+        group = m["group"].split("|")
+        if not all(is_class_feature(g) for g in group):
+            continue  # a user's own bracket group
+        name = partition if partition in sizes else (cf.default if cf.default in sizes
+                                                     else classfile.ALL)
+        here = sizes.get(name, {})
+        if all(here.get(g, 0) >= need for g in group):
+            continue  # every class it names still exists and fits
+        fits = [f for f, n in here.items() if n >= need][: cf.max_alternatives]
+        if not fits:
+            continue  # nothing fits now: it waits, and the gate checks it when it starts
+        new = (f"({m['user']})&" if m["user"] else "") + "[" + "|".join(fits) + "]"
+        try:
+            slurm.update_job(job, Features=new)
+            changed.append((job, features, new))
+        except SlurmError as e:
+            errors.append(f"job {job}: {e}")
+    return changed
 
 
 def mark_verified(config: Config, now: float | None = None) -> bool:
@@ -187,8 +256,6 @@ def mark_verified(config: Config, now: float | None = None) -> bool:
             cf = classfile.read(path)
         except classfile.ClassFileError:
             return False
-        classfile.write(path, classfile.ClassFile(
-            verified=int(time.time() if now is None else now), min_nodes=cf.min_nodes,
-            max_alternatives=cf.max_alternatives, opt_out=cf.opt_out, guarded=cf.guarded,
-            partitions=cf.partitions))
+        classfile.write(path, dataclasses.replace(
+            cf, verified=int(time.time() if now is None else now)))
         return True

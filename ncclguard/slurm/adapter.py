@@ -198,6 +198,29 @@ class Slurm:
         """The names of the nodes in ``partition`` (any state)."""
         return [n.name for n in self.nodes() if partition in n.partitions]
 
+    def default_partition(self) -> str | None:
+        """The partition Slurm gives a job that names none (``sinfo %P`` marks it ``*``)."""
+        for line in self.run("sinfo", ["-h", "-o", "%P"]).split():
+            if line.endswith("*"):
+                return line[:-1]
+        return None
+
+    def pending_features(self) -> list[tuple[str, str, str, int]]:
+        """``(job id, constraint, partition, nodes)`` of every pending job: ``squeue -o``
+        (the same text on every release). An array's pending tasks come as one record,
+        its id before ``_``."""
+        out = self.run("squeue", ["-h", "-t", "PENDING", "-o", "%i %f %P %D"])
+        jobs = []
+        for line in out.splitlines():
+            words = line.split()
+            if len(words) != 4 or not words[3].isdigit():
+                continue
+            job = words[0].split("_", 1)[0]
+            if job.isdigit():
+                jobs.append((job, "" if words[1] == "(null)" else words[1], words[2],
+                             int(words[3])))
+        return jobs
+
     def job(self, job_id: int | str) -> JobInfo | None:
         """One job, or None when Slurm no longer knows it: ``squeue --json -j J -t all``
         on every release (22.05 ignores ``-j``: we pick the job out; from 24.05.1 finished
