@@ -82,6 +82,37 @@ def test_nodes_that_share_a_feature_are_never_refused_by_the_gate(
         assert not [f for f in v.findings if f.severity == "refuse"], (feature, members)
 
 
+# warn-level differences too (gpu-driver, nccl-conf's algo) and a refuse-level one
+# (nccl-version): a class must split on the second kind only
+_DRIVER = st.sampled_from(["550.54.15", "535.104.05", None])
+_NODE = st.one_of(st.none(), st.tuples(st.sampled_from(["2.21.5", "2.18.3"]), _DRIVER,
+                                       st.sampled_from([None, "Ring", "Tree"])))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.dictionaries(st.sampled_from([f"n{i}" for i in range(1, 9)]), _NODE, min_size=1,
+                       max_size=8),
+       st.sampled_from(sorted(CONFIGS)))
+def test_warn_level_differences_never_split_a_class(nodes: dict, config_name: str) -> None:
+    config = CONFIGS[config_name]
+    fps = {h: (fingerprint(h, nccl=k[0], driver=k[1], conf={"NCCL_ALGO": k[2]} if k[2] else {})
+               if k is not None else None) for h, k in nodes.items()}
+    values = _values(fps)
+    cls = scheduling_classes(values, config)
+
+    def refused(k: tuple) -> tuple:  # what refuse-level rules see ("strict": nccl-conf too)
+        return (k[0], k[2]) if config_name == "strict" else (k[0],)
+
+    known = {h: k for h, k in nodes.items() if k is not None}
+    for h, k in known.items():
+        for g, j in known.items():  # one class exactly when the refuse-level values agree
+            assert (cls[h] == cls[g]) == (refused(k) == refused(j)), (h, k, g, j)
+    for feature in {f for f in cls.values() if f}:
+        members = {h: values[h] for h, f in cls.items() if f == feature}
+        v = evaluate_values(members, config)
+        assert not [f for f in v.findings if f.severity == "refuse"]
+
+
 def test_short_names_grow_until_unique() -> None:
     a, b, c = "abcdef0123" + "0" * 54, "abcdef0124" + "0" * 54, "ffffffff" + "1" * 56
     names = _short_names([a, b, c])
