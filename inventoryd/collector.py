@@ -227,6 +227,7 @@ class Collector:
         self.logged: dict[str, str] = {}  # file -> the cause last logged for it
         self.shared_logged: dict[str, list[str]] = {}
         self._pruned_at = -PRUNE_EVERY_S
+        self._images_at = -float("inf")
         self._load_state()
 
     def _slurm_nodes(self) -> list[tuple[str, str, str]]:
@@ -368,8 +369,26 @@ class Collector:
                       "lists them all", logged - LOG_PER_SCAN)
         self._log_shared()
         self._prune(t0)
+        self._images(t0, should_stop)
         result.seconds = time.monotonic() - t0
         return result
+
+    def _images(self, now_mono: float, should_stop: Callable[[], bool]) -> None:
+        """The image index (``[images] roots``), every ``scan_interval_s``; each pass
+        spends at most ``scan_budget_s`` scanning, the rest waits for the next cycle."""
+        cfg = self.cfg.images
+        if not cfg.roots or should_stop():
+            return
+        if now_mono - self._images_at < cfg.scan_interval_s:
+            return
+        from inventoryd.images.index import update_index
+
+        res = update_index(self.inv, cfg)
+        # what is left is scanned at the next cycle, not after a whole interval
+        self._images_at = now_mono if not res.left else -float("inf")
+        if res.scanned or res.failed or res.gone:
+            log.info("images: %d scanned, %d unreadable, %d gone, %d left in %.2fs",
+                     len(res.scanned), len(res.failed), len(res.gone), res.left, res.seconds)
 
     def _prune(self, now_mono: float) -> None:
         """Bound the history (``inventory.history_days``), at most once an hour."""
