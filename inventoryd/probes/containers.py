@@ -13,7 +13,7 @@ enroot), ``--container-mounts``, or Apptainer's bind paths. Read here, never run
 - Apptainer/Singularity: ``bind path`` lines of ``apptainer.conf``/``singularity.conf``.
 
 Every NCCL plugin file such a mount, bind or hook brings in (a file, or a directory's
-``libnccl-*.so*`` files one level down and in its ``lib/``) is analysed like the node's own
+``libnccl-*.so*`` files up to three levels down) is analysed like the node's own
 (:func:`inventoryd.probes.plugins.describe`). ``net_plugin`` is the one a container loads:
 the file named by an injected ``NCCL_NET_PLUGIN``, else one whose target is
 ``libnccl-net.so``; None when the node injects none (the image's own is used then).
@@ -37,6 +37,8 @@ APPTAINER_CONFS = ("/etc/apptainer/apptainer.conf", "/etc/singularity/singularit
 MAX_FILES = 64  # per directory
 MAX_PLUGINS = 32
 MAX_READ = 64 * 1024
+MAX_WALK_DEPTH = 3  # a mounted directory is searched this deep (HPC-X: <dir>/<plugin>/lib)
+MAX_WALK = 4096  # entries looked at per mounted directory
 _PLUGIN_PATH = re.compile(r"(/[A-Za-z0-9_./+-]*/libnccl-[a-z]+[A-Za-z0-9_.+-]*\.so[0-9.]*)")
 
 
@@ -86,11 +88,21 @@ def _plugin_files(fs: NodeFS, source: str) -> list[tuple[str, str]]:
     if plugin_probe._kind_of(source) is not None:
         return [(source, name)]
     out: list[tuple[str, str]] = []
-    if fs.is_dir(source):
-        for d in (source, f"{source.rstrip('/')}/lib"):
-            for n in (fs.list_dir(d) or [])[:1024]:
-                if n.startswith("libnccl-") and ".so" in n:
-                    out.append((f"{d.rstrip('/')}/{n}", n))
+    if not fs.is_dir(source):
+        return out
+    todo = [(source.rstrip("/") or "/", 0)]
+    seen = 0
+    while todo:  # breadth first, MAX_WALK_DEPTH levels, MAX_WALK entries in all
+        d, depth = todo.pop(0)
+        for n in fs.list_dir(d) or []:
+            seen += 1
+            if seen > MAX_WALK:
+                return out
+            p = f"{d}/{n}"
+            if n.startswith("libnccl-") and ".so" in n:
+                out.append((p, n))
+            elif depth < MAX_WALK_DEPTH and fs.is_dir(p) and not fs.host(p).is_symlink():
+                todo.append((p, depth + 1))
     return out
 
 
