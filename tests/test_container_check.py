@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 from devtools import images
 from devtools.ncclwheels import PartUnavailable
-from devtools.nodetree import LIBDIR, build_node
+from devtools.nodetree import build_node
 from inventoryd.collect import collect
 from inventoryd.filecache import FileCache
 from inventoryd.images.index import update_index
@@ -124,7 +124,7 @@ def test_an_image_that_cannot_use_some_nodes_plugin_is_refused(cluster) -> None:
     assert not [f for f in doc["findings"] if f["rule"] == "nccl-version"]
     # without an image the host stacks differ: nccl-version refuses n5
     code, doc = _check(cluster, "n[4-5]")
-    assert [f["rule"] for f in doc["findings"]][0] == "nccl-version"
+    assert doc["findings"][0]["rule"] == "nccl-version"
 
 
 def test_an_image_whose_nccl_uses_every_plugin_runs_everywhere(cluster) -> None:
