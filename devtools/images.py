@@ -84,3 +84,46 @@ def nccl_image(out: Path, libnccl: Path, *, where: str = "/usr/lib/x86_64-linux-
     if nccl_conf is not None:
         files["/etc/nccl.conf"] = nccl_conf
     return build_image(out, files, links, comp)
+
+
+#: A SPANK plugin named ``pyxis`` that registers pyxis's job options and does nothing
+#: else: slurmctld then hands PrologSlurmctld the same ``SPANK__SLURM_SPANK_OPTION_pyxis_*``
+#: variables as the real pyxis (verified with Slurm 22.05.8; tests/test_container_gate.py).
+PYXIS_STUB_C = """\
+#include <stddef.h>
+#include <slurm/spank.h>
+SPANK_PLUGIN(pyxis, 1);
+static int noop(int val, const char *optarg, int remote) { return 0; }
+static struct spank_option options[] = {
+    {"container-image", "[USER@][REGISTRY#]IMAGE[:TAG]|PATH", "stub of pyxis", 1, 0, noop},
+    {"container-mounts", "SRC:DST[:FLAGS][,SRC:DST...]", "stub of pyxis", 1, 0, noop},
+    {"container-name", "NAME", "stub of pyxis", 1, 0, noop},
+    SPANK_OPTIONS_TABLE_END
+};
+int slurm_spank_init(spank_t sp, int ac, char **av) {
+    for (int i = 0; options[i].name != NULL; i++)
+        if (spank_option_register(sp, &options[i]) != ESPANK_SUCCESS)
+            return -1;
+    return 0;
+}
+"""
+
+
+def build_pyxis_stub(out_dir: Path) -> Path:
+    """Compile :data:`PYXIS_STUB_C` against the installed ``slurm/spank.h`` (libslurm-dev);
+    raises PartUnavailable without gcc or the header."""
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        raise PartUnavailable("gcc is not installed (apt-get install gcc)")
+    if not Path("/usr/include/slurm/spank.h").exists():
+        raise PartUnavailable("slurm/spank.h is missing (apt-get install libslurm-dev)")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    src = out_dir / "spank_pyxis_stub.c"
+    src.write_text(PYXIS_STUB_C)
+    out = out_dir / "spank_pyxis_stub.so"
+    r = subprocess.run([gcc, "-shared", "-fPIC", "-Wall", "-Werror", "-o", str(out), str(src)],
+                       capture_output=True, text=True, timeout=120)
+    if r.returncode != 0:
+        raise RuntimeError(f"gcc failed: {r.stderr.strip()}")
+    return out

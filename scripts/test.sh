@@ -13,6 +13,8 @@ for cmd in slurmctld:slurm-wlm slurmd:slurm-wlm munged:munge gcc:gcc systemd-ana
            mksquashfs:squashfs-tools unsquashfs:squashfs-tools; do
     command -v "${cmd%%:*}" >/dev/null 2>&1 || need_apt+=("${cmd##*:}")
 done
+# the stub SPANK plugin of the container tests is compiled against slurm/spank.h
+[[ -f /usr/include/slurm/spank.h ]] || need_apt+=(libslurm-dev)
 # Debian's python3 has no venv/ensurepip without python3-venv
 if ! python3 -c 'import venv, ensurepip' >/dev/null 2>&1; then
     need_apt+=(python3-venv)

@@ -110,13 +110,16 @@ def check_stack(ref: str, image: Mapping, records: Mapping[str, dict | None],
     differ = len({transports[lab] for lab in groups}) > 1
     if not fallback and not differ:
         return [], [], unknown
+    nccl = image.get("nccl_version") or "(unknown)"
+    parts = []
+    if fallback:
+        parts.append(f"its NCCL {nccl} cannot use the net plugin on some nodes and falls back "
+                     "to its own transport there")
     if differ:
-        msg = (f"image {ref}: its NCCL {image.get('nccl_version') or '(unknown)'} would use "
-               "different transports on these nodes (NCCL does not compare them: the job "
-               "hangs or fails with 'wrong type')")
-    else:
-        msg = (f"image {ref}: its NCCL {image.get('nccl_version') or '(unknown)'} cannot use "
-               "the net plugin on some nodes and falls back to its own transport there")
+        parts.append(("so " if fallback else f"its NCCL {nccl} ") + "the nodes would use "
+                     "different transports (NCCL does not compare them: the job hangs or "
+                     "fails with 'wrong type')")
+    msg = f"image {ref}: " + ", ".join(parts)
     ordered: list[tuple[str, list[str]]] = sorted(groups.items(),
                                                   key=lambda g: (len(g[1]), g[0]))
     finding = Finding.from_hosts(STACK, severity, msg, ordered)
