@@ -44,6 +44,10 @@ MAX_NAME = 255  # bytes of one name (squashfs's own limit is 256)
 MAX_PATH = 4096
 MAX_FILE_BYTES = 2 << 30  # a file streamed out: as the node probe's MAX_LIBRARY_BYTES
 CHILD_MEMORY_BYTES = 1 << 30  # address space of unsquashfs (RLIMIT_AS)
+#: unsquashfs's data and fragment queues, in MB (-da, -fr; 256 each by default): its peak
+#: RSS streaming a 290 MB libnccl out of a 0.9 GB zstd image went from 268 MB to 13 MB,
+#: and 0.49 s to 0.35 s (squashfs-tools 4.5.1)
+QUEUE_MB = 8
 TIMEOUT_S = 30.0  # one image, listing and every file together
 STDERR_KEEP = 4096
 
@@ -188,7 +192,7 @@ class SquashImage:
 
     def _list(self) -> None:
         token = "/ncg" + secrets.token_hex(12)
-        args = ["-no-progress", "-UTC", "-d", token, "-max-depth", str(self.max_depth + 1),
+        args = ["-no-progress", "-da", str(QUEUE_MB), "-fr", str(QUEUE_MB), "-UTC", "-d", token, "-max-depth", str(self.max_depth + 1),
                 "-lln", self.path]
         data = self._run(args, None, MAX_LISTING_BYTES, "listing")
         line = re.compile(
@@ -312,7 +316,8 @@ class SquashImage:
         if e.size > bound:
             raise ImagePathError(self.path, f"{path}: {e.size} bytes, more than {bound}; "
                                             "not read")
-        self._run(["-no-progress", "-no-wildcards", "-cat", self.path, real.lstrip("/")],
+        self._run(["-no-progress", "-no-wildcards", "-da", str(QUEUE_MB), "-fr", str(QUEUE_MB),
+                   "-cat", self.path, real.lstrip("/")],
                   out, e.size, f"reading {real}")
         if out.tell() != e.size:
             raise ImagePathError(self.path, f"{real}: {out.tell()} of {e.size} bytes read "
