@@ -38,7 +38,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import ipaddress
+import json
 import logging
+import os
 import pwd
 import re
 import socket
@@ -68,6 +70,7 @@ ADDRESS_RETRY_S = 30.0  # Slurm is asked again at most this often when it failed
 FUTURE_SKEW_S = configmod.HEARTBEAT_SKEW_S  # signed further ahead: rejected as rewound
 LOG_PER_SCAN = 50  # rejection lines logged per scan at most; the rest are counted
 KEEP_RESOLVED_S = 30 * 86400  # resolved rejections are kept this long
+CONTAINER_RECORDS_PER_SCAN = 4096  # enroot hook records judged per scan at most
 PRUNE_EVERY_S = 3600.0  # history older than inventory.history_days is deleted this often
 _PRINTABLE = re.compile(r"[A-Za-z0-9_.+@:=,-]{1,200}")
 
@@ -228,6 +231,7 @@ class Collector:
         self.shared_logged: dict[str, list[str]] = {}
         self._pruned_at = -PRUNE_EVERY_S
         self._images_at = -float("inf")
+        self._container_seen: dict[str, str] = {}  # container record file -> state judged
         self._load_state()
 
     def _slurm_nodes(self) -> list[tuple[str, str, str]]:
@@ -370,6 +374,7 @@ class Collector:
         self._log_shared()
         self._prune(t0)
         self._images(t0, should_stop)
+        self._containers(should_stop)
         result.seconds = time.monotonic() - t0
         return result
 
@@ -389,6 +394,76 @@ class Collector:
         if res.scanned or res.failed or res.gone:
             log.info("images: %d scanned, %d unreadable, %d gone, %d left in %.2fs",
                      len(res.scanned), len(res.failed), len(res.gone), res.left, res.seconds)
+
+    def _containers(self, should_stop: Callable[[], bool]) -> None:
+        """The enroot hook's records (``<spool>/containers``, docs/containers.md): kept
+        when authentic, not expired, signed from the named node's address, and naming the
+        node, job and step of their file name. Others are logged once per file state."""
+        from inventoryd import containerhook
+
+        d = self.spool / containerhook.SUBDIR
+        if not d.exists():  # users' hooks write here: sticky, and not listable by them
+            try:
+                d.mkdir(mode=0o1733)
+                os.chmod(d, 0o1733)  # noqa: S103 - as /tmp, without the listing
+            except OSError as e:
+                log.warning("cannot create %s for the enroot hook's records: %s", d, e)
+                return
+        try:
+            names = sorted(e.name for e in os.scandir(d) if e.is_file(follow_symlinks=False))
+        except OSError:
+            return
+        stored = self.inv.container_states()
+        runs = []
+        present = set()
+        for name in names[:CONTAINER_RECORDS_PER_SCAN]:
+            if should_stop():
+                break
+            parts = containerhook.parse_name(name)
+            if parts is None:
+                continue
+            present.add(name)
+            host, job, step = parts
+            try:
+                st = os.stat(d / name, follow_symlinks=False)
+            except OSError:
+                continue
+            state = f"{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
+            if stored.get((job, step, host)) == state or self._container_seen.get(name) == state:
+                continue
+            self._container_seen[name] = state
+            why = None
+            try:
+                data = spool.read(d / name, max_bytes=containerhook.MAX_RECORD_BYTES)
+                cred = munge.decode(data, socket_path=self.cfg.spool.munge_socket or None)
+            except (spool.RecordError, munge.MungeError) as e:
+                why = f"unreadable or not authentic: {e}"
+            else:
+                addrs = self.addresses.of(host)
+                if cred.status in (munge.EXPIRED, munge.REWOUND):
+                    why = f"credential status {cred.status} (expired or rewound)"
+                elif addrs is None or cred.origin not in addrs:
+                    why = f"signed from {cred.origin}, which is not {host}'s"
+                else:
+                    try:
+                        rec = json.loads(cred.payload)
+                    except (ValueError, RecursionError):
+                        rec = None
+                    if not (isinstance(rec, dict) and rec.get("ncclguard_container_record")
+                            == containerhook.RECORD_VERSION and (rec.get("host"),
+                            rec.get("job"), rec.get("step")) == (host, job, step)):
+                        why = "not a container record of this node, job and step"
+                    else:
+                        runs.append({"job": job, "step": step, "host": host,
+                                     "encoded_at": float(cred.encoded_at), "uid": cred.uid,
+                                     "origin": cred.origin, "file_state": state,
+                                     "record": rec})
+            if why:
+                log.warning("container record %s ignored: %s", printable(name), why)
+        for name in set(self._container_seen) - present:
+            del self._container_seen[name]
+        if runs:
+            self.inv.write_container_runs(runs)
 
     def _prune(self, now_mono: float) -> None:
         """Bound the history (``inventory.history_days``), at most once an hour."""

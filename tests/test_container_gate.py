@@ -12,6 +12,7 @@ asks for v6..v4: it cannot use n3's plugin.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -109,3 +110,58 @@ def test_a_registry_image_is_unknown_and_warned(pyxis_cluster: tuple[DevCluster,
     assert rec["decision"] == "warn"
     assert rec["findings"][0]["rule"] == "image-unknown"
     assert "image-unknown" in c.slurm().job(job).admin_comment  # type: ignore[union-attr]
+
+
+def test_the_enroot_hook_records_what_each_node_ran(
+        pyxis_cluster: tuple[DevCluster, Path], tmp_path: Path) -> None:
+    """The hook's command on each node of a finished job, in the container root enroot
+    would have made of the image (unsquashfs -d, as enroot create does), signed by that
+    node's munged; the collector keeps them and ``decisions --job`` shows them. On a
+    node whose munged signs another node's name it is ignored."""
+    import json
+    import subprocess
+
+    from click.testing import CliRunner
+
+    from ncclguard.cli.group import main as cli
+
+    c, image = pyxis_cluster
+    c.cancel_all()
+    _configure(c, image)
+    job = c.sbatch(["-N2", "-w", "n[1-2]", f"--container-image={image}", "--wrap", "true"])
+    assert c.wait_job(job, {"COMPLETED", "FAILED"}, 60) == "COMPLETED"
+    rootfs = tmp_path / "rootfs"
+    subprocess.run(["unsquashfs", "-no-progress", "-d", str(rootfs), str(image)], check=True,
+                   capture_output=True)
+    for host, name in (("n1", "n1"), ("n2", "n2"), ("n3", "n1")):  # n3 claims to be n1
+        env = {"PATH": "/usr/bin:/bin", "ENROOT_ROOTFS": str(rootfs), "SLURM_JOB_ID": str(job),
+               "SLURM_STEP_ID": "0" if host != "n3" else "1", "SLURMD_NODENAME": name,
+               "NCCLGUARD_CONFIG": str(c.node_config(host))}
+        r = subprocess.run([sys.executable, "-m", "inventoryd.main", "container-record"],
+                           env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and "not published" not in r.stderr, r.stderr
+        assert "containers/" in r.stderr, r.stderr
+    r = c.collect()
+    assert "container record n1+" in r.stderr and "which is not n1's" in r.stderr, r.stderr
+    base = ["--db", str(c.db), "--config", str(c.config_path)]
+    out = CliRunner().invoke(cli, [*base, "decisions", "--job", str(job)])
+    assert out.exit_code == 0, out.output
+    assert "what each node's container had" in out.output
+    rows = [ln for ln in out.output.splitlines() if "libnccl.so.2" in ln]
+    assert len(rows) == 2 and all("2.18.3" in ln for ln in rows), out.output
+    doc = json.loads(CliRunner().invoke(cli, [*base, "decisions", "--job", str(job),
+                                              "--json"]).output)
+    assert [(r["step"], r["host"], r["nccl_version"]) for r in doc["containers"]] == [
+        ("0", "n1", "2.18.3"), ("0", "n2", "2.18.3")]
+
+
+def test_the_hook_command_never_fails(tmp_path: Path) -> None:
+    import subprocess
+
+    for env in ({}, {"ENROOT_ROOTFS": str(tmp_path), "SLURM_JOB_ID": "1",
+                     "NCCLGUARD_CONFIG": str(tmp_path / "missing.toml")}):
+        r = subprocess.run([sys.executable, "-m", "inventoryd.main", "container-record"],
+                           env={"PATH": "/usr/bin:/bin", **env}, capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 0
+        assert "nothing done" in r.stderr or "not published" in r.stderr

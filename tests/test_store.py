@@ -405,6 +405,7 @@ def test_migration_to_v2_backfills_the_gate_values(tmp_path: Path) -> None:
     for col in PLUGIN_COLUMNS:  # v4's
         conn.execute(f"ALTER TABLE nodes DROP COLUMN {col}")
     conn.execute("DROP TABLE images")  # v5's
+    conn.execute("DROP TABLE container_runs")
     conn.execute("PRAGMA user_version = 1")
     conn.close()
     with Inventory(p, values=GATE_VALUES) as inv:

@@ -192,7 +192,8 @@ class SquashImage:
 
     def _list(self) -> None:
         token = "/ncg" + secrets.token_hex(12)
-        args = ["-no-progress", "-da", str(QUEUE_MB), "-fr", str(QUEUE_MB), "-UTC", "-d", token, "-max-depth", str(self.max_depth + 1),
+        args = ["-no-progress", "-da", str(QUEUE_MB), "-fr", str(QUEUE_MB), "-UTC", "-d", token,
+                "-max-depth", str(self.max_depth + 1),
                 "-lln", self.path]
         data = self._run(args, None, MAX_LISTING_BYTES, "listing")
         line = re.compile(

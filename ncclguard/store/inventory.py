@@ -448,6 +448,50 @@ class Inventory(Database):
         return (values, None) if valid_image_values(values) else (
             None, "the stored record cannot be read")
 
+    def write_container_runs(self, runs: Sequence[dict[str, Any]]) -> None:
+        """Store verified container records: each ``{"job", "step", "host", "encoded_at",
+        "uid", "origin", "file_state", "record"}``; a newer one replaces an older one."""
+        from ncclguard.fingerprint.canonical import canonical_json
+
+        self._require_rw()
+        rows = []
+        for r in runs:
+            lib = next((x for x in r["record"].get("libnccl") or []
+                        if isinstance(x, dict) and x.get("default")), None)
+            version = lib.get("version") if lib else None
+            rows.append((r["job"], r["step"], r["host"], r["encoded_at"], r["uid"],
+                         r["origin"], r["file_state"],
+                         version if isinstance(version, str) else None,
+                         canonical_json(r["record"])))
+
+        def body(conn: sqlite3.Connection) -> None:
+            conn.executemany(
+                "INSERT INTO container_runs VALUES (?,?,?,?,?,?,?,?,?) "
+                "ON CONFLICT (job, step, host) DO UPDATE SET encoded_at = excluded.encoded_at, "
+                "uid = excluded.uid, origin = excluded.origin, file_state = excluded.file_state, "
+                "nccl_version = excluded.nccl_version, record = excluded.record "
+                "WHERE excluded.encoded_at >= container_runs.encoded_at", rows)
+
+        self._retrying(self._conn, body, f"write {len(rows)} container records")
+
+    def container_states(self) -> dict[tuple[str, str, str], str]:
+        """(job, step, host) -> the file state last stored (the collector's cache)."""
+        rows = self._reading("read container runs", lambda c: c.execute(
+            "SELECT job, step, host, file_state FROM container_runs").fetchall())
+        return {(r[0], r[1], r[2]): r[3] for r in rows}
+
+    def container_runs(self, job: str) -> list[dict[str, Any]]:
+        """What each node's container had for ``job``: step, host, encoded_at, uid,
+        origin, nccl_version, record; by step and host."""
+        rows = self._reading("read container runs", lambda c: c.execute(
+            "SELECT step, host, encoded_at, uid, origin, nccl_version, record "
+            "FROM container_runs WHERE job = ? ORDER BY step, host", (str(job),)).fetchall())
+        keys = ("step", "host", "encoded_at", "uid", "origin", "nccl_version", "record")
+        out = [dict(zip(keys, r, strict=True)) for r in rows]
+        for r in out:
+            r["record"] = json.loads(r["record"])
+        return out
+
     def _heartbeat_due(self, last: float | None, now: float) -> bool:
         if last is None:
             return True
