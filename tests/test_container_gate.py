@@ -153,6 +153,11 @@ def test_the_enroot_hook_records_what_each_node_ran(
                                               "--json"]).output)
     assert [(r["step"], r["host"], r["nccl_version"]) for r in doc["containers"]] == [
         ("0", "n1", "2.18.3"), ("0", "n2", "2.18.3")]
+    log = tmp_path / "job.out"
+    log.write_text("n1:1:1 [0] NCCL INFO NCCL version 2.18.3+cuda12.1\n")
+    out = CliRunner().invoke(cli, [*base, "diagnose", "--job", str(job), str(log)])
+    assert out.exit_code == 0, out.output
+    assert "what each node's container had" in out.output and "2.18.3" in out.output
 
 
 def test_the_hook_command_never_fails(tmp_path: Path) -> None:

@@ -54,7 +54,7 @@ CONTAINER_COLUMNS: list[out.Column] = [
 ]
 
 
-def _containers(c: Any, job: str) -> list[dict[str, Any]]:
+def container_rows(c: Any, job: str) -> list[dict[str, Any]]:
     """The container records of ``job`` (docs/containers.md); [] without an inventory."""
     from ncclguard.store import InventoryError
 
@@ -102,7 +102,7 @@ def decisions(job: str | None, since: float | None, refused: bool, audit_log: st
         fail(f"{path}: cannot read the audit trail: {e}")
     rows = [_decision_row(r) for r in records]
     doc: dict[str, Any] = {"audit_log": path, "count": len(records), "decisions": records}
-    ran = _containers(c, job) if job is not None else []
+    ran = container_rows(c, job) if job is not None else []
     if job is not None:
         doc["containers"] = ran
     text = None
