@@ -232,6 +232,7 @@ class Collector:
         self._pruned_at = -PRUNE_EVERY_S
         self._images_at = -float("inf")
         self._container_seen: dict[str, str] = {}  # container record file -> state judged
+        self._container_dir_error: str | None = None
         self._load_state()
 
     def _slurm_nodes(self) -> list[tuple[str, str, str]]:
@@ -407,7 +408,10 @@ class Collector:
                 d.mkdir(mode=0o1733)
                 os.chmod(d, 0o1733)  # noqa: S103 - as /tmp, without the listing
             except OSError as e:
-                log.warning("cannot create %s for the enroot hook's records: %s", d, e)
+                if self._container_dir_error != str(e):  # once, not every scan
+                    log.warning("cannot create %s for the enroot hook's records (create it "
+                                "mode 1733, docs/containers.md): %s", d, e)
+                    self._container_dir_error = str(e)
                 return
         try:
             names = sorted(e.name for e in os.scandir(d) if e.is_file(follow_symlinks=False))

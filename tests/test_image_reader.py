@@ -163,3 +163,18 @@ def test_environment_parsing() -> None:
     assert parse_environment(b'# c\nNCCL_A=1\nNCCL_A=2\nexport NCCL_B="x y"\nFOO=1\n'
                              b"LD_LIBRARY_PATH='/a:/b'\nbroken\n") == {
         "NCCL_A": "1", "NCCL_B": "x y", "LD_LIBRARY_PATH": "/a:/b"}
+
+
+def test_reads_where_setrlimit_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The collector's unit filters @resources (setrlimit fails with EPERM there): the
+    reader still works, bounded by its deadline and output limits."""
+    import errno
+    import resource
+
+    def refuse(*_: object) -> None:
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    img = _image(tmp_path / "r.sqsh", {"/etc/rc": "x\n"})
+    monkeypatch.setattr(resource, "setrlimit", refuse)  # preexec_fn runs it in the child
+    im = SquashImage(str(img))
+    assert im.read_small("/etc/rc") == b"x\n"

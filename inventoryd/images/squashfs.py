@@ -23,6 +23,7 @@ names :func:`wanted` accepts), so a 1 GB image with 100,000 files costs a few MB
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import resource
@@ -90,8 +91,11 @@ def unsquashfs_path(configured: str = "") -> str:
 
 def _limit_child(memory: int) -> Callable[[], None]:
     def apply() -> None:  # runs in the child, between fork and exec
-        resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        # the collector's unit filters @resources (setrlimit: EPERM): then systemd's own
+        # limits apply, and the deadline and output bounds still hold
+        for limit, value in ((resource.RLIMIT_AS, memory), (resource.RLIMIT_CORE, 0)):
+            with contextlib.suppress(OSError, ValueError):
+                resource.setrlimit(limit, (value, value))
     return apply
 
 
