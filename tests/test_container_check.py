@@ -110,9 +110,9 @@ def test_an_image_that_cannot_use_some_nodes_plugin_is_refused(cluster) -> None:
     (f,) = [f for f in doc["findings"] if f["rule"] == "image-stack"]
     assert img in f["message"]
     groups = {g["nodes"]: g["value"] for g in f["groups"]}
-    assert groups["n[1-2]"] == "NCCL 2.18.3 with the node's IBext_v6 v6"
-    assert groups["n[3-4]"].startswith("NCCL 2.18.3 cannot use the node's IBext_v10 (v10..v9; "
-                                       "it wants v6..v4): falls back to IB")
+    assert groups["n[1-2]"] == "NCCL 2.18.3 (pt-2.18.sqsh) with the node's IBext_v6 v6"
+    assert groups["n[3-4]"].startswith("NCCL 2.18.3 (pt-2.18.sqsh) cannot use the node's "
+                                       "IBext_v10 (v10..v9; it wants v6..v4): falls back to IB")
     assert doc["odd_nodes"] == "n[3-4]"
     # the same image on the nodes it can use: accepted, whatever the host's libnccl
     code, doc = _check(cluster, "n[1-2]", "--image", img)

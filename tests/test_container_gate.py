@@ -84,7 +84,13 @@ def test_image_job_is_refused_on_a_node_whose_plugin_it_cannot_use_and_steered(
     (f,) = [f for f in refusal["findings"] if f["rule"] == "image-stack"]
     assert str(image) in f["message"] and "cannot use the net plugin" in f["message"]
     assert {g["nodes"]: g["value"] for g in f["groups"]}["n3"].startswith(
-        "NCCL 2.18.3 cannot use the node's IBext_v10 (v10..v9; it wants v6..v4)")
+        "NCCL 2.18.3 (pytorch-nccl2.18.sqsh) cannot use the node's IBext_v10 (v10..v9; "
+        "it wants v6..v4)")
+    # what the user sees: the AdminComment names the image and the node
+    comment = c.slurm().job(job).admin_comment  # type: ignore[union-attr]
+    assert comment.startswith("ncclguard: refuse, odd n3: image-stack [NCCL 2.18.3 "
+                              "(pytorch-nccl2.18.sqsh) cannot use"), comment
+    assert "requeued without n3" in comment
     assert recs[-1]["decision"] == "accept" and recs[-1]["nodes"] == "n[1-2,4]"
     assert c.job_field(job, "ExcNodeList") == "n3"
 

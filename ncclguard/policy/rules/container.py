@@ -73,8 +73,11 @@ def stacks(image: Mapping, records: Mapping[str, dict | None]) -> dict[str, dict
     return out
 
 
-def label(image: Mapping, st: dict) -> str:
-    nccl = f"NCCL {image.get('nccl_version') or 'unknown'}"
+def label(image: Mapping, st: dict, ref: str = "") -> str:
+    """One node group in the user's terms: the image's NCCL (and the image's file name,
+    so that the one-line AdminComment names it) with the plugin it uses there."""
+    name = ref.rstrip("/").rsplit("/", 1)[-1]
+    nccl = f"NCCL {image.get('nccl_version') or 'unknown'}" + (f" ({name})" if name else "")
     plugin = st.get("plugin")
     if plugin is None:
         return f"{nccl}, no net plugin: {st.get('transport') or 'transport unknown'}"
@@ -100,7 +103,7 @@ def check_stack(ref: str, image: Mapping, records: Mapping[str, dict | None],
     for host, st in per_host.items():
         if st is None:
             continue
-        lab = label(image, st)
+        lab = label(image, st, ref)
         groups.setdefault(lab, []).append(host)
         transports[lab] = st.get("transport")
         if st.get("fallback"):
