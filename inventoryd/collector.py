@@ -374,8 +374,13 @@ class Collector:
                       "lists them all", logged - LOG_PER_SCAN)
         self._log_shared()
         self._prune(t0)
-        self._images(t0, should_stop)
-        self._containers(should_stop)
+        for extra in (lambda: self._images(t0, should_stop), lambda: self._containers(should_stop)):
+            try:  # the image index and the container records never cost the node records
+                extra()
+            except InventoryError:
+                raise
+            except Exception:
+                log.exception("images or container records: failed, retried at the next scan")
         result.seconds = time.monotonic() - t0
         return result
 

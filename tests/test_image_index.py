@@ -118,3 +118,21 @@ def test_the_scan_budget_leaves_the_rest_for_the_next_pass(tmp_path: Path) -> No
         assert len(res.scanned) == 1 and res.left == 2
         res = update_index(inv, ImagesConfig(roots=(str(root),)))
         assert len(res.scanned) == 2 and res.left == 0
+
+
+def test_a_bug_on_one_image_is_stored_as_its_error(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from inventoryd.images import index
+
+    root = tmp_path / "r"
+    root.mkdir()
+    (root / "a.sqsh").write_bytes(b"x")
+
+    def boom(*_: object, **__: object) -> dict:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(index, "scan_image", boom)
+    with Inventory(tmp_path / "inv.db", values=GATE_VALUES) as inv:
+        res = update_index(inv, ImagesConfig(roots=(str(root),)))
+        assert "RuntimeError: a bug" in res.failed[str(root / "a.sqsh")]
+        assert "internal error" in inv.images()[0]["error"]

@@ -98,6 +98,10 @@ def update_index(inv: Inventory, cfg: ImagesConfig, budget_s: float | None = Non
         except OSError as e:
             row["error"] = f"cannot read: {e.strerror or e}"
             res.failed[path] = row["error"]
+        except Exception as e:  # a bug on one image must not stop the index (nor the collector)
+            row["error"] = f"internal error reading the image: {type(e).__name__}: {e}"
+            res.failed[path] = row["error"]
+            log.exception("image %s: internal error", path)
         rows.append(row)
     res.gone = sorted(set(known) - present)
     if rows or res.gone:
