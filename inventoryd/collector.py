@@ -232,7 +232,6 @@ class Collector:
         self._pruned_at = -PRUNE_EVERY_S
         self._images_at = -float("inf")
         self._container_seen: dict[str, str] = {}  # container record file -> state judged
-        self._container_dir_error: str | None = None
         self._load_state()
 
     def _slurm_nodes(self) -> list[tuple[str, str, str]]:
@@ -408,20 +407,10 @@ class Collector:
         from inventoryd import containerhook
 
         d = self.spool / containerhook.SUBDIR
-        if not d.exists():  # users' hooks write here: sticky, and not listable by them
-            try:
-                d.mkdir(mode=0o1733)
-                os.chmod(d, 0o1733)  # noqa: S103 - as /tmp, without the listing
-            except OSError as e:
-                if self._container_dir_error != str(e):  # once, not every scan
-                    log.warning("cannot create %s for the enroot hook's records (create it "
-                                "mode 1733, docs/containers.md): %s", d, e)
-                    self._container_dir_error = str(e)
-                return
         try:
             names = sorted(e.name for e in os.scandir(d) if e.is_file(follow_symlinks=False))
         except OSError:
-            return
+            return  # no such directory: the site does not record containers
         stored = self.inv.container_states()
         runs = []
         present = set()

@@ -134,6 +134,7 @@ def test_the_enroot_hook_records_what_each_node_ran(
     c, image = pyxis_cluster
     c.cancel_all()
     _configure(c, image)
+    (c.records / "containers").mkdir(mode=0o1733, exist_ok=True)  # the admin's install step
     job = c.sbatch(["-N2", "-w", "n[1-2]", f"--container-image={image}", "--wrap", "true"])
     assert c.wait_job(job, {"COMPLETED", "FAILED"}, 60) == "COMPLETED"
     rootfs = tmp_path / "rootfs"
