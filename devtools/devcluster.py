@@ -662,9 +662,13 @@ class DevCluster:
         return out
 
     def remove_records(self) -> None:
-        """Empty the spool (the records of every node)."""
+        """Empty the spool (the records of every node, and the collector's directory of
+        container records)."""
         for f in self.records.iterdir():
-            f.unlink()
+            if f.is_dir() and not f.is_symlink():
+                shutil.rmtree(f)
+            else:
+                f.unlink()
 
     def remove_inventory(self) -> None:
         """Delete the inventory file and SQLite's own files beside it (-wal, -shm,

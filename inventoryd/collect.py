@@ -13,7 +13,7 @@ from typing import Any
 
 from inventoryd.filecache import FileCache
 from inventoryd.nodefs import ErrorLog, NodeFS
-from inventoryd.probes import gpu, host, nccl, ncclconf, netifs, plugins, rdma
+from inventoryd.probes import containers, gpu, host, nccl, ncclconf, netifs, plugins, rdma
 from ncclguard.config import InventorydConfig
 from ncclguard.fingerprint import model
 from ncclguard.fingerprint.shape import Fingerprint
@@ -67,6 +67,8 @@ def _collect(fs: NodeFS, errors: ErrorLog, hostname: str | None, config: Invento
     netifs_ = _run(errors, netifs.PROBE, lambda: netifs.probe(fs, errors), [])
     gpu_ = _run(errors, gpu.PROBE, lambda: gpu.probe(fs, errors),
                 model.empty_gpu())
+    containers_ = _run(errors, containers.PROBE, lambda: containers.probe(fs, errors, cache),
+                       containers.empty())
     cache.save()
     # the probes build plain dicts of the parts' shapes (ncclguard.fingerprint.model)
     return {
@@ -80,5 +82,6 @@ def _collect(fs: NodeFS, errors: ErrorLog, hostname: str | None, config: Invento
         "netifs": netifs_,
         "nccl_conf": conf,
         "gpu": gpu_,
+        "containers": containers_,
         "errors": errors.entries,
     }

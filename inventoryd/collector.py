@@ -38,7 +38,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import ipaddress
+import json
 import logging
+import os
 import pwd
 import re
 import socket
@@ -68,6 +70,7 @@ ADDRESS_RETRY_S = 30.0  # Slurm is asked again at most this often when it failed
 FUTURE_SKEW_S = configmod.HEARTBEAT_SKEW_S  # signed further ahead: rejected as rewound
 LOG_PER_SCAN = 50  # rejection lines logged per scan at most; the rest are counted
 KEEP_RESOLVED_S = 30 * 86400  # resolved rejections are kept this long
+CONTAINER_RECORDS_PER_SCAN = 4096  # enroot hook records judged per scan at most
 PRUNE_EVERY_S = 3600.0  # history older than inventory.history_days is deleted this often
 _PRINTABLE = re.compile(r"[A-Za-z0-9_.+@:=,-]{1,200}")
 
@@ -227,6 +230,8 @@ class Collector:
         self.logged: dict[str, str] = {}  # file -> the cause last logged for it
         self.shared_logged: dict[str, list[str]] = {}
         self._pruned_at = -PRUNE_EVERY_S
+        self._images_at = -float("inf")
+        self._container_seen: dict[str, str] = {}  # container record file -> state judged
         self._load_state()
 
     def _slurm_nodes(self) -> list[tuple[str, str, str]]:
@@ -368,8 +373,95 @@ class Collector:
                       "lists them all", logged - LOG_PER_SCAN)
         self._log_shared()
         self._prune(t0)
+        for extra in (lambda: self._images(t0, should_stop), lambda: self._containers(should_stop)):
+            try:  # the image index and the container records never cost the node records
+                extra()
+            except InventoryError:
+                raise
+            except Exception:
+                log.exception("images or container records: failed, retried at the next scan")
         result.seconds = time.monotonic() - t0
         return result
+
+    def _images(self, now_mono: float, should_stop: Callable[[], bool]) -> None:
+        """The image index (``[images] roots``), every ``scan_interval_s``; each pass
+        spends at most ``scan_budget_s`` scanning, the rest waits for the next cycle."""
+        cfg = self.cfg.images
+        if not cfg.roots or should_stop():
+            return
+        if now_mono - self._images_at < cfg.scan_interval_s:
+            return
+        from inventoryd.images.index import update_index
+
+        res = update_index(self.inv, cfg)
+        # what is left is scanned at the next cycle, not after a whole interval
+        self._images_at = now_mono if not res.left else -float("inf")
+        if res.scanned or res.failed or res.gone:
+            log.info("images: %d scanned, %d unreadable, %d gone, %d left in %.2fs",
+                     len(res.scanned), len(res.failed), len(res.gone), res.left, res.seconds)
+
+    def _containers(self, should_stop: Callable[[], bool]) -> None:
+        """The enroot hook's records (``<spool>/containers``, docs/containers.md): kept
+        when authentic, not expired, signed from the named node's address, and naming the
+        node, job and step of their file name. Others are logged once per file state."""
+        from inventoryd import containerhook
+
+        d = self.spool / containerhook.SUBDIR
+        try:
+            names = sorted(e.name for e in os.scandir(d) if e.is_file(follow_symlinks=False))
+        except OSError:
+            return  # no such directory: the site does not record containers
+        stored = self.inv.container_states()
+        runs = []
+        present = set()
+        for name in names[:CONTAINER_RECORDS_PER_SCAN]:
+            if should_stop():
+                break
+            parts = containerhook.parse_name(name)
+            if parts is None:
+                continue
+            present.add(name)
+            host, job, step = parts
+            try:
+                st = os.stat(d / name, follow_symlinks=False)
+            except OSError:
+                continue
+            state = f"{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
+            if stored.get((job, step, host)) == state or self._container_seen.get(name) == state:
+                continue
+            self._container_seen[name] = state
+            why = None
+            try:
+                data = spool.read(d / name, max_bytes=containerhook.MAX_RECORD_BYTES)
+                cred = munge.decode(data, socket_path=self.cfg.spool.munge_socket or None)
+            except (spool.RecordError, munge.MungeError) as e:
+                why = f"unreadable or not authentic: {e}"
+            else:
+                addrs = self.addresses.of(host)
+                if cred.status in (munge.EXPIRED, munge.REWOUND):
+                    why = f"credential status {cred.status} (expired or rewound)"
+                elif addrs is None or cred.origin not in addrs:
+                    why = f"signed from {cred.origin}, which is not {host}'s"
+                else:
+                    try:
+                        rec = json.loads(cred.payload)
+                    except (ValueError, RecursionError):
+                        rec = None
+                    if not (isinstance(rec, dict) and rec.get("ncclguard_container_record")
+                            == containerhook.RECORD_VERSION and (rec.get("host"),
+                            rec.get("job"), rec.get("step")) == (host, job, step)):
+                        why = "not a container record of this node, job and step"
+                    else:
+                        runs.append({"job": job, "step": step, "host": host,
+                                     "encoded_at": float(cred.encoded_at), "uid": cred.uid,
+                                     "origin": cred.origin, "file_state": state,
+                                     "record": rec})
+            if why:
+                log.warning("container record %s ignored: %s", printable(name), why)
+        for name in set(self._container_seen) - present:
+            del self._container_seen[name]
+        if runs:
+            self.inv.write_container_runs(runs)
 
     def _prune(self, now_mono: float) -> None:
         """Bound the history (``inventory.history_days``), at most once an hour."""

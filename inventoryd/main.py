@@ -61,6 +61,12 @@ def _parser() -> argparse.ArgumentParser:
                             "file current (the controller's service, as SlurmUser; "
                             "docs/scheduling.md)")
     f.add_argument("--once", action="store_true", help="one sync, then exit")
+    h = sub.add_parser("container-record", help="record the NCCL of a starting container "
+                       "(run by the enroot hook; never fails)",
+                       description="Fingerprint the container root ENROOT_ROOTFS of Slurm job "
+                       "SLURM_JOB_ID and publish it, signed, to <spool>/containers "
+                       "(docs/containers.md). Always exits 0.")
+    h.add_argument("--config", default=None)
     m = _controller_command(sub, "metrics", "print the cluster's metrics once, as the "
                             "collector serves them to Prometheus (docs/metrics.md)")
     m.add_argument("--no-slurm", action="store_true",
@@ -85,6 +91,10 @@ def _features_once(cfg: configmod.Config) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "container-record":  # before the config: it must never fail
+        from inventoryd import containerhook
+
+        return containerhook.main(config_path=args.config)
     try:
         cfg = load_config(args.config)
     except configmod.ConfigError as e:

@@ -206,6 +206,19 @@ class DiagnoseConfig(_Settings):
     signature_files: tuple[str, ...] = ()  # extra signature catalogs (TOML)
 
 
+class ImagesConfig(_Settings):
+    """The container image index on the controller (docs/containers.md)."""
+
+    roots: tuple[str, ...] = ()  # directories of shared .sqsh images; empty: no index
+    scan_interval_s: float = 300.0  # how often the collector looks for new or changed images
+    scan_budget_s: float = 20.0  # image scanning time per collector cycle (the rest: next one)
+    timeout_s: float = 30.0  # one image, listing and every file read
+    max_images: int = 10000  # images indexed at most (by path order)
+    max_depth: int = 8  # directory levels searched below each root
+    unsquashfs: str = ""  # the program; empty: PATH, then /usr/bin/unsquashfs
+    tmp_dir: str = ""  # where files are streamed out of an image; empty: the system's
+
+
 class Config(_Settings):
     inventory: InventoryConfig = InventoryConfig()
     inventoryd: InventorydConfig = InventorydConfig()
@@ -216,6 +229,7 @@ class Config(_Settings):
     gate: GateConfig = GateConfig()
     drain: DrainConfig = DrainConfig()
     diagnose: DiagnoseConfig = DiagnoseConfig()
+    images: ImagesConfig = ImagesConfig()
     baseline: dict[str, str] = {}  # noqa: RUF012 - copied per instance; pinned baseline, e.g. nccl
     source: str = "<defaults>"  # the file this came from
 
@@ -230,6 +244,7 @@ _SECTIONS: dict[str, type] = {
     "gate": GateConfig,
     "drain": DrainConfig,
     "diagnose": DiagnoseConfig,
+    "images": ImagesConfig,
 }
 
 _CHOICES: dict[tuple[str, str], tuple[str, ...]] = {

@@ -234,21 +234,31 @@ def _inventory(run: Run) -> Inventory:
 
 
 def decide(run: Run, job: Job) -> int:
-    from ncclguard.policy import evaluate_values, stale_hosts
+    from ncclguard.policy import evaluate_image, evaluate_values, stale_hosts
     from ncclguard.store import InventoryError
 
     cfg = run.config
     assert cfg is not None
+    image = job.image_path
+    image_values = None
     try:
         with _inventory(run) as inv:
             records = inv.load_values(job.nodes)
+            if image.startswith("/"):
+                image_values = inv.load_image_values(image)
     except InventoryError as e:
         return run.fail("inventory", e)
     stale = stale_hosts({h: r[1] for h, r in records.items() if r is not None},
                         time.time(), cfg.inventory.stale_after_s)
     values = {h: (r[0] if r is not None else None) for h, r in records.items()}
-    verdict = evaluate_values(values, cfg.policy, stale, job.partition or None)
-    if verdict.odd_tie:  # refuse path only: several minimum odd sets, ask which to keep
+    if image:
+        run.record["image"] = image
+        verdict = evaluate_image(values, cfg.policy, image, image_values, stale,
+                                 job.partition or None)
+    else:
+        verdict = evaluate_values(values, cfg.policy, stale, job.partition or None)
+    # refuse path only: several minimum odd sets, ask which to keep (host stacks only)
+    if verdict.odd_tie and not image:
         verdict, run.record["tie_break"] = _break_tie(run, job, verdict, values, stale)
     run.record.update(
         decision=verdict.decision,

@@ -35,6 +35,13 @@ def is_batch(env: Mapping[str, str]) -> bool:
     return any(k in env for k in BATCH_VARIABLES)
 
 
+#: How slurmctld names a SPANK plugin's option in PrologSlurmctld's environment:
+#: ``SPANK_`` + ``_SLURM_SPANK_OPTION_<plugin>_<option>`` (dashes as underscores), seen on
+#: Slurm 22.05.8 and 24.11 with a stub plugin registering pyxis's options
+#: (tests/test_container_gate.py).
+PYXIS_IMAGE_VAR = "SPANK__SLURM_SPANK_OPTION_pyxis_container_image"
+
+
 class JobError(ValueError):
     """The environment does not describe a job we can check (the message says why)."""
 
@@ -55,6 +62,19 @@ class Job(NamedTuple):
     extra: str = ""
     name: str = ""
     constraints: str = ""  # --constraint, with the class group job_submit.lua added
+    work_dir: str = ""
+    #: pyxis's job-level --container-image (sbatch/salloc/srun), as slurmctld hands the
+    #: SPANK option to PrologSlurmctld (docs/containers.md); "" when none
+    container_image: str = ""
+
+    @property
+    def image_path(self) -> str:
+        """The image as the gate looks it up: a ``./`` path made absolute against the
+        job's working directory (pyxis reads it so); anything else as given."""
+        img = self.container_image
+        if img.startswith("./") and self.work_dir.startswith("/"):
+            return self.work_dir.rstrip("/") + img[1:]
+        return img
 
     @property
     def class_group(self) -> bool:
@@ -111,4 +131,6 @@ class Job(NamedTuple):
             extra=e.get("SLURM_JOB_EXTRA", ""),
             name=e.get("SLURM_JOB_NAME", ""),
             constraints=e.get("SLURM_JOB_CONSTRAINTS", ""),
+            work_dir=e.get("SLURM_JOB_WORK_DIR", ""),
+            container_image=e.get(PYXIS_IMAGE_VAR, "").strip(),
         )

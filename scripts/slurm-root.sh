@@ -26,7 +26,7 @@ suite=trixie
 # everything scripts/test.sh and the tests need inside, so that the cached root is complete
 # (prometheus: promtool and the server for the alert-rule tests)
 packages=(slurm-wlm munge python3 python3-venv gcc libc6-dev systemd make git
-          ca-certificates procps iproute2 prometheus)
+          ca-certificates procps iproute2 prometheus squashfs-tools libslurm-dev)
 root_version=v1 # a new tag rebuilds the root; a new package is only installed into it
 stamp_want="$suite ${packages[*]} $root_version"
 

@@ -9,9 +9,12 @@ cd "$(dirname "$0")/.."
 need_apt=()
 # prometheus: promtool (the alert rules' unit tests) and the server (scraping the collector)
 for cmd in slurmctld:slurm-wlm slurmd:slurm-wlm munged:munge gcc:gcc systemd-analyze:systemd \
-           ldconfig:libc-bin python3:python3 promtool:prometheus prometheus:prometheus; do
+           ldconfig:libc-bin python3:python3 promtool:prometheus prometheus:prometheus \
+           mksquashfs:squashfs-tools unsquashfs:squashfs-tools; do
     command -v "${cmd%%:*}" >/dev/null 2>&1 || need_apt+=("${cmd##*:}")
 done
+# the stub SPANK plugin of the container tests is compiled against slurm/spank.h
+[[ -f /usr/include/slurm/spank.h ]] || need_apt+=(libslurm-dev)
 # Debian's python3 has no venv/ensurepip without python3-venv
 if ! python3 -c 'import venv, ensurepip' >/dev/null 2>&1; then
     need_apt+=(python3-venv)

@@ -404,6 +404,8 @@ def test_migration_to_v2_backfills_the_gate_values(tmp_path: Path) -> None:
     conn.execute("ALTER TABLE nodes DROP COLUMN errors_hash")
     for col in PLUGIN_COLUMNS:  # v4's
         conn.execute(f"ALTER TABLE nodes DROP COLUMN {col}")
+    conn.execute("DROP TABLE images")  # v5's
+    conn.execute("DROP TABLE container_runs")
     conn.execute("PRAGMA user_version = 1")
     conn.close()
     with Inventory(p, values=GATE_VALUES) as inv:
@@ -580,7 +582,7 @@ def test_migrates_a_real_v3_inventory(tmp_path: Path) -> None:
     with pytest.raises(InventoryCorrupt, match="older"):
         Inventory(p, readonly=True)  # a reader never migrates
     with Inventory(p, values=GATE_VALUES) as inv:
-        assert inv.schema_version() == SCHEMA_VERSION == 4
+        assert inv.schema_version() == SCHEMA_VERSION == 5
         rows = {r["host"]: r for r in inv.nodes({})}
     new, old = rows["new"], rows["old"]
     assert (new["tuner_plugin"], new["tuner_abi"]) == ("PackedTuner", 6)

@@ -40,10 +40,14 @@ def _members(c: Ctx, names: set[str]) -> list[str]:
 @click.argument("hostlist")
 @click.option("--partition", "-p", default=None,
               help="Judge as a job in this partition (the guarded-partition setting applies).")
+@click.option("--image", default=None, metavar="IMAGE",
+              help="Judge as a job with pyxis's --container-image=IMAGE: can this image "
+                   "run on these nodes (a squashfs path from the image index).")
 @format_options
-def check(hostlist: str, partition: str | None, as_json: bool, as_csv: bool) -> None:
+def check(hostlist: str, partition: str | None, image: str | None, as_json: bool,
+          as_csv: bool) -> None:
     """The gate's verdict for a hypothetical allocation (exit 0 accept, 1 warn, 2 refuse)."""
-    from ncclguard.policy import break_tie, evaluate_values, stale_hosts
+    from ncclguard.policy import break_tie, evaluate_image, evaluate_values, stale_hosts
 
     c = get_ctx(as_json, as_csv)
     if c.fmt == "csv":
@@ -56,13 +60,22 @@ def check(hostlist: str, partition: str | None, as_json: bool, as_csv: bool) -> 
     stale = stale_hosts({h: r[1] for h, r in recs.items() if r is not None}, c.now,
                         c.stale_after)
     policy = c.config.policy
-    verdict = evaluate_values(values, policy, stale, partition)
-    verdict, tie_break = break_tie(
-        verdict,
-        again=lambda prefer: evaluate_values(values, policy, stale, partition, prefer),
-        classes=lambda among: [k.hosts for k in c.inv("classes", among)],
-        members=lambda names: _members(c, names),
-    )
+    if image:
+        if image.startswith("./"):
+            import os
+
+            image = os.path.abspath(image)
+        found = c.inv("load_image_values", image) if image.startswith("/") else None
+        verdict = evaluate_image(values, policy, image, found, stale, partition)
+        tie_break = None
+    else:
+        verdict = evaluate_values(values, policy, stale, partition)
+        verdict, tie_break = break_tie(
+            verdict,
+            again=lambda prefer: evaluate_values(values, policy, stale, partition, prefer),
+            classes=lambda among: [k.hosts for k in c.inv("classes", among)],
+            members=lambda names: _members(c, names),
+        )
     decision = str(verdict.decision)
     doc = verdict.to_dict()
     if tie_break is not None:

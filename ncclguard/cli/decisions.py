@@ -48,6 +48,33 @@ def _decision_row(rec: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+CONTAINER_COLUMNS: list[out.Column] = [
+    ("step", "STEP"), ("host", "NODE"), ("nccl_version", "NCCL"), ("net_plugin", "NET PLUGIN"),
+    ("libnccl", "LIBNCCL"), ("at", "STARTED"), ("uid", "UID"),
+]
+
+
+def container_rows(c: Any, job: str) -> list[dict[str, Any]]:
+    """The container records of ``job`` (docs/containers.md); [] without an inventory."""
+    from ncclguard.store import InventoryError
+
+    try:
+        runs = c.inventory.container_runs(job)
+    except (InventoryError, SystemExit):
+        return []
+    out_rows = []
+    for r in runs:
+        rec = r["record"]
+        lib: dict[str, Any] = next((x for x in rec.get("libnccl") or [] if x.get("default")), {})
+        net = rec.get("net") or {}
+        out_rows.append({"step": r["step"], "host": r["host"],
+                         "nccl_version": r["nccl_version"] or "unknown",
+                         "net_plugin": f"{net.get('name') or 'none'} v{net.get('abi') or 0}",
+                         "libnccl": lib.get("path"), "at": out.iso(r["encoded_at"]),
+                         "uid": r["uid"]})
+    return out_rows
+
+
 @click.command()
 @click.option("--job", "job", default=None, metavar="ID", help="Only this job.")
 @click.option("--since", type=TIME, default=None, metavar="TIME",
@@ -74,9 +101,15 @@ def decisions(job: str | None, since: float | None, refused: bool, audit_log: st
     except (OSError, ValueError) as e:
         fail(f"{path}: cannot read the audit trail: {e}")
     rows = [_decision_row(r) for r in records]
-    doc = {"audit_log": path, "count": len(records), "decisions": records}
+    doc: dict[str, Any] = {"audit_log": path, "count": len(records), "decisions": records}
+    ran = container_rows(c, job) if job is not None else []
+    if job is not None:
+        doc["containers"] = ran
     text = None
     if c.fmt == "table":
         text = (out.table(rows, DECISION_COLUMNS) if rows else "no decisions\n")
+        if ran:
+            text += "\nwhat each node's container had (the enroot hook's signed records):\n"
+            text += out.table(ran, CONTAINER_COLUMNS)
     c.emit(doc, rows=rows, columns=DECISION_COLUMNS, text=text,
            csv_columns=[(k, k) for k, _ in DECISION_COLUMNS])

@@ -103,10 +103,25 @@ def diagnose(
         )
     except LogError as e:
         fail(str(e))
+    # what each node's container really had (the enroot hook's records, docs/containers.md)
+    ran: list[dict[str, Any]] = []
+    if job_id is not None and not no_inventory:
+        from ncclguard.cli.decisions import CONTAINER_COLUMNS, container_rows
+
+        ran = container_rows(c, job_id)
     if c.fmt == "json":
-        click.echo(json.dumps(report.to_dict(), indent=2, default=str))
+        doc = report.to_dict()
+        if job_id is not None:
+            doc["containers"] = ran
+        click.echo(json.dumps(doc, indent=2, default=str))
     else:
-        click.echo(report.text())
+        text = report.text()
+        if ran:
+            from ncclguard.cli import output as out
+
+            text = (text.rstrip("\n") + "\n\nwhat each node's container had (the enroot "
+                    "hook's signed records):\n" + out.table(ran, CONTAINER_COLUMNS).rstrip("\n"))
+        click.echo(text)
 
 
 def _lookup(job_id: str, cfg: cfgmod.Config, have_files: bool) -> JobLogs | None:

@@ -29,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "diagnose": ("ncclguard.cli.diagnose", "diagnose"),
     "rejections": ("ncclguard.cli.rejections", "rejections"),
     "features": ("ncclguard.cli.features", "features"),
+    "images": ("ncclguard.cli.images", "images"),
 }
 
 

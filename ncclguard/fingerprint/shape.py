@@ -7,7 +7,7 @@ which reads fingerprints but never builds one, does not pay for creating them.
 
 from __future__ import annotations
 
-from typing import Literal, TypedDict
+from typing import Any, Literal, NotRequired, TypedDict
 
 __all__ = [
     "Abis",
@@ -163,4 +163,5 @@ class Fingerprint(TypedDict):
     netifs: list[Netif]
     nccl_conf: NcclConfPart
     gpu: GpuPart
+    containers: NotRequired[dict[str, Any]]  # what the node injects into containers (issue 15)
     errors: list[ProbeError]

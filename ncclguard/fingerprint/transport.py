@@ -257,8 +257,11 @@ def _has_ip_interface(fp: dict, settings: dict[str, str]) -> bool | None:
     return False
 
 
-def effective_transport(fp: dict) -> str | None:
+def effective_transport(fp: dict, with_plugin: bool = True) -> str | None:
     """The network NCCL would use on this node; ``None`` when it cannot be known.
+
+    ``with_plugin=False``: the network NCCL's own transports give this node when no net
+    plugin is used (a container whose libnccl cannot use the node's plugin, issue 15).
 
     Returns the net plugin's name when NCCL would load one, else ``"IB"``, ``"RoCE"``,
     ``"IB+RoCE"`` (ACTIVE ports of both link layers) or ``"Socket"``. A ``NCCL_NET`` that
@@ -270,7 +273,7 @@ def effective_transport(fp: dict) -> str | None:
         return None
     forced = settings.get("NCCL_NET")
     wanted = forced.lower() if forced is not None else None
-    if wanted not in ("ib", "socket"):
+    if with_plugin and wanted not in ("ib", "socket"):
         plugin = net_plugin_state(fp)
         if plugin is None:
             return None

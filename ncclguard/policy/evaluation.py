@@ -33,6 +33,7 @@ __all__ = [
     "NODE_VALUES",
     "StoredValues",
     "evaluate",
+    "evaluate_image",
     "evaluate_values",
     "in_scope",
     "node_values",
@@ -56,7 +57,32 @@ def node_values(fp: dict) -> dict:
     comparison together.
     """
     values = _rule_values(fp, COMPARISONS)
-    return {NODE_VALUES: 1, "rules": {r.name: v for r, v in zip(COMPARISONS, values, strict=True)}}
+    return {NODE_VALUES: 1, "rules": {r.name: v for r, v in zip(COMPARISONS, values, strict=True)},
+            "container": container_values(fp)}
+
+
+def container_values(fp: dict) -> dict[str, str | None]:
+    """What a job in a container meets on this node (issue 15, docs/containers.md): the
+    net plugin the node injects (``injected``: ``"name|v8,v7"``; ``""``: none; None: not
+    known, a daemon before issue 15) and the transport NCCL's own code gives this node
+    (``internal``; None: unknown)."""
+    from ncclguard.fingerprint.transport import effective_transport
+
+    part = fp.get("containers")
+    injected: str | None = None
+    if isinstance(part, dict):
+        net = part.get("net_plugin")
+        if isinstance(net, dict):
+            abis = [a for a in net.get("abis") or [] if type(a) is int]
+            injected = f"{net.get('name') or net.get('target') or 'plugin'}|" + ",".join(
+                str(a) for a in sorted(abis, reverse=True))
+        else:
+            injected = ""
+    try:
+        internal = effective_transport(fp, with_plugin=False)
+    except (TypeError, ValueError, AttributeError, KeyError):
+        internal = None
+    return {"injected": injected, "internal": internal}
 
 
 def valid_values(record: Any) -> bool:
@@ -73,6 +99,11 @@ def valid_values(record: Any) -> bool:
     if type(marker) is not int or marker != 1 or not isinstance(rules, dict):
         return False
     if not rules.keys() >= _RULE_NAMES:
+        return False
+    container = record.get("container")
+    if container is not None and (not isinstance(container, dict) or not all(
+            isinstance(k, str) and (v is None or isinstance(v, str))
+            for k, v in container.items())):
         return False
     for name, values in rules.items():
         if not isinstance(name, str) or not isinstance(values, dict) or not values:
@@ -297,6 +328,66 @@ def evaluate_values(
     """:func:`evaluate` over :func:`node_values` records instead of fingerprints (what the
     store keeps for the gate): the same verdict, without reading a fingerprint."""
     return _evaluate(records, _record_values, config, stale, partition, prefer)
+
+
+def evaluate_image(
+    records: Mapping[str, dict | None],
+    config: PolicyConfig,
+    ref: str,
+    image: tuple[dict | None, str | None] | None,
+    stale: Collection[str] = (),
+    partition: str | None = None,
+    prefer: Collection[str] = (),
+) -> Verdict:
+    """The verdict for a job that runs in the container image ``ref`` (docs/containers.md).
+
+    ``image``: the inventory's read of the image (``Inventory.load_image_values``): None
+    when it is not indexed, else ``(values, error)``. The host-stack rules
+    (``container.HOST_RULES``) are not applied: the job loads the image's libnccl. The
+    others (RDMA, GPU, unknown-node) are, and ``image-stack`` compares each node's
+    effective stack; an image that cannot be checked is ``image-unknown``.
+    """
+    from ncclguard.policy.rules import container
+
+    note = in_scope(config, partition, len(records))
+    if note is not None:
+        return Verdict("accept", nodes=list(records), notes=[note], partition=partition)
+    sev = {r.name: severity_of(config, r.name) for r in COMPARISONS}
+    host_free = config.replace(severity={**sev, **dict.fromkeys(container.HOST_RULES, "ignore")})
+    base = evaluate_values(records, host_free, stale, partition, prefer)
+    findings = list(base.findings)
+    odd = set(base.odd_nodes)
+    hosts = sorted(records)
+    unknown_sev = severity_of(config, container.UNKNOWN)
+    stack_sev = severity_of(config, container.STACK)
+    why = None
+    if not container.is_path_image(ref):
+        why = ("a registry reference, imported on each node for each step (its content is "
+               "not known before the job runs, and a tag can move): use a squashfs file")
+    elif image is None:
+        why = "not in the image index (not under [images] roots, or not scanned yet)"
+    elif image[0] is None:
+        why = f"unreadable: {image[1]}"
+    if why is not None:
+        if unknown_sev != "ignore":
+            findings.append(container.unknown_finding(ref, why, hosts, unknown_sev))
+    elif image is not None and image[0] is not None and stack_sev != "ignore":
+        known = {h: r for h, r in records.items() if r is not None}
+        found, stack_odd, unsaid = container.check_stack(ref, image[0], known, stack_sev)
+        findings.extend(found)
+        if stack_sev == "refuse":
+            odd.update(stack_odd)
+        if unsaid and unknown_sev != "ignore":
+            findings.append(container.unknown_finding(
+                ref, "these nodes' records do not say what they inject into containers "
+                "(a node daemon before issue 15)", unsaid, unknown_sev))
+    findings.sort(key=lambda f: -SEVERITY_RANK[f.severity])
+    worst = max((SEVERITY_RANK[f.severity] for f in findings), default=0)
+    decision = ("accept", "warn", "refuse")[worst]
+    notes = [*base.notes, f"container image {ref}: the job loads the image's libnccl, so the "
+             "host's NCCL stack is not compared"]
+    return Verdict(decision, findings, sorted(odd) if decision == "refuse" else [], hosts,
+                   notes, partition=partition, odd_tie=base.odd_tie)
 
 
 def _evaluate(

@@ -361,6 +361,137 @@ class Inventory(Database):
                 "last_at", "resolved_at")
         return [dict(zip(keys, r, strict=True)) for r in rows]
 
+    # ---- the image index (v5, docs/containers.md)
+
+    def write_images(self, scanned: Sequence[dict[str, Any]], gone: Sequence[str] = (),
+                     now: float | None = None) -> None:
+        """Write image rows in one transaction: each item is ``{"path", "inode", "size",
+        "mtime_ns", "record"}`` (a record of ``scan_image``) or the same with ``"error"``
+        instead of a record; ``gone``: paths no longer under the roots."""
+        import hashlib  # not on the gate's path (3 ms)
+
+        from ncclguard.fingerprint.canonical import canonical_json
+        from ncclguard.fingerprint.image import image_values
+
+        self._require_rw()
+        now = time.time() if now is None else float(now)
+        rows: list[tuple[Any, ...]] = []
+        for item in scanned:
+            record = item.get("record")
+            if record is not None:
+                text = canonical_json(record)
+                values = image_values(record)
+                rows.append((item["path"], item["inode"], item["size"], item["mtime_ns"], now,
+                             text, hashlib.sha256(text.encode()).hexdigest(),
+                             canonical_json(values), values["nccl_version"], None))
+            else:
+                rows.append((item["path"], item["inode"], item["size"], item["mtime_ns"], now,
+                             None, None, None, None, str(item.get("error") or "unreadable")))
+
+        def body(conn: sqlite3.Connection) -> None:
+            conn.executemany("INSERT OR REPLACE INTO images VALUES (?,?,?,?,?,?,?,?,?,?)", rows)
+            for chunk in chunks(list(gone)):
+                conn.execute("DELETE FROM images WHERE path IN (SELECT value FROM json_each(?))",
+                             (json.dumps(chunk),))
+
+        self._retrying(self._conn, body, f"write {len(rows)} images")
+
+    def image_states(self) -> dict[str, tuple[int, int, int]]:
+        """path -> (inode, size, mtime_ns) of every indexed image (the scanner's cache)."""
+        rows = self._reading("read images", lambda c: c.execute(
+            "SELECT path, inode, size, mtime_ns FROM images").fetchall())
+        return {r[0]: (r[1], r[2], r[3]) for r in rows}
+
+    def images(self) -> list[dict[str, Any]]:
+        """Every indexed image: path, size, mtime_ns, scanned_at, nccl_version, error."""
+        rows = self._reading("read images", lambda c: c.execute(
+            "SELECT path, inode, size, mtime_ns, scanned_at, nccl_version, error, record_hash "
+            "FROM images ORDER BY path").fetchall())
+        keys = ("path", "inode", "size", "mtime_ns", "scanned_at", "nccl_version", "error",
+                "record_hash")
+        return [dict(zip(keys, r, strict=True)) for r in rows]
+
+    def image(self, path: str) -> dict[str, Any] | None:
+        """One image's row with its full ``record`` (None if the image is not indexed)."""
+        row = self._reading("read image", lambda c: c.execute(
+            "SELECT path, inode, size, mtime_ns, scanned_at, nccl_version, error, record "
+            "FROM images WHERE path = ?", (path,)).fetchone())
+        if row is None:
+            return None
+        keys = ("path", "inode", "size", "mtime_ns", "scanned_at", "nccl_version", "error",
+                "record")
+        out = dict(zip(keys, row, strict=True))
+        out["record"] = json.loads(out["record"]) if out["record"] else None
+        return out
+
+    def load_image_values(self, path: str) -> tuple[dict[str, Any] | None, str | None] | None:
+        """The gate's read of one image: None when it is not indexed, else
+        ``(image_values, error)`` (values None with the cause when it was unreadable).
+        A record that fails the check is computed again from the stored record."""
+        from ncclguard.fingerprint.image import image_values, valid_image_values
+
+        row = self._reading("read image", lambda c: c.execute(
+            "SELECT image_values, error, record FROM images WHERE path = ?",
+            (path,)).fetchone())
+        if row is None:
+            return None
+        text, error, record = row
+        if error is not None:
+            return None, str(error)
+        try:
+            values = json.loads(text)
+            if valid_image_values(values):
+                return values, None
+            values = image_values(json.loads(record))
+        except (TypeError, ValueError, RecursionError, AttributeError):
+            return None, "the stored record cannot be read"
+        return (values, None) if valid_image_values(values) else (
+            None, "the stored record cannot be read")
+
+    def write_container_runs(self, runs: Sequence[dict[str, Any]]) -> None:
+        """Store verified container records: each ``{"job", "step", "host", "encoded_at",
+        "uid", "origin", "file_state", "record"}``; a newer one replaces an older one."""
+        from ncclguard.fingerprint.canonical import canonical_json
+
+        self._require_rw()
+        rows = []
+        for r in runs:
+            lib = next((x for x in r["record"].get("libnccl") or []
+                        if isinstance(x, dict) and x.get("default")), None)
+            version = lib.get("version") if lib else None
+            rows.append((r["job"], r["step"], r["host"], r["encoded_at"], r["uid"],
+                         r["origin"], r["file_state"],
+                         version if isinstance(version, str) else None,
+                         canonical_json(r["record"])))
+
+        def body(conn: sqlite3.Connection) -> None:
+            conn.executemany(
+                "INSERT INTO container_runs VALUES (?,?,?,?,?,?,?,?,?) "
+                "ON CONFLICT (job, step, host) DO UPDATE SET encoded_at = excluded.encoded_at, "
+                "uid = excluded.uid, origin = excluded.origin, file_state = excluded.file_state, "
+                "nccl_version = excluded.nccl_version, record = excluded.record "
+                "WHERE excluded.encoded_at >= container_runs.encoded_at", rows)
+
+        self._retrying(self._conn, body, f"write {len(rows)} container records")
+
+    def container_states(self) -> dict[tuple[str, str, str], str]:
+        """(job, step, host) -> the file state last stored (the collector's cache)."""
+        rows = self._reading("read container runs", lambda c: c.execute(
+            "SELECT job, step, host, file_state FROM container_runs").fetchall())
+        return {(r[0], r[1], r[2]): r[3] for r in rows}
+
+    def container_runs(self, job: str) -> list[dict[str, Any]]:
+        """What each node's container had for ``job``: step, host, encoded_at, uid,
+        origin, nccl_version, record; by step and host."""
+        rows = self._reading("read container runs", lambda c: c.execute(
+            "SELECT step, host, encoded_at, uid, origin, nccl_version, record "
+            "FROM container_runs WHERE job = ? ORDER BY step, host", (str(job),)).fetchall())
+        keys = ("step", "host", "encoded_at", "uid", "origin", "nccl_version", "record")
+        out = [dict(zip(keys, r, strict=True)) for r in rows]
+        for r in out:
+            r["record"] = json.loads(r["record"])
+        return out
+
     def _heartbeat_due(self, last: float | None, now: float) -> bool:
         if last is None:
             return True

@@ -225,10 +225,32 @@ def _migrate_3_to_4(conn: sqlite3.Connection, values: GateValues) -> None:
                          (*(cols[c] for c in PLUGIN_COLUMNS), host))
 
 
+def _migrate_4_to_5(conn: sqlite3.Connection, values: GateValues) -> None:
+    """Add the image index (issue 15, docs/containers.md): one row per squashfs image
+    under the admin's roots, keyed by path and identified by inode, size and mtime; the
+    image record (NULL when the image could not be read, with ``error``) and the gate's
+    narrow ``image_values`` (:func:`ncclguard.fingerprint.image.image_values`); and
+    ``container_runs``, the enroot hook's records of what each container had."""
+    conn.execute(
+        "CREATE TABLE images (path TEXT PRIMARY KEY, inode INTEGER NOT NULL, "
+        "size INTEGER NOT NULL, mtime_ns INTEGER NOT NULL, scanned_at REAL NOT NULL, "
+        "record TEXT, record_hash TEXT, image_values TEXT, nccl_version TEXT, "
+        "error TEXT) WITHOUT ROWID"
+    )
+    # what each node's container really had (the enroot hook's signed records)
+    conn.execute(
+        "CREATE TABLE container_runs (job TEXT NOT NULL, step TEXT NOT NULL, "
+        "host TEXT NOT NULL, encoded_at REAL NOT NULL, uid INTEGER NOT NULL, "
+        "origin TEXT NOT NULL, file_state TEXT NOT NULL, nccl_version TEXT, "
+        "record TEXT NOT NULL, PRIMARY KEY (job, step, host)) WITHOUT ROWID"
+    )
+
+
 MIGRATIONS: tuple[Callable[[sqlite3.Connection, GateValues], None], ...] = (
     _migrate_0_to_1,
     _migrate_1_to_2,
     _migrate_2_to_3,
     _migrate_3_to_4,
+    _migrate_4_to_5,
 )
 SCHEMA_VERSION = len(MIGRATIONS)

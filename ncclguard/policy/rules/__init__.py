@@ -4,7 +4,8 @@
   :mod:`.transport` (transport), :mod:`.nccl_conf` (nccl-conf),
 - :mod:`.rdma` (rdma-rate, rdma-port-count, rdma-firmware),
 - :mod:`.gpu` (gpu-driver, gpudirect), :mod:`.unknown_node` (unknown-node),
-- :mod:`.plugin_kinds` (env-plugin, gin-rma, tuner).
+- :mod:`.plugin_kinds` (env-plugin, gin-rma, tuner),
+- :mod:`.container` (image-stack, image-unknown: jobs in a container image).
 
 :data:`COMPARISONS` lists every rule that compares values between nodes, in the order
 findings are reported; ``unknown-node`` is about missing records and stands apart.
@@ -14,6 +15,7 @@ findings are reported; ``unknown-node`` is about missing records and stands apar
 from __future__ import annotations
 
 from ncclguard.policy.rules import (
+    container,
     gpu,
     nccl_conf,
     nccl_version,
@@ -43,7 +45,8 @@ COMPARISONS: tuple[Rule, ...] = (
 #: Every rule, comparisons first and then ``unknown-node``: the one list of rule names,
 #: default severities and fields that the config check, ``diff``/``history``, the
 #: baseline and the diagnose catalog read.
-RULES: tuple[Rule, ...] = (*COMPARISONS, unknown_node.RULE)
+RULES: tuple[Rule, ...] = (*COMPARISONS, unknown_node.RULE, container.STACK_RULE,
+                           container.UNKNOWN_RULE)
 BY_NAME: dict[str, Rule] = {r.name: r for r in RULES}
 
-__all__ = ["BY_NAME", "COMPARISONS", "RULES", "Rule", "unknown_node"]
+__all__ = ["BY_NAME", "COMPARISONS", "RULES", "Rule", "container", "unknown_node"]

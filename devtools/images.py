@@ -1,0 +1,129 @@
+"""Build real squashfs images for tests, the demo and the benches (``mksquashfs``).
+
+``build_image(out, files={node path: source Path | bytes}, links={path: target})``
+lays out a tree and packs it with the chosen compressor. Raises
+:class:`devtools.ncclwheels.PartUnavailable` when squashfs-tools is not installed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+from devtools.ncclwheels import PartUnavailable
+
+COMPRESSORS = ("gzip", "lzo", "lz4", "xz", "zstd")  # all of Debian 12's mksquashfs 4.5.1
+
+
+def mksquashfs() -> str:
+    exe = shutil.which("mksquashfs")
+    if exe is None or shutil.which("unsquashfs") is None:
+        raise PartUnavailable("squashfs-tools is not installed (apt-get install squashfs-tools)")
+    return exe
+
+
+def lay_out(root: Path, files: Mapping[str, Path | bytes | str],
+            links: Mapping[str, str] | None = None) -> None:
+    for node_path, src in files.items():
+        dest = root / node_path.lstrip("/")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(src, Path):
+            try:
+                os.link(src, dest)
+            except OSError:
+                shutil.copyfile(src, dest)
+        else:
+            dest.write_bytes(src.encode() if isinstance(src, str) else src)
+    for node_path, target in (links or {}).items():
+        dest = root / node_path.lstrip("/")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.symlink_to(target)
+
+
+def pack(root: Path, out: Path, comp: str = "gzip", extra: tuple[str, ...] = ()) -> Path:
+    cmd = [mksquashfs(), str(root), str(out), "-comp", comp, "-noappend", "-quiet",
+           "-no-progress", "-all-root", *extra]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        raise RuntimeError(f"mksquashfs failed: {r.stderr.strip() or r.stdout.strip()}")
+    return out
+
+
+def build_image(out: Path, files: Mapping[str, Path | bytes | str],
+                links: Mapping[str, str] | None = None, comp: str = "gzip",
+                extra: tuple[str, ...] = ()) -> Path:
+    """A squashfs image at ``out`` holding ``files`` and ``links`` (absolute image paths)."""
+    mksquashfs()
+    with tempfile.TemporaryDirectory(prefix="ncclguard-imgtree-") as tmp:
+        lay_out(Path(tmp), files, links)
+        return pack(Path(tmp), Path(out), comp, extra)
+
+
+def nccl_image(out: Path, libnccl: Path, *, where: str = "/usr/lib/x86_64-linux-gnu",
+               version: str = "2.21.5", plugins: Mapping[str, Path] | None = None,
+               env: str = "", nccl_conf: str | None = None, comp: str = "gzip") -> Path:
+    """An image laid out like a CUDA container: ``libnccl.so.X.Y.Z`` with its soname
+    and dev links in ``where`` (or, for a path ending in ``nvidia/nccl/lib``, pip's single
+    ``libnccl.so.2``), plugins (image path -> .so), ``/etc/environment``, ``/etc/rc``."""
+    files: dict[str, Path | bytes | str] = {}
+    links: dict[str, str] = {}
+    if where.endswith("nvidia/nccl/lib"):
+        files[f"{where}/libnccl.so.2"] = libnccl
+    else:
+        files[f"{where}/libnccl.so.{version}"] = libnccl
+        links[f"{where}/libnccl.so.2"] = f"libnccl.so.{version}"
+        links[f"{where}/libnccl.so"] = "libnccl.so.2"
+    for p, src in (plugins or {}).items():
+        files[p] = src
+    files["/etc/environment"] = env
+    files["/etc/rc"] = "mkdir -p /workspace\ncd /workspace\nexec \"$@\"\n"
+    if nccl_conf is not None:
+        files["/etc/nccl.conf"] = nccl_conf
+    return build_image(out, files, links, comp)
+
+
+#: A SPANK plugin named ``pyxis`` that registers pyxis's job options and does nothing
+#: else: slurmctld then hands PrologSlurmctld the same ``SPANK__SLURM_SPANK_OPTION_pyxis_*``
+#: variables as the real pyxis (verified with Slurm 22.05.8; tests/test_container_gate.py).
+PYXIS_STUB_C = """\
+#include <stddef.h>
+#include <slurm/spank.h>
+SPANK_PLUGIN(pyxis, 1);
+static int noop(int val, const char *optarg, int remote) { return 0; }
+static struct spank_option options[] = {
+    {"container-image", "[USER@][REGISTRY#]IMAGE[:TAG]|PATH", "stub of pyxis", 1, 0, noop},
+    {"container-mounts", "SRC:DST[:FLAGS][,SRC:DST...]", "stub of pyxis", 1, 0, noop},
+    {"container-name", "NAME", "stub of pyxis", 1, 0, noop},
+    SPANK_OPTIONS_TABLE_END
+};
+int slurm_spank_init(spank_t sp, int ac, char **av) {
+    for (int i = 0; options[i].name != NULL; i++)
+        if (spank_option_register(sp, &options[i]) != ESPANK_SUCCESS)
+            return -1;
+    return 0;
+}
+"""
+
+
+def build_pyxis_stub(out_dir: Path) -> Path:
+    """Compile :data:`PYXIS_STUB_C` against the installed ``slurm/spank.h`` (libslurm-dev);
+    raises PartUnavailable without gcc or the header."""
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        raise PartUnavailable("gcc is not installed (apt-get install gcc)")
+    if not Path("/usr/include/slurm/spank.h").exists():
+        raise PartUnavailable("slurm/spank.h is missing (apt-get install libslurm-dev)")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    src = out_dir / "spank_pyxis_stub.c"
+    src.write_text(PYXIS_STUB_C)
+    out = out_dir / "spank_pyxis_stub.so"
+    r = subprocess.run([gcc, "-shared", "-fPIC", "-Wall", "-Werror", "-o", str(out), str(src)],
+                       capture_output=True, text=True, timeout=120)
+    if r.returncode != 0:
+        raise RuntimeError(f"gcc failed: {r.stderr.strip()}")
+    return out

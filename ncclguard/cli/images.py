@@ -1,0 +1,134 @@
+"""``ncclguard images``: the container image index (docs/containers.md).
+
+``images`` lists the indexed images; ``images show PATH`` prints one image's NCCL stack;
+``images diff A B`` the facts in which two images differ.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from ncclguard.cli import output as out
+from ncclguard.cli.context import format_options, get_ctx
+from ncclguard.cli.errors import fail
+
+COLUMNS: list[out.Column] = [
+    ("path", "IMAGE"), ("nccl_version", "NCCL"), ("net_plugin", "NET PLUGIN"),
+    ("size", "SIZE"), ("scanned", "SCANNED"), ("error", "ERROR"),
+]
+
+
+@click.group(invoke_without_command=True)
+@format_options
+@click.pass_context
+def images(ctx: click.Context, as_json: bool, as_csv: bool) -> None:
+    """Squashfs images under [images] roots, as the collector indexed them: the NCCL
+    each holds, or why it could not be read."""
+    if ctx.invoked_subcommand is not None:
+        return
+    c = get_ctx(as_json, as_csv)
+    rows = c.inv("images")
+    for r in rows:
+        r["scanned"] = out.iso(r["scanned_at"])
+        rec = (c.inv("image", r["path"]) or {}).get("record") or {}
+        r["net_plugin"] = _plugin_text(rec)
+        r["error"] = r["error"] or ""
+    text = None
+    if c.fmt == "table":
+        text = out.table(rows, COLUMNS) + f"{len(rows)} images\n"
+    c.emit(lambda: {"count": len(rows), "images": rows}, rows=rows, columns=COLUMNS, text=text)
+
+
+def _plugin_text(rec: dict[str, Any]) -> str:
+    net = rec.get("net_plugin")
+    for p in rec.get("plugins") or []:
+        if p.get("path") == net:
+            abis = p.get("abis", {}).get("net") or []
+            span = f"v{abis[0]}..v{abis[-1]}" if abis else "no ABI"
+            return f"{p.get('name') or net} ({span})"
+    return "none" if rec else ""
+
+
+def _get(c: Any, path: str) -> dict[str, Any]:
+    row = c.inv("image", path)
+    if row is None:
+        fail(f"{path}: not in the image index (is it under [images] roots, and has the "
+             "collector scanned it?)")
+    assert isinstance(row, dict)
+    return row
+
+
+def facts(row: dict[str, Any]) -> dict[str, Any]:
+    """The comparable facts of an image, flat: ``libnccl[path].version`` and so on."""
+    rec = row.get("record") or {}
+    f: dict[str, Any] = {"error": row.get("error")}
+    for lib in rec.get("libnccl") or []:
+        key = f"libnccl[{lib['path']}]"
+        f[f"{key}.version"] = lib.get("version")
+        f[f"{key}.sha256"] = lib.get("sha256")
+        f[f"{key}.net_abis"] = (lib.get("abis") or {}).get("net")
+        f[f"{key}.default"] = lib.get("default")
+    for p in rec.get("plugins") or []:
+        key = f"plugins[{p['path']}]"
+        f[f"{key}.name"] = p.get("name")
+        f[f"{key}.abis"] = {k: v for k, v in (p.get("abis") or {}).items() if v}
+        f[f"{key}.sha256"] = p.get("sha256")
+    f["net_plugin"] = rec.get("net_plugin")
+    for k, v in ((rec.get("nccl_conf") or {}).get("settings") or {}).items():
+        f[f"nccl_conf.{k}"] = v
+    for k, v in (rec.get("env") or {}).items():
+        f[f"env.{k}"] = v
+    return f
+
+
+@images.command()
+@click.argument("path")
+@format_options
+def show(path: str, as_json: bool, as_csv: bool) -> None:
+    """One image's NCCL stack: every libnccl, its plugins, nccl.conf and environment."""
+    c = get_ctx(as_json, as_csv)
+    row = _get(c, path)
+    rec = row.get("record") or {}
+    lines = [f"image {row['path']} ({row['size']} bytes, scanned {out.iso(row['scanned_at'])})"]
+    if row.get("error"):
+        lines.append(f"  not readable: {row['error']}")
+    for lib in rec.get("libnccl") or []:
+        mark = " (loaded)" if lib.get("default") else ""
+        ver = lib.get("version") or f"unknown: {lib.get('version_error')}"
+        abis = (lib.get("abis") or {}).get("net") or []
+        lines.append(f"  libnccl {lib['path']} -> {lib.get('realpath')}: {ver}{mark}, "
+                     f"net ABIs {abis} [{lib.get('origin')}]")
+    for p in rec.get("plugins") or []:
+        mark = " (loaded)" if p.get("default") else ""
+        abis = {k: v for k, v in (p.get("abis") or {}).items() if v}
+        lines.append(f"  plugin {p['kind']} {p['path']}: {p.get('name')} {abis}{mark}"
+                     + (f" error: {p['error']}" if p.get("error") else ""))
+    conf = rec.get("nccl_conf") or {}
+    if conf.get("present"):
+        lines.append(f"  /etc/nccl.conf: {conf.get('settings')}")
+    if rec.get("env"):
+        lines.append(f"  /etc/environment: {rec['env']}")
+    for e in rec.get("errors") or []:
+        lines.append(f"  error {e.get('field')} {e.get('path') or ''}: {e.get('error')}")
+    c.emit(row, text="\n".join(lines) + "\n")
+
+
+@images.command()
+@click.argument("a")
+@click.argument("b")
+@format_options
+def diff(a: str, b: str, as_json: bool, as_csv: bool) -> None:
+    """The facts in which two indexed images differ (exit 1 when they differ)."""
+    c = get_ctx(as_json, as_csv)
+    fa, fb = facts(_get(c, a)), facts(_get(c, b))
+    rows = [{"field": k, "a": fa.get(k), "b": fb.get(k)}
+            for k in sorted(set(fa) | set(fb)) if fa.get(k) != fb.get(k)]
+    cols: list[out.Column] = [("field", "FIELD"), ("a", a), ("b", b)]
+    text = None
+    if c.fmt == "table":
+        text = (out.table(rows, cols) if rows else "") + f"{len(rows)} differences\n"
+    c.emit(lambda: {"a": a, "b": b, "differences": rows}, rows=rows, columns=cols, text=text)
+    if rows:
+        raise click.exceptions.Exit(1)

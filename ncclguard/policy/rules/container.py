@@ -1,0 +1,137 @@
+"""image-stack and image-unknown: a job that runs in a container image (issue 15).
+
+With pyxis/enroot a job's libnccl comes from its image, and its net plugin from the node
+(an injected one: enroot's ``mounts.d``, hooks, Apptainer binds) or from the image. On
+each node the effective stack is the image's libnccl with that plugin, used at the highest
+ABI both know, or, when they share none, NCCL's own transport of that node (NCCL logs
+``Failed to find ncclNetPlugin_vN symbol`` and falls back: docs/nccl-facts.md). Nothing in
+NCCL compares the transports across ranks: a node on IB meeting one on a plugin hangs or
+fails with ``wrong type``.
+
+- **image-stack** (refuse by default): the image's NCCL cannot use the plugin some nodes
+  inject (it falls back there), or the nodes would end up on different transports.
+- **image-unknown** (warn by default): the image cannot be checked: a registry
+  reference (imported on each node for each step; a tag can move between imports), an
+  image not (yet) indexed or unreadable, or nodes whose record predates issue 15. A site
+  that wants pinned, indexed images sets ``image-unknown = "refuse"``.
+
+The host's libnccl (and its ``/etc/nccl.conf``, its own plugins) is not what such a job
+loads: :data:`HOST_RULES` are not applied to it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from ncclguard.fingerprint.image import effective_stack
+from ncclguard.policy.rules.base import Rule, Values
+from ncclguard.policy.verdict import Finding
+
+STACK = "image-stack"
+UNKNOWN = "image-unknown"
+#: Rules about the host's own NCCL stack: a container does not load it.
+HOST_RULES = frozenset({"nccl-version", "net-plugin", "env-plugin", "transport", "nccl-conf",
+                        "tuner", "gin-rma"})
+
+
+def _none(fp: dict) -> Values:
+    return {}  # not a comparison of node values: check() judges the image on each node
+
+
+STACK_RULE = Rule(STACK, _none, lambda _: "the image's NCCL stack differs between nodes",
+                  severity="refuse")
+UNKNOWN_RULE = Rule(UNKNOWN, _none, lambda _: "the job's container image cannot be checked")
+
+
+def is_path_image(ref: str) -> bool:
+    """pyxis reads an image that starts with ``/`` or ``./`` as a squashfs file; anything
+    else is a registry reference (pyxis's ``pyxis_container.c``; issue 15)."""
+    return ref.startswith(("/", "./"))
+
+
+def _injected(text: str | None) -> dict | None:
+    if not text:
+        return None
+    name, _, abis = text.rpartition("|")
+    return {"name": name, "abis": [int(a) for a in abis.split(",") if a.isdigit()]}
+
+
+def _abis(abis: list[int]) -> str:
+    return f"v{abis[0]}..v{abis[-1]}" if len(abis) > 1 else (f"v{abis[0]}" if abis else "none")
+
+
+def stacks(image: Mapping, records: Mapping[str, dict | None]) -> dict[str, dict | None]:
+    """host -> its effective stack (:func:`ncclguard.fingerprint.image.effective_stack`),
+    None when the node's record does not say what it injects."""
+    out: dict[str, dict | None] = {}
+    for host, rec in records.items():
+        c = (rec or {}).get("container")
+        if not isinstance(c, dict) or c.get("injected") is None:
+            out[host] = None
+            continue
+        out[host] = effective_stack(dict(image), _injected(c["injected"]), c.get("internal"))
+    return out
+
+
+def label(image: Mapping, st: dict, ref: str = "") -> str:
+    """One node group in the user's terms: the image's NCCL (and the image's file name,
+    so that the one-line AdminComment names it) with the plugin it uses there."""
+    name = ref.rstrip("/").rsplit("/", 1)[-1]
+    nccl = f"NCCL {image.get('nccl_version') or 'unknown'}" + (f" ({name})" if name else "")
+    plugin = st.get("plugin")
+    if plugin is None:
+        return f"{nccl}, no net plugin: {st.get('transport') or 'transport unknown'}"
+    who = "the node's" if st.get("source") == "node" else "the image's"
+    name = plugin.get("name") or "plugin"
+    if st.get("fallback"):
+        return (f"{nccl} cannot use {who} {name} ({_abis(plugin.get('abis') or [])}; "
+                f"it wants {_abis(list(image.get('net_abis') or []))}): falls back to "
+                f"{st.get('transport') or 'an unknown transport'}")
+    return f"{nccl} with {who} {name} v{st.get('abi')}"
+
+
+def check_stack(ref: str, image: Mapping, records: Mapping[str, dict | None],
+                severity: str) -> tuple[list[Finding], list[str], list[str]]:
+    """``(findings, odd hosts, hosts whose record does not say)`` of the image on these
+    nodes. Odd: every node outside the largest group that uses its plugin (a group that
+    falls back is odd even when it is the largest)."""
+    per_host = stacks(image, records)
+    unknown = sorted(h for h, st in per_host.items() if st is None and records.get(h))
+    groups: dict[str, list[str]] = {}
+    fallback: set[str] = set()
+    transports: dict[str, str | None] = {}
+    for host, st in per_host.items():
+        if st is None:
+            continue
+        lab = label(image, st, ref)
+        groups.setdefault(lab, []).append(host)
+        transports[lab] = st.get("transport")
+        if st.get("fallback"):
+            fallback.add(lab)
+    if not groups:
+        return [], [], unknown
+    differ = len({transports[lab] for lab in groups}) > 1
+    if not fallback and not differ:
+        return [], [], unknown
+    nccl = image.get("nccl_version") or "(unknown)"
+    parts = []
+    if fallback:
+        parts.append(f"its NCCL {nccl} cannot use the net plugin on some nodes and falls back "
+                     "to its own transport there")
+    if differ:
+        parts.append(("so " if fallback else f"its NCCL {nccl} ") + "the nodes would use "
+                     "different transports (NCCL does not compare them: the job hangs or "
+                     "fails with 'wrong type')")
+    msg = f"image {ref}: " + ", ".join(parts)
+    ordered: list[tuple[str, list[str]]] = sorted(groups.items(),
+                                                  key=lambda g: (len(g[1]), g[0]))
+    finding = Finding.from_hosts(STACK, severity, msg, ordered)
+    good = [lab for lab in groups if lab not in fallback]
+    keep = max(good, key=lambda lab: (len(groups[lab]), lab)) if good else None
+    odd = sorted(h for lab, hs in groups.items() if lab != keep for h in hs)
+    return [finding], odd, unknown
+
+
+def unknown_finding(ref: str, why: str, hosts: list[str], severity: str) -> Finding:
+    return Finding.from_hosts(UNKNOWN, severity, f"image {ref} cannot be checked: {why}",
+                              [(why, hosts)])

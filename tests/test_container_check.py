@@ -1,0 +1,163 @@
+"""A job's container image against the nodes it would run on: real node trees whose
+enroot configuration mounts gcc-built net plugins into containers, a real squashfs image
+holding a real libnccl, the real collector path's store writes, and ``ncclguard check
+--image`` (the gate's own evaluation, ``evaluate_image``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from devtools import images
+from devtools.ncclwheels import PartUnavailable
+from devtools.nodetree import build_node
+from inventoryd.collect import collect
+from inventoryd.filecache import FileCache
+from inventoryd.images.index import update_index
+from inventoryd.nodefs import ErrorLog, NodeFS
+from inventoryd.probes import containers
+from ncclguard.cli.group import main
+from ncclguard.config import ImagesConfig
+from ncclguard.policy import GATE_VALUES
+from ncclguard.store import Inventory
+from tests.conftest import build_plugin, unavailable
+
+FSTAB = "{src} /usr/lib/x86_64-linux-gnu/libnccl-net.so none x-create=file,bind,ro,nosuid\n"
+
+
+def test_probe_reads_enroot_pyxis_and_apptainer(tmp_path: Path) -> None:
+    plugin = build_plugin(tmp_path / "pl", [8, 7], name="AWS Libfabric",
+                          filename="libnccl-net-ofi.so")
+    hpcx = build_plugin(tmp_path / "hx", [10, 9], name="IBext_v10")
+    root = build_node(tmp_path / "n1", extra_files={
+        "/opt/aws-ofi-nccl/lib/libnccl-net-ofi.so": plugin,
+        "/opt/hpcx/nccl_rdma_sharp_plugin/lib/libnccl-net.so": hpcx,
+        "/etc/enroot/mounts.d/50-ofi.fstab": (
+            b"# the site's plugin\n/opt/aws-ofi-nccl/lib/libnccl-net-ofi.so "
+            b"/usr/lib/x86_64-linux-gnu/libnccl-net-ofi.so none x-create=file,bind,ro\n"
+            b"/opt/hpcx /opt/hpcx none x-create=dir,rbind,ro\n"),
+        "/etc/enroot/environ.d/50-nccl.env": b"NCCL_NET_PLUGIN=ofi\nFOO=bar\n",
+        "/etc/enroot/hooks.d/10-cgroups.sh": b"#!/bin/sh\nexit 0\n",
+        "/etc/slurm/plugstack.conf.d/pyxis.conf":
+            b"required /usr/lib/x86_64-linux-gnu/slurm/spank_pyxis.so runtime_path=/run/pyxis\n",
+        "/etc/apptainer/apptainer.conf": b"bind path = /etc/localtime\nbind path = /opt/hpcx\n",
+    })
+    part = containers.probe(NodeFS(root), ErrorLog(), FileCache(None))
+    assert part["enroot"]["environ"] == {"NCCL_NET_PLUGIN": "ofi"}
+    assert [h["path"] for h in part["enroot"]["hooks"]] == ["/etc/enroot/hooks.d/10-cgroups.sh"]
+    assert part["pyxis"][0]["args"] == ["runtime_path=/run/pyxis"]
+    assert part["apptainer_binds"] == ["/etc/localtime", "/opt/hpcx"]
+    targets = {p["target"]: p for p in part["plugins"]}
+    assert targets["/usr/lib/x86_64-linux-gnu/libnccl-net-ofi.so"]["abis"]["net"] == [8, 7]
+    assert targets["/opt/hpcx/nccl_rdma_sharp_plugin/lib/libnccl-net.so"]["name"] == "IBext_v10"
+    # NCCL_NET_PLUGIN=ofi names libnccl-net-ofi.so: that one, not HPC-X's libnccl-net.so
+    assert part["net_plugin"]["name"] == "AWS Libfabric"
+    assert part["net_plugin"]["abis"] == [8, 7]
+
+
+def test_a_node_without_enroot_injects_nothing(tmp_path: Path) -> None:
+    fp = collect(str(build_node(tmp_path / "n0")), "n0", cache=FileCache(None))
+    assert fp["containers"]["net_plugin"] is None and fp["containers"]["plugins"] == []
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, nccl_lib) -> dict[str, Path]:
+    """n1, n2 inject a v6..v5 plugin (NCCL 2.18.3 speaks v6..v4); n3, n4 one of v10..v9;
+    n5 injects nothing. The host libnccl is 2.21.5 on n1-n4, 2.18.3 on n5 (not what a
+    container loads). One image with NCCL 2.18.3 and no plugin of its own."""
+    old = build_plugin(tmp_path / "p6", [6, 5], name="IBext_v6")
+    new = build_plugin(tmp_path / "p10", [10, 9], name="IBext_v10")
+    host_lib = nccl_lib("2.21.5")
+    db = tmp_path / "inv.db"
+    with Inventory(db, values=GATE_VALUES) as inv:
+        for i, plugin in ((1, old), (2, old), (3, new), (4, new), (5, None)):
+            files: dict[str, Path | bytes] = {}
+            if plugin is not None:
+                files["/opt/site/libnccl-net.so"] = plugin
+                files["/etc/enroot/mounts.d/50-net.fstab"] = FSTAB.format(
+                    src="/opt/site/libnccl-net.so").encode()
+            root = build_node(tmp_path / f"n{i}", extra_files=files,
+                              libnccl=host_lib if i < 5 else nccl_lib("2.18.3"))
+            inv.upsert(collect(str(root), f"n{i}", cache=FileCache(None)))
+        roots = tmp_path / "images"
+        roots.mkdir()
+        try:
+            images.nccl_image(roots / "pt-2.18.sqsh", nccl_lib("2.18.3"), version="2.18.3")
+            images.nccl_image(roots / "pt-2.21.sqsh", nccl_lib("2.21.5"), version="2.21.5",
+                              where="/usr/local/lib/python3.10/dist-packages/nvidia/nccl/lib")
+        except PartUnavailable as e:
+            unavailable(str(e))
+        update_index(inv, ImagesConfig(roots=(str(roots),)))
+    cfg = tmp_path / "config.toml"
+    cfg.write_text("")
+    return {"db": db, "cfg": cfg, "images": roots}
+
+
+def _check(cluster: dict[str, Path], *args: str) -> tuple[int, dict]:
+    r = CliRunner().invoke(main, ["--db", str(cluster["db"]), "--config", str(cluster["cfg"]),
+                                  "check", "--json", *args])
+    assert r.exception is None or isinstance(r.exception, SystemExit), r.output
+    return r.exit_code, json.loads(r.output)
+
+
+def test_an_image_that_cannot_use_some_nodes_plugin_is_refused(cluster) -> None:
+    img = str(cluster["images"] / "pt-2.18.sqsh")
+    code, doc = _check(cluster, "n[1-4]", "--image", img)
+    assert code == 2 and doc["decision"] == "refuse"
+    (f,) = [f for f in doc["findings"] if f["rule"] == "image-stack"]
+    assert img in f["message"]
+    groups = {g["nodes"]: g["value"] for g in f["groups"]}
+    assert groups["n[1-2]"] == "NCCL 2.18.3 (pt-2.18.sqsh) with the node's IBext_v6 v6"
+    assert groups["n[3-4]"].startswith("NCCL 2.18.3 (pt-2.18.sqsh) cannot use the node's "
+                                       "IBext_v10 (v10..v9; it wants v6..v4): falls back to IB")
+    assert doc["odd_nodes"] == "n[3-4]"
+    # the same image on the nodes it can use: accepted, whatever the host's libnccl
+    code, doc = _check(cluster, "n[1-2]", "--image", img)
+    assert code == 0, doc
+    # n5 injects nothing: NCCL 2.18.3 on its own IB, like n3-n4's fallback; the host's
+    # 2.18.3 vs 2.21.5 is not compared (the job loads the image's)
+    code, doc = _check(cluster, "n[3-5]", "--image", img)
+    assert doc["decision"] == "refuse"  # n3-4 fall back: the image cannot use their plugin
+    assert not [f for f in doc["findings"] if f["rule"] == "nccl-version"]
+    # without an image the host stacks differ: nccl-version refuses n5
+    code, doc = _check(cluster, "n[4-5]")
+    assert doc["findings"][0]["rule"] == "nccl-version"
+
+
+def test_an_image_whose_nccl_uses_every_plugin_runs_everywhere(cluster) -> None:
+    # NCCL 2.21.5 (pip's copy) speaks v8..v5: n1-n2's v6 yes, n3-n4's v10..v9 no
+    img = str(cluster["images"] / "pt-2.21.sqsh")
+    code, doc = _check(cluster, "n[1-2]", "--image", img)
+    assert code == 0
+    code, doc = _check(cluster, "n[2-3]", "--image", img)
+    assert code == 2 and doc["odd_nodes"] == "n3"
+
+
+@pytest.mark.parametrize("ref,why", [
+    ("nvcr.io#nvidia/pytorch:24.01-py3", "a registry reference"),
+    ("/nowhere/x.sqsh", "not in the image index"),
+])
+def test_an_image_that_cannot_be_checked_is_unknown(cluster, ref: str, why: str) -> None:
+    code, doc = _check(cluster, "n[1-4]", "--image", ref)
+    assert code == 1 and doc["decision"] == "warn"
+    (f,) = doc["findings"]
+    assert f["rule"] == "image-unknown" and why in f["message"]
+    cluster["cfg"].write_text('[policy.severity]\n"image-unknown" = "refuse"\n')
+    code, doc = _check(cluster, "n[1-4]", "--image", ref)
+    assert code == 2
+
+
+def test_images_cli_lists_shows_and_diffs(cluster) -> None:
+    base = ["--db", str(cluster["db"]), "--config", str(cluster["cfg"])]
+    a, b = (str(cluster["images"] / n) for n in ("pt-2.18.sqsh", "pt-2.21.sqsh"))
+    r = CliRunner().invoke(main, [*base, "images"])
+    assert r.exit_code == 0 and "2.18.3" in r.output and "2 images" in r.output
+    r = CliRunner().invoke(main, [*base, "images", "show", a])
+    assert r.exit_code == 0 and "2.18.3 (loaded)" in r.output
+    r = CliRunner().invoke(main, [*base, "images", "diff", a, b])
+    assert r.exit_code == 1 and "nvidia/nccl/lib/libnccl.so.2].version" in r.output
+    r = CliRunner().invoke(main, [*base, "images", "show", "/nope.sqsh"])
+    assert r.exit_code == 3 and "not in the image index" in r.output

@@ -1,0 +1,72 @@
+"""The policy for a job in a container image, on node_values records (no files): each
+node's effective stack, the odd nodes, and what cannot be checked."""
+
+from __future__ import annotations
+
+import copy
+
+from policy_fingerprints import fingerprint
+
+from ncclguard.config import PolicyConfig
+from ncclguard.fingerprint.image import effective_stack
+from ncclguard.policy import evaluate_image, node_values
+
+IMAGE = {"v": 1, "nccl_version": "2.18.3", "nccl_path": "/usr/lib/libnccl.so.2",
+         "net_abis": [6, 5, 4], "plugin": None}
+REF = "/shared/pt.sqsh"
+
+
+def _node(host: str, injected: tuple[str, list[int]] | None, **kw: object) -> dict:
+    fp = fingerprint(host, **kw)  # type: ignore[arg-type]
+    fp["containers"] = {"net_plugin": None if injected is None else
+                        {"name": injected[0], "abis": injected[1], "path": "/p", "target": "/t"}}
+    return node_values(fp)
+
+
+def test_effective_stack_uses_the_highest_common_abi_or_falls_back() -> None:
+    st = effective_stack(IMAGE, {"name": "X", "abis": [8, 6, 5]}, "IB")
+    assert (st["abi"], st["transport"], st["fallback"], st["source"]) == (6, "X", False, "node")
+    st = effective_stack(IMAGE, {"name": "X", "abis": [10, 9]}, "IB")
+    assert (st["abi"], st["transport"], st["fallback"]) == (None, "IB", True)
+    own = {**IMAGE, "plugin": {"name": "Own", "abis": [5]}}
+    assert effective_stack(own, None, "IB")["transport"] == "Own"
+    assert effective_stack(IMAGE, None, "Socket")["transport"] == "Socket"
+
+
+def test_the_largest_usable_group_is_kept_even_when_a_fallback_group_is_larger() -> None:
+    recs = {"n1": _node("n1", ("A", [6])), "n2": _node("n2", ("B", [10])),
+            "n3": _node("n3", ("B", [10])), "n4": _node("n4", ("B", [10]))}
+    v = evaluate_image(recs, PolicyConfig(), REF, (IMAGE, None))
+    assert v.decision == "refuse" and v.odd_nodes == ["n2", "n3", "n4"]
+
+
+def test_the_host_stack_is_not_compared_but_rdma_still_is() -> None:
+    recs = {"n1": _node("n1", None, nccl="2.18.3"), "n2": _node("n2", None, nccl="2.21.5")}
+    v = evaluate_image(recs, PolicyConfig(), REF, (IMAGE, None))
+    assert v.decision == "accept", v.format_text()
+    assert any("host's NCCL stack is not compared" in n for n in v.notes)
+    slow = copy.deepcopy(recs)
+    slow["n2"]["rules"]["rdma-rate"] = {"rate": "200"}
+    assert [f.rule for f in evaluate_image(slow, PolicyConfig(), REF, (IMAGE, None)).findings
+            ] == ["rdma-rate"]
+
+
+def test_nodes_that_do_not_say_what_they_inject_are_unknown() -> None:
+    old = node_values(fingerprint("n2"))
+    old.pop("container")  # a record from before issue 15
+    recs = {"n1": _node("n1", None), "n2": old}
+    v = evaluate_image(recs, PolicyConfig(), REF, (IMAGE, None))
+    assert v.decision == "warn"
+    (f,) = v.findings
+    assert f.rule == "image-unknown" and f.hosts() == ["n2"]
+
+
+def test_unreadable_image_and_ignored_rules() -> None:
+    recs = {"n1": _node("n1", ("A", [6])), "n2": _node("n2", ("B", [10]))}
+    v = evaluate_image(recs, PolicyConfig(), REF, (None, "listing: unsquashfs failed: x"))
+    assert v.decision == "warn" and "unreadable: listing" in v.findings[0].message
+    quiet = PolicyConfig(severity={"image-stack": "ignore", "image-unknown": "ignore"})
+    assert evaluate_image(recs, quiet, REF, (IMAGE, None)).decision == "accept"
+    assert evaluate_image(recs, quiet, "nvcr.io#x", None).decision == "accept"
+    # one node: out of scope, as for any job
+    assert evaluate_image({"n1": recs["n1"]}, PolicyConfig(), REF, (IMAGE, None)).notes
