@@ -69,12 +69,11 @@ class Job(NamedTuple):
 
     @property
     def image_path(self) -> str:
-        """The image as the gate looks it up: a ``./`` path made absolute against the
-        job's working directory (pyxis reads it so); anything else as given."""
-        img = self.container_image
-        if img.startswith("./") and self.work_dir.startswith("/"):
-            return self.work_dir.rstrip("/") + img[1:]
-        return img
+        """The image as the gate judges it: as given. A ``./`` path stays relative: pyxis
+        reads it in each step's working directory when the step starts, which need not
+        be the job's (``srun --chdir``, a ``cd`` in the script), so the gate cannot know
+        the file and judges it unknown (docs/containers.md)."""
+        return self.container_image
 
     @property
     def class_group(self) -> bool:

@@ -70,3 +70,34 @@ def test_unreadable_image_and_ignored_rules() -> None:
     assert evaluate_image(recs, quiet, "nvcr.io#x", None).decision == "accept"
     # one node: out of scope, as for any job
     assert evaluate_image({"n1": recs["n1"]}, PolicyConfig(), REF, (IMAGE, None)).notes
+
+
+def test_an_image_that_cannot_be_checked_is_judged_by_the_nodes_own_stacks() -> None:
+    """A registry reference, a ./ path, an image not indexed or with no libnccl: the image
+    is unknown (warn), and what the nodes alone show still refuses: nodes with and
+    without the net plugin differ for any image. The host's libnccl version alone says
+    nothing about the container's."""
+    from policy_fingerprints import plugin
+
+    mixed = {"n1": _node("n1", None, plugins=[plugin("IBext_v8", abis=[8])]),
+             "n2": _node("n2", None)}
+    no_nccl = {**IMAGE, "nccl_version": None, "net_abis": []}
+    for ref, image in (("nvcr.io#nvidia/pytorch:24.01", None), ("./pt.sqsh", (IMAGE, None)),
+                       (REF, None), (REF, (no_nccl, None))):
+        v = evaluate_image(mixed, PolicyConfig(), ref, image)
+        assert v.decision == "refuse", (ref, v.format_text())
+        assert {f.rule for f in v.findings} >= {"image-unknown", "net-plugin"}
+        assert any("cannot be checked" in n for n in v.notes)
+    versions = {"n1": _node("n1", None, nccl="2.18.3"), "n2": _node("n2", None, nccl="2.21.5")}
+    v = evaluate_image(versions, PolicyConfig(), "nvcr.io#x", None)
+    assert v.decision == "warn" and [f.rule for f in v.findings] == ["image-unknown"]
+    v = evaluate_image(versions, PolicyConfig(), "./pt.sqsh", (IMAGE, None))
+    assert "give an absolute path" in v.findings[0].message
+
+
+def test_an_image_without_a_libnccl_is_not_refused_on_every_node() -> None:
+    recs = {"n1": _node("n1", ("A", [6])), "n2": _node("n2", ("A", [6]))}
+    no_nccl = {**IMAGE, "nccl_version": None, "net_abis": []}
+    v = evaluate_image(recs, PolicyConfig(), REF, (no_nccl, None))
+    assert v.decision == "warn" and v.odd_nodes == []
+    assert "no libnccl the job would load" in v.findings[0].message

@@ -69,6 +69,14 @@ def find_images(cfg: ImagesConfig) -> Iterator[tuple[str, os.stat_result]]:
                     yield ent.path, st
 
 
+def _passing(cause: str) -> bool:
+    """A failure that says nothing about the image's content (unsquashfs missing, a time
+    limit on a loaded machine, a signal): the image is scanned again at the next pass
+    instead of staying unreadable until it changes."""
+    return (cause.startswith("cannot run ") or cause.endswith("time limit reached")
+            or "signal" in cause or "killed" in cause.lower())
+
+
 def update_index(inv: Inventory, cfg: ImagesConfig, budget_s: float | None = None) -> IndexResult:
     """One pass: scan what changed (until the budget is spent), drop what is gone."""
     t0 = time.monotonic()
@@ -79,14 +87,17 @@ def update_index(inv: Inventory, cfg: ImagesConfig, budget_s: float | None = Non
     rows: list[dict[str, Any]] = []
     for path, st in find_images(cfg):
         present.add(path)
-        ident = (st.st_ino, st.st_size, st.st_mtime_ns)
+        # the later of mtime and ctime: a user who can write the roots can set an image's
+        # mtime back after changing it (touch -d), never its ctime
+        changed_ns = max(st.st_mtime_ns, st.st_ctime_ns)
+        ident = (st.st_ino, st.st_size, changed_ns)
         if known.get(path) == ident:
             continue
         if rows and time.monotonic() - t0 > budget:  # at least one per pass: progress
             res.left += 1
             continue
         row: dict[str, Any] = {"path": path, "inode": st.st_ino, "size": st.st_size,
-                               "mtime_ns": st.st_mtime_ns}
+                               "mtime_ns": changed_ns}
         try:
             row["record"] = scan_image(path, unsquashfs=cfg.unsquashfs, timeout_s=cfg.timeout_s,
                                        tmpdir=cfg.tmp_dir or None)
@@ -95,6 +106,8 @@ def update_index(inv: Inventory, cfg: ImagesConfig, budget_s: float | None = Non
             row["error"] = e.cause
             res.failed[path] = e.cause
             log.warning("image %s not indexed: %s", path, e.cause)
+            if _passing(e.cause):  # not about the image: try it again next pass
+                row["mtime_ns"] = -1
         except OSError as e:
             row["error"] = f"cannot read: {e.strerror or e}"
             res.failed[path] = row["error"]

@@ -342,21 +342,19 @@ def evaluate_image(
     """The verdict for a job that runs in the container image ``ref`` (docs/containers.md).
 
     ``image``: the inventory's read of the image (``Inventory.load_image_values``): None
-    when it is not indexed, else ``(values, error)``. The host-stack rules
-    (``container.HOST_RULES``) are not applied: the job loads the image's libnccl. The
-    others (RDMA, GPU, unknown-node) are, and ``image-stack`` compares each node's
-    effective stack; an image that cannot be checked is ``image-unknown``.
+    when it is not indexed, else ``(values, error)``. For an image that can be checked the
+    host-stack rules (``container.HOST_RULES``) are not applied: the job loads the image's
+    libnccl. The others (RDMA, GPU, unknown-node) are, and ``image-stack`` compares each
+    node's effective stack. An image that cannot be checked (a registry reference, a
+    ``./`` path, not indexed, unreadable, no libnccl found) is ``image-unknown``, and the
+    nodes are compared by their own stacks (all rules but ``nccl-version``): a mix that
+    the nodes alone show is not let through because the image is unknown.
     """
     from ncclguard.policy.rules import container
 
     note = in_scope(config, partition, len(records))
     if note is not None:
         return Verdict("accept", nodes=list(records), notes=[note], partition=partition)
-    sev = {r.name: severity_of(config, r.name) for r in COMPARISONS}
-    host_free = config.replace(severity={**sev, **dict.fromkeys(container.HOST_RULES, "ignore")})
-    base = evaluate_values(records, host_free, stale, partition, prefer)
-    findings = list(base.findings)
-    odd = set(base.odd_nodes)
     hosts = sorted(records)
     unknown_sev = severity_of(config, container.UNKNOWN)
     stack_sev = severity_of(config, container.STACK)
@@ -364,10 +362,30 @@ def evaluate_image(
     if not container.is_path_image(ref):
         why = ("a registry reference, imported on each node for each step (its content is "
                "not known before the job runs, and a tag can move): use a squashfs file")
+    elif ref.startswith("./"):
+        why = ("a path relative to the step's working directory, where pyxis reads it when "
+               "the step starts: the gate cannot know which file that is; give an "
+               "absolute path")
     elif image is None:
         why = "not in the image index (not under [images] roots, or not scanned yet)"
     elif image[0] is None:
         why = f"unreadable: {image[1]}"
+    elif not image[0].get("nccl_version") or not image[0].get("net_abis"):
+        why = "no libnccl the job would load was found in it (static, or off its paths)"
+    sev = {r.name: severity_of(config, r.name) for r in COMPARISONS}
+    if why is None:
+        # the job loads the image's libnccl: the host's stack is not compared
+        judged = config.replace(severity={**sev,
+                                          **dict.fromkeys(container.HOST_RULES, "ignore")})
+    else:
+        # an image that cannot be read is judged by what the nodes alone show: their
+        # plugins, transports and NCCL settings still differ for any image, and a job
+        # on mixed nodes is not let through because its image is unknown (only the
+        # host's libnccl version says nothing about the container's)
+        judged = config.replace(severity={**sev, "nccl-version": "ignore"})
+    base = evaluate_values(records, judged, stale, partition, prefer)
+    findings = list(base.findings)
+    odd = set(base.odd_nodes)
     if why is not None:
         if unknown_sev != "ignore":
             findings.append(container.unknown_finding(ref, why, hosts, unknown_sev))
@@ -384,8 +402,10 @@ def evaluate_image(
     findings.sort(key=lambda f: -SEVERITY_RANK[f.severity])
     worst = max((SEVERITY_RANK[f.severity] for f in findings), default=0)
     decision = ("accept", "warn", "refuse")[worst]
-    notes = [*base.notes, f"container image {ref}: the job loads the image's libnccl, so the "
-             "host's NCCL stack is not compared"]
+    notes = [*base.notes, (f"container image {ref}: the job loads the image's libnccl, so "
+                           "the host's NCCL stack is not compared") if why is None else
+             (f"container image {ref} cannot be checked ({why}): the nodes' own stacks are "
+              "compared, without the host's libnccl version")]
     return Verdict(decision, findings, sorted(odd) if decision == "refuse" else [], hosts,
                    notes, partition=partition, odd_tie=base.odd_tie)
 
