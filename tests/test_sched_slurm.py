@@ -12,6 +12,7 @@ import json
 import subprocess
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from conftest_slurm import require_slurm
@@ -99,6 +100,18 @@ def _sbatch(c: DevCluster, *args: str) -> subprocess.CompletedProcess[str]:
     return c.run(["sbatch", *args], check=False)
 
 
+def _hook_running() -> bool:
+    """Whether a ``features --once`` (the hook's sync) runs on this machine now."""
+    for proc in Path("/proc").iterdir():
+        try:
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"inventoryd.main" in cmd and b"--once" in cmd and b"features" in cmd:
+            return True
+    return False
+
+
 @contextlib.contextmanager
 def _hands_off(c: DevCluster) -> Iterator[None]:
     """Nothing syncs behind the test's back: the daemon stopped, and the hook Slurm runs
@@ -108,6 +121,8 @@ def _hands_off(c: DevCluster) -> Iterator[None]:
     hook = c.features_hook.read_text()
     c.features_hook.write_text("#!/bin/sh\nexit 0\n")
     try:
+        # a hook run already under way finishes first (its sync would write the file)
+        _wait(lambda: not _hook_running(), 60, "a features hook under way")
         yield
     finally:
         c.features_hook.write_text(hook)

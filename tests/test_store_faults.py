@@ -165,7 +165,9 @@ def test_corruption_inside_a_database_is_named(tmp_path: Path) -> None:
     for off in range(2 * page, len(data), page):  # keep the header page, trash the rest
         data[off : off + page] = b"\xa5" * page
     db.write_bytes(bytes(data))
-    with Inventory(db, readonly=True) as ro, pytest.raises(InventoryCorrupt, match=str(db)):
+    # named at open or at the first read, depending on which pages the open reads (the
+    # v5 schema's tables reach past the header page)
+    with pytest.raises(InventoryCorrupt, match=str(db)), Inventory(db, readonly=True) as ro:
         ro.load([f"n{i}" for i in range(50)])
 
 
