@@ -92,8 +92,22 @@ def sc(sched_cluster: DevCluster) -> Iterator[DevCluster]:
     if "features" not in c._procs:  # a test stopped it
         c.start_features_daemon()
     _wait(lambda: _features_in_place(c), 30, "the class features")
+    _wait(lambda: _lua_adds_the_group(c), 30, "job_submit.lua to trust the file again")
     yield c
     c.cancel_all()
+
+
+def _lua_adds_the_group(c: DevCluster) -> bool:
+    """What the tests rely on, asked of slurmctld itself: a held two-node job gets the
+    class group (after a test wrote its own file, or a reconfigure reloaded the lua)."""
+    r = c.run(["sbatch", "--hold", "-N2", "-J", "probe", "--wrap", "true"], check=False)
+    if r.returncode != 0:
+        return False
+    job = r.stdout.split()[-1]
+    try:
+        return c.job_field(int(job), "Features").startswith("[nc_")
+    finally:
+        c.run(["scancel", job], check=False)
 
 
 def _sbatch(c: DevCluster, *args: str) -> subprocess.CompletedProcess[str]:
