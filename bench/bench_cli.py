@@ -2,7 +2,7 @@
 16,384-node inventory (issue 5: each under 1 s).
 
 The inventory is made the way production makes it: a few real collections
-(``inventoryd.collect.collect`` on node trees from ``devtools.nodetree``, with the real
+(``inventoryd.node.fingerprint.collect`` on node trees from ``devtools.nodetree``, with the real
 ``libnccl.so.2`` files when the test cache has them), then copies varied per node (host
 name, NCCL version on a few, a port down, a stale heartbeat), written with
 ``Inventory.upsert``.
@@ -32,10 +32,16 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from devtools.nodetree import build_node  # noqa: E402
-from inventoryd.collect import collect  # noqa: E402
-from ncclguard.config import InventoryConfig, InventorydConfig  # noqa: E402
-from ncclguard.policy import GATE_VALUES  # noqa: E402
+from inventoryd.node.fingerprint import collect  # noqa: E402
+from ncclguard.config import (  # noqa: E402
+    InventoryConfig,
+    InventorydConfig,
+    PolicyConfig,
+)
+from ncclguard.policy.schedule import class_values  # noqa: E402
 from ncclguard.store import Inventory  # noqa: E402
+
+CLASSES = class_values(PolicyConfig())  # as the collector writes: the default policy's classes
 
 LIMIT_S = 1.0
 
@@ -71,7 +77,7 @@ def generate(db: Path, n: int, work: Path) -> dict[str, int]:
     old = bases.get("2.18.3")
     now = time.time()
     counts = {"nodes": n, "old_nccl": 0, "ports_down": 0, "stale": 0}
-    inv = Inventory(db, values=GATE_VALUES, config=InventoryConfig(journal_mode="wal"))
+    inv = Inventory(db, values=CLASSES, config=InventoryConfig(journal_mode="wal"))
     try:
         for i in range(n):
             host = f"gpu{i:05d}"

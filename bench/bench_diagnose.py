@@ -11,13 +11,18 @@ in its own child process so that peak RSS is measured per phase (``wait4`` rusag
   diagnose        the real scanner + catalog + diagnosis (no inventory)
   every-line      (with --every-line) the same with the block prefilter off: every
                   line gets the per-line work, as before the prefilter
+  diagnose-base   (with --against DIR) the diagnose phase with the ncclguard package of
+                  the source tree DIR (an older checkout: git archive REV | tar -x -C DIR),
+                  interleaved with diagnose, --rounds times each
 
-and prints time and peak RSS of ``diagnose`` as ratios against the baselines of the
+and prints time (wall and CPU: user + system of the child, what a loaded machine
+changes least) and peak RSS of ``diagnose`` as ratios against the baselines of the
 same run, plus the absolute peak RSS against the 100 MB bound.
 
     .venv/bin/python bench/bench_diagnose.py              # 2 GiB
     .venv/bin/python bench/bench_diagnose.py --size 200M  # a quick run
     .venv/bin/python bench/bench_diagnose.py --size 500M --every-line  # prefilter vs not
+    .venv/bin/python bench/bench_diagnose.py --size 1G --against /tmp/base --rounds 3
 """
 
 from __future__ import annotations
@@ -108,8 +113,7 @@ def child(phase: str, path: str) -> int:
         print(f"{report.evidence.lines} {ids}")
         return 0
     if phase == "every-line":
-        from ncclguard.diagnose import load_catalog
-        from ncclguard.diagnose.engine import Scanner, diagnose
+        from ncclguard.diagnose import Scanner, diagnose, load_catalog
 
         catalog = load_catalog()
         scanner = Scanner(catalog, prefilter=False)
@@ -121,10 +125,17 @@ def child(phase: str, path: str) -> int:
     raise SystemExit(f"unknown phase {phase}")
 
 
-def measure(argv: list[str]) -> tuple[float, float, str]:
-    """(seconds, peak RSS in MB, stdout) of one child process."""
+def measure(
+    argv: list[str], pythonpath: str | None = None
+) -> tuple[float, float, str, float]:
+    """(seconds, peak RSS in MB, stdout, CPU seconds) of one child process;
+    ``pythonpath``: put in front of the child's import path (the baseline's source
+    tree)."""
+    env = None
+    if pythonpath is not None:
+        env = dict(os.environ, PYTHONPATH=pythonpath)
     t0 = time.perf_counter()
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     _, status, rusage = os.wait4(proc.pid, 0)
     elapsed = time.perf_counter() - t0
     out = proc.stdout.read().decode() if proc.stdout else ""
@@ -132,7 +143,7 @@ def measure(argv: list[str]) -> tuple[float, float, str]:
     proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
         raise SystemExit(f"{argv}: exit {proc.returncode}: {err.strip()}")
-    return elapsed, rusage.ru_maxrss / 1024.0, out.strip()
+    return elapsed, rusage.ru_maxrss / 1024.0, out.strip(), rusage.ru_utime + rusage.ru_stime
 
 
 def main() -> int:
@@ -142,6 +153,8 @@ def main() -> int:
     ap.add_argument(
         "--every-line", action="store_true", help="also run with the prefilter off (slow)"
     )
+    ap.add_argument("--against", metavar="DIR", help="also the diagnose of this source tree")
+    ap.add_argument("--rounds", type=int, default=1, help="interleaved runs with --against")
     ap.add_argument("--phase", help=argparse.SUPPRESS)
     ap.add_argument("file", nargs="?", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -162,19 +175,46 @@ def main() -> int:
         if wc:
             results["baseline-wc"] = measure([wc, "-l", str(log)])
         results["baseline-loop"] = measure([*me, "--phase", "loop", str(log)])
-        results["diagnose"] = measure([*me, "--phase", "diagnose", str(log)])
+        if a.against:
+            base = str(Path(a.against).resolve())
+            if not (Path(base) / "ncclguard" / "diagnose").is_dir():
+                raise SystemExit(f"{base}: no ncclguard/diagnose there")
+            runs: dict[str, list[tuple[float, float, str, float]]] = {
+                "diagnose": [], "diagnose-base": []
+            }
+            for r in range(max(a.rounds, 1)):
+                order = ["diagnose-base", "diagnose"] if r % 2 == 0 else ["diagnose",
+                                                                          "diagnose-base"]
+                for name in order:
+                    pp = base if name == "diagnose-base" else None
+                    got = measure([*me, "--phase", "diagnose", str(log)], pythonpath=pp)
+                    runs[name].append(got)
+                    print(f"  round {r + 1} {name:14s} {got[0]:8.2f} s  cpu {got[3]:8.2f} s  "
+                          f"peak RSS {got[1]:7.1f} MB")
+            for name, got in runs.items():
+                results[name] = (
+                    sorted(g[0] for g in got)[len(got) // 2],  # the medians
+                    max(g[1] for g in got),
+                    got[-1][2],
+                    sorted(g[3] for g in got)[len(got) // 2],
+                )
+        else:
+            results["diagnose"] = measure([*me, "--phase", "diagnose", str(log)])
         if a.every_line:
             results["every-line"] = measure([*me, "--phase", "every-line", str(log)])
-        for name, (sec, rss, out) in results.items():
+        for name, (sec, rss, out, cpu) in results.items():
             mbps = real / (1 << 20) / sec
             print(
-                f"{name:14s} {sec:8.2f} s  {mbps:8.1f} MiB/s  peak RSS {rss:7.1f} MB  [{out[:80]}]"
+                f"{name:14s} {sec:8.2f} s  cpu {cpu:8.2f} s  {mbps:8.1f} MiB/s  "
+                f"peak RSS {rss:7.1f} MB  [{out[:80]}]"
             )
-        d_s, d_rss, d_out = results["diagnose"]
-        for base in ("every-line", "baseline-loop", "baseline-wc"):
+        d_s, d_rss, d_out, d_cpu = results["diagnose"]
+        for base in ("diagnose-base", "every-line", "baseline-loop", "baseline-wc"):
             if base in results:
-                b_s, b_rss, _ = results[base]
-                print(f"diagnose / {base}: time x{d_s / b_s:.2f}, peak RSS x{d_rss / b_rss:.2f}")
+                b_s, b_rss, _, b_cpu = results[base]
+                cpu_x = d_cpu / max(b_cpu, 1e-3)
+                print(f"diagnose / {base}: time x{d_s / b_s:.2f}, cpu x{cpu_x:.2f}, "
+                      f"peak RSS x{d_rss / b_rss:.2f}")
         ok = d_rss < RSS_BOUND_MB
         print(
             f"peak RSS bound {RSS_BOUND_MB:.0f} MB: {'OK' if ok else 'EXCEEDED'} ({d_rss:.1f} MB)"

@@ -36,20 +36,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
-from policy_fingerprints import fingerprint  # noqa: E402
+from helpers.fingerprints import fingerprint  # noqa: E402
+from helpers.wait import wait_until  # noqa: E402
 
 from devtools.devcluster import DevCluster  # noqa: E402
 from ncclguard import audit  # noqa: E402
 
 ODD = ("n1", "n4")
-
-
-def _wait(pred, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    end = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > end:
-            raise SystemExit(f"bench_features: timed out waiting for {what}")
-        time.sleep(0.2)
 
 
 def _batch(c: DevCluster, jobs: int, tag: str, exclusive: bool) -> tuple[list[float], int]:
@@ -71,7 +64,7 @@ def _batch(c: DevCluster, jobs: int, tag: str, exclusive: bool) -> tuple[list[fl
         return all(states.get(str(j)) in ("COMPLETED", "FAILED", "CANCELLED")
                    for j in submitted)
 
-    _wait(done, 900, f"the {tag} batch")
+    wait_until(done, 900, f"the {tag} batch")
     waits = []
     for job, t in submitted.items():
         text = (c.root / "tmp" / f"{tag}-{job}.out").read_text().split()
@@ -148,7 +141,7 @@ def backfill(base: Path, nodes: int, pending: int, cycles: int) -> None:
             for _ in range(pending):
                 c.run(["sbatch", "-N2", *constraint, "--wrap", "true"])
             c.run(["sdiag", "-r"])
-            _wait(lambda: _sdiag_mean_us(c)[1] >= cycles, 600, f"{cycles} backfill cycles")
+            wait_until(lambda: _sdiag_mean_us(c)[1] >= cycles, 600, f"{cycles} backfill cycles")
             mean, n = _sdiag_mean_us(c)
             if k == 0:
                 base_mean = mean

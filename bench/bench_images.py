@@ -35,7 +35,7 @@ IMAGE_BYTES = 1 << 30
 
 CHILD = """
 import json, resource, sys, time
-from inventoryd.images.fingerprint import scan_image
+from inventoryd.controller.images.fingerprint import scan_image
 t = time.perf_counter()
 rec = scan_image(sys.argv[1])
 dt = time.perf_counter() - t
@@ -105,7 +105,7 @@ def scan_cost(work: Path, runs: int) -> None:
 
 
 def gate_cost(work: Path, runs: int) -> None:
-    from policy_fingerprints import fingerprint
+    from helpers.fingerprints import fingerprint
 
     from ncclguard.policy import GATE_VALUES
     from ncclguard.store import Inventory

@@ -2,19 +2,26 @@
 
 A 16,384-node inventory (varied: some nodes on another NCCL, some stale), five partitions
 (four of 4,096 nodes and one of all), and a 16 MiB audit trail are built once (cached under
---work). A child process then serves, each on its own loopback port with prometheus_client's
-own HTTP server:
+--work). A child process then serves, each on its own loopback port:
 
 - ``bare``: a plain prometheus_client registry holding as many constant samples as
-  ncclguard's endpoint serves (the baseline: what serving that text costs at all);
+  ncclguard's endpoint serves, on prometheus_client's own HTTP server (the baseline: what
+  serving that text costs at all);
 - ``ncclguard``: the exporter with ``metrics_cache_s = 0`` (every scrape reads the
   inventory and the audit trail again: the worst case);
 - ``cached``: the exporter with the default ``metrics_cache_s`` (10 s), scraped faster
   than that (a second Prometheus, or a short scrape_interval).
 
-Each is scraped --runs times in turn (interleaved, so that machine noise hits all alike);
-the scrape's wall time is measured here, the serving process's CPU from
-/proc/<pid>/stat around each scrape. Prints medians and ratios to ``bare``.
+``ncclguard`` and ``cached`` are served by the collector's own bounded server
+(inventoryd/controller/metrics_server.py). Each is scraped --runs times in turn (interleaved, so
+that machine noise hits all alike); the scrape's wall time is measured here, the serving
+process's CPU from /proc/<pid>/stat around each scrape. Prints medians and ratios to
+``bare``.
+
+Then, under load (``--load``, default on): a client process holds 2,000 idle and 200
+slow connections (as tests/test_metrics_load.py) on the ``cached`` endpoint; ``cached``
+is scraped --runs times, interleaved with ``bare`` (unloaded), and the serving process's
+threads and descriptors are counted: the ratio says what the load costs a scrape.
 
     .venv/bin/python bench/bench_metrics.py [--runs 15] [--nodes 16384]
 
@@ -42,7 +49,7 @@ TICK = os.sysconf("SC_CLK_TCK")
 
 
 def build(work: Path, n: int) -> tuple[Path, Path]:
-    from policy_fingerprints import fingerprint
+    from helpers.fingerprints import fingerprint
 
     from ncclguard import audit
     from ncclguard.policy import GATE_VALUES
@@ -85,8 +92,9 @@ SERVER = r"""
 import sys, time, json
 sys.path.insert(0, sys.argv[1])
 from pathlib import Path
-from prometheus_client import CollectorRegistry, Gauge, start_http_server
-from inventoryd.exporter import Exporter, Partitions, Served
+from prometheus_client import CollectorRegistry, Gauge, generate_latest, start_http_server
+from inventoryd.controller.exporter import Exporter, Partitions, Served
+from inventoryd.controller.metrics_server import BoundedServer
 from ncclguard import config as configmod
 
 db, trail, n = Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])
@@ -101,8 +109,9 @@ for name, cache in (("ncclguard", 0.0), ("cached", 10.0)):
     t0, c0 = time.perf_counter(), time.process_time()
     text = s.text()
     first = (time.perf_counter() - t0, time.process_time() - c0)
-    server, _ = start_http_server(0, addr="127.0.0.1", registry=s.registry)
-    ports[name] = server.server_port
+    # the collector's own server (inventoryd/controller/metrics_server.py), with its defaults
+    server = BoundedServer("127.0.0.1", 0, lambda s=s: generate_latest(s.registry))
+    ports[name] = server.port
 samples = sum(1 for line in text.splitlines() if line and not line.startswith("#"))
 bare = CollectorRegistry()
 g = Gauge("bare_metric", "a constant", ["i"], registry=bare)
@@ -129,12 +138,45 @@ def scrape(port: int) -> tuple[float, int]:
     return time.perf_counter() - t, size
 
 
+def _under_load(pid: int, ports: dict[str, int], runs: int) -> None:
+    from helpers.load import CLIENT, IDLE, SLOW
+
+    tasks = [len(os.listdir(f"/proc/{pid}/task"))]
+    fds = [len(os.listdir(f"/proc/{pid}/fd"))]
+    client = subprocess.Popen([sys.executable, "-c", CLIENT, str(ports["cached"]), str(IDLE),
+                               str(SLOW), "600"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert client.stdout is not None
+        t0 = time.perf_counter()
+        assert client.stdout.readline().strip() == "ready"
+        opened = time.perf_counter() - t0
+        loaded: list[float] = []
+        bare: list[float] = []
+        for _ in range(runs):
+            bare.append(scrape(ports["bare"])[0])
+            loaded.append(scrape(ports["cached"])[0])
+            tasks.append(len(os.listdir(f"/proc/{pid}/task")))
+            fds.append(len(os.listdir(f"/proc/{pid}/fd")))
+            time.sleep(0.2)
+    finally:
+        client.kill()
+        client.wait(timeout=30)
+    b, x = statistics.median(bare), statistics.median(loaded)
+    print(f"under {IDLE} idle + {SLOW} slow connections (opened in {opened:.1f} s): cached "
+          f"scrape {x * 1000:.1f} ms, {x / b:.2f}x bare unloaded ({b * 1000:.1f} ms); "
+          f"serving process at most {max(tasks)} threads, {max(fds)} descriptors "
+          f"(before the load {tasks[0]}, {fds[0]}; three endpoints)")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--work", type=Path,
                     default=Path(tempfile.gettempdir()) / "ncclguard-bench")
     ap.add_argument("--nodes", type=int, default=16384)
     ap.add_argument("--runs", type=int, default=15)
+    ap.add_argument("--no-load", dest="load", action="store_false",
+                    help="skip the 2,000 idle + 200 slow connections")
     args = ap.parse_args()
     db, trail = build(args.work, args.nodes)
     child = subprocess.Popen([sys.executable, "-c", SERVER, str(ROOT), str(db), str(trail),
@@ -168,6 +210,8 @@ def main() -> int:
             c = statistics.mean(cpus[name])  # clock ticks: a mean, not a median
             print(f"{name:<12} {sizes[name]:>8} {w * 1000:>10.1f} {w / base_w:>7.2f} "
                   f"{c * 1000:>8.1f} {(c / base_c) if base_c else float('nan'):>7.2f}")
+        if args.load:
+            _under_load(child.pid, ports, args.runs)
     finally:
         child.terminate()
         child.wait(timeout=30)

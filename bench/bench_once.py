@@ -1,16 +1,19 @@
 """Cold and warm ``ncclguard-inventoryd once`` on a node root with a real 290 MB libnccl.
 
 Usage: .venv/bin/python bench/bench_once.py [--runs N] [--version 2.18.3] [--drop-caches]
+                                           [--all-kinds]
 
 The node root holds the real ``libnccl.so.2`` of the NCCL 2.18.3 cu12 wheel (290 MB; the
 test fixture fetches and extracts it) as the linker's default, plus a gcc-built net plugin.
+``--all-kinds`` adds a gcc-built plugin of every other kind (tuner, profiler, env, GIN,
+RMA), each under its default name, so that the effective-plugin logic has work to do.
 "Cold" is a run with an empty inventoryd file cache; "warm" the runs after it. The OS page
 cache stays warm unless ``--drop-caches`` (root) empties it before the cold run.
 
 Figures are printed as ratios against baselines measured in this same process:
 - ``read``: sha256 of the library in this process (the floor of any cold run: every
   byte once);
-- ``startup``: a child interpreter that imports inventoryd.collect and exits (the floor
+- ``startup``: a child interpreter that imports inventoryd.node.fingerprint and exits (the floor
   of any run of the CLI);
 and peak RSS of each child (``wait4``), against the bare-import child's.
 Goals: warm ``collect()`` under 5 % of cold; the CLI's peak RSS under 60 MB.
@@ -33,7 +36,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
-from conftest import build_plugin, extract_nccl, place, run_ldconfig  # noqa: E402
+from helpers.parts import build_plugin, extract_nccl, place, run_ldconfig  # noqa: E402
 
 MULTIARCH = "/usr/lib/x86_64-linux-gnu"
 
@@ -75,6 +78,7 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--version", default="2.18.3")
     ap.add_argument("--drop-caches", action="store_true")
+    ap.add_argument("--all-kinds", action="store_true")
     args = ap.parse_args()
 
     lib = extract_nccl(args.version)
@@ -85,6 +89,12 @@ def main() -> int:
         if shutil.which("gcc"):
             place(root, f"{MULTIARCH}/libnccl-net.so",
                   build_plugin(work / "build", net_abis=[8, 7, 6], name="IBext_v8"))
+            kinds = {"tuner": [6, 2], "profiler": [7, 1], "env": [2, 1], "gin": [14, 11],
+                     "rma": [16, 13]}
+            for kind, abis in kinds.items() if args.all_kinds else ():
+                so = f"libnccl-{kind}.so"
+                place(root, f"{MULTIARCH}/{so}", build_plugin(
+                    work / kind, filename=so, **{f"{kind}_abis": abis}))
         run_ldconfig(root)
         size_mb = lib.stat().st_size / 1e6
         print(f"libnccl {args.version}: {size_mb:.0f} MB; root {root}")
@@ -96,7 +106,7 @@ def main() -> int:
         read_s = time.perf_counter() - t0
         env = {**os.environ, "NCCLGUARD_CACHE_DIR": str(work / "fcache")}
         env.pop("NCCLGUARD_CONFIG", None)
-        startup = [child("import inventoryd.collect", env) for _ in range(args.runs)]
+        startup = [child("import inventoryd.node.fingerprint", env) for _ in range(args.runs)]
         startup_s = statistics.median(s for s, _ in startup)
         startup_rss = max(r for _, r in startup)
 
@@ -112,8 +122,8 @@ def main() -> int:
         warm_rss = max(r for _, r in warm)
 
         # collect() in this process: the probes' own work, without interpreter start-up
-        from inventoryd.collect import collect
         from inventoryd.filecache import FileCache
+        from inventoryd.node.fingerprint import collect
 
         store = work / "fcache2" / "filecache.json"
         t0 = time.perf_counter()
@@ -126,6 +136,22 @@ def main() -> int:
             in_warm_runs.append(time.perf_counter() - t0)
         in_warm = statistics.median(in_warm_runs)
 
+        # the plugin probe alone (which file NCCL loads per kind), warm, in this process
+        from inventoryd.nodefs import ErrorLog, NodeFS
+        from inventoryd.probes import plugins
+        from ncclguard.config import InventorydConfig
+
+        fp = collect(str(root), "bench", None, FileCache(store))
+        libs, fs, cfg = fp["libnccl"], NodeFS(str(root)), InventorydConfig()
+        cache = FileCache(store)
+        probe_runs = []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            for _ in range(50):
+                plugins.probe(fs, ErrorLog(), cfg, {}, libs, cache)
+            probe_runs.append((time.perf_counter() - t0) / 50)
+        probe_s = statistics.median(probe_runs)
+
         print(f"baseline read (sha256 of the lib, in process): {read_s * 1000:8.1f} ms")
         print(f"baseline startup (python + imports, child):    {startup_s * 1000:8.1f} ms, "
               f"peak RSS {startup_rss:.1f} MB")
@@ -135,6 +161,8 @@ def main() -> int:
               f"peak RSS {warm_rss:.1f} MB")
         print(f"collect() cold:   {in_cold * 1000:8.1f} ms = {in_cold / read_s:5.2f} x read")
         print(f"collect() warm:   {in_warm * 1000:8.1f} ms")
+        print(f"plugins.probe warm: {probe_s * 1e6:6.0f} us = {probe_s / in_warm:6.1%} of "
+              "collect() warm")
         print(f"warm/cold: collect() {in_warm / in_cold:6.2%} (goal < 5%), "
               f"CLI {warm_s / cold_s:6.2%} (of which startup {startup_s / cold_s:6.2%})")
         print(f"peak RSS goal < 60 MB: cold {cold_rss:.1f} MB, warm {warm_rss:.1f} MB")

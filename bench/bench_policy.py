@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from policy_fingerprints import device, fingerprint, plugin  # noqa: E402
+from helpers.fingerprints import device, fingerprint, plugin  # noqa: E402
 
 from ncclguard.config import PolicyConfig  # noqa: E402
 from ncclguard.policy import evaluate, evaluate_values, node_values  # noqa: E402

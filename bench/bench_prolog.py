@@ -14,6 +14,8 @@
 
     .venv/bin/python bench/bench_prolog.py             # all three parts
     .venv/bin/python bench/bench_prolog.py --no-cluster --runs 15
+    .venv/bin/python bench/bench_prolog.py --no-cluster --no-refusal --against ../old
+        # part 1 of another checkout (its own .venv) interleaved too: before/after a change
     scripts/slurm-root.sh run .venv/bin/python bench/bench_prolog.py   # on Slurm 24.11
 
 Prints ratios; never asserts (timed tests are not tests).
@@ -38,7 +40,7 @@ INVENTORY_NODES = 16384
 
 
 def build_inventory(db: Path, n: int) -> None:
-    from policy_fingerprints import fingerprint
+    from helpers.fingerprints import fingerprint
 
     from ncclguard.policy import GATE_VALUES
     from ncclguard.store import Inventory
@@ -74,44 +76,84 @@ def timed(argv: list[str], env: dict[str, str]) -> float:
     return dt
 
 
-def process_cost(work: Path, runs: int) -> None:
+#: builds an inventory with another checkout's own code (its .venv): only what every
+#: version of the store has (Inventory, GATE_VALUES, upsert, the test fingerprints)
+_BUILD_ELSEWHERE = """
+import sys, time
+root, db, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+sys.path[:0] = [root, root + "/tests"]
+try:
+    from helpers.fingerprints import fingerprint
+except ImportError:  # a checkout from before tests/helpers/
+    from policy_fingerprints import fingerprint
+from ncclguard.policy import GATE_VALUES
+from ncclguard.store import Inventory
+with Inventory(db, values=GATE_VALUES) as inv:
+    inv._retrying = lambda conn, body, doing: body(conn)
+    inv._conn.execute("BEGIN IMMEDIATE")
+    for i in range(1, n + 1):
+        inv.upsert(fingerprint(f"n{i:05d}"), now=time.time())
+    inv._conn.execute("COMMIT")
+"""
+
+
+def process_cost(work: Path, runs: int, against: Path | None = None) -> None:
     db = work / "inventory.db"
     build_inventory(db, INVENTORY_NODES)
     conf = work / "bench.toml"
     conf.write_text(f'[gate]\naudit_log = "{work / "decisions.jsonl"}"\n')
     py = sys.executable
+    gates = {"gate": ([py, "-I", "-m", "prolog.gate"], conf, db)}
+    if against is not None:  # the other checkout's gate, on an inventory its code wrote
+        other = work / "against"
+        other.mkdir(exist_ok=True)
+        odb, oconf = other / "inventory.db", other / "bench.toml"
+        odb.unlink(missing_ok=True)
+        other_py = str(against / ".venv" / "bin" / "python")
+        subprocess.run([other_py, "-c", _BUILD_ELSEWHERE, str(against), str(odb),
+                        str(INVENTORY_NODES)], check=True, timeout=1800)
+        oconf.write_text(f'[gate]\naudit_log = "{other / "decisions.jsonl"}"\n')
+        gates["against"] = ([other_py, "-I", "-m", "prolog.gate"], oconf, odb)
+        print(f"against: {against} (its own .venv and inventory)")
     base_env = {"PATH": "/usr/bin:/bin", "LANG": "C"}
     baseline_argv = [py, "-I", "-c", "pass"]
-    gate_argv = [py, "-I", "-m", "prolog.gate"]
     print(f"\nprocess cost, median of {runs} (interleaved), python {sys.version.split()[0]}")
     for size, target in ((1024, 2.5), (16384, 5.0)):
-        env = {
-            **base_env,
-            "NCCLGUARD_CONFIG": str(conf),
-            "NCCLGUARD_DB": str(db),
-            "SLURM_JOB_ID": "4242",
-            "SLURM_JOB_NODELIST": f"n[00001-{size:05d}]",
-            "SLURM_JOB_NUM_NODES": str(size),
-            "SLURM_JOB_PARTITION": "debug",
-            "SLURM_JOB_USER": "bench",
-            "SLURM_JOB_UID": "1000",
-            "SLURM_SCRIPT_CONTEXT": "prolog_slurmctld",
+        envs = {
+            name: {
+                **base_env,
+                "NCCLGUARD_CONFIG": str(cfg),
+                "NCCLGUARD_DB": str(inv),
+                "SLURM_JOB_ID": "4242",
+                "SLURM_JOB_NODELIST": f"n[00001-{size:05d}]",
+                "SLURM_JOB_NUM_NODES": str(size),
+                "SLURM_JOB_PARTITION": "debug",
+                "SLURM_JOB_USER": "bench",
+                "SLURM_JOB_UID": "1000",
+                "SLURM_SCRIPT_CONTEXT": "prolog_slurmctld",
+            }
+            for name, (_, cfg, inv) in gates.items()
         }
-        timed(gate_argv, env)  # warm the page cache and the .pyc files
-        base, gate = [], []
+        for name, (argv, _, _) in gates.items():
+            timed(argv, envs[name])  # warm the page cache and the .pyc files
+        base: list[float] = []
+        times: dict[str, list[float]] = {name: [] for name in gates}
         for _ in range(runs):
             base.append(timed(baseline_argv, base_env))
-            gate.append(timed(gate_argv, env))
-        b, g = statistics.median(base), statistics.median(gate)
-        verdict = "OK" if g / b <= target else "OVER"
-        print(
-            f"  {size:>6} nodes: baseline {b * 1000:6.1f} ms, gate {g * 1000:6.1f} ms, "
-            f"ratio {g / b:4.2f}x (target <= {target}x) {verdict}"
-        )
+            for name, (argv, _, _) in gates.items():
+                times[name].append(timed(argv, envs[name]))
+        b = statistics.median(base)
+        for name, ts in times.items():
+            g = statistics.median(ts)
+            verdict = "OK" if g / b <= target else "OVER"
+            print(
+                f"  {size:>6} nodes: baseline {b * 1000:6.1f} ms, {name} {g * 1000:6.1f} ms, "
+                f"ratio {g / b:4.2f}x (target <= {target}x) {verdict}"
+            )
 
 
 def refusal_cost(work: Path, runs: int) -> None:
-    from policy_fingerprints import fingerprint
+    from helpers.fingerprints import fingerprint
 
     from devtools.devcluster import DevCluster
     from ncclguard.policy import GATE_VALUES
@@ -165,7 +207,8 @@ def refusal_cost(work: Path, runs: int) -> None:
 
 
 def cluster_cost(work: Path, jobs: int) -> None:
-    from policy_fingerprints import fingerprint
+    from helpers.fingerprints import fingerprint
+    from helpers.wait import wait_until
 
     from devtools.devcluster import DevCluster
     from ncclguard.policy import GATE_VALUES
@@ -188,7 +231,7 @@ def cluster_cost(work: Path, jobs: int) -> None:
                 r = c.run(["squeue", "-h", "-o", "%i"], check=False)
                 return not r.stdout.strip()
 
-            c._wait(done, 1800, "all jobs to finish", interval=0.5)
+            wait_until(done, 1800, "all jobs to finish", interval=0.5)
             dt = time.perf_counter() - t
             bad = [j for j in ids[-5:] if c.job_field(j, "JobState") != "COMPLETED"]
             if bad:
@@ -206,11 +249,13 @@ def main() -> None:
     p.add_argument("--no-cluster", action="store_true")
     p.add_argument("--no-process", action="store_true")
     p.add_argument("--no-refusal", action="store_true")
+    p.add_argument("--against", type=Path, default=None, metavar="CHECKOUT",
+                   help="also time CHECKOUT's gate (its .venv), interleaved: before/after")
     a = p.parse_args()
     a.work.mkdir(parents=True, exist_ok=True)
     os.chdir(a.work)
     if not a.no_process:
-        process_cost(a.work, a.runs)
+        process_cost(a.work, a.runs, a.against.resolve() if a.against else None)
     if not a.no_refusal:
         refusal_cost(a.work, a.runs)
     if not a.no_cluster:

@@ -27,12 +27,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from test_store import make_fp
+from helpers.fingerprints import fingerprint
 
-from ncclguard.config import InventoryConfig
+from ncclguard.config import InventoryConfig, PolicyConfig
 from ncclguard.fingerprint.canonical import canonical_json
-from ncclguard.policy import GATE_VALUES
+from ncclguard.policy.schedule import class_values
 from ncclguard.store import Inventory, InventoryLocked
+
+CLASSES = class_values(PolicyConfig())  # as the collector writes: the default policy's classes
 
 
 def p99(xs: list[float]) -> float:
@@ -45,7 +47,7 @@ def baseline_commits(d: Path, n: int, journal: str) -> tuple[float, float]:
     conn = sqlite3.connect(p, isolation_level=None)
     conn.execute(f"PRAGMA journal_mode = {journal}")
     conn.execute("CREATE TABLE t (host TEXT PRIMARY KEY, fp TEXT)")
-    row = canonical_json(make_fp("n0"))
+    row = canonical_json(fingerprint("n0", plugin_abi=8))
     lat = []
     t0 = time.perf_counter()
     for i in range(n):
@@ -60,9 +62,10 @@ def baseline_commits(d: Path, n: int, journal: str) -> tuple[float, float]:
 
 
 def _writer(db: str, i: int, ops: int, journal: str, start: mp.Event, q: mp.Queue) -> None:  # type: ignore[type-arg]
-    inv = Inventory(db, values=GATE_VALUES, config=InventoryConfig(journal_mode=journal),
+    inv = Inventory(db, values=CLASSES, config=InventoryConfig(journal_mode=journal),
                     heartbeat_s=1e9)
-    fps = [make_fp(f"w{i:03d}", extra=f"NCCL_DEBUG=WARN{j}") for j in range(ops)]
+    fps = [fingerprint(f"w{i:03d}", conf=f"NCCL_DEBUG=WARN{j}", plugin_abi=8)
+           for j in range(ops)]
     start.wait()
     lat = []
     locked = 0
@@ -82,7 +85,7 @@ def _writer(db: str, i: int, ops: int, journal: str, start: mp.Event, q: mp.Queu
 def bench_writers(d: Path, writers: int, ops: int, journal: str) -> tuple[float, float, int]:
     db = d / f"w{writers}" / "inventory.db"
     # the schema first
-    Inventory(db, values=GATE_VALUES, config=InventoryConfig(journal_mode=journal)).close()
+    Inventory(db, values=CLASSES, config=InventoryConfig(journal_mode=journal)).close()
     ctx = mp.get_context("fork")
     start, q = ctx.Event(), ctx.Queue()
     procs = [ctx.Process(target=_writer, args=(str(db), i, ops, journal, start, q))
@@ -107,8 +110,9 @@ def bench_writers(d: Path, writers: int, ops: int, journal: str) -> tuple[float,
 
 def bench_reads(d: Path, nodes: int) -> dict[str, float]:
     db = d / "read" / "inventory.db"
-    variants = [make_fp("x", v) for v in ("2.21.5", "2.21.5", "2.21.5", "2.18.3")]
-    with Inventory(db, values=GATE_VALUES) as inv:
+    variants = [fingerprint("x", v, plugin_abi=8)
+                for v in ("2.21.5", "2.21.5", "2.21.5", "2.18.3")]
+    with Inventory(db, values=CLASSES) as inv:
         conn = inv._conn
         conn.execute("BEGIN")
         for i in range(nodes):  # the writer's code path, in one transaction for speed
@@ -142,12 +146,12 @@ def bench_reads(d: Path, nodes: int) -> dict[str, float]:
             assert all(v is not None for v in got.values())
 
     def gate_load() -> None:
-        with Inventory(db, readonly=True, values=GATE_VALUES) as ro:
+        with Inventory(db, readonly=True, values=CLASSES) as ro:
             got = ro.load_values(hosts)
             assert all(v is not None for v in got.values())
 
     def classes() -> None:
-        with Inventory(db, readonly=True) as ro:
+        with Inventory(db, readonly=True, values=CLASSES) as ro:
             assert len(ro.classes()) >= 2
 
     out["baseline_s"] = best(raw)

@@ -8,7 +8,7 @@ costs one capture), bounded by a timeout, with an argument list (never a shell).
 
     devtools/capture_nccl_output.py \
         --lib ~/.cache/ncclguard/nccl/nvidia_nccl_cu12-2.18.3/libnccl.so.2 \
-        --out tests/diagnose_logs/captured/2.18.3-noplugin.log [--plugin DIR] [--hostname n3]
+        --out tests/diagnose_logs/captured/2.18.3-n1-noplugin.log [--plugin DIR] [--hostname n3]
 
 ``--plugin DIR``: build a minimal net plugin (``libnccl-net.so``, gcc) in DIR and put DIR
 first in ``LD_LIBRARY_PATH``. ``--hostname``: run the child in a new UTS namespace (root

@@ -1,6 +1,6 @@
 """A real, private Slurm cluster on one machine: munged, slurmctld and N slurmd.
 
-Used by the tests (``tests/conftest_slurm.py``), the benchmark and the demo. Everything
+Used by the tests (``tests/helpers/slurm.py``), the benchmark and the demo. Everything
 lives under one directory: the munge key and socket, slurm.conf, state, spool, logs and
 the ``PrologSlurmctld`` wrapper that runs the gate with this Python and this config.
 Daemons run in the foreground as children of this process, each in its own session, and
@@ -10,9 +10,13 @@ Daemons run in the foreground as children of this process, each in its own sessi
         job = c.sbatch(["-N2", "--wrap", "true"])
         c.wait_job(job, {"COMPLETED"})
 
-Slurm facts this rests on: ``/work/shared/docs/slurm-facts.md`` ("Running a real cluster
-on one machine"). Scripts that Slurm starts get neither ``PATH`` nor ``SLURM_CONF``, so
-the wrapper sets both.
+Slurm facts this rests on: docs/slurm.md, "Running a real cluster on one machine".
+Scripts that Slurm starts get neither ``PATH`` nor ``SLURM_CONF``, so the wrapper sets
+both.
+
+Over 500 lines: one class that runs a whole Slurm cluster (munged per node,
+slurm.conf, slurmctld, slurmd, the features daemon, the inventory and spool); the demo,
+the tests and the benchmarks need all of it together, through one object.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
+from ncclguard.hostlist import compress
 from ncclguard.slurm import Slurm
 
 SBIN = ("/usr/sbin", "/usr/bin", "/sbin", "/bin")
@@ -40,6 +45,10 @@ JOB_SUBMIT_LUA = Path(__file__).resolve().parents[1] / "slurm" / "job_submit.lua
 
 
 CONTROLLER_ORIGIN = "127.42.255.254"
+
+
+#: where the nodes that never run (``extra_nodes``) are said to be: nothing listens there
+UNUSED_ADDR = "127.43.255.254"
 
 
 class ClusterError(RuntimeError):
@@ -183,7 +192,11 @@ class DevCluster:
     ``db``: the inventory path for ``NCCLGUARD_DB`` (default ``root/inventory.db``).
     ``job_submit``: prevention at scheduling time (docs/scheduling.md): the project's
     ``slurm/job_submit.lua`` (``JobSubmitPlugins=lua``) reading this cluster's file of
-    classes, and ``SlurmctldPrimaryOnProg`` running ``ncclguard features sync``.
+    classes, and ``SlurmctldPrimaryOnProg`` running the features hook.
+    ``extra_nodes``: more node names defined in slurm.conf, in the first partition, for
+    which no slurmd runs (they stay ``down*``): a large cluster's controller at the cost
+    of a small one (tests/test_scale_slurm.py, tests/test_controller_safety.py,
+    bench/bench_lua.py); :meth:`store_fingerprints` gives them records.
     """
 
     def __init__(
@@ -200,6 +213,7 @@ class DevCluster:
         prolog_timeout_s: int = 30,
         extra_conf: str = "",
         job_submit: bool = False,
+        extra_nodes: Sequence[str] = (),
     ) -> None:
         missing = missing_programs()
         if missing:
@@ -208,6 +222,7 @@ class DevCluster:
             )
         self.root = Path(root).resolve()
         self.node_names = [f"n{i}" for i in range(1, nodes + 1)]
+        self.extra_nodes = list(extra_nodes)
         self.cpus = cpus
         self.prolog = prolog
         self.db = Path(db) if db else self.root / "inventory.db"
@@ -217,6 +232,9 @@ class DevCluster:
         self.audit_path = self.root / "decisions.jsonl"
         self.python = python or sys.executable
         self.partitions = dict(partitions or {"debug": f"n[1-{nodes}]"})
+        if self.extra_nodes:
+            first = next(iter(self.partitions))
+            self.partitions[first] += "," + compress(self.extra_nodes)
         self.prolog_timeout_s = prolog_timeout_s
         self.extra_conf = extra_conf
         self.job_submit = job_submit
@@ -317,6 +335,12 @@ class DevCluster:
                 f"CPUs={self.cpus} RealMemory=1000 State=UNKNOWN Port={port}"
             )
         assert port == last
+        if self.extra_nodes:
+            # never started: an address and a port nothing listens on (slurmctld sends
+            # them its pings and reconfigure messages; at its own port it would take
+            # those for clients' requests)
+            lines.append(f"NodeName={compress(self.extra_nodes)} NodeAddr={UNUSED_ADDR} "
+                         f"CPUs={self.cpus} RealMemory=1000 State=UNKNOWN Port=1")
         for i, (name, nodes) in enumerate(self.partitions.items()):
             default = " Default=YES" if i == 0 else ""
             lines.append(f"PartitionName={name} Nodes={nodes}{default} MaxTime=INFINITE State=UP")
@@ -360,8 +384,8 @@ class DevCluster:
             f"NCCLGUARD_CONFIG={shlex.quote(str(self.config_path))}\n"
             f"NCCLGUARD_DB={shlex.quote(str(self.db))}\n"
             "export PATH SLURM_CONF NCCLGUARD_CONFIG NCCLGUARD_DB\n"
-            f"exec {shlex.quote(self.python)} -I -m inventoryd.main features --once "
-            f">>{shlex.quote(str(self.root / 'log' / 'features-hook.log'))} 2>&1\n"
+            f"exec {shlex.quote(self.python)} -I -m inventoryd.main features --hook --log "
+            f"{shlex.quote(str(self.root / 'log' / 'features-hook.log'))}\n"
         )
         os.chmod(self.features_hook, 0o700)
 
@@ -424,7 +448,7 @@ class DevCluster:
 
     def restart_slurmctld(self, timeout: float = 60.0) -> None:
         """Stop slurmctld (SIGTERM) and start it again the plain way: state recovered from
-        StateSaveLocation, runtime node features lost (slurm-facts.md)."""
+        StateSaveLocation, runtime node features lost (docs/slurm.md, "Node features")."""
         p = self._procs.pop("slurmctld")
         with contextlib.suppress(ProcessLookupError):
             os.killpg(p.pid, signal.SIGTERM)
@@ -461,7 +485,14 @@ class DevCluster:
     def wait_nodes_idle(self, timeout: float = 60.0) -> None:
         def idle() -> bool:
             self._check_alive()
-            r = self.run(["sinfo", "-h", "-N", "-o", "%N %T"], check=False, timeout=10)
+            # the running nodes only: sinfo -N of 16,384 defined nodes took over 10 s on
+            # 2 busy cores (one record per node, each matched against the others); a busy
+            # controller answers late: ask again
+            try:
+                r = self.run(["sinfo", "-h", "-N", "-n", compress(self.node_names), "-o",
+                              "%N %T"], check=False, timeout=30)
+            except subprocess.TimeoutExpired:
+                return False
             states = dict(line.split() for line in r.stdout.splitlines() if line.strip())
             return all(states.get(n, "").rstrip("*") == "idle" for n in self.node_names)
 
@@ -600,13 +631,38 @@ class DevCluster:
 
     def publish_fingerprint(self, node: str, fp: Mapping[str, object]) -> Path:
         """Publish a fingerprint built by a test, signed by ``node``'s own munged, as
-        the node's publisher does (:class:`inventoryd.publish.Publisher`)."""
-        from inventoryd.publish import Publisher
+        the node's publisher does (:class:`inventoryd.node.publish.Publisher`)."""
+        from inventoryd.node.publish import Publisher
         from ncclguard.config import SpoolConfig
 
         cfg = SpoolConfig(dir=str(self.records),
                           munge_socket=str(self.root / "munge" / f"{node}.socket"))
         return Publisher(cfg, heartbeat_s=300).publish(fp)
+
+    def store_fingerprints(self, fps: Iterable[Mapping[str, object]]) -> None:
+        """Write fingerprints straight into this cluster's inventory, as the collector
+        would after verifying them (for nodes without a munged: :attr:`extra_nodes`)."""
+        from ncclguard.fingerprint.model import hostname
+        from ncclguard.policy import load_config
+        from ncclguard.policy.schedule import class_values
+        from ncclguard.spool import record_name
+        from ncclguard.store import Inventory
+        from ncclguard.store.inventory import Published
+
+        # in batches, one transaction each (the collector's ingest): 16,384 upserts, one
+        # fsync-bound transaction each, took 7 minutes on this VM's disk
+        now, uid = time.time(), os.getuid()
+        policy = load_config(str(self.config_path)).policy
+        with Inventory(self.db, values=class_values(policy)) as inv:
+            batch: list[Published] = []
+            for fp in [*fps, None]:
+                if fp is not None:
+                    batch.append(Published(fp, now, record_name(hostname(fp)), "", "", "", uid))
+                if len(batch) >= 2000 or (fp is None and batch):
+                    bad = [s for s in inv.ingest(batch, now=now) if s.startswith("invalid")]
+                    if bad:
+                        raise ClusterError(f"store_fingerprints: {bad[0]}")
+                    batch = []
 
     def collect(self, *, check: bool = True) -> subprocess.CompletedProcess[str]:
         """One scan of the collector into this cluster's inventory (``collect --once``)."""
@@ -616,16 +672,22 @@ class DevCluster:
         return r
 
     # ------------------------------------------------------- class features
-    def features(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        """``ncclguard features ARGS`` against this cluster (``sync``, ``check``...)."""
+    def ncclguard(self, *args: str, check: bool = True, ok: Iterable[int] = (0,)
+                  ) -> subprocess.CompletedProcess[str]:
+        """``ncclguard ARGS`` (the admin CLI) against this cluster's config and inventory;
+        with ``check``, an exit status outside ``ok`` is a ClusterError."""
         env = {**self.env, "NCCLGUARD_CONFIG": str(self.config_path),
                "NCCLGUARD_DB": str(self.db)}
-        r = subprocess.run([self.python, "-m", "ncclguard.cli", "features", *args], env=env,
+        r = subprocess.run([self.python, "-m", "ncclguard.cli", *args], env=env,
                            capture_output=True, text=True, timeout=120, cwd=self.root / "tmp")
-        if check and r.returncode != 0:
-            raise ClusterError(f"ncclguard features {' '.join(args)} failed ({r.returncode}): "
+        if check and r.returncode not in tuple(ok):
+            raise ClusterError(f"ncclguard {' '.join(args)} failed ({r.returncode}): "
                                f"{r.stdout}{r.stderr}")
         return r
+
+    def features(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        """``ncclguard features ARGS`` against this cluster (``sync``, ``check``...)."""
+        return self.ncclguard("features", *args, check=check)
 
     def start_features_daemon(self) -> None:
         """``ncclguard-inventoryd features``, the controller's service, until stop()."""
@@ -653,12 +715,16 @@ class DevCluster:
                   f"--program={self.features_hook}"])
 
     def node_features(self) -> dict[str, tuple[str, ...]]:
-        """Each node's active features, as Slurm has them now."""
-        r = self.run(["sinfo", "-h", "-N", "-o", "%N %b"])
+        """Each node's active features, as Slurm has them now (one line per distinct list,
+        expanded here: ``sinfo -N`` costs seconds at 16,384 nodes)."""
+        from ncclguard.hostlist import expand
+
+        r = self.run(["sinfo", "-a", "-h", "-o", "%N|%b"], timeout=60)
         out: dict[str, tuple[str, ...]] = {}
         for line in r.stdout.splitlines():
-            name, _, feats = line.strip().partition(" ")
-            out[name] = tuple(f for f in feats.strip().split(",") if f and f != "(null)")
+            hosts, _, feats = line.strip().partition("|")
+            for name in expand(hosts):
+                out[name] = tuple(f for f in feats.split(",") if f and f != "(null)")
         return out
 
     def remove_records(self) -> None:

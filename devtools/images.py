@@ -110,7 +110,7 @@ int slurm_spank_init(spank_t sp, int ac, char **av) {
 
 
 def build_pyxis_stub(out_dir: Path) -> Path:
-    """Compile :data:`PYXIS_STUB_C` against the installed ``slurm/spank.h`` (libslurm-dev);
+    """Compile :data:`PYXIS_STUB_C` against the installed ``<slurm/spank.h>`` (libslurm-dev);
     raises PartUnavailable without gcc or the header."""
     gcc = shutil.which("gcc")
     if gcc is None:

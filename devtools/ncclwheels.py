@@ -7,25 +7,35 @@
   :class:`PartUnavailable` naming the cause (no network, pip failing).
 - :func:`build_plugin` ``(out_dir, net_abis=[8, 7], name="IBext_v8")`` -> a ``.so`` that gcc
   builds from a tiny C file exporting the chosen ``ncclNetPlugin_vN`` (etc.) structs, each
-  starting with its name string, as real plugins do (docs/nccl-facts.md).
+  starting with its name string, as real plugins do (docs/nccl.md, "Plugins NCCL loads").
+- :func:`loading_check` ``(data, version)`` -> where the strings of a real ``libnccl.so.2``
+  disagree with the loading rules of that release (:mod:`ncclguard.fingerprint.loading`);
+  ``python -m devtools.ncclwheels sweep`` runs it on every release here, and on any other
+  PyPI release named (``2.29.7=nvidia-nccl-cu12``: fetched into a temporary directory).
 
-The cache layout and the version table are those of ``tests/conftest.py``, so the demo and
-the tests share one download.
+The cache layout and the version table are those of the tests (``tests/helpers/parts.py``),
+so the demo and the tests share one download.
 """
 
 from __future__ import annotations
 
+import io
 import os
+import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from ncclguard.fingerprint import loading
+from ncclguard.fingerprint.abi import SYMBOLS
+
 WHEEL_MEMBER = "nvidia/nccl/lib/libnccl.so.2"
 
-# version -> PyPI project; checked on these very files (docs/nccl-facts.md).
+# version -> PyPI project; each file's facts: tests/test_probe_nccl.py (FACTS), docs/nccl.md.
 NCCL_WHEELS: dict[str, str] = {
     "2.18.3": "nvidia-nccl-cu12",
     "2.21.5": "nvidia-nccl-cu11",
@@ -36,6 +46,10 @@ NCCL_WHEELS: dict[str, str] = {
     "2.28.9": "nvidia-nccl-cu12",
     "2.30.7": "nvidia-nccl-cu13",  # the cu13 build: a CUDA 13 libnccl among the cu12 ones
     "2.32.3": "nvidia-nccl-cu12",
+    # the loading-rule boundaries of issue 28 (ncclguard/fingerprint/loading.py)
+    "2.19.3": "nvidia-nccl-cu11",  # tuner by NCCL_TUNER_PLUGIN only, no default name
+    "2.20.5": "nvidia-nccl-cu12",
+    "2.30.4": "nvidia-nccl-cu12",  # no external RMA: no libnccl-rma.so, gin.cc never uses it
 }
 
 
@@ -71,6 +85,18 @@ def _download(wheels: Path, project: str, version: str, timeout: float) -> Path:
     return wheel
 
 
+def _unzip(wheel: Path, dest: Path) -> None:
+    tmp = dest.with_name(f".libnccl.so.2.{os.getpid()}")
+    try:
+        with zipfile.ZipFile(wheel) as z, z.open(WHEEL_MEMBER) as src, open(tmp, "wb") as out:
+            shutil.copyfileobj(src, out, 1 << 20)
+    except (zipfile.BadZipFile, KeyError) as e:
+        tmp.unlink(missing_ok=True)
+        raise PartUnavailable(
+            f"{wheel}: not a usable NCCL wheel ({e}); delete it and retry") from None
+    os.replace(tmp, dest)
+
+
 def nccl_path(version: str) -> Path:
     """Where :func:`extract_nccl` puts (or has put) that version's ``libnccl.so.2``."""
     project = NCCL_WHEELS[version]
@@ -89,16 +115,98 @@ def extract_nccl(version: str, timeout: float = 900) -> Path:
     wheels = cache_dir() / "wheels"
     wheel = _wheel_for(wheels, project, version) or _download(wheels, project, version, timeout)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".libnccl.so.2.{os.getpid()}")
-    try:
-        with zipfile.ZipFile(wheel) as z, z.open(WHEEL_MEMBER) as src, open(tmp, "wb") as out:
-            shutil.copyfileobj(src, out, 1 << 20)
-    except (zipfile.BadZipFile, KeyError) as e:
-        tmp.unlink(missing_ok=True)
-        raise PartUnavailable(
-            f"{wheel}: not a usable NCCL wheel ({e}); delete it and retry") from None
-    os.replace(tmp, dest)
+    _unzip(wheel, dest)
     return dest
+
+
+# ---- the loading rules against a library's strings -------------------------------------
+
+_VAR = re.compile(rb"NCCL_([A-Z]+)_PLUGIN(?![A-Z0-9_])")
+_PREFIX = re.compile(rb"libnccl-([a-z]+)")
+
+
+def loading_check(data: bytes, version: tuple[int, int, int]) -> list[str]:
+    """Where the strings of ``data`` (a real ``libnccl.so.2``) disagree with the loading rules
+    of ``version`` (:func:`ncclguard.fingerprint.loading.rules_for`); ``[]``: they agree.
+
+    What a row implies about the binary: a kind it loads has its ``<symbol>_vN`` literals
+    (the ``dlsym`` names); a kind with a library of its own has its ``libnccl-<kind>``
+    prefix; a variable read is a literal; ``STATIC_PLUGIN`` is one from 2.22.3; the one
+    opener of 2.26 on formats ``%s-%s.so``, the loaders before it ``libnccl-<kind>-%s.so``
+    each; a list's default name is a literal. And the binary names no ``NCCL_*_PLUGIN``
+    variable and no ``libnccl-*`` library of a kind the table does not know.
+    """
+    from inventoryd.probes.nccl import scan
+
+    rules = loading.rules_for(version)
+    abis = scan(io.BytesIO(data))["abis"]
+    out: list[str] = []
+
+    def expect(what: str, want: bool, has: bool) -> None:
+        if want != has:
+            out.append(f"{what}: the {rules.row} row says {'yes' if want else 'no'}, the "
+                       f"strings {'have it' if has else 'do not'}")
+
+    for kind in loading.PREFIXES:
+        rule = rules.kinds.get(kind)
+        symbols = bool(abis.get(kind))
+        if rule is None or not rule.external:
+            if symbols and rule is None:
+                out.append(f"{kind}: the strings name {SYMBOLS[kind]}_vN, the {rules.row} row "
+                           f"loads no {kind} plugin")
+        else:
+            expect(f"{kind}: {SYMBOLS[kind]}_vN", True, symbols)
+        own = rule is not None and rule.own and (rule.default is not None
+                                                  or rule.names != loading.GIVEN)
+        expect(f"{kind}: libnccl-{kind}", own, f"libnccl-{kind}".encode() in data)
+        var = f"NCCL_{kind.upper()}_PLUGIN"
+        expect(f"{kind}: {var}", rule is not None and rule.var is not None,
+               re.search(var.encode() + rb"(?![A-Z0-9_])", data) is not None)
+        if rule is not None and rules.opener == "per kind" and rule.var:
+            expect(f"{kind}: libnccl-{kind}-%s.so", rule.names in (loading.PREFIXED,
+                   loading.BOTH), f"libnccl-{kind}-%s.so".encode() in data)
+        if rule is not None and rule.listed and rule.own and rule.default:
+            expect(f"{kind}: {rule.default}", True, rule.default.encode() in data)
+    expect("STATIC_PLUGIN", rules.static, b"STATIC_PLUGIN" in data)
+    expect("%s-%s.so (plugin_open.cc)", rules.opener == "plugin_open.cc", b"%s-%s.so" in data)
+    for m in sorted(set(_VAR.findall(data))):
+        if m.decode().lower() not in loading.PREFIXES:
+            out.append(f"the strings name NCCL_{m.decode()}_PLUGIN: a kind the table does not "
+                       "know")
+    for m in sorted(set(_PREFIX.findall(data))):
+        if not any(m.decode().startswith(k) for k in loading.PREFIXES):
+            out.append(f"the strings name libnccl-{m.decode()}: a kind the table does not know")
+    return out
+
+
+def sweep(targets: Sequence[str], timeout: float = 900) -> int:
+    """``sweep [VERSION[=PROJECT] ...]``: :func:`loading_check` on each release (default:
+    every one of :data:`NCCL_WHEELS`); one not cached is fetched into a temporary directory
+    and deleted after. Exit 1 if any disagrees, 2 if a wheel cannot be had."""
+    bad = 0
+    for target in targets or list(NCCL_WHEELS):
+        version, _, project = target.partition("=")
+        v = loading.parse_version(version)
+        if v is None:
+            print(f"ncclwheels: {target!r} is not a VERSION[=PROJECT]", file=sys.stderr)
+            return 2
+        try:
+            if version in NCCL_WHEELS and not project:
+                data = extract_nccl(version, timeout).read_bytes()
+            else:
+                with tempfile.TemporaryDirectory(prefix="ncclwheels-") as tmp:
+                    wheel = _download(Path(tmp), project or "nvidia-nccl-cu12", version, timeout)
+                    _unzip(wheel, Path(tmp) / "libnccl.so.2")
+                    data = (Path(tmp) / "libnccl.so.2").read_bytes()
+        except PartUnavailable as e:
+            print(f"ncclwheels: NCCL {version}: {e}", file=sys.stderr)
+            return 2
+        problems = loading_check(data, v)
+        row = loading.rules_for(v).row
+        print(f"NCCL {version}: row {row}: " + ("agrees" if not problems else
+                                              "DISAGREES: " + "; ".join(problems)))
+        bad += bool(problems)
+    return 1 if bad else 0
 
 
 _PLUGIN_TYPE = "typedef struct { const char *name; void *fn[16]; } ncclguard_plugin_t;\n"
@@ -188,10 +296,13 @@ def build_plugin(
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m devtools.ncclwheels fetch``: have every NCCL of :data:`NCCL_WHEELS` in
     the cache (scripts/test.sh runs it before the tests). Exit 2 naming the part that
-    cannot be had."""
+    cannot be had. ``sweep [VERSION[=PROJECT] ...]``: :func:`sweep`."""
     args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["sweep"]:
+        return sweep(args[1:])
     if args != ["fetch"]:
-        print("usage: python -m devtools.ncclwheels fetch", file=sys.stderr)
+        print("usage: python -m devtools.ncclwheels fetch | sweep [VERSION[=PROJECT] ...]",
+              file=sys.stderr)
         return 2
     for version, project in NCCL_WHEELS.items():
         try:

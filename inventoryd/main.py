@@ -61,6 +61,11 @@ def _parser() -> argparse.ArgumentParser:
                             "file current (the controller's service, as SlurmUser; "
                             "docs/scheduling.md)")
     f.add_argument("--once", action="store_true", help="one sync, then exit")
+    f.add_argument("--hook", action="store_true", help="what Slurm's hooks run: return at "
+                   "once, and sync from a detached process once slurmctld answers (the "
+                   "same as ncclguard-features-hook)")
+    f.add_argument("--log", default=None, help="with --hook: the detached sync's log file "
+                   "(default: syslog)")
     h = sub.add_parser("container-record", help="record the NCCL of a starting container "
                        "(run by the enroot hook; never fails)",
                        description="Fingerprint the container root ENROOT_ROOTFS of Slurm job "
@@ -75,13 +80,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _features_once(cfg: configmod.Config) -> int:
-    from inventoryd.features import FeatureKeeper
+    from inventoryd.controller.features import FeatureKeeper
     from ncclguard.sched.classfile import ClassFileError
     from ncclguard.slurm import SlurmError
     from ncclguard.store import InventoryError
 
     try:
-        did = FeatureKeeper(cfg).step()
+        did = FeatureKeeper(cfg).apply()
     except (SlurmError, InventoryError, ClassFileError) as e:
         print(f"ncclguard-inventoryd: {e}", file=sys.stderr)
         return 1
@@ -92,7 +97,7 @@ def _features_once(cfg: configmod.Config) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "container-record":  # before the config: it must never fail
-        from inventoryd import containerhook
+        from inventoryd.node import containerhook
 
         return containerhook.main(config_path=args.config)
     try:
@@ -105,13 +110,16 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "spool", None):
         os.environ["NCCLGUARD_SPOOL"] = args.spool
     if args.command == "features":
-        from inventoryd import features
+        from inventoryd.controller import features
 
+        if args.hook:
+            return features.hook_main([*(["--config", args.config] if args.config else []),
+                                       *(["--log", args.log] if args.log else [])])
         if args.once:
             return _features_once(cfg)
         return features.run(args.config, cfg)
     if args.command == "collect":
-        from inventoryd import collector
+        from inventoryd.controller import collector_service as collector
 
         if args.once:
             try:
@@ -125,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1 if res.deferred else 0
         return collector.run(args.config, cfg)
     if args.command == "metrics":
-        from inventoryd.exporter import Served, from_config
+        from inventoryd.controller.exporter import Served, from_config
 
         exporter = from_config(cfg, None, ask_partitions=not args.no_slurm)
         if exporter.partitions is not None:
@@ -133,17 +141,17 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(Served(exporter).text())
         return 0 if exporter.refresh() is not None else 1
     if args.command == "once":
-        from inventoryd.collect import collect
+        from inventoryd.node.fingerprint import collect
 
         fp = collect(root=args.root, hostname=args.hostname, config=cfg.inventoryd)
         if args.publish:
-            from inventoryd.service import publish_once
+            from inventoryd.node.daemon import publish_once
 
             rc = publish_once(fp, cfg)
             if rc:
                 return rc
         if args.store:
-            from inventoryd.service import store_once
+            from inventoryd.node.daemon import store_once
 
             rc = store_once(fp, cfg)
             if rc:
@@ -156,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             except BrokenPipeError:  # `once --json | head`: the reader left, not an error
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    from inventoryd.service import run
+    from inventoryd.node.daemon import run
 
     return run(root=args.root, hostname=args.hostname, config_path=args.config, config=cfg)
 

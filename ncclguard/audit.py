@@ -23,6 +23,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from ncclguard.fileowner import owner
+
 FILE_MODE = 0o640
 DIR_MODE = 0o755
 MAX_LINE = 64 * 1024  # a record longer than this is cut to its summary fields
@@ -44,9 +46,9 @@ def check_dir(d: Path, what: str = "the audit log") -> None:
     if st.st_mode & 0o002:  # sticky or not (/tmp): anyone could plant or pre-create the file
         raise AuditError(f"{d}: writable by everyone; refusing to write {what} there")
     if st.st_mode & 0o022 and st.st_uid not in (0, os.geteuid()):
-        raise AuditError(f"{d}: owned by uid {st.st_uid} and group/world-writable")
+        raise AuditError(f"{d}: owned by {owner(st.st_uid)} and group/world-writable")
     if st.st_uid not in (0, os.geteuid()):
-        raise AuditError(f"{d}: owned by uid {st.st_uid}, not by us or root")
+        raise AuditError(f"{d}: owned by {owner(st.st_uid)}, not by us or root")
 
 
 def _open_for_append(path: Path) -> int:
@@ -62,7 +64,8 @@ def _open_for_append(path: Path) -> int:
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1:
         os.close(fd)
-        raise AuditError(f"{path}: not a regular file of ours (uid {st.st_uid}); not writing")
+        raise AuditError(f"{path}: not a regular file of ours (owned by {owner(st.st_uid)}); "
+                         "not writing")
     return fd
 
 

@@ -110,6 +110,7 @@ class InventoryConfig(_Settings):
     stale_after_s: int = 900  # a heartbeat older than this makes a node stale
     history_days: int = 180  # history rows older than this are deleted (each node keeps
     #                          its newest); 0: keep for ever
+    container_days: int = 30  # the enroot hook's container records are kept this long
 
     def db_path(self) -> Path:
         env = os.environ.get("NCCLGUARD_DB")
@@ -157,6 +158,11 @@ class CollectorConfig(_Settings):
     metrics_port: int = 0  # serve the cluster's metrics on this port (0: no HTTP endpoint)
     metrics_address: str = "127.0.0.1"  # ... on this address (loopback: a local Prometheus)
     metrics_cache_s: float = 10.0  # the inventory is read for the metrics at most this often
+    metrics_max_connections: int = 64  # open connections to the endpoint at most
+    metrics_timeout_s: float = 5.0  # a request must arrive, and its answer be taken, within
+    node_quota_bytes: int = 67108864  # one node's record and history at most (0: no bound)
+    max_changes_per_hour: int = 30  # one node's accepted changes within an hour (0: no bound)
+    min_free_bytes: int = 1073741824  # below this free space the inventory stops growing
 
 
 class FeaturesConfig(_Settings):
@@ -166,8 +172,18 @@ class FeaturesConfig(_Settings):
     # directory only SlurmUser (who runs the sync) and root can write
     classes_file: str = "/var/lib/ncclguard-features/classes"
     interval_s: float = 2.0  # how often the sync daemon looks (one cheap Slurm call)
-    verify_s: float = 60.0  # how often it compares every node's features with Slurm's
+    verify_s: float = 60.0  # how often it checks Slurm's class features (one grouped sinfo)
     max_alternatives: int = 64  # classes in one job's group, at most (Slurm's limit: 64)
+    # a job whose required nodes (-w) span classes: "refuse" it at submit, or leave it to
+    # the "gate" (Slurm gives a job its required nodes whatever its constraint)
+    required_nodes: str = "refuse"
+    # a node whose class changes again within this many seconds of its last change is held
+    # without a class until its stack has stayed the same this long (one node cannot make
+    # Slurm churn)
+    settle_s: float = 60.0
+    # a node update Slurm refuses is retried after 2 s, then twice as long each time, up
+    # to this (the other nodes' updates go on)
+    retry_max_s: float = 300.0
 
 
 class PolicyConfig(_Settings):
@@ -188,6 +204,10 @@ class GateConfig(_Settings):
     audit_log: str = ""  # JSON lines; empty: /var/log/ncclguard/, else next to the inventory
     slurm_bin_dir: str = ""  # where scontrol/squeue live; empty: PATH, then /usr/bin
     slurm_conf: str = ""  # slurm.conf for the Slurm commands; empty: $SLURM_CONF, then Slurm's own
+    # what concurrent refusals share (a partition's nodes and classes): computed by one
+    # run, read by the others while younger than this (0: each run computes its own)
+    shared_max_age_s: float = 10.0
+    shared_dir: str = ""  # where; empty: gate-shared/ beside the audit log (SlurmUser's)
 
     def audit_path(self, inventory: InventoryConfig | None = None) -> Path:
         """``audit_log``, else :func:`default_audit_path`, so that the gate (as SlurmUser)
@@ -195,6 +215,13 @@ class GateConfig(_Settings):
         if self.audit_log:
             return Path(self.audit_log)
         return default_audit_path(inventory)
+
+    def shared_path(self, inventory: InventoryConfig | None = None) -> Path:
+        """``shared_dir``, else ``gate-shared`` beside the audit log: a directory the
+        gate (SlurmUser) already writes to, and no one else."""
+        if self.shared_dir:
+            return Path(self.shared_dir)
+        return self.audit_path(inventory).parent / "gate-shared"
 
 
 class DrainConfig(_Settings):
@@ -212,7 +239,10 @@ class ImagesConfig(_Settings):
     roots: tuple[str, ...] = ()  # directories of shared .sqsh images; empty: no index
     scan_interval_s: float = 300.0  # how often the collector looks for new or changed images
     scan_budget_s: float = 20.0  # image scanning time per collector cycle (the rest: next one)
-    timeout_s: float = 30.0  # one image, listing and every file read
+    timeout_s: float = 30.0  # one image, listing and every file read (and at most what is
+    #                          left of scan_budget_s)
+    max_read_bytes: int = 3221225472  # streamed out of one image at most (the libnccl a job
+    #                                   loads first); also at most 64x the image's size
     max_images: int = 10000  # images indexed at most (by path order)
     max_depth: int = 8  # directory levels searched below each root
     unsquashfs: str = ""  # the program; empty: PATH, then /usr/bin/unsquashfs
@@ -251,6 +281,7 @@ _CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
     ("inventory", "journal_mode"): ("delete", "wal"),
     ("gate", "on_error"): ("accept", "refuse"),
     ("gate", "steering"): ("steer", "requeue", "hold"),
+    ("features", "required_nodes"): ("refuse", "gate"),  # sched.classfile.REQUIRED_NODES
 }
 
 def config_path() -> Path:
@@ -340,7 +371,8 @@ def _check(section: str, key: str, typ: Any, value: Any, where: str) -> Any:
             raise ConfigError(f"{where}: expected a non-negative integer")
         if key == "min_nodes" and value < 2:
             raise ConfigError(f"{where}: must be at least 2 (one node cannot disagree)")
-        if key in ("record_ttl_s", "max_record_bytes", "batch_max") and value == 0:
+        if key in ("record_ttl_s", "max_record_bytes", "batch_max", "metrics_max_connections",
+                   "max_read_bytes") and value == 0:
             raise ConfigError(f"{where}: must be greater than 0")
         if key == "max_alternatives" and not 1 <= value <= 64:
             raise ConfigError(f"{where}: expected 1 to 64 (past 64 slurmctld crashes)")
@@ -354,7 +386,8 @@ def _check(section: str, key: str, typ: Any, value: Any, where: str) -> Any:
             raise ConfigError(f"{where}: expected a non-negative number")
         if key in ("max_share", "majority", "jitter") and value > 1:
             raise ConfigError(f"{where}: expected a share between 0 and 1")
-        if key in ("interval_s", "deadline_s", "scan_interval_s", "verify_s") and value == 0:
+        if key in ("interval_s", "deadline_s", "scan_interval_s", "verify_s",
+                   "metrics_timeout_s", "retry_max_s") and value == 0:
             raise ConfigError(f"{where}: must be greater than 0")
         return float(value)
     if typ == "str":

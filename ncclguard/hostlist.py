@@ -33,7 +33,7 @@ _NOT_IN_NAMES = re.compile(r"[\[\],\s]")
 
 MAX_HOSTS = 65536  # Slurm's own limit on one range ("Too many hosts in range")
 
-__all__ = ["MAX_HOSTS", "HostlistError", "compress", "expand"]
+__all__ = ["MAX_HOSTS", "HostlistError", "compress", "compress_within", "expand"]
 
 
 class HostlistError(ValueError):
@@ -144,3 +144,41 @@ def compress(hosts: Iterable[str]) -> str:
         parts.append((prefix, numbers[0], f"{prefix}[{','.join(ranges)}]"))
     parts.sort()
     return ",".join(text for _, _, text in parts)
+
+
+def _order(name: str) -> tuple[str, int, int]:
+    """Sort key that keeps a prefix's numbered names together, by number (``n2`` before
+    ``n10``; zero-padded widths apart): neighbours in this order compress into one range."""
+    m = _TRAILING_DIGITS.match(name)
+    if m is None:
+        return (name, -1, -1)
+    prefix, digits = m.groups()
+    return (prefix, len(digits) if digits[0] == "0" else 0, int(digits))
+
+
+def compress_within(hosts: Iterable[str], limit: int) -> list[str]:
+    """``hosts`` as compressed hostlists of at most ``limit`` bytes (UTF-8) each: one when
+    :func:`compress` fits, else the names in number order cut in two, and each half again
+    until it fits. Together they name every host once, in order. For an argument of a
+    command: Linux refuses to run one with an argument over 128 KiB (``MAX_ARG_STRLEN``,
+    "Argument list too long"; docs/slurm.md).
+
+    >>> compress_within([f"gpu{i:05d}" for i in range(1, 16385)], 64 * 1024)
+    ['gpu[00001-16384]']
+    >>> compress_within([f"node-{c}" for c in "abcd"], 13)
+    ['node-a,node-b', 'node-c,node-d']
+    """
+    names = sorted(set(hosts), key=_order)
+    out: list[str] = []
+    todo = [names] if names else []
+    while todo:
+        part = todo.pop()
+        text = compress(part)
+        if len(text.encode()) <= limit:
+            out.append(text)
+        elif len(part) == 1:
+            raise HostlistError(part[0][:200], f"a host name longer than {limit} bytes")
+        else:
+            half = len(part) // 2
+            todo += [part[half:], part[:half]]  # the first half comes out first
+    return out

@@ -19,12 +19,17 @@ Nothing here trusts the spool: a file may be a symlink, a FIFO, huge, truncated 
 garbage, and the directory may be missing (an unmounted share) or writable by others.
 
 Standard library only.
+
+Over 500 lines: the signed record's format, node records and container records alike:
+its writer, its bounded reader and its shape checks in one place, so that the node, the
+enroot hook and the collector cannot disagree on it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import secrets
@@ -34,18 +39,28 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from ncclguard.fingerprint.model import SCHEMA
+from ncclguard.fingerprint.shape import bounds_problem
 
 __all__ = [
     "CAUSES",
+    "CONTAINER_RECORD_VERSION",
+    "CONTAINER_SUBDIR",
+    "MAX_CONTAINER_RECORD_BYTES",
     "RECORD_VERSION",
     "SUFFIX",
+    "ContainerView",
     "FileState",
     "Record",
     "RecordError",
     "SpoolError",
     "atomic_write",
     "check_dir",
+    "check_values",
+    "container_record_name",
+    "container_view",
     "host_of",
+    "parse_container_record",
+    "parse_container_record_name",
     "parse_payload",
     "payload",
     "read",
@@ -76,8 +91,15 @@ CAUSES = {
     "unknown-node": "names a node whose addresses are unknown (not in Slurm or the map)",
     "name-mismatch": "the file name, the record's host and its fingerprint disagree",
     "malformed": "the payload is not a record of this version",
+    "too-deep": "nested deeper, or holding more values, than every reader is sure to "
+                "handle (ncclguard.fingerprint.shape.bounds_problem)",
+    "over-quota": "the node's stored bytes (current record and history) would pass "
+                  "collector.node_quota_bytes",
+    "change-rate": "the node changed its fingerprint more often than "
+                   "collector.max_changes_per_hour",
     "munge-unavailable": "the collector's munged could not be reached",
 }
+
 
 
 class SpoolError(Exception):
@@ -167,32 +189,42 @@ def payload(fingerprint: dict[str, Any], seq: int | None = None) -> bytes:
 _INT64 = (-(2**63), 2**63 - 1)
 
 
-def _check_values(doc: Any) -> str | None:
-    """Why ``doc`` cannot be stored as it is, or None: a string that is not valid UTF-8
-    (a lone surrogate from a ``\\ud800`` escape), an integer SQLite cannot hold, or a
-    number that is not finite (``NaN``, ``Infinity``: not JSON, though Python reads them)."""
-    stack = [doc]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, str):
+def _storable(values: list[Any]) -> str | None:
+    """Why one of ``values`` (keys and scalars) cannot be stored as it is, or None: a
+    string that is not valid UTF-8 (a lone surrogate from a ``\\ud800`` escape), an
+    integer SQLite cannot hold, or a number that is not finite (``NaN``, ``Infinity``:
+    not JSON, though Python reads them). Each kind checked in one go."""
+    strs = [v for v in values if type(v) is str]
+    try:
+        "".join(strs).encode()
+    except UnicodeEncodeError:
+        for text in strs:
             try:
-                x.encode()
+                text.encode()
             except UnicodeEncodeError:
-                return f"a string that is not valid UTF-8: {x[:40]!r}"
-        elif isinstance(x, bool) or x is None:
-            continue
-        elif isinstance(x, int):
-            if not _INT64[0] <= x <= _INT64[1]:
-                return f"an integer outside 64 bits: {str(x)[:40]}"
-        elif isinstance(x, float):
-            if x != x or x in (float("inf"), float("-inf")):
-                return f"a number that is not finite: {x}"
-        elif isinstance(x, dict):
-            stack.extend(x.keys())
-            stack.extend(x.values())
-        elif isinstance(x, list):
-            stack.extend(x)
+                return f"a string that is not valid UTF-8: {text[:40]!r}"
+    ints = [v for v in values if type(v) is int]
+    if ints and (min(ints) < _INT64[0] or max(ints) > _INT64[1]):
+        big = next(v for v in ints if not _INT64[0] <= v <= _INT64[1])
+        return f"an integer outside 64 bits: {str(big)[:40]}"
+    bad = next((v for v in values if type(v) is float and not math.isfinite(v)), None)
+    if bad is not None:
+        return f"a number that is not finite: {bad}"
     return None
+
+
+def check_values(doc: Any, what: str) -> None:
+    """:class:`RecordError` ("too-deep" or "malformed") when ``doc`` cannot be stored
+    and read back by every reader: past the bounds of
+    :func:`ncclguard.fingerprint.shape.bounds_problem`, or holding a value SQLite cannot
+    hold (:func:`_storable`). One walk."""
+    scalars: list[Any] = []
+    deep = bounds_problem(doc, scalars)
+    if deep:
+        raise RecordError("too-deep", f"{what} holds {deep}")
+    why = _storable(scalars)
+    if why:
+        raise RecordError("malformed", f"{what} holds {why}")
 
 
 #: top-level parts of a fingerprint and the JSON type each must have
@@ -202,15 +234,41 @@ _PARTS: dict[str, type] = {
 }  # fmt: skip
 
 
+#: lists whose items every reader takes as objects (docs/fingerprint.md)
+_OBJECT_LISTS = ("libnccl", "plugins", "netifs", "errors")
+
+
+def _items_problem(fp: dict[str, Any]) -> str | None:
+    """Why an item of a list of objects is not one (``"errors": [5]``), or None."""
+    lists: list[tuple[str, Any]] = [(p, fp.get(p)) for p in _OBJECT_LISTS]
+    rdma = fp.get("rdma")
+    devices = rdma.get("devices") if isinstance(rdma, dict) else None
+    if devices is not None:
+        lists.append(("rdma.devices", devices))
+        if isinstance(devices, list):
+            lists += [(f"rdma.devices[{i}].ports", d.get("ports"))
+                      for i, d in enumerate(devices) if isinstance(d, dict) and d.get("ports")]
+    for name, items in lists:
+        if items is None:
+            continue
+        if not isinstance(items, list):
+            return f"fingerprint part {name!r} is {type(items).__name__}, not a list"
+        for x in items:
+            if not isinstance(x, dict):
+                return f"an item of {name!r} is {type(x).__name__}, not an object"
+    return None
+
+
 class Record(NamedTuple):
     host: str
     seq: int
     fingerprint: dict[str, Any]
 
 
-def parse_payload(data: bytes, *, max_bytes: int) -> Record:
-    """The record in a decoded payload, or :class:`RecordError` ("oversized",
-    "malformed", "name-mismatch")."""
+def _versioned(data: bytes, max_bytes: int, key: str, version: int, what: str
+               ) -> dict[str, Any]:
+    """The JSON object of a decoded payload of this ``version`` (``key``), or
+    :class:`RecordError` ("oversized", "malformed")."""
     if len(data) > max_bytes:
         raise RecordError("oversized", f"payload of {len(data)} bytes (limit {max_bytes})")
     try:
@@ -219,9 +277,16 @@ def parse_payload(data: bytes, *, max_bytes: int) -> Record:
         raise RecordError("malformed", f"payload is not JSON: {str(e)[:100]}") from None
     if not isinstance(doc, dict):
         raise RecordError("malformed", "payload is not a JSON object")
-    version = doc.get("ncclguard_record")
-    if type(version) is not int or version != RECORD_VERSION:  # True == 1 in Python
-        raise RecordError("malformed", f"record version {version!r}, expected {RECORD_VERSION}")
+    got = doc.get(key)
+    if type(got) is not int or got != version:  # True == 1 in Python
+        raise RecordError("malformed", f"{what} version {repr(got)[:20]}, expected {version}")
+    return doc
+
+
+def parse_payload(data: bytes, *, max_bytes: int) -> Record:
+    """The record in a decoded payload, or :class:`RecordError` ("oversized",
+    "malformed", "name-mismatch")."""
+    doc = _versioned(data, max_bytes, "ncclguard_record", RECORD_VERSION, "record")
     host, fp, seq = doc.get("host"), doc.get("fingerprint"), doc.get("seq")
     if not isinstance(host, str) or not _HOST.fullmatch(host):
         raise RecordError("malformed", f"record host {str(host)[:80]!r} is not a node name")
@@ -239,15 +304,114 @@ def parse_payload(data: bytes, *, max_bytes: int) -> Record:
                 "malformed", f"fingerprint part {part!r} is {type(fp[part]).__name__}, "
                 f"not {typ.__name__}"
             )
+    why = _items_problem(fp)
+    if why:
+        raise RecordError("malformed", why)
     fp_host = fp.get("host", {}).get("hostname")
     if fp_host != host:
         raise RecordError(
             "name-mismatch", f"record for {host!r} holds the fingerprint of {str(fp_host)[:80]!r}"
         )
-    why = _check_values(fp)
-    if why:
-        raise RecordError("malformed", f"the fingerprint holds {why}")
+    check_values(fp, "the fingerprint")
     return Record(host, seq, fp)
+
+
+# ------------------------------------------------------------------ container records
+
+CONTAINER_RECORD_VERSION = 1
+#: where container records are, under the spool (docs/containers.md)
+CONTAINER_SUBDIR = "containers"
+_CONTAINER_PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+MAX_CONTAINER_RECORD_BYTES = 256 * 1024
+
+
+def container_record_name(host: str, job: str, step: str) -> str:
+    """``<host>+<job>+<step>.rec``; ValueError for a part that is not a plain name."""
+    for part in (host, job, step):
+        if not _CONTAINER_PART.fullmatch(part) or ".." in part:
+            raise ValueError(f"{part!r}: not a node, job or step name")
+    return f"{host}+{job}+{step}.rec"
+
+
+def parse_container_record_name(name: str) -> tuple[str, str, str] | None:
+    """``(host, job, step)`` of a container record's file name; None: not one."""
+    if not name.endswith(".rec"):
+        return None
+    parts = name[:-4].split("+")
+    if len(parts) != 3 or not all(_CONTAINER_PART.fullmatch(p) for p in parts):
+        return None
+    return parts[0], parts[1], parts[2]
+
+
+#: what a container record (docs/containers.md) may hold: each part and its JSON types
+_OPT_STR = (str, type(None))
+_CONTAINER_LIB: dict[str, tuple[type, ...]] = {
+    "path": (str,), "realpath": _OPT_STR, "version": _OPT_STR, "sha256": _OPT_STR,
+    "default": (bool, type(None))}
+_CONTAINER_NET: dict[str, tuple[type, ...]] = {
+    "plugin": _OPT_STR, "name": _OPT_STR, "abi": (int, type(None)), "reason": _OPT_STR}
+MAX_CONTAINER_LIBS = 64
+MAX_CONTAINER_ERRORS = 32
+
+
+class ContainerView(NamedTuple):
+    """What the CLI shows of one container record: the libnccl its job loads (path,
+    version) and the net plugin in force (name, ABI)."""
+
+    nccl_version: str | None
+    libnccl: str | None
+    net_name: str | None
+    net_abi: int | None
+
+
+def _typed(d: Any, spec: dict[str, tuple[type, ...]]) -> bool:
+    return isinstance(d, dict) and all(
+        isinstance(d.get(k), types) and not (isinstance(d.get(k), bool) and bool not in types)
+        for k, types in spec.items())
+
+
+def container_view(rec: Any) -> ContainerView | None:
+    """The shown parts of a stored container record, or None when its shape is not a
+    container record's (every reader goes through this: an odd record is "unreadable",
+    never an error of the command)."""
+    if not isinstance(rec, dict):
+        return None
+    libs, net = rec.get("libnccl"), rec.get("net")
+    if not (isinstance(libs, list) and len(libs) <= MAX_CONTAINER_LIBS
+            and all(_typed(x, _CONTAINER_LIB) for x in libs) and _typed(net, _CONTAINER_NET)):
+        return None
+    lib = next((x for x in libs if x.get("default")), None)
+    assert isinstance(net, dict)
+    return ContainerView(lib.get("version") if lib else None, lib.get("path") if lib else None,
+                         net.get("name"), net.get("abi"))
+
+
+def parse_container_record(data: bytes, *, host: str, job: str, step: str,
+                           max_bytes: int) -> dict[str, Any]:
+    """The container record in a decoded payload, checked before anything is written:
+    this version, naming ``host``, ``job`` and ``step`` (the file's name), of the shape
+    :func:`container_view` reads, with storable values within the depth and count
+    bounds. :class:`RecordError` ("oversized", "malformed", "name-mismatch",
+    "too-deep") otherwise."""
+    rec = _versioned(data, max_bytes, "ncclguard_container_record", CONTAINER_RECORD_VERSION,
+                     "container record")
+    check_values(rec, "the container record")
+    named = (rec.get("host"), rec.get("job"), rec.get("step"))
+    if named != (host, job, step):
+        raise RecordError("name-mismatch", f"the file names {host}, job {job}, step {step}; "
+                          f"the record {repr(named)[:120]}")
+    if container_view(rec) is None:
+        raise RecordError("malformed", "libnccl or net is not of a container record's shape "
+                          f"(at most {MAX_CONTAINER_LIBS} libraries of path, realpath, "
+                          "version, sha256, default; net of plugin, name, abi, reason)")
+    conf, errors = rec.get("nccl_conf"), rec.get("errors")
+    if conf is not None and not (isinstance(conf, dict)
+                                 and all(isinstance(v, str) for v in conf.values())):
+        raise RecordError("malformed", "nccl_conf is not a table of strings")
+    if not (isinstance(errors, list) and len(errors) <= MAX_CONTAINER_ERRORS):
+        raise RecordError("malformed", f"errors is not a list of at most "
+                          f"{MAX_CONTAINER_ERRORS} items")
+    return rec
 
 
 # ------------------------------------------------------------------ files

@@ -101,7 +101,10 @@ def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) ->
     try:
         return _run(a, env, job_id, t0)
     except Exception as e:  # fail-safe: never hold a job over a diagnosis
-        print(f"ncclguard-epilog: job {job_id or '?'}: {type(e).__name__}: {e}", file=sys.stderr)
+        from ncclguard.text import safe  # a path or a log line of the job's: one line
+
+        print(f"ncclguard-epilog: job {safe(job_id) or '?'}: {type(e).__name__}: "
+              f"{safe(str(e))}", file=sys.stderr)
         return 0
 
 
@@ -140,7 +143,10 @@ def _run(a: argparse.Namespace, env: Mapping[str, str], job_id: str, t0: float) 
         try:
             job = job_logs(Slurm.from_config(cfg.gate, timeout=min(5.0, remaining)), job_id)
         except SlurmError as e:
-            print(f"ncclguard-epilog: job {job_id}: Slurm: {e}", file=sys.stderr)
+            from ncclguard.text import safe
+
+            print(f"ncclguard-epilog: job {safe(job_id)}: Slurm: {safe(str(e))}",
+                  file=sys.stderr)
         if job is not None:
             if is_failed is None and job.state in ("COMPLETED",) and not a.always:
                 return 0
@@ -166,9 +172,9 @@ def _run(a: argparse.Namespace, env: Mapping[str, str], job_id: str, t0: float) 
         return 0
 
     def opener() -> Any:
-        from ncclguard.store import Inventory
+        from ncclguard.sched.classes import open_classes  # the tie-break reads the classes
 
-        return Inventory(None, readonly=True, config=cfg.inventory)
+        return open_classes(cfg.policy, cfg.inventory)
 
     try:
         report = run(

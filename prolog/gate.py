@@ -14,6 +14,10 @@ and caps every Slurm call; on expiry the run ends with the ``on_error`` outcome.
 
 Hot path: only the standard library, the config, hostlist, the read-only store and the
 policy are imported before a decision; the Slurm adapter only when a call is needed.
+
+Over 500 lines: one run of the gate, from the environment to the exit status, shares its
+deadline, its log and its audit record (the ``Run``) across decide, refuse and the
+follow-up's start; the Job, the steering follow-up and the Epilog are modules of their own.
 """
 
 from __future__ import annotations
@@ -31,14 +35,20 @@ if TYPE_CHECKING:
     from ncclguard.config import Config
     from ncclguard.policy.verdict import Verdict
     from ncclguard.slurm import Slurm
-    from ncclguard.store import Inventory
+    from ncclguard.store import GateValues, Inventory
     from prolog.job import Job
 
 EXIT_OK = 0
 EXIT_REFUSE = 1
 COMMENT_MAX = 400
 _DEFAULT_DEADLINE_S = 5.0
-SLURM_CALL_S = 2.0  # one Slurm command, at most (the deadline caps it further)
+DEADLINE_MARGIN_S = 0.2  # Slurm calls end this long before the deadline (the audit record)
+#: Kept for the AdminComment (and notify) after the reads, out of what is left: reads that
+#: wait for slurmctld's locks (a backfill cycle holds them up to 2 s at a time) cannot
+#: take the time the comment needs. At most this share of the whole deadline.
+COMMENT_RESERVE_S = 2.0
+COMMENT_RESERVE_SHARE = 0.4
+SHARED_WAIT_S = 1.0  # a run waits this long, at most, for another run's shared answer
 
 
 class Run:
@@ -51,9 +61,9 @@ class Run:
         self.config: Config | None = None
         self.record: dict[str, Any] = {"job": _int_or(self.job_id)}
         self.finished = False
-        # partitions -> their nodes (one sinfo a run)
-        self.members: dict[frozenset[str], list[str]] = {}
-        # job id -> Slurm's record of it (one squeue a run: on 22.05 it lists every job)
+        # partitions -> their nodes and classes (one read a run, shared between runs)
+        self.views: dict[frozenset[str], PartitionView] = {}
+        # job id -> Slurm's record of it (one narrow read a run)
         self.jobs: dict[str, Any] = {}
 
     @property
@@ -64,7 +74,12 @@ class Run:
         return round((time.monotonic() - self.t0) * 1000, 1)
 
     def log(self, msg: str, *, error: bool = False) -> None:
-        line = f"ncclguard-prolog[job {self.job_id}]: {'ERROR: ' if error else ''}{msg}"
+        from ncclguard.text import safe
+
+        # one line whatever a node, a record or a job put in the message: no value can
+        # start a line of its own in the controller's log (docs/threat-model.md)
+        line = (f"ncclguard-prolog[job {safe(str(self.job_id))}]: "
+                f"{'ERROR: ' if error else ''}{safe(msg)}")
         try:
             sys.stderr.write(line + "\n")
             sys.stderr.flush()
@@ -141,12 +156,24 @@ def _int_or(v: str) -> int | str:
     return int(v) if v.isdigit() else v
 
 
-def _slurm(run: Run) -> Slurm:
+def _slurm(run: Run, *, reads: bool = False) -> Slurm:
+    """The adapter, every call bounded by what is left of the deadline. ``reads``: for
+    the reads before the AdminComment, which leave it :func:`_comment_reserve` s."""
     from ncclguard.slurm import Slurm
 
-    deadline = run.t0 + (run.config.gate.deadline_s if run.config else _DEFAULT_DEADLINE_S) - 0.2
+    total = run.config.gate.deadline_s if run.config else _DEFAULT_DEADLINE_S
+    deadline = run.t0 + total - DEADLINE_MARGIN_S
+    if reads:
+        deadline -= _comment_reserve(total)
     gate = run.config.gate if run.config else None
-    return Slurm.from_config(gate, timeout=SLURM_CALL_S, deadline=deadline)
+    left = max(deadline - time.monotonic(), 0.0)
+    return Slurm.from_config(gate, timeout=left, deadline=deadline)
+
+
+def _comment_reserve(deadline_s: float) -> float:
+    """What the reads leave the AdminComment: 2 s of a 5 s deadline (one call that waits
+    out a backfill cycle's lock), 40 % of a shorter one."""
+    return min(COMMENT_RESERVE_S, COMMENT_RESERVE_SHARE * deadline_s)
 
 
 SEPARATOR = " || "  # between others' AdminComment text and ours: ours never holds it
@@ -193,10 +220,11 @@ def _set_comment(run: Run, job_id: int | str, text: str) -> str:
 
 def _job_info(run: Run, job_id: int | str) -> Any:
     """Slurm's record of the job (``JobInfo`` or None), asked once per run: the steering
-    check and the AdminComment both read it. A failure raises and is not remembered."""
+    check and the AdminComment both read it. A narrow read (``Slurm.job_brief``: that one
+    job, whatever the queue holds). A failure raises and is not remembered."""
     key = str(job_id)
     if key not in run.jobs:
-        run.jobs[key] = _slurm(run).job(job_id)
+        run.jobs[key] = _slurm(run, reads=True).job_brief(job_id)
     return run.jobs[key]
 
 
@@ -215,8 +243,9 @@ def _best_effort(run: Run, call: Any) -> bool:
 # --------------------------------------------------------------------------- decision
 
 
-def _inventory(run: Run) -> Inventory:
-    """The inventory, read-only, its busy wait capped at what is left of the deadline.
+def _inventory(run: Run, values: GateValues | None = None) -> Inventory:
+    """The inventory, read-only, its busy wait capped at what is left of the deadline;
+    ``values``: the policy's (default ``GATE_VALUES``; with the classes for a tie-break).
 
     SQLite waits for a lock inside C, where the deadline's signal handler cannot run;
     uncapped, a locked inventory would hold the prolog for the whole busy timeout.
@@ -228,9 +257,8 @@ def _inventory(run: Run) -> Inventory:
     assert cfg is not None
     left_ms = (cfg.gate.deadline_s - (time.monotonic() - run.t0) - 0.3) * 1000
     busy_ms = int(max(min(cfg.inventory.busy_timeout_ms, left_ms), 0))
-    return Inventory(
-        readonly=True, values=GATE_VALUES, config=cfg.inventory.replace(busy_timeout_ms=busy_ms)
-    )
+    return Inventory(readonly=True, values=values or GATE_VALUES,
+                     config=cfg.inventory.replace(busy_timeout_ms=busy_ms))
 
 
 def decide(run: Run, job: Job) -> int:
@@ -246,8 +274,15 @@ def decide(run: Run, job: Job) -> int:
             records = inv.load_values(job.nodes)
             if image.startswith("/"):
                 image_values = inv.load_image_values(image)
+            written_at, pressure = inv.writer_state()
     except InventoryError as e:
         return run.fail("inventory", e)
+    from ncclguard.policy.freshness import writer_note
+
+    note = writer_note(written_at, pressure, time.time())
+    if note:  # a frozen inventory: the records below are as old as it is
+        run.log(note)
+        run.record["inventory"] = note
     stale = stale_hosts({h: r[1] for h, r in records.items() if r is not None},
                         time.time(), cfg.inventory.stale_after_s)
     values = {h: (r[0] if r is not None else None) for h, r in records.items()}
@@ -291,14 +326,122 @@ def decide(run: Run, job: Job) -> int:
     return refuse(run, job, verdict)
 
 
-def _partition_nodes(run: Run, partitions: set[str]) -> list[str]:
-    """The nodes of any of ``partitions``, asked of Slurm once per run."""
+class PartitionView:
+    """The nodes of some partitions and their classes (the configured refuse-level
+    rules' class keys, the classes Slurm's features name): what the tie-break and the
+    steering check need of the cluster. Its cost does not grow with the
+    cluster's other partitions: one narrow Slurm read (``scontrol show partition``) and
+    the inventory's classes of these nodes, shared between concurrent runs
+    (:mod:`prolog.shared`). ``members``: the partitions' node lists as Slurm wrote them
+    (compressed); ``classes``: each class's hosts, largest first (JSON lists: at 16,384
+    nodes 200 KB, read in 2 ms, where compressing them cost 60 to 90 ms a run)."""
+
+    def __init__(self, doc: Mapping[str, Any]) -> None:
+        members, classes = doc.get("members"), doc.get("classes")
+        if not isinstance(members, str) or not isinstance(classes, list) or not all(
+                isinstance(c, list) and all(isinstance(h, str) for h in c) for c in classes):
+            raise ValueError("not a partition view")
+        self.members_text = members
+        self.classes: list[list[str]] = classes
+
+    def members(self) -> list[str]:
+        from ncclguard.hostlist import expand
+
+        return sorted(set(expand(self.members_text))) if self.members_text else []
+
+    def largest_without(self, removed: set[str], need: int) -> int:
+        """The size of the largest class once ``removed`` is taken out when it is below
+        ``need``; some size of at least ``need`` otherwise. ``removed`` is the odd and the
+        excluded nodes (few): a class is looked into only when they could make the
+        difference."""
+        best = 0
+        for hosts in self.classes:  # largest first
+            size = len(hosts)
+            if size <= best:
+                break
+            if size - len(removed) >= need:
+                return size
+            best = max(best, size - len(removed.intersection(hosts)))
+            if best >= need:
+                break
+        return best
+
+
+def _partition_view(run: Run, partitions: set[str]) -> PartitionView:
+    """The view of ``partitions``, once per run: as a concurrent run wrote it (at most
+    ``gate.shared_max_age_s`` old), else computed here and written for the others."""
     key = frozenset(partitions)
-    members = run.members.get(key)
-    if members is None:
-        names = [n.name for n in _slurm(run).nodes() if key & set(n.partitions)]
-        members = run.members[key] = sorted(set(names))
-    return members
+    view = run.views.get(key)
+    if view is None:
+        view = run.views[key] = PartitionView(_shared_view(run, sorted(key)))
+    return view
+
+
+def _shared_view(run: Run, names: list[str]) -> dict[str, Any]:
+    from prolog.shared import SharedError, shared
+
+    cfg = run.config
+    assert cfg is not None
+    if cfg.gate.shared_max_age_s <= 0:
+        return _compute_view(run, names)
+    left = run.t0 + cfg.gate.deadline_s - _comment_reserve(cfg.gate.deadline_s) - time.monotonic()
+    try:
+        doc, how = shared(cfg.gate.shared_path(cfg.inventory), _view_file(names),
+                          "partitions " + ",".join(names), cfg.gate.shared_max_age_s,
+                          min(SHARED_WAIT_S, max(left, 0.0) / 2),
+                          lambda: _compute_view(run, names))
+    except SharedError as e:  # the directory: not shared, never wrong
+        run.log(f"shared work: {e}; computed for this run alone", error=True)
+        return _compute_view(run, names)
+    run.record["shared"] = how
+    return doc
+
+
+def _view_file(names: list[str]) -> str:
+    import zlib
+
+    return f"partitions-{zlib.crc32(','.join(names).encode()):08x}.json"
+
+
+#: Above this many nodes, the view reads every node's class key and keeps the partition's
+#: in Python, rather than ask SQLite for that many names (one ``json_each`` a chunk).
+FILTER_IN_SQL_MAX = 4096
+
+
+def _compute_view(run: Run, names: list[str]) -> dict[str, Any]:
+    """One narrow Slurm read (every partition's node list, compressed) and the
+    inventory's classes of these partitions' nodes."""
+    from ncclguard.hostlist import HostlistError, expand
+    from ncclguard.slurm import SlurmSchemaError
+
+    cfg = run.config
+    assert cfg is not None
+
+    lists = _slurm(run, reads=True).partitions()
+    members: set[str] = set()
+    for name in names:
+        if name not in lists:  # the job's own partition: Slurm's answer is not whole
+            raise SlurmSchemaError(f"scontrol show partition: no partition {name!r} in "
+                                   f"Slurm's answer (it names {len(lists)})")
+        try:
+            members.update(expand(lists[name]) if lists[name] else ())
+        except HostlistError as e:
+            raise SlurmSchemaError(f"scontrol show partition: {name} has Nodes="
+                                   f"{lists[name][:200]!r}: {e}") from None
+    by_key: dict[str, list[str]] = {}
+    if members:
+        from ncclguard.policy.schedule import class_values
+
+        # the classes Slurm schedules by (ncclguard/sched/classes.py); opened after Slurm
+        # answered: its wait is capped at what is left then
+        with _inventory(run, class_values(cfg.policy)) as inv:
+            few = len(members) <= FILTER_IN_SQL_MAX
+            keys = inv.class_keys(sorted(members) if few else None)
+        for host, key in sorted(keys.items()):
+            if key is not None and host in members:
+                by_key.setdefault(key, []).append(host)
+    classes = [hosts for _, hosts in sorted(by_key.items(), key=lambda kv: (-len(kv[1]), kv[0]))]
+    return {"members": ",".join(lists[n] for n in names if lists[n]), "classes": classes}
 
 
 def _break_tie(
@@ -314,16 +457,25 @@ def _break_tie(
     cfg = run.config
     assert cfg is not None
 
+    views: list[PartitionView] = []
+
     def members(names: set[str]) -> list[str]:
         try:
-            return _partition_nodes(run, names)
-        except SlurmError as e:
+            view = _partition_view(run, names)
+        except (SlurmError, OSError, ValueError) as e:
             run.log(f"tie-break: partition nodes unknown ({e}); using the whole inventory")
             return []
+        views.append(view)
+        return view.members()
 
     def classes(among: list[str] | None) -> list[list[str]]:
+        if among is not None and views:  # the partition's classes, as its view holds them
+            return views[-1].classes
+        # the classes of this config (ncclguard/sched/classes.py), as Slurm's features;
         # opened after Slurm was asked: its busy wait is capped at what is left by then
-        with _inventory(run) as inv:
+        from ncclguard.policy.schedule import class_values
+
+        with _inventory(run, class_values(cfg.policy)) as inv:
             return [c.hosts for c in inv.classes(among)]
 
     try:
@@ -409,24 +561,43 @@ def _cannot_steer(run: Run, job: Job, odd: list[str]) -> str:
 
     cfg = run.config
     assert cfg is not None
-    info = _job_info(run, job.job_id)
+    if job.partition:  # known from the environment: read the job and the view at once
+        _overlapped(run, lambda: _job_info(run, job.job_id),
+                    lambda: _partition_view(run, partitions_of(job.partition)))
+    info = _job_info(run, job.job_id)  # the thread's answer; asked again if it failed
     required = set(expand(info.required_nodes)) if info and info.required_nodes else set()
     pinned = required & set(odd)
     if pinned:
         return f"pinned with -w to {compress(pinned)}"
     excluded = set(expand(info.excluded_nodes)) if info and info.excluded_nodes else set()
     partition = job.partition or (info.partition if info else "")
-    members = _partition_nodes(run, partitions_of(partition)) if partition else []
-    candidates = sorted(set(members) - excluded - set(odd))
-    with _inventory(run) as inv:
-        classes = inv.classes(candidates) if candidates else []
-    largest = max((len(c.hosts) for c in classes), default=0)
+    view = _partition_view(run, partitions_of(partition)) if partition else None
+    largest = view.largest_without(excluded | set(odd), job.num_nodes) if view else 0
     if largest < job.num_nodes:
         return (
             f"the largest compatible class in partition {partition} without "
             f"{compress(odd)} has {largest} nodes, the job needs {job.num_nodes}"
         )
     return ""
+
+
+def _overlapped(run: Run, waiting: Any, working: Any) -> None:
+    """Run ``waiting`` (a read that mostly waits for slurmctld) in a thread while
+    ``working`` runs here; both are bounded by the reads' deadline. ``working``'s error
+    propagates; ``waiting``'s is dropped (its caller asks again, and fails then)."""
+    import contextlib
+    import threading
+
+    def quietly() -> None:
+        with contextlib.suppress(Exception):  # asked again by the caller, which reports it
+            waiting()
+
+    t = threading.Thread(target=quietly, name="slurm-read", daemon=True)
+    t.start()
+    try:
+        working()
+    finally:
+        t.join()
 
 
 def spawn_followup(run: Run, job: Job, action: str, odd: list[str], comment: str) -> None:
@@ -466,7 +637,17 @@ def _spawn(run: Run, job_id: int | str, action: str, odd: list[str], comment: st
         cwd="/",
         close_fds=True,
         start_new_session=True,
+        preexec_fn=_lower_priority,  # the gate is single-threaded here (the read joined)
     )
+
+
+#: The follow-up's nice value: in a burst of refusals it starts while other gates still
+#: run, and each one polls squeue; it never needs the CPU before them or slurmctld.
+FOLLOWUP_NICE = 10
+
+
+def _lower_priority() -> None:
+    os.nice(FOLLOWUP_NICE)
 
 
 # --------------------------------------------------------------------------- entry

@@ -1,7 +1,8 @@
 """The job a PrologSlurmctld run is about, read from its ``SLURM_*`` environment.
 
-Slurm 22.05 sets (see slurm-facts.md): ``SLURM_JOB_ID``, ``SLURM_JOB_NODELIST``
-(compressed), ``SLURM_JOB_NUM_NODES``, ``SLURM_JOB_PARTITION``, ``SLURM_JOB_USER``,
+Slurm 22.05 sets (docs/slurm-versions.md, "1. PrologSlurmctld / EpilogSlurmctld
+environment"): ``SLURM_JOB_ID``, ``SLURM_JOB_NODELIST`` (compressed),
+``SLURM_JOB_NUM_NODES``, ``SLURM_JOB_PARTITION``, ``SLURM_JOB_USER``,
 ``SLURM_JOB_UID``, ``SLURM_JOB_RESTART_COUNT``; batch jobs also ``SLURM_JOB_STDIN`` (see
 :func:`is_batch`);
 when set by the user ``SLURM_JOB_COMMENT``; 23.02+ ``SLURM_JOB_EXTRA``.
@@ -18,7 +19,6 @@ from typing import NamedTuple
 from ncclguard.hostlist import HostlistError, expand
 
 OPT_OUT = "ncclguard=off"
-CLASS_FEATURE_PREFIX = "nc_"  # ncclguard.policy.schedule.FEATURE_PREFIX (kept light here)
 
 
 BATCH_VARIABLES = ("SLURM_JOB_STDIN", "SLURM_JOB_STDOUT", "SLURM_JOB_STDERR")
@@ -79,12 +79,9 @@ class Job(NamedTuple):
     def class_group(self) -> bool:
         """Whether the job carries a matching-OR group of class features (``[nc_..|..]``,
         docs/scheduling.md): Slurm then gave it nodes of one class."""
-        start = self.constraints.find("[")
-        end = self.constraints.find("]", start + 1)
-        if start < 0 or end < 0:
-            return False
-        names = self.constraints[start + 1:end].split("|")
-        return all(n.startswith(CLASS_FEATURE_PREFIX) for n in names)
+        from ncclguard.sched.group import is_class_group  # standard library only
+
+        return is_class_group(self.constraints)
 
     @property
     def opted_out(self) -> bool:

@@ -47,7 +47,9 @@ def _record(args: argparse.Namespace, result: str, **extra: object) -> None:
             },
         )
     except OSError as e:
-        print(f"ncclguard-steer[job {args.job}]: audit: {e}", file=sys.stderr)
+        from ncclguard.text import safe
+
+        print(f"ncclguard-steer[job {args.job}]: audit: {safe(str(e))}", file=sys.stderr)
 
 
 def wait_pending(slurm: Slurm, job: int, wait_s: float) -> str | None:
@@ -65,8 +67,9 @@ def wait_pending(slurm: Slurm, job: int, wait_s: float) -> str | None:
 
 
 def steer(slurm: Slurm, job: int, exclude: Sequence[str]) -> str:
-    """Merge ``exclude`` into the job's ExcNodeList and make it eligible now."""
-    info = slurm.job(job)
+    """Merge ``exclude`` into the job's ExcNodeList and make it eligible now (the job
+    read narrowly: ``Slurm.job_brief``, whatever the queue holds)."""
+    info = slurm.job_brief(job, admin_comment=False)
     if info is None:
         raise SlurmError(f"job {job}: gone before it could be steered")
     merged = compress([*expand(info.excluded_nodes), *exclude])
@@ -96,7 +99,9 @@ def run(args: argparse.Namespace) -> int:
             _record(args, "done")
     except SlurmError as e:
         _record(args, "failed", error=str(e))
-        print(f"ncclguard-steer[job {args.job}]: {e}", file=sys.stderr)
+        from ncclguard.text import safe
+
+        print(f"ncclguard-steer[job {args.job}]: {safe(str(e))}", file=sys.stderr)
         return 1
     return 0
 

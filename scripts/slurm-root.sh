@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
-# A second, newer Slurm for the tests: Debian 13 (trixie) with its slurm-wlm 24.11 in a
-# root made by debootstrap, cached between runs. scripts/test.sh runs the whole suite on
-# this machine's Slurm first, then here again inside this root.
+# Newer Slurm releases for the tests: a Debian root made by debootstrap, cached between
+# runs, with that suite's slurm-wlm. scripts/test.sh runs the whole suite on this
+# machine's Slurm first, then inside each root.
+#
+#   NCCLGUARD_SLURM_SUITE=trixie (default): Debian 13, Slurm 24.11, Python 3.13
+#   NCCLGUARD_SLURM_SUITE=forky:            Debian forky, Slurm 26.05, Python 3.14 (made
+#                                           with debootstrap's sid script; this mirror's
+#                                           forky Release is past its Valid-Until date)
 #
 #   scripts/slurm-root.sh test [pytest args]   build or reuse the root, copy the checkout
 #                                              in, run scripts/test.sh there
@@ -12,7 +17,8 @@
 #   scripts/slurm-root.sh build                only build (or check) the root
 #   scripts/slurm-root.sh remove               delete the cached root
 #
-# NCCLGUARD_SLURM_ROOT: where the root lives (default /var/cache/ncclguard/trixie-slurm).
+# NCCLGUARD_SLURM_CACHE: where the roots live (default /var/cache/ncclguard: the root is
+# <cache>/<suite>-slurm); NCCLGUARD_SLURM_ROOT: one suite's root exactly (overrides).
 # Needs root (debootstrap, chroot, mount). A package added to the list below is installed
 # into the cached root (apt-get, no rebuild); the root is rebuilt only when the suite or
 # the root's version tag changes; `remove` forces it. Facts: docs/slurm-versions.md.
@@ -21,12 +27,16 @@ cd "$(dirname "$0")/.."
 me=scripts/slurm-root.sh
 action=${1:-test}
 [[ $# -gt 0 ]] && shift
-root=$(realpath -m -- "${NCCLGUARD_SLURM_ROOT:-/var/cache/ncclguard/trixie-slurm}")
-suite=trixie
+suite=${NCCLGUARD_SLURM_SUITE:-trixie}
+case $suite in
+trixie | forky) ;;
+*) echo "$me: NCCLGUARD_SLURM_SUITE=$suite: want trixie or forky" >&2; exit 2 ;;
+esac
+root=$(realpath -m -- "${NCCLGUARD_SLURM_ROOT:-${NCCLGUARD_SLURM_CACHE:-/var/cache/ncclguard}/$suite-slurm}")
 # everything scripts/test.sh and the tests need inside, so that the cached root is complete
 # (prometheus: promtool and the server for the alert-rule tests)
 packages=(slurm-wlm munge python3 python3-venv gcc libc6-dev systemd make git
-          ca-certificates procps iproute2 prometheus squashfs-tools libslurm-dev)
+          ca-certificates procps iproute2 prometheus squashfs-tools libslurm-dev lua5.1)
 root_version=v1 # a new tag rebuilds the root; a new package is only installed into it
 stamp_want="$suite ${packages[*]} $root_version"
 
@@ -47,16 +57,9 @@ mkdir -p "$(dirname "$root")"
 exec {lock_fd}>"$root.lock"
 flock -w 1800 "$lock_fd" || die "another $me holds $root.lock (waited 30 min)"
 
-mirror() {
-    # this machine's Debian mirror (the registries it can reach), else Debian's own
-    local uri
-    uri=$(sed -n 's/^URIs:[[:space:]]*//p' /etc/apt/sources.list.d/debian.sources 2>/dev/null |
-        grep -v security | head -n1 || true)
-    # one-line format: "deb [options] URI suite ...": the first field that is a URI
-    [[ -n $uri ]] || uri=$(awk '$1 == "deb" { for (i = 2; i <= NF; i++) if ($i ~ /^[a-z]+:\/\//) {
-        if ($0 !~ /security/) { print $i; exit } } }' /etc/apt/sources.list 2>/dev/null || true)
-    echo "${uri:-http://deb.debian.org/debian}"
-}
+# debian_mirror, debian_debootstrap
+# shellcheck source=scripts/debian-root.sh
+source scripts/debian-root.sh
 
 mounts_under_root() {
     # every mount point inside the root, deepest first (left over by a killed run, too)
@@ -122,7 +125,7 @@ in_root() {
     local v
     for v in $(compgen -e); do
             case $v in
-        PIP_FIND_LINKS | NCCLGUARD_TEST_CACHE | NCCLGUARD_SLURM_ROOT) ;; # host paths
+        PIP_FIND_LINKS | NCCLGUARD_TEST_CACHE | NCCLGUARD_SLURM_ROOT | NCCLGUARD_SLURM_CACHE) ;; # host paths
         PIP_* | *_CA_BUNDLE | SSL_CERT_* | *CA_CERTS* | NCCLGUARD_* | http_proxy | https_proxy | \
             no_proxy | HTTP_PROXY | HTTPS_PROXY | NO_PROXY) keep+=("$v=${!v}") ;;
         esac
@@ -173,7 +176,7 @@ build() {
     touch "$owner"
     local log
     log=$(mktemp)
-    if ! debootstrap --variant=minbase "$suite" "$root" "$(mirror)" >"$log" 2>&1; then
+    if ! debian_debootstrap "$suite" "$root" "$log"; then
         tail -n 20 "$log" >&2
         die "debootstrap $suite failed (log above)"
     fi
@@ -228,7 +231,7 @@ test)
     build
     bind_system
     copy_checkout
-    echo "$me: the suite on $(in_root sh -c 'dpkg-query -W -f "Slurm \${Version}" slurm-wlm; echo " and $(python3 --version)"')"
+    echo "$me: the suite${*:+ ($*)} on $(in_root sh -c 'dpkg-query -W -f "Slurm \${Version}" slurm-wlm; echo " and $(python3 --version)"')"
     in_root bash -c 'cd /src/ncclguard && NCCLGUARD_IN_SLURM_ROOT=1 NCCLGUARD_SHUFFLE=1 \
         exec bash scripts/test.sh "$@"' \
         test "$@"

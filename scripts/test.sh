@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
 # Install what the tests need (Slurm, munge, gcc, Prometheus, python3-venv, the venv), run ruff, the
 # layering contract (import-linter) and mypy, then the whole suite, the real-Slurm tests
-# included, on this machine's Slurm and then on Debian 13's Slurm 24.11 in a debootstrap
-# root (scripts/slurm-root.sh). `make test` and CI (.ci/run) call exactly this.
+# included, on this machine's Slurm, then the real-Slurm tests on Debian 13's Slurm 24.11
+# and the whole suite on Debian forky's 26.05, each in a debootstrap root
+# (scripts/slurm-root.sh). `make test` and CI (.ci/run) call exactly this.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 need_apt=()
-# prometheus: promtool (the alert rules' unit tests) and the server (scraping the collector)
+# prometheus: promtool (the alert rules' unit tests) and the server (scraping the collector);
+# lua5.1: job_submit.lua's logic run outside slurmctld (tests/test_lua_submit.py)
 for cmd in slurmctld:slurm-wlm slurmd:slurm-wlm munged:munge gcc:gcc systemd-analyze:systemd \
            ldconfig:libc-bin python3:python3 promtool:prometheus prometheus:prometheus \
-           mksquashfs:squashfs-tools unsquashfs:squashfs-tools; do
+           mksquashfs:squashfs-tools unsquashfs:squashfs-tools lua5.1:lua5.1; do
     command -v "${cmd%%:*}" >/dev/null 2>&1 || need_apt+=("${cmd##*:}")
 done
-# the stub SPANK plugin of the container tests is compiled against slurm/spank.h
+# the stub SPANK plugin of the container tests is compiled against <slurm/spank.h>
 [[ -f /usr/include/slurm/spank.h ]] || need_apt+=(libslurm-dev)
 # Debian's python3 has no venv/ensurepip without python3-venv
 if ! python3 -c 'import venv, ensurepip' >/dev/null 2>&1; then
@@ -39,7 +41,7 @@ fi
 # imports run one way (pyproject.toml, [tool.importlinter]), and the packages type-check
 .venv/bin/lint-imports --no-cache
 .venv/bin/mypy
-# The real NCCL libraries the tests use, fetched up front (about 700 MB the first time,
+# The real NCCL libraries the tests use, fetched up front (about 2.6 GB the first time,
 # cached in ~/.cache/ncclguard): a part that cannot be had stops the run here, named.
 if ! .venv/bin/python -m devtools.ncclwheels fetch >/dev/null; then
     echo "scripts/test.sh: a real NCCL library the tests need cannot be had (above); the" \
@@ -59,12 +61,24 @@ else
     .venv/bin/python -m pytest --randomly-dont-reorganize "$@"
 fi
 
-# Then the same suite on a second, newer Slurm: Debian 13's 24.11, in a cached debootstrap
-# root (scripts/slurm-root.sh). Inside that root this script runs once more and stops here.
+# Then the same suite on the newer Slurm releases, each in a cached debootstrap root
+# (scripts/slurm-root.sh): Debian 13's 24.11 and Debian forky's 26.05. Inside a root this
+# script runs once more and stops here.
 if [[ -z ${NCCLGUARD_IN_SLURM_ROOT:-} ]]; then
     if [[ ${NCCLGUARD_SECOND_SLURM:-1} == 0 ]]; then
-        echo "scripts/test.sh: NCCLGUARD_SECOND_SLURM=0: NOT run on Slurm 24.11 (CI always runs it)" >&2
+        echo "scripts/test.sh: NCCLGUARD_SECOND_SLURM=0: NOT run on Slurm 24.11 and 26.05" \
+            "(CI always runs them)" >&2
     else
-        bash scripts/slurm-root.sh test "$@"
+        for suite in ${NCCLGUARD_SLURM_SUITES:-trixie forky}; do
+            # The oldest Slurm (here) and the newest run the whole suite; 24.11, between
+            # them, the tests that start a real Slurm (-m slurm), so that CI's three
+            # releases fit its hour (README, docs/development.md). Everything there too:
+            # NCCLGUARD_WHOLE_SUITE_ON=trixie.
+            sel=()
+            if [[ $suite == trixie && " ${NCCLGUARD_WHOLE_SUITE_ON:-} " != *" trixie "* ]]; then
+                sel=(-m slurm)
+            fi
+            NCCLGUARD_SLURM_SUITE=$suite bash scripts/slurm-root.sh test "${sel[@]}" "$@"
+        done
     fi
 fi

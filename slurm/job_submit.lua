@@ -3,31 +3,54 @@ ncclguard's job_submit.lua: Slurm itself never picks a mixed set of nodes.
 
 Every multi-node job gets a matching-OR constraint over the compatibility classes,
 "[nc_1a2b3c4d|nc_99aa00bb]" (in --prefer too, when the job has one: Slurm tries that
-first), so that all its nodes carry the same class feature
-(slurm-facts.md, "Prevention at scheduling"). The classes come from the file that
-`ncclguard features sync` writes (lua cannot ask Slurm for nodes), in preference order:
-the partition's largest class first. The PrologSlurmctld gate stays the backstop for
-everything this does not cover. docs/scheduling.md has the deployment.
+first), so that all its nodes carry the same class feature (docs/slurm.md, "Matching
+OR"). The classes come from the file that `ncclguard features sync` writes
+(lua cannot ask Slurm for nodes), in preference order: the partition's largest class
+first. The PrologSlurmctld gate stays the backstop for everything this does not cover.
+docs/scheduling.md has the deployment.
 
-Left alone: jobs that cannot span more than one node (or fewer than [policy] min_nodes),
-jobs with ncclguard=off in their comment or --extra (where the gate allows it), jobs in
-partitions the gate does not guard, jobs whose constraint or --prefer has a bracket group
-of its own (Slurm allows one) or parentheses or a count (a*2) (Slurm rejects them inside
-the parentheses the group needs), heterogeneous jobs (each component would choose on its
-own), and
-every job while the file is missing, unreadable, malformed or not verified since this
-slurmctld started (its runtime features may be gone): the gate checks those.
+This runs inside slurmctld, under its locks, for every submission, so:
+  - its work is bounded by what Slurm can use, whatever a user sends: a constraint,
+    preference, comment, --extra, partition or GPU request longer than Slurm's own
+    1024-character cap (which Slurm checks only after this plugin) is handed back for
+    Slurm to refuse, before any scan (a constraint or preference cut to 1025
+    characters, which Slurm refuses the same way, faster); a required node list (-w) is
+    read only up to MAX_REQ_NODES characters and as many names as the file has nodes;
+    the group is sized arithmetically, once;
+  - it never turns a constraint Slurm accepts into one Slurm rejects (it joins only
+    expressions that stay valid inside parentheses: ncclguard/sched/group.py);
+  - every error of its own is trapped: the job goes on without a group, one log line,
+    and the gate checks it (from 26.05 an untrapped error would reject the job);
+  - it opens only a regular file and never blocks on it, and parses the file again only
+    when the classes in it changed, so its cost per submission does not grow with it.
+
+Left alone (the gate checks them): jobs that cannot span more than one node (or fewer
+than [policy] min_nodes), jobs with ncclguard=off in their comment or --extra (where the
+gate allows it), jobs in partitions the gate does not guard, jobs whose constraint or
+--prefer has a bracket group of its own (Slurm allows one), parentheses, a count (a*2)
+or a trailing operator, heterogeneous jobs (each component would choose on its own),
+-w lists it cannot read, and every job while the file is missing, unreadable, malformed
+or not verified since this slurmctld loaded the script (its runtime features may be gone).
 
 Refused at submit, with a message:
   - a constraint (or --prefer) whose bracket groups name more than 64 features:
     slurmctld's matching-OR bitmaps hold 64 positions, one per term of a bracket group
     (MAX_FEATURES and _valid_features() in src/slurmctld/node_scheduler.c, no bound
     check; slurmctld 22.05 crashed on 79);
-  - a job that asks for more nodes than the largest class of its partition holds.
+  - a job that asks for more nodes than the largest class of its partition holds;
+  - a job whose required nodes (-w) span classes, or lie in a class too small for it
+    (Slurm gives a job its required nodes whatever its constraint), unless the file says
+    "required_nodes gate".
 
-Lua 5.1 (Debian's slurm-wlm links liblua5.1). A site with its own job_submit.lua keeps
-this file's functions and calls ncclguard.submit(job_desc) from its slurm_job_submit
-and ncclguard.modify(job_desc) from its slurm_job_modify.
+Lua 5.1 (Debian's slurm-wlm links liblua5.1). The same decisions in Python:
+ncclguard/sched/submit.py; tests/test_lua_submit.py runs one corpus through both. A site
+with its own job_submit.lua keeps this file's functions and calls
+ncclguard.job_submit(job_desc) from its slurm_job_submit and ncclguard.job_modify(job_desc)
+from its slurm_job_modify.
+
+Over 500 lines: Slurm loads one job_submit.lua, and each bound above is code that must run
+inside it; the parse rules it shares with Python are tested against ncclguard/sched/
+(tests/test_lua_submit.py).
 ]]
 
 local ncclguard = {}
@@ -36,9 +59,14 @@ local ncclguard = {}
 ncclguard.CLASSES_FILE = "/var/lib/ncclguard-features/classes"
 -- A file not verified for this long is not trusted: the sync daemon is not running.
 ncclguard.FRESH_S = 60
-ncclguard.MAX_TERMS = 64      -- MAX_FEATURES, src/slurmctld/node_scheduler.c
-ncclguard.MAX_CONSTRAINT = 1024  -- Slurm's cap on a job's constraint string
-ncclguard.MAX_FILE = 1048576
+ncclguard.MAX_TERMS = 64        -- MAX_FEATURES, src/slurmctld/node_scheduler.c
+ncclguard.MAX_STRING = 1024     -- Slurm's cap (_test_job_desc_fields, job_mgr.c)
+ncclguard.MAX_FILE = 1048576    -- ncclguard/sched/classfile.py MAX_BYTES
+ncclguard.MAX_MEMBERS = 262144  -- classfile.py MAX_MEMBERS
+ncclguard.MAX_REQ_NODES = 65536 -- the longest -w list read
+ncclguard.MAGIC = "ncclguard-classes 2"
+-- the fields Slurm caps at MAX_STRING after this plugin ran
+ncclguard.CAPPED = { "features", "prefer", "comment", "extra", "partition", "tres_per_job" }
 
 local NO_VAL = 4294967294
 local NO_VAL16 = 65534
@@ -47,7 +75,8 @@ local NO_VAL16 = 65534
 -- verification in the same second may have come before a restart).
 ncclguard.LOADED_AT = os.time()
 
-local cache = { at = nil, cf = nil, err = nil }
+-- The file as last read (at most once a second), and the last body parsed.
+local cache = { at = nil, cf = nil, err = nil, body = nil, parsed = nil, perr = nil }
 
 local function words(line)
   local out = {}
@@ -65,29 +94,68 @@ local function valid_partition(p)
   return #p >= 1 and #p <= 64 and string.match(p, "^[%w_%.%-]+$") ~= nil
 end
 
--- The file's text -> a table, or nil and why. The same rules as
+local function is_digits(s)
+  return #s >= 1 and #s <= 18 and string.match(s, "^%d+$") ~= nil
+end
+
+-- The names of a hostlist of comma-separated items, each a name or prefix[ranges]
+-- (classfile.expand_members): a table, or nil and why; at most `limit` names.
+function ncclguard.expand(list, limit)
+  local out, n, pos, len = {}, 0, 1, #list
+  if len == 0 then return nil, "empty hostlist" end
+  while true do
+    local s, e, prefix, ranges = string.find(list, "^([^%[%],%s]*)%[([%d,%-]+)%]", pos)
+    if s then
+      for r in string.gmatch(ranges .. ",", "([^,]*),") do
+        local lo, hi = string.match(r, "^(%d+)%-(%d+)$")
+        if not lo then lo = string.match(r, "^(%d+)$"); hi = lo end
+        if not lo or #lo > 9 or #hi > 9 then return nil, "not a range: " .. r end
+        local a, b = tonumber(lo), tonumber(hi)
+        if b < a or n + b - a + 1 > limit then
+          return nil, "range " .. r .. ": backwards or more than " .. limit .. " hosts"
+        end
+        local fmt = "%s%0" .. #lo .. "d"
+        for i = a, b do n = n + 1; out[n] = string.format(fmt, prefix, i) end
+      end
+    else
+      s, e = string.find(list, "^[^%[%],%s]+", pos)
+      if not s then return nil, "not a list of names and prefix[ranges]" end
+      n = n + 1
+      if n > limit then return nil, "more than " .. limit .. " hosts" end
+      out[n] = string.sub(list, s, e)
+    end
+    pos = e + 1
+    if pos > len then return out end
+    if string.sub(list, pos, pos) ~= "," or pos == len then
+      return nil, "not a list of names and prefix[ranges]"
+    end
+    pos = pos + 1
+  end
+end
+
+-- The file's lines after line 2 -> a table, or nil and why. The same rules as
 -- ncclguard/sched/classfile.py's parse(): anything unexpected makes the file unusable.
-function ncclguard.parse(data, where)
-  local cf = { partitions = {} }
-  local n, ended = 0, false
-  if string.sub(data, -1) ~= "\n" then return nil, where .. ": cut short" end
-  for line in string.gmatch(data, "([^\n]*)\n") do
+function ncclguard.parse_body(body, where)
+  local cf = { partitions = {}, members = {}, sizes = {}, nodes = 0 }
+  local n, ended, seen = 2, false, {}
+  for line in string.gmatch(body, "([^\n]*)\n") do
     n = n + 1
     local w = words(line)
-    if n == 1 then
-      if line ~= "ncclguard-classes 1" then return nil, where .. ": line 1 is not ncclguard-classes 1" end
-    elseif #w > 0 then
+    if #w > 0 then
       local key = w[1]
       if ended then return nil, where .. ": line " .. n .. ": text after end" end
       if key == "end" and #w == 1 then
         ended = true
-      elseif (key == "verified" or key == "min_nodes" or key == "max_alternatives"
-              or key == "opt_out") and #w == 2 and string.match(w[2], "^%d+$") and cf[key] == nil then
+      elseif (key == "min_nodes" or key == "max_alternatives" or key == "opt_out")
+             and #w == 2 and is_digits(w[2]) and cf[key] == nil then
         cf[key] = tonumber(w[2])
+      elseif key == "required_nodes" and #w == 2 and (w[2] == "refuse" or w[2] == "gate")
+             and cf.required_nodes == nil then
+        cf.required_nodes = w[2]
       elseif key == "default" and #w == 2 and valid_partition(w[2]) and cf.default == nil then
         cf.default = w[2]
       elseif key == "guarded" and #w >= 2 and cf.guarded == nil then
-        cf.guarded = {}
+        cf.guarded = true
         if not (#w == 2 and w[2] == "*") then
           cf.guarded_list = {}
           for i = 2, #w do
@@ -103,41 +171,91 @@ function ncclguard.parse(data, where)
         local list = {}
         for i = 3, #w do
           local f, count = string.match(w[i], "^([%w_]+):(%d+)$")
-          if not f or not valid_feature(f) then return nil, where .. ": line " .. n .. ": bad class" end
+          if not f or not valid_feature(f) or #count > 18 then
+            return nil, where .. ": line " .. n .. ": bad class"
+          end
           list[#list + 1] = { feature = f, nodes = tonumber(count) }
         end
         cf.partitions[name] = list
+      elseif key == "members" and #w == 3 then
+        local f = w[2]
+        if not valid_feature(f) or cf.sizes[f] then return nil, where .. ": line " .. n .. ": bad class" end
+        local hosts, why = ncclguard.expand(w[3], ncclguard.MAX_MEMBERS - cf.nodes)
+        if not hosts then return nil, where .. ": line " .. n .. ": " .. why end
+        for _, h in ipairs(hosts) do
+          if seen[h] then return nil, where .. ": line " .. n .. ": a host in two classes" end
+          seen[h] = true
+          cf.members[h] = f
+        end
+        cf.sizes[f] = #hosts
+        cf.nodes = cf.nodes + #hosts
       else
         return nil, where .. ": line " .. n .. ": not understood"
       end
     end
   end
   if not ended then return nil, where .. ": no end line (cut short?)" end
-  for _, k in ipairs({ "verified", "min_nodes", "max_alternatives", "opt_out" }) do
+  for _, k in ipairs({ "min_nodes", "max_alternatives", "opt_out", "required_nodes", "guarded" }) do
     if cf[k] == nil then return nil, where .. ": missing " .. k end
   end
-  if cf.guarded == nil then return nil, where .. ": missing guarded" end
   if cf.max_alternatives < 1 or cf.max_alternatives > ncclguard.MAX_TERMS then
     return nil, where .. ": max_alternatives out of range"
   end
   return cf
 end
 
+-- The file's text -> a table (its body parsed again only when it changed), or nil and why.
+function ncclguard.parse(data, where)
+  if string.sub(data, -1) ~= "\n" then return nil, where .. ": cut short" end
+  local e1 = string.find(data, "\n", 1, true)
+  local e2 = string.find(data, "\n", e1 + 1, true)
+  if string.sub(data, 1, e1 - 1) ~= ncclguard.MAGIC then
+    return nil, where .. ": line 1 is not " .. ncclguard.MAGIC
+  end
+  local verified = e2 and string.match(string.sub(data, e1 + 1, e2 - 1), "^verified (%d+)$")
+  if not verified or #verified > 18 then
+    return nil, where .. ": line 2 is not 'verified <seconds>'"
+  end
+  local body = string.sub(data, e2 + 1)
+  if body ~= cache.body then  -- Lua's strings are interned: equal bodies compare at once
+    cache.body = body
+    cache.parsed, cache.perr = ncclguard.parse_body(body, where)
+  end
+  if cache.parsed == nil then return nil, cache.perr end
+  local cf = {}
+  for k, v in pairs(cache.parsed) do cf[k] = v end
+  cf.verified = tonumber(verified)
+  return cf
+end
+
+-- The file's bytes, or nil and why. "r+": opening a FIFO read-write never blocks (Linux),
+-- where "r" would wait for a writer inside slurmctld; seeking to the end then tells a
+-- regular file (its size) from a FIFO, a socket or a terminal (an error).
+local function read_file(path)
+  local f, err = io.open(path, "r+")
+  if not f then return nil, "cannot open " .. tostring(err) end
+  local size = f:seek("end")
+  local data
+  if size ~= nil and size > 0 and size <= ncclguard.MAX_FILE and f:seek("set", 0) then
+    data = f:read(size)
+  end
+  f:close()
+  if size == nil then return nil, path .. ": not a regular file" end
+  if size > ncclguard.MAX_FILE then return nil, path .. ": larger than " .. ncclguard.MAX_FILE .. " bytes" end
+  if data == nil or #data ~= size then return nil, path .. ": empty or changed while read" end
+  return data
+end
+
 -- The file, read again at most once a second; nil and why when it cannot be used.
 function ncclguard.classes(now)
   if cache.at ~= now then
-    cache.at, cache.cf, cache.err = now, nil, nil
-    local f, err = io.open(ncclguard.CLASSES_FILE, "r")
-    if not f then
-      cache.err = "cannot open " .. tostring(err)
+    -- set first: an error below leaves the file unused for this second
+    cache.at, cache.cf, cache.err = now, nil, "the file could not be read"
+    local data, err = read_file(ncclguard.CLASSES_FILE)
+    if data == nil then
+      cache.err = err
     else
-      local data = f:read(ncclguard.MAX_FILE + 1)
-      f:close()
-      if data == nil or #data > ncclguard.MAX_FILE then
-        cache.err = ncclguard.CLASSES_FILE .. ": empty or too large"
-      else
-        cache.cf, cache.err = ncclguard.parse(data, ncclguard.CLASSES_FILE)
-      end
+      cache.cf, cache.err = ncclguard.parse(data, ncclguard.CLASSES_FILE)
     end
   end
   local cf = cache.cf
@@ -156,7 +274,7 @@ end
 
 local function is_set(v, none) return v ~= nil and v ~= none end
 
--- The number of alternatives in a constraint's bracket groups (matching OR), the terms
+-- The number of terms in a constraint's bracket groups (matching OR), the terms
 -- slurmctld gives a position each in its 64-bit maps (_valid_features() in
 -- src/slurmctld/node_scheduler.c counts only the terms of a bracket group).
 function ncclguard.terms(constraint)
@@ -176,6 +294,24 @@ function ncclguard.too_many_terms(constraint)
       .. "features (Slurm's limit); this one names %d", ncclguard.MAX_TERMS, count)
   end
   return nil
+end
+
+-- Whether a field is longer than Slurm takes: Slurm refuses the job after this plugin.
+-- A constraint or preference that long is cut to MAX_STRING + 1 characters first: Slurm
+-- still refuses the job for its length (the same error), but 26.05 no longer spends
+-- seconds on the rest of it (docs/perf.md, "job_submit.lua").
+local function oversized(job_desc)
+  local over = false
+  for _, field in ipairs(ncclguard.CAPPED) do
+    local v = job_desc[field]
+    if type(v) == "string" and #v > ncclguard.MAX_STRING then
+      if field == "features" or field == "prefer" then
+        job_desc[field] = string.sub(v, 1, ncclguard.MAX_STRING + 1)
+      end
+      over = true
+    end
+  end
+  return over
 end
 
 -- Whether the job may span `threshold` nodes or more.
@@ -220,34 +356,97 @@ local function classes_for(cf, partition)
   return cf.partitions["*"] or {}, "the cluster"
 end
 
--- slurm.ERROR (with a message to the user) for a constraint or --prefer that could
--- crash slurmctld, else nil.
-local function refuse_crash(job_desc)
-  for _, field in ipairs({ "features", "prefer" }) do
-    local msg = ncclguard.too_many_terms(job_desc[field])
-    if msg then
-      slurm.log_user("%s", msg)
-      slurm.log_info("ncclguard: rejected a job of uid %s: %s", tostring(job_desc.user_id), msg)
-      return slurm.ERROR
-    end
-  end
-  return nil
+-- Whether "(user)&[group]" parses wherever `user` alone does (group.py's joinable()):
+-- no brackets (one group per job), parentheses (not nested), count (a*2: not inside
+-- parentheses) or final operator ("a&" is fine alone, "(a&)" is not).
+function ncclguard.joinable(user)
+  if user == nil or user == "" then return true end
+  return string.find(user, "[%[%]%(%)%*]") == nil and string.find(user, "[&|,]$") == nil
 end
 
--- A user's expression joined with the class group, or nil where joining is not safe:
--- Slurm rejects nested parentheses and a count (a*2) inside parentheses, and allows one
--- bracket group per job; such jobs are left to the gate.
-function ncclguard.combine(user, group)
+local function join(user, group)
   if user == nil or user == "" then return group end
-  if string.find(user, "[%[%]%(%)%*]") then return nil end
   return "(" .. user .. ")&" .. group
+end
+
+local function joined_length(user, group_length)
+  if user == nil or user == "" then return group_length end
+  return #user + 3 + group_length
+end
+
+-- At most 4 hosts of a class, for a message.
+local function some(hosts)
+  local shown = {}
+  for i = 1, math.min(#hosts, 4) do shown[i] = hosts[i] end
+  local text = table.concat(shown, ",")
+  if #hosts > 4 then text = text .. " and " .. (#hosts - 4) .. " more" end
+  return text
+end
+
+-- A -w list's hosts, each once, in order: a table, or nil where the lua cannot read it.
+local function required_hosts(cf, req)
+  if type(req) ~= "string" or req == "" or cf.required_nodes ~= "refuse" then return nil end
+  local hosts = ncclguard.expand(req, math.max(cf.nodes, 1))
+  if hosts == nil then return nil end
+  local out, seen = {}, {}
+  for _, h in ipairs(hosts) do
+    if not seen[h] then seen[h] = true; out[#out + 1] = h end
+  end
+  return out
+end
+
+-- For a job with required nodes: the one class they are in (from `list`), or nil and the
+-- message to refuse the job with, or nil and "gate" where the gate decides.
+local function required_class(cf, hosts, list, need, pname)
+  local order, by = {}, {}
+  for _, h in ipairs(hosts) do
+    local f = cf.members[h]
+    if f == nil then return nil, "gate" end  -- a node with no class
+    if by[f] == nil then by[f] = {}; order[#order + 1] = f end
+    local b = by[f]
+    b[#b + 1] = h
+  end
+  if #order > 1 then
+    local parts = {}
+    for i = 1, math.min(#order, 4) do parts[i] = order[i] .. ": " .. some(by[order[i]]) end
+    if #order > 4 then parts[#parts + 1] = "and " .. (#order - 4) .. " more classes" end
+    return nil, string.format("ncclguard: the required nodes (-w) have %d different NCCL "
+      .. "stacks (%s); ask for nodes of one class (see `ncclguard classes`)",
+      #order, table.concat(parts, "; "))
+  end
+  local f = order[1]
+  for _, c in ipairs(list) do
+    if c.feature == f then
+      if c.nodes >= need then return c end
+      return nil, string.format("ncclguard: this job needs %d nodes with one NCCL stack, but "
+        .. "its required nodes (-w) are in class %s, which has %d nodes in %s (see "
+        .. "`ncclguard classes`)", need, f, c.nodes, pname)
+    end
+  end
+  if cf.sizes[f] < need then
+    return nil, string.format("ncclguard: this job needs %d nodes with one NCCL stack, but "
+      .. "its required nodes (-w) are in class %s, which has %d nodes (see "
+      .. "`ncclguard classes`)", need, f, cf.sizes[f])
+  end
+  return nil, "gate"  -- not among the partition's classes offered: the gate decides
+end
+
+local function reject(code, msg)
+  slurm.log_user("%s", msg)
+  slurm.log_info("ncclguard: rejected a job: %s", msg)
+  return code
 end
 
 -- Decide for one job description: slurm.SUCCESS (maybe with job_desc.features set) or
 -- an error code with a message to the user.
 function ncclguard.submit(job_desc)
-  local refused = refuse_crash(job_desc)
-  if refused then return refused end
+  if oversized(job_desc) then return slurm.SUCCESS end  -- Slurm refuses it next
+  local req = job_desc.req_nodes
+  if type(req) == "string" and #req > ncclguard.MAX_REQ_NODES then return slurm.SUCCESS end
+  for _, field in ipairs({ "features", "prefer" }) do
+    local msg = ncclguard.too_many_terms(job_desc[field])
+    if msg then return reject(slurm.ERROR, msg) end
+  end
   if is_set(job_desc.het_job_offset, NO_VAL) then return slurm.SUCCESS end
   local user, prefer = job_desc.features, job_desc.prefer
   if (user ~= nil and string.find(user, "[", 1, true))
@@ -261,7 +460,12 @@ function ncclguard.submit(job_desc)
     return slurm.SUCCESS
   end
   local threshold = math.max(2, cf.min_nodes)
-  if not ncclguard.spans(job_desc, threshold) then return slurm.SUCCESS end
+  local has_req = type(req) == "string" and req ~= ""
+  if has_req and cf.required_nodes ~= "refuse" then return slurm.SUCCESS end  -- the gate's
+  local hosts = required_hosts(cf, req)
+  if not (ncclguard.spans(job_desc, threshold) or (hosts ~= nil and #hosts >= threshold)) then
+    return slurm.SUCCESS
+  end
   if cf.opt_out == 1 and opted_out(job_desc) then return slurm.SUCCESS end
   local partition = job_desc.partition
   if not guarded(cf, partition) then return slurm.SUCCESS end
@@ -269,53 +473,89 @@ function ncclguard.submit(job_desc)
   if #list == 0 then return slurm.SUCCESS end
   local need = 1
   if is_set(job_desc.min_nodes, NO_VAL) and job_desc.min_nodes > 1 then need = job_desc.min_nodes end
-  local largest = 0
-  local chosen = {}
+  if has_req then
+    if hosts == nil then return slurm.SUCCESS end  -- a -w list the lua cannot read
+    if #hosts > need then need = #hosts end
+    local c, msg = required_class(cf, hosts, list, need, pname)
+    if c == nil then
+      if msg == "gate" then return slurm.SUCCESS end
+      return reject(slurm.ERROR, msg)
+    end
+    list = { c }
+  end
+  local largest, chosen = 0, {}
   for _, c in ipairs(list) do
     if c.nodes > largest then largest = c.nodes end
     if c.nodes >= need and #chosen < cf.max_alternatives then chosen[#chosen + 1] = c.feature end
   end
   if #chosen == 0 then
-    local msg = string.format("ncclguard: this job needs %d nodes with one NCCL stack, but the "
-      .. "largest such set in %s has %d nodes (ask for at most %d, or see `ncclguard classes`)",
-      need, pname, largest, largest)
-    slurm.log_user("%s", msg)
-    return slurm.ESLURM_INVALID_NODE_COUNT
+    return reject(slurm.ESLURM_INVALID_NODE_COUNT, string.format(
+      "ncclguard: this job needs %d nodes with one NCCL stack, but the largest such set in "
+      .. "%s has %d nodes (ask for at most %d, or see `ncclguard classes`)",
+      need, pname, largest, largest))
+  end
+  local has_prefer = prefer ~= nil and prefer ~= ""
+  if not ncclguard.joinable(user) or (has_prefer and not ncclguard.joinable(prefer)) then
+    slurm.log_debug("ncclguard: a constraint it cannot join safely; the gate checks the job")
+    return slurm.SUCCESS
   end
   -- the group goes into --constraint and, when given, --prefer too: Slurm schedules by
-  -- --prefer first, and a preference without the group could pick two classes
-  local constraint, preferred
-  while #chosen > 0 do
-    local group = "[" .. table.concat(chosen, "|") .. "]"
-    constraint = ncclguard.combine(user, group)
-    preferred = prefer ~= nil and prefer ~= "" and ncclguard.combine(prefer, group) or nil
-    if constraint == nil or (prefer ~= nil and prefer ~= "" and preferred == nil) then
-      slurm.log_debug("ncclguard: a constraint it cannot join safely; the gate checks the job")
-      return slurm.SUCCESS
-    end
-    if #constraint <= ncclguard.MAX_CONSTRAINT
-       and (preferred == nil or #preferred <= ncclguard.MAX_CONSTRAINT) then break end
-    table.remove(chosen)
+  -- --prefer first, and a preference without the group could pick two classes. As many
+  -- classes as keep both within Slurm's cap, counted, not built, one class at a time.
+  local longest = #(user or "")
+  if has_prefer and #prefer > longest then longest = #prefer end
+  local room = ncclguard.MAX_STRING - (longest > 0 and longest + 3 or 0)
+  local k, length = 0, 1  -- "[" ... "]": 2 characters, plus 1 per "|"
+  for i, f in ipairs(chosen) do
+    length = length + #f + 1
+    if length > room then break end
+    k = i
   end
-  if #chosen == 0 then return slurm.SUCCESS end
-  job_desc.features = constraint
-  if preferred ~= nil then job_desc.prefer = preferred end
-  slurm.log_info("ncclguard: constraint %s for a job of uid %s", constraint, tostring(job_desc.user_id))
+  if k == 0 then return slurm.SUCCESS end
+  local group = "[" .. table.concat(chosen, "|", 1, k) .. "]"
+  if has_prefer then job_desc.prefer = join(prefer, group) end
+  job_desc.features = join(user, group)
+  slurm.log_info("ncclguard: constraint %s for a job of uid %s", job_desc.features,
+    tostring(job_desc.user_id))
   return slurm.SUCCESS
 end
 
 -- An update of a job: the same crash check. A changed constraint loses the class group
 -- (the gate still checks the job).
 function ncclguard.modify(job_desc)
-  return refuse_crash(job_desc) or slurm.SUCCESS
+  if oversized(job_desc) then return slurm.SUCCESS end  -- Slurm refuses it next
+  for _, field in ipairs({ "features", "prefer" }) do
+    local msg = ncclguard.too_many_terms(job_desc[field])
+    if msg then return reject(slurm.ERROR, msg) end
+  end
+  return slurm.SUCCESS
+end
+
+-- Any error of this script's own: the job goes on without a group, the gate checks it.
+local function fail_open(what, err)
+  pcall(slurm.log_error, "ncclguard: job_submit.lua %s failed, the job goes on without a "
+    .. "class group (the gate checks it): %s", what, tostring(err))
+  return slurm.SUCCESS
+end
+
+function ncclguard.job_submit(job_desc)
+  local ok, rc = pcall(ncclguard.submit, job_desc)
+  if ok then return rc end
+  return fail_open("submit", rc)
+end
+
+function ncclguard.job_modify(job_desc)
+  local ok, rc = pcall(ncclguard.modify, job_desc)
+  if ok then return rc end
+  return fail_open("modify", rc)
 end
 
 function slurm_job_submit(job_desc, part_list, submit_uid)
-  return ncclguard.submit(job_desc)
+  return ncclguard.job_submit(job_desc)
 end
 
 function slurm_job_modify(job_desc, job_rec, part_list, modify_uid)
-  return ncclguard.modify(job_desc)
+  return ncclguard.job_modify(job_desc)
 end
 
 slurm.log_info("ncclguard: job_submit.lua loaded, classes from %s", ncclguard.CLASSES_FILE)

@@ -1,47 +1,34 @@
-"""Shared fixtures: real NCCL libraries from PyPI wheels, gcc-built plugins, node root trees.
+"""The suite's hooks and its shared fixtures.
 
-- ``nccl_lib(version)`` -> path of a real ``libnccl.so.2``, extracted once from the
-  ``nvidia-nccl-cu11``/``-cu12`` wheel into ``~/.cache/ncclguard/nccl/<pkg>-<ver>/``.
-  A missing wheel is fetched with ``pip download --no-deps --only-binary=:all:`` into
-  ``~/.cache/ncclguard/wheels`` (``$NCCLGUARD_TEST_CACHE`` moves both); without network
-  the test is skipped with the reason, or fails under ``NCCLGUARD_REQUIRE_PARTS=1`` (CI).
-- ``compile_plugin(tmp_path, net_abis=[...], name=..., ...)`` -> a ``.so`` built by gcc
-  from a tiny C file that exports the chosen ``ncclNetPlugin_vN`` (etc.) structs, each
-  starting with its name string.
-- ``place(root, node_path, src)`` -> put a file into a root tree by hardlink (copy if
-  the hardlink is refused), creating the directories.
+The fixtures and helpers live in ``tests/helpers/`` (docs/development.md, "The tests");
+the modules that hold fixtures are loaded here as plugins (``pytest_plugins``), so that
+every test module sees them without importing them. Here: which files are collected, and
+the rule that under ``NCCLGUARD_REQUIRE_PARTS=1`` any skip fails the run.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
-from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import pytest
 
-from devtools import ncclwheels
-from devtools.ncclwheels import PartUnavailable
+# the helpers' own asserts get pytest's messages too (before the first import of them)
+pytest.register_assert_rewrite("helpers")
+from helpers.parts import REQUIRE_PARTS  # noqa: E402
 
-# The real parts (NCCL wheels, gcc-built plugins) come from devtools.ncclwheels, which
-# the demo uses too. A part that cannot be had is a skip that says why, except where
-# NCCLGUARD_REQUIRE_PARTS=1 (scripts/test.sh, so CI): there it fails the test, and any
-# skip at all fails the run (pytest_sessionfinish below), so that a missing part can
-# never turn tests into skips and the run green.
-REQUIRE_PARTS = os.environ.get("NCCLGUARD_REQUIRE_PARTS") == "1"
+pytest_plugins = ["helpers.parts", "helpers.munge", "helpers.slurm", "helpers.collector",
+                  "helpers.exporter"]
 
+# The install test boots its own Debian root with systemd-nspawn, which does not run in the
+# chroot of the second Slurm (scripts/slurm-root.sh): it runs once per CI run, in the
+# first pass on the host, and is not collected in the chroot (not a skip: it is not there).
+collect_ignore = (["test_install_systemd.py"] if os.environ.get("NCCLGUARD_IN_SLURM_ROOT")
+                  else [])
 
-def unavailable(why: str) -> NoReturn:
-    """Skip for want of a real part, or fail under NCCLGUARD_REQUIRE_PARTS=1."""
-    if REQUIRE_PARTS:
-        pytest.fail(f"{why} (NCCLGUARD_REQUIRE_PARTS=1: a missing part fails the run)",
-                    pytrace=False)  # fmt: skip
-    pytest.skip(why)
-
-
+# A part that cannot be had (helpers.parts.unavailable) fails the test under
+# NCCLGUARD_REQUIRE_PARTS=1 (scripts/test.sh, so CI), and any skip at all fails the run,
+# so that a missing part can never turn tests into skips and the run green.
 _SKIPPED: list[str] = []
 
 
@@ -69,96 +56,3 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if REQUIRE_PARTS and _SKIPPED and exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
-
-
-def extract_nccl(version: str) -> Path:
-    """The path of a real ``libnccl.so.2`` of ``version`` (downloaded and cached once)."""
-    try:
-        return ncclwheels.extract_nccl(version)
-    except PartUnavailable as e:
-        unavailable(str(e))
-
-
-@pytest.fixture(scope="session")
-def nccl_lib() -> Callable[[str], Path]:
-    """``nccl_lib("2.21.5")`` -> Path of that real libnccl.so.2 (skips if not obtainable)."""
-    return extract_nccl
-
-
-def place(root: Path, node_path: str, src: Path) -> Path:
-    """Put ``src`` at ``node_path`` inside ``root`` (hardlink, else copy); returns the path."""
-    dest = root / node_path.lstrip("/")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    if dest.exists() or dest.is_symlink():
-        dest.unlink()
-    try:
-        os.link(src, dest)
-    except OSError:
-        shutil.copyfile(src, dest)
-    return dest
-
-
-@pytest.fixture
-def place_file() -> Callable[[Path, str, Path], Path]:
-    return place
-
-
-def build_plugin(out_dir: Path, net_abis: Sequence[int] = (), name: str = "testnet",
-                 **options: Any) -> Path:
-    """Compile a plugin with gcc (see :func:`devtools.ncclwheels.build_plugin`)."""
-    try:
-        return ncclwheels.build_plugin(out_dir, net_abis, name, **options)
-    except PartUnavailable as e:
-        unavailable(str(e))
-
-
-@pytest.fixture
-def compile_plugin() -> Callable[..., Path]:
-    """``compile_plugin(tmp_path, net_abis=[8, 7], name="IBext_v8", ...)`` -> .so path."""
-    return build_plugin
-
-
-@pytest.fixture
-def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """A private inventoryd file cache for one test ($NCCLGUARD_CACHE_DIR)."""
-    d = tmp_path / "filecache"
-    monkeypatch.setenv("NCCLGUARD_CACHE_DIR", str(d))
-    yield d
-
-
-def run_ldconfig(root: Path) -> Path:
-    """Let the real ``ldconfig -r root`` build ``<root>/etc/ld.so.cache`` (and soname links)
-    from ``<root>/etc/ld.so.conf``; returns the cache path."""
-    exe = shutil.which("ldconfig") or "/sbin/ldconfig"
-    if not Path(exe).exists():
-        unavailable("ldconfig is not installed")
-    (root / "etc").mkdir(parents=True, exist_ok=True)
-    conf = root / "etc" / "ld.so.conf"
-    if not conf.exists():
-        conf.write_text("")
-    r = subprocess.run([exe, "-r", str(root)], capture_output=True, text=True, timeout=120)
-    cache = root / "etc" / "ld.so.cache"
-    if r.returncode != 0 or not cache.is_file():
-        raise AssertionError(f"ldconfig -r {root} failed: {r.stderr}")
-    return cache
-
-
-def build_shared_lib(out: Path, soname: str | None = None, body: str = "int x = 1;\n") -> Path:
-    """A tiny real shared object (gcc), optionally with a SONAME."""
-    if shutil.which("gcc") is None:
-        unavailable("gcc is not installed")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    src = out.with_name(out.name + ".c")
-    src.write_text(body)
-    cmd = ["gcc", "-shared", "-fPIC", "-o", str(out), str(src)]
-    if soname:
-        cmd.insert(1, f"-Wl,-soname,{soname}")
-    subprocess.run(cmd, check=True, capture_output=True, timeout=120)
-    src.unlink()
-    return out
-
-
-# The Slurm fixtures live in their own module (another engineer's); re-exported here so
-# that every test module sees them.
-from conftest_munge import mungeds, node_munged  # noqa: E402, F401
-from conftest_slurm import cluster, slurm_cluster  # noqa: E402, F401

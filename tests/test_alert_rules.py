@@ -12,11 +12,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import unavailable
-from test_exporter import exporter, inventory  # noqa: F401 - the fixture
-from test_exporter import samples as exported
+from helpers.exporter import exporter
+from helpers.exporter import samples as exported
+from helpers.parts import unavailable
 
-from inventoryd.exporter import Served
+from inventoryd.controller.exporter import Served
 from ncclguard import audit
 
 REPO = Path(__file__).resolve().parents[1]
@@ -58,7 +58,7 @@ def test_every_alert_has_series_that_fire_it_and_series_that_must_not() -> None:
     fires = {a for a, empty in cases if not empty}
     silent = {a for a, empty in cases if empty}
     names = set(alerts())
-    assert len(names) == 13
+    assert len(names) == 17
     assert names == fires, names ^ fires
     assert names == silent, names ^ silent
     # and each one names what to run next
@@ -93,9 +93,9 @@ def test_the_unit_tests_catch_an_alert_that_always_or_never_fires(
     assert never.returncode != 0 and f"alertname: {alert}" in never.stdout + never.stderr
 
 
-def test_every_metric_a_rule_reads_is_one_the_exporter_serves(inventory: Path,  # noqa: F811
+def test_every_metric_a_rule_reads_is_one_the_exporter_serves(exporter_inventory: Path,
                                                                tmp_path: Path) -> None:
-    ex = exporter(inventory, tmp_path)
+    ex = exporter(exporter_inventory, tmp_path)
     audit.append(ex.audit.path, {"job": 1, "decision": "refuse", "action": "steer"})
     ex.stats.last_scan = 0.0  # as after a scan: the lag is served
     served = {name for name, _ in exported(Served(ex).text())}

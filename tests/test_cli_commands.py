@@ -12,11 +12,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner, Result
-from test_cli_inventory import NodeSpec, build, standard
+from click.testing import Result
+from helpers.cli import run_cli
+from helpers.inventory import NodeSpec, build, standard
 
 from ncclguard import audit
-from ncclguard.cli import main
+from ncclguard.hostlist import expand
 from ncclguard.timeparse import parse_iso
 
 Run = Callable[..., Result]
@@ -37,7 +38,7 @@ def run(env: tuple[Path, Path]) -> Run:
     db, cfg = env
 
     def invoke(*args: str) -> Result:
-        return CliRunner().invoke(main, ["--db", str(db), "--config", str(cfg), *args])
+        return run_cli(*args, db=db, config=cfg)
 
     return invoke
 
@@ -85,12 +86,16 @@ def test_nodes_json_schema(run: Run) -> None:
     n14 = by["n14"]
     assert set(n14) >= {"host", "nccl_version", "nccl_versions", "net_plugin_name", "net_abi",
                         "transport", "rdma_ports_up", "rdma_ports_total", "driver",
-                        "last_heartbeat", "age_s", "error_count", "compat_key", "stale",
+                        "last_heartbeat", "age_s", "error_count", "class", "stale",
                         "status"}
     assert n14["nccl_version"] == "2.18.3" and n14["net_abi"] == 6
     assert by["n15"]["rdma_ports_up"] == 3 and by["n15"]["rdma_ports_total"] == 4
     assert by["n16"]["stale"] is True and by["n16"]["age_s"] > 3000
     assert by["n01"]["last_heartbeat"].endswith("Z")
+    # each node's class is the one ncclguard classes names
+    classes = js(run("classes", "--json"))["classes"]
+    assert {h: n["class"] for h, n in by.items()} == {
+        h: c["class"] for c in classes for h in expand(c["hosts"])}
 
 
 @pytest.mark.parametrize(
@@ -161,11 +166,11 @@ def test_nodes_errors_name_the_problem(run: Run, args: list[str], words: list[st
 
 
 def test_missing_inventory_and_bad_config(tmp_path: Path) -> None:
-    r = CliRunner().invoke(main, ["--db", str(tmp_path / "none.db"), "nodes"])
+    r = run_cli("nodes", db=tmp_path / "none.db")
     assert r.exit_code == 3 and "none.db" in r.stderr
     bad = tmp_path / "bad.toml"
     bad.write_text("[drain]\nmax_share = 2\n")
-    r = CliRunner().invoke(main, ["--config", str(bad), "nodes"])
+    r = run_cli("nodes", config=bad)
     assert r.exit_code == 3 and "max_share" in r.stderr and "bad.toml" in r.stderr
 
 
@@ -185,16 +190,20 @@ def test_classes_json(run: Run) -> None:
     assert big["values"]["nccl"] == "2.21.5" and big["stale"] == 1
     assert small["hosts"] == "n14" and small["values"]["nccl"] == "2.18.3"
     assert not small["baseline"]
-    assert doc["baseline"]["compat_key"] == big["compat_key"]
+    assert doc["baseline"]["class"] == big["class"]
+    assert doc["baseline"]["class_key"] == big["class_key"]
     assert abs(big["share"] + small["share"] - 1) < 1e-6
-    # each class's Slurm feature (docs/scheduling.md): the stale node keeps its class's
-    assert re.fullmatch(r"nc_[0-9a-f]{8}", big["feature"])
-    assert re.fullmatch(r"nc_[0-9a-f]{8}", small["feature"]) and small["feature"] != big["feature"]
+    # each class is named by its Slurm feature (docs/scheduling.md); its key is the digest
+    assert re.fullmatch(r"nc_[0-9a-f]{8}", big["class"]) and big["class_key"][:8] == big[
+        "class"][3:]
+    assert re.fullmatch(r"nc_[0-9a-f]{8}", small["class"]) and small["class"] != big["class"]
+    # the refuse-level rules' values make the class; nccl-version is one of them
+    assert small["rules"]["nccl-version"] != big["rules"]["nccl-version"]
 
 
 def test_classes_table_and_csv(run: Run) -> None:
     text = ok(run("classes")).stdout
-    assert "16 nodes in 2 compatibility classes" in text
+    assert "16 nodes in 2 classes" in text
     assert "n[01-13,15-16]" in text and "2.18.3" in text and "majority" in text
     rows = list(csv.DictReader(io.StringIO(ok(run("classes", "--csv")).stdout)))
     assert [(r["count"], r["nccl"], r["hosts"]) for r in rows] == [
@@ -205,15 +214,14 @@ def test_classes_node_set_with_missing(run: Run) -> None:
     doc = js(run("classes", "--json", "--nodes", "n[13-14,40-41]"))
     assert doc["total"] == 2 and doc["missing"] == {"count": 2, "hosts": "n[40-41]"}
     # 1 of 2: no clear majority
-    assert doc["baseline"]["compat_key"] is None and "majority" in doc["baseline"]["why"]
+    assert doc["baseline"]["class"] is None and "majority" in doc["baseline"]["why"]
 
 
 def test_classes_partition_without_slurm_is_an_error(env: tuple[Path, Path],
                                                      tmp_path: Path) -> None:
     cfg = tmp_path / "c.toml"
     cfg.write_text(f'[gate]\nslurm_bin_dir = "{tmp_path}"\n')  # no sinfo there
-    r = CliRunner().invoke(main, ["--db", str(env[0]), "--config", str(cfg),
-                                  "classes", "--partition", "gpu"])
+    r = run_cli("classes", "--partition", "gpu", db=env[0], config=cfg)
     assert r.exit_code == 3
     assert "--partition gpu" in r.stderr and "--nodes" in r.stderr
 
@@ -234,7 +242,7 @@ def test_show_json_is_the_fingerprint(run: Run) -> None:
     assert doc["host"] == "n14" and doc["stale"] is False
     assert doc["fingerprint"]["libnccl"][0]["version"] == "2.18.3"
     assert doc["errors"] == []
-    assert len(doc["compat_key"]) == 16
+    assert re.fullmatch(r"nc_[0-9a-f]{8}", doc["class"])
 
 
 def test_show_unknown_node_and_csv(run: Run) -> None:

@@ -8,10 +8,9 @@ import io
 import json
 from pathlib import Path
 
-from click.testing import CliRunner, Result
-from test_cli_inventory import NodeSpec, build, standard
-
-from ncclguard.cli import main
+from click.testing import Result
+from helpers.cli import run_cli
+from helpers.inventory import NodeSpec, build, standard
 
 
 def run(tmp_path: Path, specs: dict[str, NodeSpec], config: str, *args: str) -> Result:
@@ -20,8 +19,7 @@ def run(tmp_path: Path, specs: dict[str, NodeSpec], config: str, *args: str) -> 
         build(db, specs)
     cfg = tmp_path / "config.toml"
     cfg.write_text(config)
-    return CliRunner().invoke(main, ["--db", str(db), "--config", str(cfg), "drain-recommend",
-                                     *args])
+    return run_cli("drain-recommend", *args, db=db, config=cfg)
 
 
 def js(r: Result) -> dict:

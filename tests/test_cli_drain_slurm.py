@@ -12,12 +12,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner, Result
-from conftest_slurm import require_slurm
-from test_cli_inventory import NodeSpec, base_fingerprint, build
+from click.testing import Result
+from helpers.cli import run_cli
+from helpers.inventory import NodeSpec, base_fingerprint, build
+from helpers.slurm import require_slurm
 
 from devtools.devcluster import DevCluster
-from ncclguard.cli import main
 from ncclguard.policy import GATE_VALUES
 from ncclguard.slurm import NodeInfo
 from ncclguard.store import Inventory
@@ -52,7 +52,7 @@ def test_apply_and_resume(cl: DevCluster, tmp_path: Path) -> None:
     cl.run(["scontrol", "update", "NodeName=n3,n6", "State=DRAIN", f"Reason={HAND_REASON}"])
 
     def run(*args: str) -> Result:
-        r = CliRunner().invoke(main, ["--db", str(db), "--config", str(cfg), *args])
+        r = run_cli(*args, db=db, config=cfg)
         assert r.exit_code == 0, (r.output, r.exception)
         return r
 
@@ -108,8 +108,7 @@ def test_partition_filter_and_unknown_partition(cl: DevCluster, tmp_path: Path) 
     db = build(tmp_path / "inv.db", {f"n{i}": NodeSpec() for i in range(1, 7)})
     cfg = tmp_path / "config.toml"
     cfg.write_text(f'[gate]\nslurm_conf = "{cl.conf}"\n')
-    run: Callable[..., Result] = lambda *a: CliRunner().invoke(  # noqa: E731
-        main, ["--db", str(db), "--config", str(cfg), *a])
+    run: Callable[..., Result] = lambda *a: run_cli(*a, db=db, config=cfg)  # noqa: E731
     r = run("classes", "--partition", "gpu", "--json")
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)

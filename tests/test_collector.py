@@ -4,6 +4,10 @@ signing from its own address, one key), real spool files, a real SQLite inventor
 
 Node addresses come from the static ``[collector.addresses]`` map here; the Slurm path
 (NodeAddr on the real dev cluster) is in ``test_gate_e2e.py``.
+
+Over 500 lines: every test here runs the real collector against real munged signers and
+a real spool with one set of fixtures (tests/helpers/collector.py); the bounds and the
+load tests are in test_collector_bounds.py and test_collector_load.py.
 """
 
 from __future__ import annotations
@@ -22,10 +26,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest_munge import MungeSet
-from test_store import make_fp
+from helpers.collector import NODES, as_nobody, config, publish, sign, snapshot
+from helpers.fingerprints import fingerprint
+from helpers.munge import MungeSet
+from helpers.wait import wait_until
 
-from inventoryd.collector import Collector
+from inventoryd.controller.collector import Collector
+from inventoryd.controller.verify import wrong_address
 from ncclguard import config as configmod
 from ncclguard import munge, spool
 from ncclguard.fingerprint.canonical import fingerprint_hash
@@ -33,42 +40,6 @@ from ncclguard.policy import GATE_VALUES, node_values
 from ncclguard.store import Inventory
 
 REPO = Path(__file__).resolve().parents[1]
-NODES = ("n1", "n2", "n3", "n4")
-
-
-def config(ms: MungeSet, d: Path, *, nodes: tuple[str, ...] = NODES, **spool_kw: Any
-           ) -> configmod.Config:
-    return configmod.from_dict({
-        "spool": {"dir": str(d), "munge_socket": str(ms.controller.socket), **spool_kw},
-        "collector": {
-            "publisher": str(os.getuid()),
-            "addresses": {n: [ms.addr(n)] for n in nodes},
-        },
-    })
-
-
-def sign(ms: MungeSet, signer: str, payload: bytes, ttl: int | None = None) -> bytes:
-    """A credential from node ``signer``'s own munged."""
-    return munge.encode(payload, socket_path=str(ms.node(signer).socket), ttl=ttl)
-
-
-def publish(ms: MungeSet, d: Path, host: str, fp: dict | None = None, *,
-            signer: str | None = None, file: str | None = None) -> bytes:
-    """What ``host``'s publisher writes (or, with ``signer``/``file``, a forgery)."""
-    fp = fp or make_fp(host)
-    cred = sign(ms, signer or host, spool.payload(fp))
-    (d / (file or f"{host}.rec")).write_bytes(cred + b"\n")
-    return cred
-
-
-@pytest.fixture
-def env(tmp_path: Path, mungeds: MungeSet) -> Iterator[tuple[MungeSet, Path, Path]]:
-    d = tmp_path / "spool"
-    d.mkdir(mode=0o755)
-    os.chmod(d, 0o755)
-    yield mungeds, d, tmp_path / "inventory.db"
-
-
 @pytest.fixture
 def logs(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
     lg = logging.getLogger("ncclguard.collector")
@@ -84,21 +55,18 @@ def logs(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]
         lg.propagate = propagate
 
 
-def snapshot(db: Path) -> dict[str, tuple[str, float]]:
-    with Inventory(db, readonly=True) as inv:
-        return {h: (r.fp_hash, r.last_heartbeat) for h, r in inv.load(inv.hosts()).items()
-                if r is not None}
-
-
 def history_len(db: Path) -> int:
     with Inventory(db, readonly=True) as inv:
         return len(inv.history())
 
 
-def test_accepts_each_nodes_own_record_with_the_encode_time_as_heartbeat(env: Any) -> None:
-    ms, d, db = env
-    creds = {h: publish(ms, d, h, make_fp(h, "2.18.3" if h == "n3" else "2.21.5"))
-             for h in NODES}
+def test_accepts_each_nodes_own_record_with_the_encode_time_as_heartbeat(
+        collector_env: Any) -> None:
+    ms, d, db = collector_env
+    def fp(h: str) -> dict:
+        return fingerprint(h, "2.18.3" if h == "n3" else "2.21.5", plugin_abi=8)
+
+    creds = {h: publish(ms, d, h, fp(h)) for h in NODES}
     c = Collector(config(ms, d), db=db)
     try:
         res = c.scan()
@@ -111,12 +79,11 @@ def test_accepts_each_nodes_own_record_with_the_encode_time_as_heartbeat(env: An
     got = snapshot(db)
     for h, cred in creds.items():
         signed = munge.decode(cred, socket_path=str(ms.extra("probe", "127.42.250.1").socket))
-        assert got[h] == (fingerprint_hash(make_fp(h, "2.18.3" if h == "n3" else "2.21.5")),
-                          float(signed.encoded_at))
+        assert got[h] == (fingerprint_hash(fp(h)), float(signed.encoded_at))
     with Inventory(db, readonly=True, values=GATE_VALUES) as inv:
         values = inv.load_values(["n1", "n3"])
-        assert values["n1"][0] == node_values(make_fp("n1", "2.21.5"))  # type: ignore[index]
-        assert values["n3"][0] == node_values(make_fp("n3", "2.18.3"))  # type: ignore[index]
+        assert values["n1"][0] == node_values(fp("n1"))  # type: ignore[index]
+        assert values["n3"][0] == node_values(fp("n3"))  # type: ignore[index]
         pubs = inv.publishers()
         assert pubs["n1.rec"]["origin"] == ms.addr("n1") and pubs["n1.rec"]["uid"] == os.getuid()
     # a restarted collector decodes nothing that it already accepted
@@ -171,54 +138,80 @@ def _reject_case(env: Any, logs: pytest.LogCaptureFixture, write: Any, cause: st
         c.close()
 
 
-def test_a_forged_record_is_rejected(env: Any, logs: pytest.LogCaptureFixture) -> None:
+def test_a_forged_record_is_rejected(collector_env: Any, logs: pytest.LogCaptureFixture) -> None:
     """Node n1's publisher writes n2's file: signed from n1's address, not n2's."""
     def forge(ms: MungeSet, d: Path) -> str:
-        publish(ms, d, "n2", make_fp("n2", "2.18.3"), signer="n1")
+        publish(ms, d, "n2", fingerprint("n2", "2.18.3", plugin_abi=8), signer="n1")
         return "n2.rec"
 
-    _reject_case(env, logs, forge, "wrong-address", "signed from 127.42.0.1, which is not n2's")
+    _reject_case(collector_env, logs, forge, "wrong-address",
+                 "signed from 127.42.0.1, which is not n2's")
+
+
+def test_one_machine_whose_name_is_loopback_only_is_told_what_to_set(
+    collector_env: Any, logs: pytest.LogCaptureFixture
+) -> None:
+    """The one-machine default: the node's name resolves to a loopback address only (here
+    localhost; 127.0.1.1 on Debian), which never counts, and munged signs from it. The
+    rejection says so and what to set (docs/install.md)."""
+    ms, d, db = collector_env
+    publish(ms, d, "n1")
+    cfg = config(ms, d)
+    cfg = cfg.replace(collector=cfg.collector.replace(addresses={"n1": ("localhost",)}))
+    c = Collector(cfg, db=db)
+    try:
+        assert c.scan().rejected == {"n1.rec": "wrong-address"}
+    finally:
+        c.close()
+    (line,) = [r.getMessage() for r in logs.records if "rejected" in r.getMessage()]
+    assert (f"signed from {ms.addr('n1')}, which is not n1's (no address resolved: its "
+            "names resolve only to loopback addresses") in line, line
+    assert f"name {ms.addr('n1')} for n1 in [collector.addresses]" in line, line
+    assert wrong_address("n1", "10.0.0.9", frozenset()) == (
+        "signed from 10.0.0.9, which is not n1's (no address resolved)")
+    assert wrong_address("n1", "127.0.0.9", frozenset({"10.0.0.1"})) == (
+        "signed from 127.0.0.9, which is not n1's (10.0.0.1)")
 
 
 def test_a_record_in_another_nodes_file_is_rejected(
-    env: Any, logs: pytest.LogCaptureFixture
+    collector_env: Any, logs: pytest.LogCaptureFixture
 ) -> None:
     """n1 signs its own record truthfully but writes it as n2's file."""
     def misplace(ms: MungeSet, d: Path) -> str:
         # signed from n2's address (the file's node) but naming n1 inside
-        publish(ms, d, "n1", make_fp("n1", "2.18.3"), signer="n2", file="n2.rec")
+        publish(ms, d, "n1", fingerprint("n1", "2.18.3", plugin_abi=8), signer="n2", file="n2.rec")
         return "n2.rec"
 
-    _reject_case(env, logs, misplace, "name-mismatch", "holds the record of 'n1'")
+    _reject_case(collector_env, logs, misplace, "name-mismatch", "holds the record of 'n1'")
 
 
 def test_a_record_from_an_unexpected_uid_is_rejected(
-    env: Any, logs: pytest.LogCaptureFixture
+    collector_env: Any, logs: pytest.LogCaptureFixture
 ) -> None:
     def other_uid(ms: MungeSet, d: Path) -> str:
-        data = spool.payload(make_fp("n3", "2.18.3"))
+        data = spool.payload(fingerprint("n3", "2.18.3", plugin_abi=8))
         r = subprocess.run(["munge", "-S", str(ms.node("n3").socket), "-z", "zlib"],
                            input=data, capture_output=True, user=65534, check=True)
         (d / "n3.rec").write_bytes(r.stdout)
         return "n3.rec"
 
-    _reject_case(env, logs, other_uid, "wrong-uid", "signed by uid 65534")
+    _reject_case(collector_env, logs, other_uid, "wrong-uid", "signed by uid 65534")
 
 
-def test_an_expired_record_is_rejected(env: Any, logs: pytest.LogCaptureFixture) -> None:
+def test_an_expired_record_is_rejected(collector_env: Any, logs: pytest.LogCaptureFixture) -> None:
     def expired(ms: MungeSet, d: Path) -> str:
-        cred = sign(ms, "n4", spool.payload(make_fp("n4", "2.18.3")), ttl=1)
+        cred = sign(ms, "n4", spool.payload(fingerprint("n4", "2.18.3", plugin_abi=8)), ttl=1)
         time.sleep(2.2)
         (d / "n4.rec").write_bytes(cred)
         return "n4.rec"
 
-    _reject_case(env, logs, expired, "expired", "ttl 1 s")
+    _reject_case(collector_env, logs, expired, "expired", "ttl 1 s")
 
 
-def test_a_replayed_record_is_ignored(env: Any, logs: pytest.LogCaptureFixture) -> None:
+def test_a_replayed_record_is_ignored(collector_env: Any, logs: pytest.LogCaptureFixture) -> None:
     """An older record of the node put back (by anyone who could read the spool)."""
-    ms = env[0]
-    old = sign(ms, "n2", spool.payload(make_fp("n2", "2.18.3")))
+    ms = collector_env[0]
+    old = sign(ms, "n2", spool.payload(fingerprint("n2", "2.18.3", plugin_abi=8)))
     time.sleep(1.1)  # encode times are whole seconds
     saved: dict[str, bytes] = {}
 
@@ -227,34 +220,36 @@ def test_a_replayed_record_is_ignored(env: Any, logs: pytest.LogCaptureFixture) 
         (d / "n2.rec").write_bytes(old)
         return "n2.rec"
 
-    _reject_case(env, logs, replay, "replayed", "not newer than the record accepted")
+    _reject_case(collector_env, logs, replay, "replayed", "not newer than the record accepted")
     assert [r.levelname for r in logs.records if "rejected" in r.getMessage()] == ["WARNING"]
 
 
-def test_a_truncated_record_is_rejected(env: Any, logs: pytest.LogCaptureFixture) -> None:
+def test_a_truncated_record_is_rejected(collector_env: Any, logs: pytest.LogCaptureFixture) -> None:
     def truncate(ms: MungeSet, d: Path) -> str:
-        cred = sign(ms, "n1", spool.payload(make_fp("n1", "2.18.3")))
+        cred = sign(ms, "n1", spool.payload(fingerprint("n1", "2.18.3", plugin_abi=8)))
         (d / "n1.rec").write_bytes(cred[: len(cred) // 2])
         return "n1.rec"
 
-    _reject_case(env, logs, truncate, "undecodable", "munge decode")
+    _reject_case(collector_env, logs, truncate, "undecodable", "munge decode")
 
 
-def test_an_oversized_record_is_rejected_unread(env: Any, logs: pytest.LogCaptureFixture) -> None:
+def test_an_oversized_record_is_rejected_unread(
+        collector_env: Any, logs: pytest.LogCaptureFixture) -> None:
     def huge(ms: MungeSet, d: Path) -> str:
         with open(d / "n1.rec", "wb") as f:
             f.truncate(64 << 20)  # sparse: 64 MiB of nothing
         return "n1.rec"
 
-    _reject_case(env, logs, huge, "oversized", "limit 1048576")
+    _reject_case(collector_env, logs, huge, "oversized", "limit 1048576")
 
 
-def test_a_malformed_payload_is_rejected(env: Any, logs: pytest.LogCaptureFixture) -> None:
+def test_a_malformed_payload_is_rejected(
+        collector_env: Any, logs: pytest.LogCaptureFixture) -> None:
     def garbage(ms: MungeSet, d: Path) -> str:
         (d / "n3.rec").write_bytes(sign(ms, "n3", b"[" * 100_000))  # deep nesting
         return "n3.rec"
 
-    _reject_case(env, logs, garbage, "malformed", "payload is not JSON")
+    _reject_case(collector_env, logs, garbage, "malformed", "payload is not JSON")
 
 
 @pytest.mark.parametrize(
@@ -271,13 +266,13 @@ def test_a_malformed_payload_is_rejected(env: Any, logs: pytest.LogCaptureFixtur
     ],
 )
 def test_payloads_of_the_wrong_shape_are_rejected(
-    env: Any, logs: pytest.LogCaptureFixture, payload: bytes, text: str
+    collector_env: Any, logs: pytest.LogCaptureFixture, payload: bytes, text: str
 ) -> None:
     def write(ms: MungeSet, d: Path) -> str:
         (d / "n3.rec").write_bytes(sign(ms, "n3", payload))
         return "n3.rec"
 
-    _reject_case(env, logs, write, "malformed", text)
+    _reject_case(collector_env, logs, write, "malformed", text)
 
 
 @pytest.mark.parametrize(
@@ -288,17 +283,17 @@ def test_payloads_of_the_wrong_shape_are_rejected(
     ],
 )
 def test_a_fingerprint_the_store_cannot_read_is_rejected_alone(
-    env: Any, logs: pytest.LogCaptureFixture, part: str, value: Any
+    collector_env: Any, logs: pytest.LogCaptureFixture, part: str, value: Any
 ) -> None:
     """Right shape at the top, wrong types inside: that record alone is rolled back; a
     good record in the same batch is written."""
     def poisoned(ms: MungeSet, d: Path) -> str:
-        fp = make_fp("n4", "2.18.3")
+        fp = fingerprint("n4", "2.18.3", plugin_abi=8)
         fp[part] = value
         publish(ms, d, "n4", fp)
         return "n4.rec"
 
-    ms, d, db = env
+    ms, d, db = collector_env
     for h in NODES:
         publish(ms, d, h)
     c = Collector(config(ms, d), db=db)
@@ -306,7 +301,7 @@ def test_a_fingerprint_the_store_cannot_read_is_rejected_alone(
         c.scan()
         before = snapshot(db)
         poisoned(ms, d)
-        publish(ms, d, "n1", make_fp("n1", "2.23.4"))
+        publish(ms, d, "n1", fingerprint("n1", "2.23.4", plugin_abi=8))
         res = c.scan()
     finally:
         c.close()
@@ -319,7 +314,7 @@ def test_a_fingerprint_the_store_cannot_read_is_rejected_alone(
 
 @pytest.mark.parametrize("kind", ["symlink", "fifo", "directory"])
 def test_entries_that_are_not_files_are_rejected_without_blocking(
-    env: Any, logs: pytest.LogCaptureFixture, kind: str
+    collector_env: Any, logs: pytest.LogCaptureFixture, kind: str
 ) -> None:
     def make(ms: MungeSet, d: Path) -> str:
         (d / "n2.rec").unlink()
@@ -331,13 +326,13 @@ def test_entries_that_are_not_files_are_rejected_without_blocking(
             (d / "n2.rec").mkdir()
         return "n2.rec"
 
-    _reject_case(env, logs, make, "not-a-file", "n2.rec")
+    _reject_case(collector_env, logs, make, "not-a-file", "n2.rec")
 
 
 def test_an_unknown_node_and_a_bad_file_name_are_rejected(
-    env: Any, logs: pytest.LogCaptureFixture
+    collector_env: Any, logs: pytest.LogCaptureFixture
 ) -> None:
-    ms, d, db = env
+    ms, d, db = collector_env
     publish(ms, d, "n9")  # signed by n9's own munged, but n9 is no node of ours
     (d / "..rec").write_bytes(b"x")  # a name no node has (a dot file: skipped)
     (d / "n 1.rec").write_bytes(publish(ms, d, "n1"))
@@ -351,9 +346,9 @@ def test_an_unknown_node_and_a_bad_file_name_are_rejected(
     assert set(res.accepted) == {"n1"} and snapshot(db).keys() == {"n1"}
 
 
-def test_a_later_good_record_resolves_the_rejection(env: Any, logs: pytest.LogCaptureFixture
-                                                    ) -> None:
-    ms, d, db = env
+def test_a_later_good_record_resolves_the_rejection(
+        collector_env: Any, logs: pytest.LogCaptureFixture) -> None:
+    ms, d, db = collector_env
     publish(ms, d, "n2", signer="n1")
     c = Collector(config(ms, d), db=db)
     try:
@@ -369,8 +364,9 @@ def test_a_later_good_record_resolves_the_rejection(env: Any, logs: pytest.LogCa
     assert row["cause"] == "wrong-address" and row["resolved_at"] is not None
 
 
-def test_munged_down_defers_the_records_and_rejects_nothing(env: Any, tmp_path: Path) -> None:
-    ms, d, db = env
+def test_munged_down_defers_the_records_and_rejects_nothing(
+        collector_env: Any, tmp_path: Path) -> None:
+    ms, d, db = collector_env
     publish(ms, d, "n1")
     cfg = config(ms, d)
     cfg = cfg.replace(spool=cfg.spool.replace(munge_socket=str(tmp_path / "down.socket")))
@@ -389,8 +385,9 @@ def test_munged_down_defers_the_records_and_rejects_nothing(env: Any, tmp_path: 
         c.close()
 
 
-def test_an_unsafe_or_missing_spool_is_refused(env: Any, logs: pytest.LogCaptureFixture) -> None:
-    ms, d, db = env
+def test_an_unsafe_or_missing_spool_is_refused(
+        collector_env: Any, logs: pytest.LogCaptureFixture) -> None:
+    ms, d, db = collector_env
     publish(ms, d, "n1")
     os.chmod(d, 0o777)
     c = Collector(config(ms, d), db=db)
@@ -406,9 +403,9 @@ def test_an_unsafe_or_missing_spool_is_refused(env: Any, logs: pytest.LogCapture
     assert any("readable again" in m for m in msgs)
 
 
-def test_two_collectors_end_with_the_same_inventory(env: Any, tmp_path: Path) -> None:
+def test_two_collectors_end_with_the_same_inventory(collector_env: Any, tmp_path: Path) -> None:
     """Primary and backup controller: each its own munged (same key) and inventory."""
-    ms, d, db = env
+    ms, d, db = collector_env
     backup = ms.extra("backup", "127.42.250.2")
     for h in NODES:
         publish(ms, d, h)
@@ -418,7 +415,7 @@ def test_two_collectors_end_with_the_same_inventory(env: Any, tmp_path: Path) ->
     b = Collector(cfg_b, db=tmp_path / "backup.db")
     try:
         a.scan()
-        publish(ms, d, "n2", make_fp("n2", "2.23.4"))
+        publish(ms, d, "n2", fingerprint("n2", "2.23.4", plugin_abi=8))
         b.scan()
         a.scan()
     finally:
@@ -426,37 +423,10 @@ def test_two_collectors_end_with_the_same_inventory(env: Any, tmp_path: Path) ->
         b.close()
     left, right = snapshot(db), snapshot(tmp_path / "backup.db")
     assert left == right and len(left) == 4
-    assert left["n2"][0] == fingerprint_hash(make_fp("n2", "2.23.4"))
+    assert left["n2"][0] == fingerprint_hash(fingerprint("n2", "2.23.4", plugin_abi=8))
 
 
 # ---- readers without write access, as the gate (SlurmUser) and an admin read it
-
-# A process of its own that drops to uid 65534 for good before it opens the file (an
-# in-process seteuid would share SQLite's descriptors of the file with the collector).
-_AS_NOBODY = r"""
-import os, sys
-from ncclguard.policy import GATE_VALUES
-from ncclguard.store import Inventory
-import sqlite3, json, contextlib, time, urllib.parse
-from ncclguard.store.schema import record_key
-record_key(1, "")  # its lazy import, while this Python (under /root here) is readable
-os.setgroups([]); os.setgid(65534); os.setuid(65534)
-if sys.argv[2] == "read":
-    with Inventory(sys.argv[1], readonly=True, values=GATE_VALUES) as inv:
-        got = inv.load_values(["n1", "n2"])
-        print(sorted(h for h, v in got.items() if v is not None))
-else:
-    c = sqlite3.connect(f"file:{sys.argv[1]}?mode=rw", uri=True)
-    c.execute("DELETE FROM nodes")
-    c.commit()
-"""
-
-
-def as_nobody(db: Path, what: str) -> subprocess.CompletedProcess[str]:
-    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "HOME": "/nonexistent"}
-    return subprocess.run([sys.executable, "-c", _AS_NOBODY, str(db), what], env=env,
-                          capture_output=True, text=True, timeout=60, cwd="/")
-
 
 @pytest.fixture
 def controller_dir() -> Iterator[Path]:
@@ -470,9 +440,9 @@ def controller_dir() -> Iterator[Path]:
 
 
 def test_readers_without_write_access_read_it_while_it_runs_and_after_it_stops(
-    env: Any, controller_dir: Path
+    collector_env: Any, controller_dir: Path
 ) -> None:
-    ms, d, _ = env
+    ms, d, _ = collector_env
     db = controller_dir / "inventory.db"
     for h in ("n1", "n2"):
         publish(ms, d, h)
@@ -492,13 +462,13 @@ def test_readers_without_write_access_read_it_while_it_runs_and_after_it_stops(
     assert snapshot(db).keys() == {"n1", "n2"}
 
 
-def test_the_service_writes_its_metrics(env: Any, tmp_path: Path) -> None:
+def test_the_service_writes_its_metrics(collector_env: Any, tmp_path: Path) -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
-    from inventoryd import collector
+    from inventoryd.controller import collector_service as collector
     from inventoryd.sdnotify import Notifier
 
-    ms, d, db = env
+    ms, d, db = collector_env
     publish(ms, d, "n1")
     publish(ms, d, "n2", signer="n1")
     prom = tmp_path / "prom"
@@ -522,6 +492,45 @@ def test_the_service_writes_its_metrics(env: Any, tmp_path: Path) -> None:
     assert time.time() - 60 < oldest <= time.time()
 
 
+def test_an_unwritable_textfile_dir_is_logged_once_and_its_recovery_once(
+    collector_env: Any, tmp_path: Path, logs: pytest.LogCaptureFixture
+) -> None:
+    """Every scan writes the textfile: a directory that cannot be written (read-only under
+    the unit without its drop-in; here a file in its place) is one error line, not one
+    per scan, and one line when it works again."""
+    import threading
+
+    from inventoryd.controller import collector_service as collector
+    from inventoryd.sdnotify import Notifier
+
+    ms, d, db = collector_env
+    publish(ms, d, "n1")
+    prom = tmp_path / "prom"
+    prom.write_text("not a directory\n")
+    cfg = config(ms, d)
+    cfg = cfg.replace(collector=cfg.collector.replace(textfile_dir=str(prom),
+                                                      scan_interval_s=0.02))
+
+    def mend() -> None:
+        time.sleep(0.5)  # scans that fail
+        prom.unlink()
+        prom.mkdir()
+
+    t = threading.Thread(target=mend)
+    t.start()
+    try:
+        assert collector.run(None, cfg, db=db, notifier=Notifier({}), max_scans=60) == 0
+    finally:
+        t.join()
+    assert (prom / "ncclguard-collector.prom").is_file()
+    lines = [r.getMessage() for r in logs.records]
+    failed = [x for x in lines if "cannot write metrics" in x]
+    assert len(failed) == 1 and f"cannot write metrics to {prom}: " in failed[0], lines
+    again = [x for x in lines if "again" in x]
+    assert len(again) == 1 and f"metrics written to {prom}/ncclguard-collector.prom again" in (
+        again[0]), lines
+
+
 # ---- found by a hostile review: each failed (crash, hang, forgery, rollback) before
 
 
@@ -540,20 +549,20 @@ def _raw_payload(host: str, fp: dict, seq: int = 1) -> bytes:
     ids=["lone-surrogate", "int-2**64", "nan"],
 )
 def test_a_node_cannot_crash_the_collector_with_its_own_record(
-    env: Any, logs: pytest.LogCaptureFixture, poison: Any, text: str
+    collector_env: Any, logs: pytest.LogCaptureFixture, poison: Any, text: str
 ) -> None:
     """Values Python reads but SQLite or UTF-8 cannot hold: that record is rejected, an
     honest change in the same batch is written, and a restart does not trip on it."""
-    ms, d, db = env
+    ms, d, db = collector_env
     for h in NODES:
         publish(ms, d, h)
     c = Collector(config(ms, d), db=db)
     try:
         c.scan()
-        fp = make_fp("n1", "2.18.3")
+        fp = fingerprint("n1", "2.18.3", plugin_abi=8)
         fp["libnccl"][0]["version_code"] = poison
         (d / "n1.rec").write_bytes(sign(ms, "n1", _raw_payload("n1", fp)))
-        publish(ms, d, "n2", make_fp("n2", "2.23.4"))
+        publish(ms, d, "n2", fingerprint("n2", "2.23.4", plugin_abi=8))
         res = c.scan()
     finally:
         c.close()
@@ -566,10 +575,11 @@ def test_a_node_cannot_crash_the_collector_with_its_own_record(
         c.close()
 
 
-def test_a_dead_munged_defers_the_scan_once_not_per_record(env: Any, tmp_path: Path) -> None:
+def test_a_dead_munged_defers_the_scan_once_not_per_record(
+        collector_env: Any, tmp_path: Path) -> None:
     """A stale socket (munged killed): libmunge retries for seconds per call; the scan
     stops at the first and leaves every record for the next."""
-    ms, d, db = env
+    ms, d, db = collector_env
     for h in NODES:
         publish(ms, d, h)
     from devtools.devcluster import Munged
@@ -592,12 +602,12 @@ def test_a_dead_munged_defers_the_scan_once_not_per_record(env: Any, tmp_path: P
         c.close()
 
 
-def test_two_records_of_one_second_keep_their_order(env: Any, logs: pytest.LogCaptureFixture
-                                                    ) -> None:
+def test_two_records_of_one_second_keep_their_order(
+        collector_env: Any, logs: pytest.LogCaptureFixture) -> None:
     """Encode times are whole seconds; the signed seq orders records within one."""
-    ms, d, db = env
-    first = sign(ms, "n2", spool.payload(make_fp("n2", "2.18.3"), seq=100))
-    second = sign(ms, "n2", spool.payload(make_fp("n2", "2.21.5"), seq=200))
+    ms, d, db = collector_env
+    first = sign(ms, "n2", spool.payload(fingerprint("n2", "2.18.3", plugin_abi=8), seq=100))
+    second = sign(ms, "n2", spool.payload(fingerprint("n2", "2.21.5", plugin_abi=8), seq=200))
     assert munge.decode(first, socket_path=str(ms.extra("probe", "127.42.250.1").socket)
                         ).encoded_at == munge.decode(
         second, socket_path=str(ms.extra("probe", "127.42.250.1").socket)).encoded_at
@@ -612,7 +622,7 @@ def test_two_records_of_one_second_keep_their_order(env: Any, logs: pytest.LogCa
         assert not res.accepted and not res.rejected  # the accepted one: nothing to do
     finally:
         c.close()
-    assert snapshot(db)["n2"][0] == fingerprint_hash(make_fp("n2", "2.21.5"))
+    assert snapshot(db)["n2"][0] == fingerprint_hash(fingerprint("n2", "2.21.5", plugin_abi=8))
     assert history_len(db) == 1
 
 
@@ -633,19 +643,21 @@ def clock_shift(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize(("shift", "verdict"), [(3000, "rewound"), (10, "accepted")])
-def test_a_node_clock_ahead_is_bounded(env: Any, clock_shift: Path, monkeypatch: pytest.MonkeyPatch,
+def test_a_node_clock_ahead_is_bounded(
+        collector_env: Any, clock_shift: Path, monkeypatch: pytest.MonkeyPatch,
                                         shift: int, verdict: str) -> None:
     """munged accepts a credential from the future up to its time to live (an hour):
     the collector accepts 30 s, and never stores a heartbeat in the future."""
     from devtools.devcluster import Munged
 
-    ms, d, db = env
+    ms, d, db = collector_env
     monkeypatch.setenv("LD_PRELOAD", str(clock_shift))
     monkeypatch.setenv("SHIFT_S", str(shift))
     fast = Munged(ms.directory, f"fast{shift}", ms.key, ms.addr("n2"), mode=0o755).start()
     monkeypatch.delenv("LD_PRELOAD")
     try:
-        cred = munge.encode(spool.payload(make_fp("n2")), socket_path=str(fast.socket))
+        cred = munge.encode(spool.payload(fingerprint("n2", plugin_abi=8)),
+                            socket_path=str(fast.socket))
     finally:
         fast.stop()
     (d / "n2.rec").write_bytes(cred)
@@ -661,8 +673,8 @@ def test_a_node_clock_ahead_is_bounded(env: Any, clock_shift: Path, monkeypatch:
         assert snapshot(db)["n2"][1] <= time.time()  # clamped: never a future heartbeat
 
 
-def test_a_future_mtime_is_read_twice_not_for_ever(env: Any) -> None:
-    ms, d, db = env
+def test_a_future_mtime_is_read_twice_not_for_ever(collector_env: Any) -> None:
+    ms, d, db = collector_env
     (d / "n3.rec").write_bytes(b"garbage")
     future = time.time() + 10 * 365 * 86400
     os.utime(d / "n3.rec", (future, future))
@@ -676,15 +688,25 @@ def test_a_future_mtime_is_read_twice_not_for_ever(env: Any) -> None:
         assert [r["count"] for r in inv.rejections()] == [1]
 
 
-def test_files_that_go_away_are_forgotten_and_resolved(env: Any) -> None:
+def test_files_that_go_away_are_forgotten_and_resolved(collector_env: Any) -> None:
     """2,000 junk files, then removed: nothing of them stays in memory, their
-    rejections are resolved; a file removed between listing and read is no rejection."""
-    ms, d, db = env
+    rejections are resolved; a file removed between listing and read is no rejection.
+    They name no node: each scan judges at most UNKNOWN_PER_SCAN of them (each twice:
+    judged, then confirmed), unread."""
+    from inventoryd.controller.collector import UNKNOWN_PER_SCAN
+
+    ms, d, db = collector_env
     for i in range(2000):
         (d / f"junk{i}.rec").write_bytes(b"x")
     c = Collector(config(ms, d), db=db)
     try:
-        assert len(c.scan().rejected) == 2000
+        rejected: dict[str, str] = {}
+        for _ in range(2 * (2000 // UNKNOWN_PER_SCAN + 1)):
+            res = c.scan()
+            assert len(res.rejected) <= UNKNOWN_PER_SCAN
+            rejected.update(res.rejected)
+        assert len(rejected) == 2000 and set(rejected.values()) == {"unknown-node"}
+        assert c.scan().read == 0  # every one judged and confirmed
         for i in range(2000):
             (d / f"junk{i}.rec").unlink()
         c.scan()
@@ -699,8 +721,9 @@ def test_files_that_go_away_are_forgotten_and_resolved(env: Any) -> None:
         c.close()
 
 
-def test_file_names_cannot_forge_log_lines(env: Any, logs: pytest.LogCaptureFixture) -> None:
-    ms, d, db = env
+def test_file_names_cannot_forge_log_lines(
+        collector_env: Any, logs: pytest.LogCaptureFixture) -> None:
+    ms, d, db = collector_env
     (d / "x\nERROR n1: record n1.rec rejected (wrong-address) FAKE\n.rec").write_bytes(b"x")
     c = Collector(config(ms, d), db=db)
     try:
@@ -715,15 +738,15 @@ def test_file_names_cannot_forge_log_lines(env: Any, logs: pytest.LogCaptureFixt
 
 
 def test_a_directory_at_a_nodes_name_does_not_block_its_publisher(
-    env: Any, logs: pytest.LogCaptureFixture
+    collector_env: Any, logs: pytest.LogCaptureFixture
 ) -> None:
-    from inventoryd.publish import Publisher
+    from inventoryd.node.publish import Publisher
 
-    ms, d, db = env
+    ms, d, db = collector_env
     (d / "n2.rec").mkdir()
     (d / "n2.rec" / "filler").write_bytes(b"x")
     cfg = configmod.SpoolConfig(dir=str(d), munge_socket=str(ms.node("n2").socket))
-    Publisher(cfg, 300).publish(make_fp("n2"))
+    Publisher(cfg, 300).publish(fingerprint("n2", plugin_abi=8))
     assert (d / "n2.rec").is_file()
     aside = [p.name for p in d.iterdir() if p.name.startswith(".n2.rec.blocked.")]
     assert len(aside) == 1
@@ -735,9 +758,9 @@ def test_a_directory_at_a_nodes_name_does_not_block_its_publisher(
 
 
 def test_close_with_a_reader_holding_the_file_is_quick_and_leaves_it_readable(
-    env: Any, controller_dir: Path, logs: pytest.LogCaptureFixture
+    collector_env: Any, controller_dir: Path, logs: pytest.LogCaptureFixture
 ) -> None:
-    ms, d, _ = env
+    ms, d, _ = collector_env
     db = controller_dir / "inventory.db"
     publish(ms, d, "n1")
     c = Collector(config(ms, d), db=db)
@@ -755,8 +778,8 @@ def test_close_with_a_reader_holding_the_file_is_quick_and_leaves_it_readable(
     assert r.returncode == 0 and "n1" in r.stdout, r.stderr
 
 
-def test_a_failed_reload_keeps_the_running_collector(env: Any, tmp_path: Path) -> None:
-    ms, d, db = env
+def test_a_failed_reload_keeps_the_running_collector(collector_env: Any, tmp_path: Path) -> None:
+    ms, d, db = collector_env
     conf = tmp_path / "collector.toml"
     good = (f'[spool]\ndir = "{d}"\nmunge_socket = "{ms.controller.socket}"\n'
             f'[collector]\npublisher = "{os.getuid()}"\nscan_interval_s = 0.1\n'
@@ -769,22 +792,18 @@ def test_a_failed_reload_keeps_the_running_collector(env: Any, tmp_path: Path) -
                               str(conf), "--db", str(db)], cwd=REPO, env=env_, stderr=out)
     try:
         publish(ms, d, "n1")
-        _until(lambda: "n1: fingerprint inserted" in log.read_text())
+        wait_until(lambda: "n1: fingerprint inserted" in log.read_text(), 20,
+                   "n1's record in the log", interval=0.05)
         conf.write_text(good.replace(f'publisher = "{os.getuid()}"',
                                      'publisher = "no-such-user-xyz"'))
         p.send_signal(signal.SIGHUP)
-        _until(lambda: "config not reloaded" in log.read_text())
-        publish(ms, d, "n1", make_fp("n1", "2.18.3"))
-        _until(lambda: "n1: fingerprint changed" in log.read_text())
+        wait_until(lambda: "config not reloaded" in log.read_text(), 20,
+                   "the refused reload in the log", interval=0.05)
+        publish(ms, d, "n1", fingerprint("n1", "2.18.3", plugin_abi=8))
+        wait_until(lambda: "n1: fingerprint changed" in log.read_text(), 20,
+                   "n1's change in the log", interval=0.05)
     finally:
         p.terminate()
         p.wait(timeout=30)
     text = log.read_text()
     assert "no such user" in text and "closed database" not in text and p.returncode == 0
-
-
-def _until(cond: Any, timeout: float = 20) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, "timed out"
-        time.sleep(0.05)

@@ -11,15 +11,16 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest_munge import MungeSet
-from test_collector import REPO, as_nobody, snapshot
-from test_store import make_fp
+from helpers import REPO
+from helpers.collector import as_nobody, snapshot
+from helpers.fingerprints import fingerprint
+from helpers.munge import MungeSet
+from helpers.wait import wait_until
 
 from ncclguard import config as configmod
 from ncclguard import munge
@@ -32,11 +33,11 @@ ROUNDS = 200
 
 def _fp(host: str, i: int) -> dict[str, Any]:
     """Round i of a node: even rounds change the fingerprint, odd ones heartbeat it."""
-    return make_fp(host, f"2.{i // 2}.0")
+    return fingerprint(host, f"2.{i // 2}.0", plugin_abi=8)
 
 
 def _publisher(host: str, spool_dir: str, sock: str) -> str:
-    from inventoryd.publish import Publisher
+    from inventoryd.node.publish import Publisher
 
     pub = Publisher(configmod.SpoolConfig(dir=spool_dir, munge_socket=sock), heartbeat_s=0)
     for i in range(ROUNDS):
@@ -49,7 +50,8 @@ def _toml(ms: MungeSet, d: Path, hosts: list[str], signer_of: Any, path: Path,
     lines = [
         "[spool]", f'dir = "{d}"', f'munge_socket = "{ms.controller.socket}"',
         "[collector]", f'publisher = "{os.getuid()}"', "scan_interval_s = 0.1",
-        f"batch_max = {batch_max}", "[collector.addresses]",
+        # 100 changes a node here: no change rate (the quota test is test_collector_bounds)
+        f"batch_max = {batch_max}", "max_changes_per_hour = 0", "[collector.addresses]",
         *(f'{h} = ["{ms.addr(signer_of(h))}"]' for h in hosts),
     ]
     path.write_text("\n".join(lines) + "\n")
@@ -97,13 +99,14 @@ def test_64_publishers_200_rounds_the_collector_ends_with_every_last_record(
         probe = str(ms.extra("probe", "127.42.250.1").socket)
         signed = {h: float(munge.decode((d / f"{h}.rec").read_bytes().strip(),
                                         socket_path=probe).encoded_at) for h in hosts}
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            got = snapshot(db) if db.exists() else {}
-            if got == {h: (last[h], signed[h]) for h in hosts}:
-                break
-            time.sleep(0.5)
-        assert got == {h: (last[h], signed[h]) for h in hosts}
+        want = {h: (last[h], signed[h]) for h in hosts}
+
+        def stored() -> dict[str, tuple[str, float]]:
+            return snapshot(db) if db.exists() else {}
+
+        wait_until(lambda: stored() == want, 120, "every node's last record in the inventory",
+                   interval=0.5, detail=lambda: "not (yet) as published: " + ", ".join(
+                       sorted(h for h in want if stored().get(h) != want[h])))
         collector.send_signal(signal.SIGTERM)
         assert collector.wait(timeout=30) == 0
     finally:
@@ -125,10 +128,10 @@ def test_64_publishers_200_rounds_the_collector_ends_with_every_last_record(
 _DRIVER = r"""
 import os, signal, sys
 from pathlib import Path
-from inventoryd import collector
+from inventoryd.controller import addresses as addressmod, collector
 from ncclguard.policy import load_config
 cfg = load_config(sys.argv[1])
-addresses = collector.Addresses(cfg.collector)
+addresses = addressmod.Addresses(cfg.collector)
 addresses._map = {n: frozenset(a) for n, a in cfg.collector.addresses.items()}
 c = collector.Collector(cfg, db=Path(sys.argv[2]), addresses=addresses)
 batches = []
@@ -152,11 +155,11 @@ def test_a_collector_killed_mid_batch_loses_nothing_in_the_spool(
     ms, d, db = mungeds, spool_dir / "spool", spool_dir / "inventory.db"
     hosts = [f"h{i:04d}" for i in range(1, 1201)]
     sock = str(ms.node("n1").socket)  # these nodes all sign from n1's address (the map)
-    from inventoryd.publish import Publisher
+    from inventoryd.node.publish import Publisher
 
     for h in hosts:
         Publisher(configmod.SpoolConfig(dir=str(d), munge_socket=sock), 300).publish(
-            make_fp(h, "2.18.3" if h.endswith("7") else "2.21.5"))
+            fingerprint(h, "2.18.3" if h.endswith("7") else "2.21.5", plugin_abi=8))
     cfg = _toml(ms, d, hosts, lambda h: "n1", spool_dir / "collector.toml", batch_max=300)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     driver = [sys.executable, "-c", _DRIVER, str(cfg), str(db)]
@@ -172,9 +175,8 @@ def test_a_collector_killed_mid_batch_loses_nothing_in_the_spool(
     collector = subprocess.Popen([*driver, "run"], cwd=REPO, env=env,
                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 60
-        while len(snapshot(db)) < 600 and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_until(lambda: len(snapshot(db)) >= 600, 60, "600 nodes stored before the kill",
+                   interval=0.02)
         collector.kill()
         collector.wait(timeout=30)
     finally:
@@ -190,7 +192,7 @@ def test_a_collector_killed_mid_batch_loses_nothing_in_the_spool(
     assert accepted > 0 and rejected == 0 and deferred == 0, r.stdout + r.stderr
     got = snapshot(db)
     assert {h: v[0] for h, v in got.items()} == {
-        h: fingerprint_hash(make_fp(h, "2.18.3" if h.endswith("7") else "2.21.5"))
+        h: fingerprint_hash(fingerprint(h, "2.18.3" if h.endswith("7") else "2.21.5", plugin_abi=8))
         for h in hosts
     }
     with Inventory(db, readonly=True) as inv:

@@ -9,21 +9,20 @@ import json
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
+from helpers.cli import run_cli
+from helpers.parts import build_plugin, unavailable
 
 from devtools import images
 from devtools.ncclwheels import PartUnavailable
 from devtools.nodetree import build_node
-from inventoryd.collect import collect
+from inventoryd.controller.images.index import update_index
 from inventoryd.filecache import FileCache
-from inventoryd.images.index import update_index
+from inventoryd.node.fingerprint import collect
 from inventoryd.nodefs import ErrorLog, NodeFS
 from inventoryd.probes import containers
-from ncclguard.cli.group import main
 from ncclguard.config import ImagesConfig
 from ncclguard.policy import GATE_VALUES
 from ncclguard.store import Inventory
-from tests.conftest import build_plugin, unavailable
 
 FSTAB = "{src} /usr/lib/x86_64-linux-gnu/libnccl-net.so none x-create=file,bind,ro,nosuid\n"
 
@@ -97,8 +96,7 @@ def cluster(tmp_path: Path, nccl_lib) -> dict[str, Path]:
 
 
 def _check(cluster: dict[str, Path], *args: str) -> tuple[int, dict]:
-    r = CliRunner().invoke(main, ["--db", str(cluster["db"]), "--config", str(cluster["cfg"]),
-                                  "check", "--json", *args])
+    r = run_cli("check", "--json", *args, db=cluster["db"], config=cluster["cfg"])
     assert r.exception is None or isinstance(r.exception, SystemExit), r.output
     return r.exit_code, json.loads(r.output)
 
@@ -151,13 +149,13 @@ def test_an_image_that_cannot_be_checked_is_unknown(cluster, ref: str, why: str)
 
 
 def test_images_cli_lists_shows_and_diffs(cluster) -> None:
-    base = ["--db", str(cluster["db"]), "--config", str(cluster["cfg"])]
+    base = {"db": cluster["db"], "config": cluster["cfg"]}
     a, b = (str(cluster["images"] / n) for n in ("pt-2.18.sqsh", "pt-2.21.sqsh"))
-    r = CliRunner().invoke(main, [*base, "images"])
+    r = run_cli("images", **base)
     assert r.exit_code == 0 and "2.18.3" in r.output and "2 images" in r.output
-    r = CliRunner().invoke(main, [*base, "images", "show", a])
+    r = run_cli("images", "show", a, **base)
     assert r.exit_code == 0 and "2.18.3 (loaded)" in r.output
-    r = CliRunner().invoke(main, [*base, "images", "diff", a, b])
+    r = run_cli("images", "diff", a, b, **base)
     assert r.exit_code == 1 and "nvidia/nccl/lib/libnccl.so.2].version" in r.output
-    r = CliRunner().invoke(main, [*base, "images", "show", "/nope.sqsh"])
+    r = run_cli("images", "show", "/nope.sqsh", **base)
     assert r.exit_code == 3 and "not in the image index" in r.output

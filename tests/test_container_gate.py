@@ -17,16 +17,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest_slurm import require_slurm
+from helpers.parts import build_plugin, extract_nccl, unavailable
+from helpers.slurm import require_slurm
 
 from devtools import images
 from devtools.devcluster import DevCluster
 from devtools.ncclwheels import PartUnavailable
 from devtools.nodetree import build_node
-from inventoryd.collect import collect
 from inventoryd.filecache import FileCache
+from inventoryd.node.fingerprint import collect
 from ncclguard import audit
-from tests.conftest import build_plugin, extract_nccl, unavailable
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -122,14 +122,14 @@ def test_the_enroot_hook_records_what_each_node_ran(
         pyxis_cluster: tuple[DevCluster, Path], tmp_path: Path) -> None:
     """The hook's command on each node of a finished job, in the container root enroot
     would have made of the image (unsquashfs -d, as enroot create does), signed by that
-    node's munged; the collector keeps them and ``decisions --job`` shows them. On a
-    node whose munged signs another node's name it is ignored."""
+    node's munged; the collector keeps them and ``decisions --job`` shows them. A
+    record that a node's munged signs under another node's name is rejected, and so is
+    one for a job that did not run on its node (Slurm's node list of the job; the
+    signer, root, is the job's owner, by Slurm's user_id)."""
     import json
     import subprocess
 
-    from click.testing import CliRunner
-
-    from ncclguard.cli.group import main as cli
+    from helpers.cli import run_cli
 
     c, image = pyxis_cluster
     c.cancel_all()
@@ -140,9 +140,11 @@ def test_the_enroot_hook_records_what_each_node_ran(
     rootfs = tmp_path / "rootfs"
     subprocess.run(["unsquashfs", "-no-progress", "-d", str(rootfs), str(image)], check=True,
                    capture_output=True)
-    for host, name in (("n1", "n1"), ("n2", "n2"), ("n3", "n1")):  # n3 claims to be n1
+    # n3 claims to be n1; then n3 records for itself a job that did not run there
+    for host, name, step in (("n1", "n1", "0"), ("n2", "n2", "0"), ("n3", "n1", "1"),
+                             ("n3", "n3", "0")):
         env = {"PATH": "/usr/bin:/bin", "ENROOT_ROOTFS": str(rootfs), "SLURM_JOB_ID": str(job),
-               "SLURM_STEP_ID": "0" if host != "n3" else "1", "SLURMD_NODENAME": name,
+               "SLURM_STEP_ID": step, "SLURMD_NODENAME": name,
                "NCCLGUARD_CONFIG": str(c.node_config(host))}
         r = subprocess.run([sys.executable, "-m", "inventoryd.main", "container-record"],
                            env=env, capture_output=True, text=True, timeout=120)
@@ -150,19 +152,22 @@ def test_the_enroot_hook_records_what_each_node_ran(
         assert "containers/" in r.stderr, r.stderr
     r = c.collect()
     assert "container record n1+" in r.stderr and "which is not n1's" in r.stderr, r.stderr
-    base = ["--db", str(c.db), "--config", str(c.config_path)]
-    out = CliRunner().invoke(cli, [*base, "decisions", "--job", str(job)])
+    # Slurm's own answer: job J ran on n[1-2] as root, who signed n1's and n2's records
+    assert f"container record n3+{job}+0.rec rejected (wrong-node): job {job} did not run " \
+        "on n3" in r.stderr, r.stderr
+    assert "container records: 2 kept, 2 rejected" in r.stderr, r.stderr
+    base = {"db": c.db, "config": c.config_path}
+    out = run_cli("decisions", "--job", str(job), **base)
     assert out.exit_code == 0, out.output
     assert "what each node's container had" in out.output
     rows = [ln for ln in out.output.splitlines() if "libnccl.so.2" in ln]
     assert len(rows) == 2 and all("2.18.3" in ln for ln in rows), out.output
-    doc = json.loads(CliRunner().invoke(cli, [*base, "decisions", "--job", str(job),
-                                              "--json"]).output)
+    doc = json.loads(run_cli("decisions", "--job", str(job), "--json", **base).output)
     assert [(r["step"], r["host"], r["nccl_version"]) for r in doc["containers"]] == [
         ("0", "n1", "2.18.3"), ("0", "n2", "2.18.3")]
     log = tmp_path / "job.out"
     log.write_text("n1:1:1 [0] NCCL INFO NCCL version 2.18.3+cuda12.1\n")
-    out = CliRunner().invoke(cli, [*base, "diagnose", "--job", str(job), str(log)])
+    out = run_cli("diagnose", "--job", str(job), str(log), **base)
     assert out.exit_code == 0, out.output
     assert "what each node's container had" in out.output and "2.18.3" in out.output
 

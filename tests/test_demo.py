@@ -19,10 +19,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest_slurm import require_slurm
+from helpers.slurm import require_slurm
 
 from devtools.demo import demo_pids
+from ncclguard.config import PolicyConfig
 from ncclguard.hostlist import expand
+from ncclguard.sched.classes import open_classes, read_classes
 from ncclguard.store import Inventory
 
 REPO = Path(__file__).resolve().parent.parent
@@ -90,11 +92,12 @@ def test_demo_end_to_end_twice(demo_env: dict[str, str], tmp_path: Path) -> None
     state = json.loads((base / "state.json").read_text())
 
     # -- classes: what it printed is what the inventory holds
-    with Inventory(state["db"], readonly=True) as inv:
-        classes = inv.classes()
+    with open_classes(PolicyConfig(), db=state["db"]) as inv:
+        view = read_classes(inv)
+        classes = view.classes
         hosts = inv.hosts()
     assert sorted(hosts) == [f"n{i}" for i in range(1, 8)]
-    m = re.search(r"(\d+) nodes in (\d+) compatibility classes", out)
+    m = re.search(r"(\d+) nodes in (\d+) classes", out)
     assert m, out
     assert (int(m[1]), int(m[2])) == (len(hosts), len(classes)) == (7, 4)
     by_hosts = {",".join(sorted(c.hosts)): c for c in classes}
@@ -110,7 +113,7 @@ def test_demo_end_to_end_twice(demo_env: dict[str, str], tmp_path: Path) -> None
         assert inv.publishers()["n3.rec"]["origin"] == "127.42.0.3"
     section = out.split("==> [4/9]")[1].split("==> [5/9]")[0]
     for c in classes:
-        line = next(ln for ln in section.splitlines() if c.compat_key in ln)
+        line = next(ln for ln in section.splitlines() if view.name(c.key) in ln)
         assert str(len(c.hosts)) in line.split()
     assert by_hosts["n1"].values["nccl"] == "2.18.3"
     assert by_hosts["n6"].values["transport"] == "Socket"

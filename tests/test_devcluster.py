@@ -6,7 +6,7 @@ import socket
 from pathlib import Path
 
 import pytest
-from conftest_slurm import require_slurm
+from helpers.slurm import require_slurm
 
 from devtools import devcluster
 from devtools.devcluster import DevCluster, port_range

@@ -11,13 +11,12 @@ import shutil
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
-from policy_fingerprints import fingerprint
+from helpers.cli import run_cli
+from helpers.fingerprints import fingerprint
 
-from ncclguard.cli.diagnose import diagnose
 from ncclguard.diagnose import load_catalog, run
 from ncclguard.diagnose.catalog import CatalogError, needles_of
-from ncclguard.diagnose.engine import version_of_code
+from ncclguard.diagnose.diagnosis import version_of_code
 from ncclguard.diagnose.logparse import MAX_LINE, LogError, LogReader, parse_prefix
 from ncclguard.policy import GATE_VALUES
 from ncclguard.store import Inventory
@@ -189,6 +188,12 @@ disabled = true
         (GOOD.replace("patterns = ['fabricmanager: restarting']",
                       "patterns = [{regex = 'a(?P<x>b)', value = '{y}'}]"),
          "not named groups of the regex"),
+        (GOOD.replace("patterns = ['fabricmanager: restarting']",
+                      "patterns = [{regex = 'abcd', level = 'ERROR'}]"),
+         "level = 'ERROR': expected one of INFO, WARN, TRACE"),
+        (GOOD.replace("patterns = ['fabricmanager: restarting']",
+                      "level = 'INFO'\npatterns = [{regex = 'abcd', level = 'WARN'}]"),
+         "but the signature's level is 'INFO'"),
         (GOOD + GOOD, "duplicate id"),
         ("signature = 3\n", "must be an array of tables"),
         ("[[signature]\n", "not valid TOML"),
@@ -297,16 +302,16 @@ def _policy():
 
 # ------------------------------------------------------------------ the CLI
 def test_cli_json_and_exit_codes(tmp_path):
-    r = CliRunner().invoke(diagnose, [str(MISMATCH), "--json", "--no-inventory"])
+    r = run_cli("diagnose", str(MISMATCH), "--json", "--no-inventory")
     assert r.exit_code == 0, r.output
     d = json.loads(r.output)
     assert d["result"] == "found" and d["diagnoses"][0]["odd_nodes"] == "n3"
     assert d["diagnoses"][0]["confirm_command"] == "ncclguard diff n3 n1"
-    r = CliRunner().invoke(diagnose, [str(CORPUS / "clean-4-hosts.log"), "--no-inventory"])
+    r = run_cli("diagnose", str(CORPUS / "clean-4-hosts.log"), "--no-inventory")
     assert r.exit_code == 0 and "no communication-stack signature found" in r.output
-    r = CliRunner().invoke(diagnose, [str(tmp_path / "x.log")])
+    r = run_cli("diagnose", str(tmp_path / "x.log"))
     assert r.exit_code == 3 and "x.log: log file not found" in r.output
-    r = CliRunner().invoke(diagnose, ["--no-inventory"])
+    r = run_cli("diagnose", "--no-inventory")
     assert r.exit_code == 3 and "no log files" in r.output
 
 
@@ -314,17 +319,14 @@ def test_cli_bad_admin_catalog_from_config(tmp_path):
     bad = _write(tmp_path, "[[signature]]\nid = 'x'\n")
     conf = tmp_path / "c.toml"
     conf.write_text(f'[diagnose]\nsignature_files = ["{bad}"]\n')
-    r = CliRunner().invoke(diagnose, [str(MISMATCH), "--config", str(conf)])
+    r = run_cli("diagnose", str(MISMATCH), "--config", str(conf))
     assert r.exit_code == 3 and str(bad) in r.output and "title is required" in r.output
 
 
 def test_cli_with_inventory(tmp_path):
     db = _inventory(tmp_path, _fps({"n1": "2.21.5", "n2": "2.21.5", "n3": "2.18.3"}))
-    r = CliRunner().invoke(
-        diagnose,
-        [str(MISMATCH), "--db", str(db), "--nodes", "n[1-3]", "--at", "1970-01-01T00:33:20Z",
-         "--json"],
-    )  # fmt: skip
+    r = run_cli("diagnose", str(MISMATCH), "--db", str(db), "--nodes", "n[1-3]",
+                "--at", "1970-01-01T00:33:20Z", "--json")
     assert r.exit_code == 0, r.output
     d = json.loads(r.output)
     assert d["inventory"]["as_of"] == "1970-01-01T00:33:20Z"

@@ -15,11 +15,12 @@ from pathlib import Path
 import pytest
 
 from ncclguard.diagnose import load_catalog, logparse, run
-from ncclguard.diagnose.catalog import cover, needles_of
-from ncclguard.diagnose.engine import Scanner
+from ncclguard.diagnose.catalog import cover, needle_options, needles_of
 from ncclguard.diagnose.logparse import MAX_LINE, LogReader
+from ncclguard.diagnose.scanner import Scanner
 
 CORPUS = Path(__file__).parent / "diagnose_logs"
+REAL = Path(__file__).parent / "data" / "diagnose_real"  # logs from public threads
 MISMATCH = CORPUS / "version-differs-16-hosts.log"
 CHUNK = 1 << 20
 
@@ -79,7 +80,8 @@ def _random_log(seed: int) -> bytes:
     """Corpus lines (every signature, banners, plugin lines) among noise and near-misses,
     with random end-of-lines and an over-long line now and then."""
     rng = random.Random(seed)
-    corpus = [line for p in sorted(CORPUS.glob("*.log")) for line in p.read_bytes().splitlines()]
+    logs = [*sorted(CORPUS.glob("*.log")), *sorted(REAL.glob("*.log"))]
+    corpus = [line for p in logs for line in p.read_bytes().splitlines()]
     out = []
     for _ in range(3000):
         pick = rng.random()
@@ -89,6 +91,9 @@ def _random_log(seed: int) -> bytes:
             ts = f"[2026-11-30 02:{rng.randrange(60):02d}:{rng.randrange(60):02d}] "
             host = f"n{rng.randrange(1, 20)}:{rng.randrange(3)}:4 [0] "
             line = (ts + host).encode() + rng.choice([b"NCCL INFO x", b"NCCL WARN y", b"NCCL Z"])
+        elif pick < 0.55:  # PyTorch's copy of NCCL's last WARN, after "Last error:"
+            line = rng.choice([b"[rank2]: Last error:", b"Last error:  ", b"Last error:"])
+            line += b"\n" + rng.choice([*corpus, b"[rank2]: Cuda failure 'launch failed'"])
         elif pick < 0.995:
             line = rng.choice(NOISE)
         else:
@@ -135,7 +140,7 @@ def test_prefilter_keeps_what_every_line_tried_keeps(catalog, tmp_path, monkeypa
 
 def test_corpus_logs_keep_the_same_evidence(catalog):
     logs = sorted(p for p in CORPUS.iterdir() if p.name.endswith((".log", ".log.gz")))
-    for log in logs:
+    for log in [*logs, *sorted(REAL.glob("*.log"))]:
         fast, slow = _both(catalog, log)
         assert fast == slow, log.name
 
@@ -242,6 +247,18 @@ def test_admin_signature_with_a_literal_keeps_the_prefilter(tmp_path):
 
 
 # ------------------------------------------------------------------ the literals
+def test_a_pattern_is_searched_by_a_run_of_its_text_already_searched(catalog):
+    """"^NET/Plugin ?: ?Could not find:" holds "NET/Plugin", which other plugin lines
+    need searched: no search of its own."""
+    assert needle_options(r"^NET/Plugin ?: ?Could not find: ?(?P<lib>\S+)") == [
+        (b"Could not find:",), (b"NET/Plugin",)
+    ]
+    lits = catalog.literals() or ()
+    assert b"NET/Plugin" in lits and not any(b"Could not" in lit for lit in lits)
+    # a run shorter than a searched literal would pick more lines: never taken
+    assert b"Got completion " in lits and b"NET/IB" not in lits
+
+
 def test_needles_are_the_bytes_the_compiled_pattern_matches():
     assert needles_of(r"caf\xe9 failed") == (b"caf\xe9 failed",)
     assert needles_of("café failed") == ("café failed".encode(),)
@@ -254,15 +271,71 @@ def test_every_pattern_match_holds_a_searched_literal(catalog):
     assert lits is not None and len(lits) < sum(len(s.patterns) for s in catalog)
     for s in catalog:
         for p in s.patterns:
-            assert any(lit in n for n in p.needles for lit in lits), p.text
-    # and on real evidence lines: every line a signature matched holds a literal
-    for log in sorted(CORPUS.glob("*.log")):
+            # one of its literal sets, each literal of which holds a searched one
+            assert any(all(any(lit in n for lit in lits) for n in o) for o in p.all_needles())
+    # and on real evidence lines: every line a signature matched, as the scanner shows
+    # it (NCCL's message at its level; the message PyTorch repeats after "Last error:"
+    # as a WARN), holds a literal or follows a "Last error:" line (found by its own)
+    for log in [*sorted(CORPUS.glob("*.log")), *sorted(REAL.glob("*.log"))]:
+        prev = b""
         for raw in log.read_bytes().splitlines():
-            if any(s.match(raw) for s in catalog):
-                assert any(lit in raw for lit in lits), raw
+            for text, level in _views(raw, prev):
+                if any(s.match(text, level) for s in catalog):
+                    assert any(lit in raw for lit in lits) or b"Last error:" in prev, raw
+            prev = raw
+
+
+def _views(raw: bytes, prev: bytes) -> list[tuple[bytes, str | None]]:
+    """(message, NCCL level) of one line as the scanner tries signatures on it."""
+    m = logparse._PREFIX.match(raw) or logparse._BARE.match(raw)
+    if m is not None:
+        return [(m.group("msg"), m.group("level").decode())]
+    text = logparse.strip_tag(raw) if raw[:1] in b" 0123456789[" else raw
+    out: list[tuple[bytes, str | None]] = [(text, None)]
+    if prev.rstrip().endswith(b"Last error:"):
+        out.append((text, "WARN"))
+    if b"Last error:" in raw:
+        out.append((raw.split(b"Last error:", 1)[1].strip(), "WARN"))
+    return out
+
+
+def test_warn_patterns_share_one_search_and_see_what_pytorch_repeats(catalog, tmp_path):
+    """NCCL's own warnings are WARN patterns: a block is searched once for "NCCL WARN",
+    and PyTorch's copy of the last one after "Last error:" (on the next line, or on the
+    same line of a flattened paste) is read as that WARN, in both paths."""
+    lits = catalog.literals() or ()
+    assert b"NCCL WARN" in lits
+    assert not any(b"Message truncated" in lit or b"Cuda failure" in lit for lit in lits)
+    log = tmp_path / "j.log"
+    head = (
+        b"[rank3]: torch.distributed.DistBackendError: NCCL error in: x.cpp:1, "
+        b"unhandled cuda error, NCCL version 2.21.5\n[rank3]: Last error:\n"
+    )
+    pad = _filler(CHUNK - len(head) - 5)  # the "Last error:" line ends the first block
+    log.write_bytes(
+        pad
+        + head
+        + b"[rank3]: Cuda failure 'unspecified launch failure'\n"
+        b"RuntimeError: NCCL error: remote process exited or there was a network error, "
+        b"NCCL version 2.21.5 ncclRemoteError: x Last error: socketProgress: Connection "
+        b"closed by remote peer n2<3>\n"
+        b"a user's print: Cuda failure 'unspecified launch failure'\n"
+    )
+    first = next(LogReader(log).blocks())[2]
+    assert first.endswith(b"[rank3]: Last error:")
+    fast, slow = _both(catalog, log)
+    assert fast == slow
+    cuda = fast["states"]["unhandled-cuda-error"]
+    assert cuda[0] == 1  # the echo; not the user's print of the same words
+    assert cuda[1][0]["line"] == pad.count(b"\n") + 3 and cuda[1][0]["tag_rank"] == 3
+    peer = fast["states"]["peer-exited"]
+    assert [r["line"] for r in peer[1]] == [pad.count(b"\n") + 4]
 
 
 def test_cover_shares_long_pieces_only():
     got = cover([b"NET/Plugin: Loaded x", b"NET/Plugin : Plugin load (", b"Error", b"NoError"])
     assert got == (b"Error", b"NET/Plugin")
     assert cover([b"abcdefg1", b"abcdefg2"]) == (b"abcdefg1", b"abcdefg2")  # 7 < MIN_COVER
+    # never "NCCL INFO ", which nearly every line of a log has
+    info = [b"NCCL INFO NET/Plugin", b"NCCL INFO Using network"]
+    assert cover(info) == tuple(info)

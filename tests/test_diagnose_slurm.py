@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from policy_fingerprints import fingerprint
+from helpers.fingerprints import fingerprint
 
 from devtools.devcluster import DevCluster
 from ncclguard import audit

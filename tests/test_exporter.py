@@ -1,5 +1,5 @@
-"""The controller's exporter (inventoryd/exporter.py): what it says about a real inventory,
-the counters it derives from the gate's audit trail, its label bounds, its HTTP endpoint
+"""The controller's exporter (inventoryd/controller/exporter.py): what it says about a real
+inventory, the counters it derives from the gate's audit trail, its label bounds, its HTTP endpoint
 and the collector service that serves it. Real SQLite, real audit files, real HTTP."""
 
 from __future__ import annotations
@@ -11,15 +11,13 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-from test_store import make_fp
+from helpers.cli import run_cli
+from helpers.exporter import exporter, series, value
 
-from inventoryd.exporter import (
+from inventoryd.controller.exporter import (
     MAX_SERIES,
     AuditTail,
     Exporter,
@@ -29,59 +27,13 @@ from inventoryd.exporter import (
 )
 from ncclguard import audit
 from ncclguard import config as configmod
-from ncclguard.policy import GATE_VALUES
-from ncclguard.store import Inventory
+from ncclguard.sched import status as features_status
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """(sample name, sorted labels) -> value, from the text exposition format."""
-    out = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
-
-
-def value(text: str, name: str, **labels: str) -> float | None:
-    return samples(text).get((name, tuple(sorted(labels.items()))))
-
-
-def series(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
-    return {lab: v for (n, lab), v in samples(text).items() if n == name}
-
-
-@pytest.fixture
-def inventory(tmp_path: Path) -> Iterator[Path]:
-    """gpu partition: g1..g6 (g5 on 2.18.3, g6 without the plugin; g4 stale);
-    cpu partition: c1, c2 (alike); g7 in Slurm's gpu partition but not in the inventory."""
-    db = tmp_path / "inventory.db"
-    now = time.time()
-    with Inventory(db, values=GATE_VALUES, heartbeat_s=0) as inv:
-        for h in ("g1", "g2", "g3", "g4", "c1", "c2"):
-            inv.upsert(make_fp(h), now=now)
-        inv.upsert(make_fp("g5", nccl="2.18.3"), now=now)
-        inv.upsert(make_fp("g6", plugin_abi=None), now=now)
-        inv.heartbeat("g4", now=now - 100_000)
-    yield db
-
-
-PARTS = {"gpu": ["g1", "g2", "g3", "g4", "g5", "g6", "g7"], "cpu": ["c1", "c2"]}
-
-
-def exporter(db: Path, tmp_path: Path, parts: dict | None = PARTS, **kw: Any) -> Exporter:
-    cfg = configmod.Config()
-    p = Partitions((lambda: parts) if parts is not None else None, refresh_s=600)
-    p.refresh()
-    audit_dir = tmp_path / "log"
-    audit_dir.mkdir(exist_ok=True, mode=0o750)
-    return Exporter(cfg, db=db, partitions=p, audit_path=audit_dir / "decisions.jsonl",
-                    cache_s=kw.pop("cache_s", 0), **kw)
-
-
-def test_the_cluster_view_of_a_real_inventory(inventory: Path, tmp_path: Path) -> None:
-    text = Served(exporter(inventory, tmp_path)).text()
+def test_the_cluster_view_of_a_real_inventory(exporter_inventory: Path, tmp_path: Path) -> None:
+    text = Served(exporter(exporter_inventory, tmp_path)).text()
     assert value(text, "ncclguard_inventory_nodes") == 8
     assert value(text, "ncclguard_inventory_stale_nodes") == 1
     age = value(text, "ncclguard_inventory_oldest_heartbeat_age_seconds")
@@ -115,23 +67,20 @@ def test_the_cluster_view_of_a_real_inventory(inventory: Path, tmp_path: Path) -
     assert value(text, "ncclguard_exporter_inventory_up") == 1
 
 
-def test_the_baseline_is_the_one_ncclguard_classes_names(inventory: Path, tmp_path: Path
+def test_the_baseline_is_the_one_ncclguard_classes_names(exporter_inventory: Path, tmp_path: Path
                                                          ) -> None:
     """The same choose_baseline: a pin in [baseline] moves it, as it does for the CLI."""
-    r = subprocess.run([sys.executable, "-m", "ncclguard.cli", "--db", str(inventory),
-                        "classes", "--json"], capture_output=True, text=True, timeout=60,
-                       env={**os.environ, "NCCLGUARD_CONFIG": "/dev/null"})
+    r = run_cli("classes", "--json", db=exporter_inventory, env={"NCCLGUARD_CONFIG": "/dev/null"})
     doc = json.loads(r.stdout)
-    text = Served(exporter(inventory, tmp_path)).text()
+    text = Served(exporter(exporter_inventory, tmp_path)).text()
     (labels,) = series(text, "ncclguard_baseline_info")
-    assert dict(labels)["class"] == doc["baseline"]["compat_key"]
+    assert dict(labels)["class"] == doc["baseline"]["class"]
     cfg = configmod.from_dict({"baseline": {"nccl": "2.18.3"}})
-    ex = exporter(inventory, tmp_path)
+    ex = exporter(exporter_inventory, tmp_path)
     ex.config = cfg
     text = Served(ex).text()
     (labels,) = series(text, "ncclguard_baseline_info")
-    assert dict(labels)["pinned"] == "true" and dict(labels)["class"] != doc["baseline"][
-        "compat_key"]
+    assert dict(labels)["pinned"] == "true" and dict(labels)["class"] != doc["baseline"]["class"]
     assert value(text, "ncclguard_baseline_share") == pytest.approx(1 / 7)
 
 
@@ -147,13 +96,14 @@ def test_no_clear_majority_is_a_share_of_zero_and_no_baseline() -> None:
     assert len(snap.partitions["p"].classes) == 2
 
 
-def test_without_slurm_there_are_no_partition_series(inventory: Path, tmp_path: Path) -> None:
+def test_without_slurm_there_are_no_partition_series(exporter_inventory: Path,
+                                                     tmp_path: Path) -> None:
     def fail() -> dict:
         raise OSError("scontrol: not found")
 
     p = Partitions(fail, refresh_s=600)
     p.refresh()
-    ex = Exporter(configmod.Config(), db=inventory, partitions=p,
+    ex = Exporter(configmod.Config(), db=exporter_inventory, partitions=p,
                   audit_path=tmp_path / "none.jsonl", cache_s=0)
     text = Served(ex).text()
     assert value(text, "ncclguard_partitions_known") == 0
@@ -262,8 +212,8 @@ def test_an_unreadable_trail_is_reported_not_fatal(tmp_path: Path) -> None:
     assert not tail.up and tail.error
 
 
-def test_gate_and_diagnose_series(inventory: Path, tmp_path: Path) -> None:
-    ex = exporter(inventory, tmp_path)
+def test_gate_and_diagnose_series(exporter_inventory: Path, tmp_path: Path) -> None:
+    ex = exporter(exporter_inventory, tmp_path)
     path = ex.audit.path
     audit.append(path, _decision(1, "refuse", "hold", ("nccl-version",)))
     audit.append(path, _decision(2, "error", "accept"))
@@ -293,9 +243,10 @@ def test_gate_and_diagnose_series(inventory: Path, tmp_path: Path) -> None:
                  rule="gpu-driver") == 0
 
 
-def test_the_inventory_is_read_at_most_every_cache_s(inventory: Path, tmp_path: Path) -> None:
+def test_the_inventory_is_read_at_most_every_cache_s(exporter_inventory: Path,
+                                                     tmp_path: Path) -> None:
     clock = [1000.0]
-    ex = exporter(inventory, tmp_path, cache_s=10, clock=lambda: clock[0])
+    ex = exporter(exporter_inventory, tmp_path, cache_s=10, clock=lambda: clock[0])
     first = ex.refresh()
     assert ex.refresh() is first
     clock[0] += 11
@@ -310,6 +261,40 @@ def test_an_unreadable_inventory_is_a_metric_not_a_failed_scrape(tmp_path: Path)
     assert value(text, "ncclguard_classes") is None
 
 
+def test_the_features_daemons_status_file_as_metrics(exporter_inventory: Path,
+                                                     tmp_path: Path) -> None:
+    """What the features daemon holds back (its status file, written by the daemon's own
+    writer): nodes Slurm refuses, flapping nodes held; a file missing, of another shape,
+    or a FIFO (never blocks the scrape) counts 0 and says it could not be read."""
+    classes = tmp_path / "features" / "classes"
+    classes.parent.mkdir(mode=0o755)
+    cfg = configmod.Config(features=configmod.FeaturesConfig(classes_file=str(classes)))
+    ex = Exporter(cfg, db=exporter_inventory, audit_path=tmp_path / "audit.jsonl", cache_s=0)
+
+    def gauges() -> tuple[float | None, ...]:
+        text = Served(ex).text()
+        return tuple(value(text, f"ncclguard_features_{n}")
+                     for n in ("status_up", "failing_nodes", "held_nodes"))
+
+    assert gauges() == (0, 0, 0)  # no status yet: the daemon not running (or not used)
+    now = time.time()
+    features_status.write(cfg, {
+        "time": now,
+        "failing": [{"host": h, "error": "Invalid feature specification", "since": now - 600,
+                     "attempts": 7, "next_try": now + 300} for h in ("g1", "g2")],
+        "held": [{"host": "g3", "until": now + 60}]})
+    assert gauges() == (1, 2, 1)
+    features_status.write(cfg, {"time": now, "failing": [], "held": []})
+    assert gauges() == (1, 0, 0)
+    for junk in (b"not json", b"[]", b'{"failing": 5, "held": []}',
+                 b'{"failing": [{"host": 5}], "held": []}', b"[" * 100_000):
+        features_status.path(cfg).write_bytes(junk)
+        assert gauges() == (0, 0, 0), junk[:40]
+    features_status.path(cfg).unlink()
+    os.mkfifo(features_status.path(cfg))
+    assert gauges() == (0, 0, 0)
+
+
 # ---------------------------------------------------------------- serving
 
 
@@ -319,8 +304,8 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_the_http_endpoint_on_loopback(inventory: Path, tmp_path: Path) -> None:
-    served = Served(exporter(inventory, tmp_path), address="127.0.0.1", port=free_port())
+def test_the_http_endpoint_on_loopback(exporter_inventory: Path, tmp_path: Path) -> None:
+    served = Served(exporter(exporter_inventory, tmp_path), address="127.0.0.1", port=free_port())
     try:
         url = f"http://127.0.0.1:{served.port}/metrics"
         with urllib.request.urlopen(url, timeout=10) as r:
@@ -334,14 +319,14 @@ def test_the_http_endpoint_on_loopback(inventory: Path, tmp_path: Path) -> None:
         urllib.request.urlopen(url, timeout=2)
 
 
-def test_the_collector_service_serves_its_metrics(tmp_path: Path, inventory: Path) -> None:
+def test_the_collector_service_serves_its_metrics(tmp_path: Path, exporter_inventory: Path) -> None:
     """`ncclguard-inventoryd collect` with metrics_port: the endpoint answers while it
     runs, with its scans counted; a port already taken is logged and it collects on."""
     spool = tmp_path / "spool"
     spool.mkdir(mode=0o755)
     port = free_port()
     conf = tmp_path / "c.toml"
-    conf.write_text(f'[inventory]\ndb = "{inventory}"\n[spool]\ndir = "{spool}"\n'
+    conf.write_text(f'[inventory]\ndb = "{exporter_inventory}"\n[spool]\ndir = "{spool}"\n'
                     f'[collector]\npublisher = "{os.getuid()}"\nscan_interval_s = 0.2\n'
                     f'metrics_port = {port}\nmetrics_cache_s = 0\n'
                     f'[collector.addresses]\ng1 = ["10.0.0.1"]\n'
@@ -391,9 +376,9 @@ def test_the_collector_service_serves_its_metrics(tmp_path: Path, inventory: Pat
     assert "collector stopped" in err
 
 
-def test_metrics_command_prints_them_once(inventory: Path, tmp_path: Path) -> None:
+def test_metrics_command_prints_them_once(exporter_inventory: Path, tmp_path: Path) -> None:
     conf = tmp_path / "c.toml"
-    conf.write_text(f'[inventory]\ndb = "{inventory}"\n'
+    conf.write_text(f'[inventory]\ndb = "{exporter_inventory}"\n'
                     f'[gate]\naudit_log = "{tmp_path / "log" / "d.jsonl"}"\n')
     r = subprocess.run([sys.executable, "-m", "inventoryd.main", "metrics", "--no-slurm",
                         "--config", str(conf)], capture_output=True, text=True, timeout=60,

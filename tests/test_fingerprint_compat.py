@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import re
 
-from policy_fingerprints import error, fingerprint, libnccl, plugin
+from helpers.fingerprints import error, fingerprint, libnccl, plugin
 
 from ncclguard.fingerprint.compat import COMPAT_FIELDS, compat_key, compat_values
 

@@ -1,9 +1,10 @@
-"""The effective transport and NCCL's NCCL_IB_HCA matching (docs/nccl-facts.md)."""
+"""The effective transport and NCCL's NCCL_IB_HCA matching (docs/nccl.md, "Which transport
+a node ends up on")."""
 
 from __future__ import annotations
 
 import pytest
-from policy_fingerprints import device, error, fingerprint, libnccl, plugin, port
+from helpers.fingerprints import device, error, fingerprint, libnccl, plugin, port
 
 from ncclguard.fingerprint.transport import (
     effective_transport,

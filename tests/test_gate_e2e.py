@@ -14,7 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
-from policy_fingerprints import fingerprint
+from helpers.cli import run_cli
+from helpers.fingerprints import fingerprint
+from helpers.wait import wait_until
 
 from devtools.devcluster import DevCluster
 from ncclguard import audit
@@ -63,14 +65,6 @@ def admin_comment(cluster: DevCluster, job: int) -> str:
     return info.admin_comment
 
 
-def wait_for(pred, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    end = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.25)
-
-
 @pytest.fixture
 def odd_cluster(cluster: DevCluster) -> DevCluster:
     make_inventory(cluster, ODD)
@@ -114,7 +108,7 @@ def test_tie_steers_away_from_the_odd_node_not_the_good_one(odd_cluster: DevClus
     blocker = c.sbatch(["-N2", "-w", "n[1-2]", "--exclusive", "--wrap", "sleep 120"])
     assert c.wait_job(blocker, {"RUNNING"}, 60) == "RUNNING"
     job = c.sbatch(["-N2", "--wrap", "hostname"])  # only n3 and n4 are free
-    wait_for(
+    wait_until(
         lambda: any(r.get("decision") == "followup" for r in records(c, job)), 60, "the follow-up"
     )
     recs = records(c, job)
@@ -142,7 +136,7 @@ def test_steer_merges_the_users_exclusions(odd_cluster: DevCluster) -> None:
 def test_users_exclusions_count_against_the_compatible_class(odd_cluster: DevCluster) -> None:
     c = odd_cluster
     job = c.sbatch(["-N3", "-x", "n1", "--wrap", "true"])  # lands on n[2-4], odd n3
-    wait_for(lambda: c.job_field(job, "Reason").startswith("JobHeld"), 40, "the hold")
+    wait_until(lambda: c.job_field(job, "Reason").startswith("JobHeld"), 40, "the hold")
     comment = admin_comment(c, job)
     assert "without n3 has 2 nodes, the job needs 3" in comment
 
@@ -150,7 +144,7 @@ def test_users_exclusions_count_against_the_compatible_class(odd_cluster: DevClu
 def test_pinned_job_on_incompatible_set_is_held(odd_cluster: DevCluster) -> None:
     c = odd_cluster
     job = c.sbatch(["-N2", "-w", "n[2-3]", "--wrap", "true"])
-    wait_for(lambda: c.job_field(job, "Reason").startswith("JobHeld"), 40, "the hold")
+    wait_until(lambda: c.job_field(job, "Reason").startswith("JobHeld"), 40, "the hold")
     comment = admin_comment(c, job)
     assert comment.startswith("ncclguard: refuse")
     assert "held: pinned with -w to n3" in comment
@@ -163,7 +157,7 @@ def test_pinned_job_on_incompatible_set_is_held(odd_cluster: DevCluster) -> None
 def test_job_larger_than_the_compatible_class_is_held(odd_cluster: DevCluster) -> None:
     c = odd_cluster
     job = c.sbatch(["-N4", "--wrap", "true"])
-    wait_for(lambda: c.job_field(job, "Reason").startswith("JobHeld"), 40, "the hold")
+    wait_until(lambda: c.job_field(job, "Reason").startswith("JobHeld"), 40, "the hold")
     comment = admin_comment(c, job)
     assert "largest compatible class in partition debug without n3 has 3 nodes" in comment
     assert "needs 4" in comment
@@ -175,13 +169,13 @@ def test_hold_after_max_refusals_on_the_real_cluster(odd_cluster: DevCluster) ->
     c = odd_cluster
     gate_config(c, "max_refusals = 1")
     job = c.sbatch(["-N3", "--wrap", "true"])
-    wait_for(lambda: c.job_field(job, "Reason").startswith("JobHeld"), 40, "the hold")
+    wait_until(lambda: c.job_field(job, "Reason").startswith("JobHeld"), 40, "the hold")
     assert "held: refused 1 times (gate.max_refusals = 1)" in admin_comment(c, job)
     assert c.job_field(job, "JobState") == "PENDING"
     rec = records(c, job)[0]
     assert (rec["decision"], rec["action"], rec["refusal"]) == ("refuse", "hold", 1)
-    wait_for(lambda: any(r["decision"] == "followup" for r in records(c, job)), 30,
-             "the follow-up's record")  # fmt: skip
+    wait_until(lambda: any(r["decision"] == "followup" for r in records(c, job)), 30,
+               "the follow-up's record")  # fmt: skip
     assert [r["action"] for r in records(c, job) if r["decision"] == "followup"] == ["hold"]
 
 
@@ -280,7 +274,7 @@ def test_steering_hold_mode(odd_cluster: DevCluster) -> None:
     c = odd_cluster
     gate_config(c, 'steering = "hold"')
     job = c.sbatch(["-N3", "--wrap", "true"])
-    wait_for(lambda: c.job_field(job, "Reason").startswith("JobHeld"), 40, "the hold")
+    wait_until(lambda: c.job_field(job, "Reason").startswith("JobHeld"), 40, "the hold")
     assert "held: incompatible nodes (gate.steering = hold)" in admin_comment(c, job)
 
 
@@ -310,9 +304,8 @@ def test_a_forged_record_changes_nothing_and_is_listed(odd_cluster: DevCluster) 
     assert c.wait_job(job, {"COMPLETED", "FAILED"}, 60) == "COMPLETED"
     (rec,) = records(c, job)
     assert rec["decision"] == "accept"
-    cli = subprocess.run(
-        [c.python, "-m", "ncclguard.cli", "--config", str(c.config_path), "--db", str(c.db),
-         "rejections", "--json"], capture_output=True, text=True, timeout=60, check=True)
+    cli = run_cli("rejections", "--json", db=c.db, config=c.config_path)
+    assert cli.exit_code == 0, cli.output
     (row,) = json.loads(cli.stdout)["rejections"]
     assert (row["file"], row["host"], row["cause"]) == ("n2.rec", "n2", "wrong-address")
 
@@ -334,12 +327,12 @@ def test_the_running_collector_brings_a_change_to_the_gate(odd_cluster: DevClust
             stderr=out, cwd=c.root / "tmp")
     try:
         c.publish_fingerprint("n4", fingerprint("n4", nccl="2.18.3"))
-        wait_for(lambda: "n4: fingerprint changed" in log.read_text(), 30, "the collector")
+        wait_until(lambda: "n4: fingerprint changed" in log.read_text(), 30, "the collector")
         r = c.run(["srun", "-N2", "-w", "n[3-4]", "true"], check=False, timeout=60)
         assert r.returncode == 0, r.stderr
         assert Path(f"{c.db}-wal").exists()  # WAL while it runs
         collector.send_signal(signal.SIGHUP)
-        wait_for(lambda: "config reloaded from" in log.read_text(), 30, "the reload")
+        wait_until(lambda: "config reloaded from" in log.read_text(), 30, "the reload")
     finally:
         collector.terminate()
         rc = collector.wait(timeout=30)
@@ -381,7 +374,7 @@ def test_the_steering_follow_up_keeps_an_admin_comment_too(odd_cluster: DevClust
     job = c.sbatch(["-N3", "--hold", "--wrap", "true"])
     c.run(["scontrol", "update", f"jobid={job}", "AdminComment=site: chargeback 42"])
     c.run(["scontrol", "release", str(job)])
-    wait_for(lambda: c.job_field(job, "Reason").startswith("JobHeld"), 40, "the hold")
+    wait_until(lambda: c.job_field(job, "Reason").startswith("JobHeld"), 40, "the hold")
     comment = admin_comment(c, job)
     assert comment.startswith("site: chargeback 42 || ncclguard: refuse"), comment
     assert "held: incompatible nodes (gate.steering = hold)" in comment

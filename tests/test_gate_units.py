@@ -2,11 +2,14 @@
 
 The gate runs as a real process (``python -I -m prolog.gate``), as Slurm would start it.
 Slurm commands, where a path needs them, are absent or stand-ins that hang.
+
+Over 500 lines: the gate as a real process without a cluster, every outcome of one run
+(the environment, the audit, the errors, the deadline) with one set of stand-ins
+(tests/helpers/gate.py).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -14,22 +17,11 @@ import time
 from pathlib import Path
 
 import pytest
-from policy_fingerprints import fingerprint
+from helpers.gate import ENV, inventory, last, run_gate
+from helpers.wait import wait_until
 
 from ncclguard import audit
-from ncclguard.policy import GATE_VALUES
-from ncclguard.store import Inventory
 from prolog.job import Job, JobError
-
-ENV = {
-    "SLURM_JOB_ID": "77",
-    "SLURM_JOB_NODELIST": "n[1-3]",
-    "SLURM_JOB_NUM_NODES": "3",
-    "SLURM_JOB_PARTITION": "debug",
-    "SLURM_JOB_USER": "alice",
-    "SLURM_JOB_UID": "1000",
-}
-
 
 # ---------------------------------------------------------------------------- Job
 
@@ -126,39 +118,6 @@ def test_audit_concurrent_appends_stay_whole(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------- gate
-
-
-def run_gate(
-    tmp_path: Path, config: str = "", env: dict[str, str] | None = None, timeout: float = 30
-) -> tuple[subprocess.CompletedProcess[str], float]:
-    conf = tmp_path / "gate.toml"
-    conf.write_text(f'[gate]\naudit_log = "{tmp_path / "audit.jsonl"}"\n{config}\n')
-    full = {
-        "PATH": "/usr/bin:/bin",
-        "NCCLGUARD_CONFIG": str(conf),
-        "NCCLGUARD_DB": str(tmp_path / "inventory.db"),
-        **ENV,
-        **(env or {}),
-    }
-    t = time.monotonic()
-    r = subprocess.run(
-        [sys.executable, "-I", "-m", "prolog.gate"],
-        env=full,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    return r, time.monotonic() - t
-
-
-def inventory(tmp_path: Path, odd: dict[str, str] | None = None) -> None:
-    with Inventory(tmp_path / "inventory.db", values=GATE_VALUES) as inv:
-        for h in ("n1", "n2", "n3", "n4"):
-            inv.upsert(fingerprint(h, nccl=(odd or {}).get(h, "2.21.5")))
-
-
-def last(tmp_path: Path) -> dict:
-    return audit.read(tmp_path / "audit.jsonl")[-1]
 
 
 def test_accept_makes_no_slurm_call(tmp_path: Path) -> None:
@@ -377,45 +336,43 @@ def test_a_failed_steering_check_requeues_without_steering(tmp_path: Path) -> No
     assert rec["decision"] == "refuse" and rec["action"] == "requeue", rec
 
 
-_META_2611 = {"plugin": {"data_parser": "data_parser/v0.0.46"},
-              "slurm": {"release": "26.11.0", "version": {"major": "26", "minor": "11"}}}
-_META_2411 = {"plugin": {"data_parser": "data_parser/v0.0.42"},
-              "slurm": {"release": "24.11.5", "version": {"major": "24", "minor": "11"}}}
-_JOB_2411 = {"job_id": 77, "job_state": ["PENDING"], "nodes": "", "batch_flag": True,
-             "excluded_nodes": "", "required_nodes": "", "standard_output": "",
-             "current_working_directory": "/tmp", "partition": "debug"}  # fmt: skip
+_PART = "PartitionName=debug Hidden=NO Nodes={} State=UP"
 
 
 @pytest.mark.parametrize(
-    ("version", "answer", "said"),
-    [("26.11.0", json.dumps({"jobs": [], "nodes": [], "meta": _META_2611}),
-      "Slurm 26.11.0 (data parser v0.0.46)"),
-     ("24.11.5", json.dumps({"jobs": [{**_JOB_2411, "partitions": 5}], "meta": _META_2411,
-                             "nodes": [{"name": "n1", "state": ["IDLE"], "partitions": 5,
-                                        "features": [], "reason": ""}]}),
-      "'partitions' is int"),
-     ("24.11.5", json.dumps({"jobs": [{**_JOB_2411, "nodes": ["n1"]}], "meta": _META_2411}),
-      "'nodes' is list"),
-     ("24.11.5", "[" * 50_000 + "]" * 50_000, "not JSON")],
-    ids=["unknown-parser", "partitions-int", "nodes-list", "nested-too-deep"],
+    ("job", "partitions", "said"),
+    [("77|PENDING", _PART.format("n[1-4]"), "not five fields: '77|PENDING'"),
+     ("77|PENDING|debug||", "PartitionName=debug State=UP",
+      "a line without one PartitionName and one Nodes"),
+     ("77|PENDING|debug||", _PART.format("n[1-"), "debug has Nodes='n[1-'"),
+     ("77|PENDING|debug||", _PART.replace("debug", "other").format("n[1-4]"),
+      "no partition 'debug' in Slurm's answer (it names 1)"),
+     ("77|PENDING|debug||n[1-", _PART.format("n[1-4]"), "n[1-")],
+    ids=["job-fields", "partition-without-nodes", "partition-bad-hostlist",
+         "partition-missing", "excluded-bad-hostlist"],
 )  # fmt: skip
-def test_a_slurm_answer_the_adapter_cannot_read_takes_the_same_fall_back(
-    tmp_path: Path, version: str, answer: str, said: str
+def test_a_slurm_answer_the_gate_cannot_read_takes_the_same_fall_back(
+    tmp_path: Path, job: str, partitions: str, said: str
 ) -> None:
-    """A release newer than the adapter reads, or a garbled answer: the steering check
-    fails with an error that names what was wrong, and the job is requeued without
-    steering, as for any failed Slurm call (never "internal error -> accept")."""
+    """A garbled answer to the gate's narrow reads (the job's placement, the partitions'
+    node lists): the steering check fails with an error that names what was wrong, and
+    the job is requeued without steering, as for any failed Slurm call (never "internal
+    error -> accept"); the AdminComment is still set."""
     inventory(tmp_path, {"n3": "2.18.3"})
-    (tmp_path / "answer.json").write_text(answer)
-    script = (f'case "$*" in --version) echo "slurm {version}";; *"-o %T"*) echo PENDING;;\n'
-              f'  *--json*) cat {tmp_path / "answer.json"};; esac\nexit 0')  # fmt: skip
+    (tmp_path / "job.txt").write_text(job + "\n")
+    (tmp_path / "parts.txt").write_text(partitions + "\n")
+    script = (f'case "$*" in *"-o %A|"*) cat {tmp_path / "job.txt"};;\n'
+              f'  *"show partition"*) cat {tmp_path / "parts.txt"};; esac\nexit 0')  # fmt: skip
     bin_dir = _fake_slurm(tmp_path, script)
-    r, _ = run_gate(tmp_path, f'slurm_bin_dir = "{bin_dir}"', {"SLURM_JOB_STDOUT": "/o"})
+    r, _ = run_gate(tmp_path, f'slurm_bin_dir = "{bin_dir}"\nshared_max_age_s = 0',
+                    {"SLURM_JOB_STDOUT": "/o"})
     assert r.returncode == 1, r.stderr
     assert "steering check failed" in r.stderr
     assert said in r.stderr, r.stderr
     rec = last(tmp_path)
     assert rec["decision"] == "refuse" and rec["action"] == "requeue", rec
+    calls = (tmp_path / "slurm-calls.log").read_text()
+    assert "scontrol update jobid=77 AdminComment=ncclguard: refuse" in calls, calls
 
 
 def test_fail_closed_holds_a_batch_job_after_max_refusals(tmp_path: Path) -> None:
@@ -434,9 +391,9 @@ def test_fail_closed_holds_a_batch_job_after_max_refusals(tmp_path: Path) -> Non
     def followups() -> list[dict]:
         return [x for x in audit.read(tmp_path / "audit.jsonl") if x["decision"] == "followup"]
 
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and not followups():
-        time.sleep(0.2)  # the follow-up is detached: it holds the job once it is PENDING
+    # the follow-up is detached: it holds the job once it is PENDING
+    wait_until(followups, 15, "the follow-up's audit record",
+               detail=lambda: log.read_text() if log.exists() else "no Slurm call")
     calls = log.read_text()
     assert "scontrol hold 77" in calls, calls
     assert "held: refused 3 times" in calls  # the AdminComment says why
@@ -462,11 +419,8 @@ def test_fail_closed_hold_is_arranged_even_when_the_deadline_fires(tmp_path: Pat
     rec = last(tmp_path)
     assert rec["decision"] == "error" and rec["action"] == "hold" and rec["refusal"] == 2
     log = tmp_path / "slurm-calls.log"
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and "scontrol hold 77" not in (
-        log.read_text() if log.exists() else ""
-    ):
-        time.sleep(0.2)
+    wait_until(lambda: "scontrol hold 77" in (log.read_text() if log.exists() else ""), 15,
+               "the detached follow-up to hold job 77")
     calls = log.read_text()
     assert "scontrol hold 77" in calls
     assert calls.splitlines()[0].startswith("squeue")  # the handler itself ran no scontrol
@@ -492,8 +446,10 @@ def test_a_locked_inventory_cannot_outlast_the_deadline(tmp_path: Path) -> None:
 def test_the_tie_break_opens_the_inventory_after_asking_slurm(tmp_path: Path) -> None:
     """The tie-break's inventory read waits for a lock inside SQLite, where the deadline's
     handler cannot run, so its wait is capped at what is left of the deadline when it is
-    opened: after the (slow) sinfo, not before it. Here sinfo takes 1.5 s and, meanwhile,
-    another process locks the inventory: the gate must still end within its deadline."""
+    opened: after the (slow) partition read, not before it. Here ``scontrol show
+    partition`` takes 1.5 s (the gate's reads give up at 1.3 s of this 2.5 s deadline) and,
+    meanwhile, another process locks the inventory: the gate must still end within its
+    deadline."""
     inventory(tmp_path, {"n3": "2.18.3"})
     db = tmp_path / "inventory.db"
     done = tmp_path / "locker.done"
@@ -504,12 +460,11 @@ def test_the_tie_break_opens_the_inventory_after_asking_slurm(tmp_path: Path) ->
         f" c.execute('BEGIN EXCLUSIVE'); time.sleep(4); c.rollback();"
         f" pathlib.Path({str(done)!r}).touch()"
     )
-    (bin_dir / "sinfo").write_text(
-        f"#!/bin/sh\n{sys.executable} -c \"{locker}\" </dev/null >/dev/null 2>&1 &\n"
-        "sleep 1.5\nexit 1\n"
+    (bin_dir / "scontrol").write_text(
+        '#!/bin/sh\ncase "$*" in *"show partition"*)\n'
+        f"  {sys.executable} -c \"{locker}\" </dev/null >/dev/null 2>&1 &\n"
+        "  sleep 1.5; exit 1;;\nesac\nexit 0\n"
     )
-    # scontrol says 22.05 (no scontrol --json), so the node list comes from this sinfo
-    (bin_dir / "scontrol").write_text('#!/bin/sh\n[ "$1" = --version ] && echo "slurm 22.05.8"\n')
     (bin_dir / "squeue").write_text("#!/bin/sh\nexit 0\n")
     for p in bin_dir.iterdir():
         p.chmod(0o700)
@@ -525,3 +480,66 @@ def test_the_tie_break_opens_the_inventory_after_asking_slurm(tmp_path: Path) ->
     assert dt < 3.2, (dt, r.stderr)
     assert r.returncode == 1 and rec["decision"] == "refuse", r.stderr
     assert rec["tie_break"].startswith("none (") and "locked" in rec["tie_break"], rec
+
+
+# ------------------------------------------------------------ issues 31/32: scale and bursts
+
+
+def _slurm_stand_ins(tmp_path: Path, squeue: str, scontrol: str) -> Path:
+    """Stand-ins that log each call (``name args``) and each finished update."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    log = tmp_path / "slurm-calls.log"
+    for name, body in (("squeue", squeue), ("scontrol", scontrol), ("sinfo", "exit 1")):
+        p = bin_dir / name
+        p.write_text(f'#!/bin/sh\necho "{name} $*" >> {log}\n{body}\n')
+        p.chmod(0o700)
+    return bin_dir
+
+
+_PARTITION = 'case "$*" in *"show partition"*) echo "PartitionName=debug Nodes=n[1-4]";; esac'
+
+
+def test_a_burst_of_refusals_reads_the_partitions_once(tmp_path: Path) -> None:
+    """Six refusals at once (a burst after a partial upgrade): one run reads the
+    partition's nodes and classes, the five others read what it wrote; every one
+    steers. Before (issue 31) each read the whole cluster and, at 16,384 nodes, timed out."""
+    inventory(tmp_path, {"n3": "2.18.3"})
+    squeue = ('case "$*" in *"-o %A|"*) echo "77|CONFIGURING|debug||";;\n'
+              '  *"-O JobId"*) echo "77|(null)";; esac')  # fmt: skip
+    scontrol = ('case "$*" in *"show partition"*) sleep 0.5; '
+                'echo "PartitionName=debug Nodes=n[1-4]";; esac')  # fmt: skip
+    bin_dir = _slurm_stand_ins(tmp_path, squeue, scontrol)
+    conf = tmp_path / "gate.toml"
+    conf.write_text(f'[gate]\naudit_log = "{tmp_path / "audit.jsonl"}"\n'
+                    f'slurm_bin_dir = "{bin_dir}"\nsteer_wait_s = 0.5\n')
+    env = {"PATH": "/usr/bin:/bin", "NCCLGUARD_CONFIG": str(conf),
+           "NCCLGUARD_DB": str(tmp_path / "inventory.db"), **ENV, "SLURM_JOB_STDIN": "/dev/null"}
+    procs = [subprocess.Popen([sys.executable, "-I", "-m", "prolog.gate"], env=env,
+                              stderr=subprocess.PIPE, text=True) for _ in range(6)]
+    errs = [p.communicate(timeout=30)[1] for p in procs]
+    assert [p.returncode for p in procs] == [1] * 6, errs
+    calls = (tmp_path / "slurm-calls.log").read_text()
+    assert calls.count("show partition") == 1, calls
+    recs = [r for r in audit.read(tmp_path / "audit.jsonl") if r["decision"] == "refuse"]
+    assert [r["action"] for r in recs] == ["steer"] * 6, recs
+    assert sorted(r["shared"] for r in recs) == ["computed"] + ["shared"] * 5, recs
+
+
+def test_a_slow_job_read_does_not_cost_the_admin_comment(tmp_path: Path) -> None:
+    """slurmctld holding its job lock (a backfill cycle, a busy controller): the job read
+    never answers, and the update takes 1.5 s. The reads give up in time for the
+    AdminComment, which is set within the deadline; the job is requeued without steering.
+    Before, each of two job reads took its own 2 s and the update was cut off."""
+    inventory(tmp_path, {"n3": "2.18.3"})
+    log = tmp_path / "slurm-calls.log"
+    scontrol = (f'{_PARTITION}\ncase "$*" in update*) sleep 1.5; echo "updated" >> {log};;\n'
+                '  --version) echo "slurm 22.05.8";; esac')  # fmt: skip
+    bin_dir = _slurm_stand_ins(tmp_path, "exec sleep 30", scontrol)
+    r, dt = run_gate(tmp_path, f'slurm_bin_dir = "{bin_dir}"', {"SLURM_JOB_STDIN": "/dev/null"})
+    assert r.returncode == 1 and dt < 5.5, (dt, r.stderr)
+    assert "steering check failed" in r.stderr, r.stderr
+    calls = log.read_text()
+    assert "AdminComment=ncclguard: refuse" in calls and calls.rstrip().endswith("updated"), calls
+    rec = last(tmp_path)
+    assert rec["action"] == "requeue" and rec["duration_ms"] < 5000, rec

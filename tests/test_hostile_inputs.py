@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import build_plugin, place
+from helpers.parts import build_plugin, place
 
-from inventoryd.collect import collect
 from inventoryd.filecache import FileCache
+from inventoryd.node.fingerprint import collect
 from inventoryd.nodefs import ErrorLog, NodeFS
 from inventoryd.probes import nccl, plugins
 from ncclguard.config import InventorydConfig
@@ -336,7 +336,7 @@ def test_a_plugin_with_500000_relocations_is_read_without_walking_them(
     from inventoryd.elf import ElfReader
 
     if shutil.which("gcc") is None:
-        from conftest import unavailable
+        from helpers.parts import unavailable
 
         unavailable("gcc is not installed")
     src = tmp_path / "big.c"
@@ -396,7 +396,7 @@ def test_a_collection_reads_at_most_its_budget_and_does_not_cache_the_rest(
     user controls can be touched before every cycle: a collection reads at most
     READ_BUDGET_BYTES of libraries; what it skips is read by a later one (not cached)."""
     from inventoryd import nodefs
-    from inventoryd.collect import collect
+    from inventoryd.node.fingerprint import collect
 
     monkeypatch.setattr(nodefs, "READ_BUDGET_BYTES", 3 << 20)
     d = tmp_path / LIBDIR

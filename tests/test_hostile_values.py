@@ -14,13 +14,12 @@ import time
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
+from helpers.cli import run_cli
+from helpers.fingerprints import fingerprint
+from helpers.gate import inventory, last, run_gate
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from policy_fingerprints import fingerprint
-from test_gate_units import inventory, last, run_gate
 
-from ncclguard.cli import main as cli
 from ncclguard.config import HEARTBEAT_SKEW_S
 from ncclguard.policy import GATE_VALUES, heartbeat_state, node_values, valid_values
 from ncclguard.store import Inventory
@@ -41,7 +40,7 @@ def _poison(db: Path, host: str, text: str, *, rekey: bool) -> None:
 
 
 def _check(tmp_path: Path, hostlist: str) -> tuple[int, str]:
-    r = CliRunner().invoke(cli, ["--db", str(tmp_path / "inventory.db"), "check", hostlist])
+    r = run_cli("check", hostlist, db=tmp_path / "inventory.db")
     return r.exit_code, r.output
 
 
@@ -113,7 +112,7 @@ def test_a_heartbeat_in_the_future_is_stale(tmp_path: Path) -> None:
     run_gate(tmp_path)
     rec = last(tmp_path)
     assert rec["stale"] == ["n2"] and rec["decision"] == "warn", rec
-    r = CliRunner().invoke(cli, ["--db", str(tmp_path / "inventory.db"), "nodes", "--json"])
+    r = run_cli("nodes", "--json", db=tmp_path / "inventory.db")
     rows = {n["host"]: n for n in json.loads(r.output)["nodes"]}
     assert rows["n2"]["stale"] and rows["n2"]["status"] == "future"
     assert not rows["n1"]["stale"]
@@ -179,7 +178,7 @@ def test_an_outage_is_visible_and_a_stale_difference_still_refuses(tmp_path: Pat
     assert rec["stale"] == ["n1", "n2", "n3"]
     assert "3 of 3 nodes stale, oldest heartbeat 20 min old" in r.stderr
     assert "stale heartbeat, oldest 20 min old: n[1-3]" in rec["summary"]
-    out = CliRunner().invoke(cli, ["--db", str(tmp_path / "inventory.db"), "classes"]).output
+    out = run_cli("classes", db=tmp_path / "inventory.db").output
     assert "freshness: 4 of 4 nodes stale" in out and "(20m ago)" in out, out
 
 

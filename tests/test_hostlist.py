@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ncclguard.hostlist import MAX_HOSTS, HostlistError, compress, expand
+from ncclguard.hostlist import MAX_HOSTS, HostlistError, compress, compress_within, expand
 
 SCONTROL = shutil.which("scontrol") or "/usr/bin/scontrol"
 HAVE_SCONTROL = os.access(SCONTROL, os.X_OK)
@@ -230,3 +230,35 @@ def test_compress_is_accepted_by_slurm(scontrol_hostnames) -> None:
     for hl in _generated(7, 40):
         names = expand(hl)
         assert sorted(set(scontrol_hostnames(compress(names)))) == sorted(set(names))
+
+
+@pytest.mark.parametrize(("names", "parts"), [
+    ([f"gpu{i:05d}" for i in range(1, 16385)], ["gpu[00001-16384]"]),  # 147 KB joined
+    ([f"node-{i:05d}" for i in range(1, 12001)], ["node-[00001-12000]"]),  # 132 KB joined
+    ([f"n{i}" for i in range(1, 16385, 2)], None),  # odd numbers only: no two in a range
+    ([f"h{i:x}-ib" for i in range(16384)], None),  # no trailing number: nothing compresses
+])
+def test_compress_within_fits_one_argument_and_names_every_host_once(
+    names: list[str], parts: list[str] | None,
+) -> None:
+    limit = 64 * 1024
+    assert len(",".join(names)) > limit or parts is None
+    got = compress_within(reversed(names), limit)
+    if parts is not None:
+        assert got == parts
+    assert all(len(p.encode()) <= limit for p in got)
+    listed = [h for p in got for h in expand(p)]
+    assert sorted(listed) == sorted(names)  # every host once, none twice
+    assert len(got) <= 2 * -(-len(",".join(names)) // limit)  # halving: few parts
+
+
+def test_compress_within_refuses_a_name_longer_than_the_limit() -> None:
+    assert compress_within([], 10) == []
+    with pytest.raises(HostlistError, match="a host name longer than 10 bytes"):
+        compress_within(["n1", "x" * 11], 10)
+
+
+def test_compress_within_parts_are_accepted_by_slurm(scontrol_hostnames) -> None:
+    names = [f"h{i:x}-ib" for i in range(3000)]
+    for part in compress_within(names, 4096):
+        assert sorted(scontrol_hostnames(part)) == sorted(expand(part))

@@ -6,18 +6,19 @@ from __future__ import annotations
 import os
 import shutil
 import sqlite3
+import time
 from pathlib import Path
 
 import pytest
+from helpers.parts import build_plugin, unavailable
 
 from devtools import images
 from devtools.ncclwheels import PartUnavailable
-from inventoryd.images.index import update_index
+from inventoryd.controller.images.index import update_index
 from ncclguard.config import ImagesConfig
 from ncclguard.policy import GATE_VALUES
 from ncclguard.store import Inventory, InventoryCorrupt
 from ncclguard.store.schema import SCHEMA_VERSION
-from tests.conftest import build_plugin, unavailable
 
 DATA = Path(__file__).parent / "data" / "store"
 
@@ -31,7 +32,8 @@ def _nccl_image(out: Path, lib: Path, version: str, **kw: object) -> Path:
 
 def test_migrates_a_real_v4_inventory(tmp_path: Path) -> None:
     """``inventory-v4.db`` was written by the v4 code (commit 3e38422;
-    ``make_inventory_v4.py``). v4 -> v5 adds the empty ``images`` table; nodes are kept."""
+    ``make_inventory_v4.py``). v4 -> v5 adds the empty ``images`` table; nodes are kept;
+    v5 -> v6 counts the history rows."""
     p = tmp_path / "inventory.db"
     shutil.copyfile(DATA / "inventory-v4.db", p)
     os.chmod(p, 0o644)
@@ -40,10 +42,16 @@ def test_migrates_a_real_v4_inventory(tmp_path: Path) -> None:
     with pytest.raises(InventoryCorrupt, match="older"):
         Inventory(p, readonly=True)
     with Inventory(p, values=GATE_VALUES) as inv:
-        assert inv.schema_version() == SCHEMA_VERSION == 5
+        assert inv.schema_version() == SCHEMA_VERSION == 7
         assert inv.images() == []
         assert sorted(inv.hosts()) == ["new", "old"]
         assert inv.heartbeats()["new"] == 1_800_000_600
+        # v5 -> v6 (issue 25): each history row counted in bytes and dated by its writer
+        rows = inv._conn.execute("SELECT bytes, length(CAST(fingerprint AS BLOB)) + "
+                                 "length(CAST(diff AS BLOB)), stored_at, at FROM history")
+        got = rows.fetchall()
+        assert got and all(b == n > 0 and s == a for b, n, s, a in got)
+        assert inv.writer_state() == (None, None)  # no collector has stamped it yet
     with Inventory(p, readonly=True, values=GATE_VALUES) as ro:
         assert ro.load_image_values("/x.sqsh") is None
         assert ro.load_values(["new"])["new"] is not None
@@ -152,7 +160,7 @@ def test_the_scan_budget_leaves_the_rest_for_the_next_pass(tmp_path: Path) -> No
 
 def test_a_bug_on_one_image_is_stored_as_its_error(tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    from inventoryd.images import index
+    from inventoryd.controller.images import index
 
     root = tmp_path / "r"
     root.mkdir()
@@ -166,3 +174,113 @@ def test_a_bug_on_one_image_is_stored_as_its_error(tmp_path: Path,
         res = update_index(inv, ImagesConfig(roots=(str(root),)))
         assert "RuntimeError: a bug" in res.failed[str(root / "a.sqsh")]
         assert "internal error" in inv.images()[0]["error"]
+
+
+# ---------------------------------------------------------------- fairness (issue 25)
+
+SPARSE = 16  # the starving image: 16 sparse libnccl.so.2 in one tiny squashfs
+SPARSE_BYTES = 512 << 20
+
+
+@pytest.fixture(scope="module")
+def starving_image(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """16 sparse 512 MiB ``libnccl.so.2`` on 16 linker paths, in a 4 KiB squashfs (the
+    issue's had 2 GiB each: 30 s a pass on a 30 s limit; this one 8 GiB in all)."""
+    import tempfile
+
+    out = tmp_path_factory.mktemp("starve") / "a-starving.sqsh"
+    with tempfile.TemporaryDirectory(prefix="ncclguard-sparse-") as tmp:
+        root = Path(tmp)
+        conf = []
+        for i in range(SPARSE):
+            d = root / "usr" / "lib" / "x86_64-linux-gnu" / f"d{i}"
+            d.mkdir(parents=True)
+            with open(d / "libnccl.so.2", "wb") as f:
+                f.truncate(SPARSE_BYTES)
+            conf.append(f"/usr/lib/x86_64-linux-gnu/d{i}")
+        (root / "etc").mkdir()
+        (root / "etc" / "ld.so.conf").write_text("\n".join(conf) + "\n")
+        try:
+            images.pack(root, out)
+        except (PartUnavailable, RuntimeError) as e:
+            unavailable(str(e))
+    assert out.stat().st_size < 64 * 1024
+    return out
+
+
+def test_the_starving_image_costs_what_its_size_allows_and_a_good_one_goes_in(
+        tmp_path: Path, starving_image: Path, nccl_lib, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The starving image and a good one, a pass's budget of 1.5 s (or four times what
+    the good image alone takes to read here, where this machine is slower than that:
+    the budget is about the starving image's cost, not this machine's speed). Before:
+    the starving image (first by path) hit its limit every pass and was tried first
+    again, and the good one was never indexed. Now no member larger than 64x the whole
+    image is streamed: the starving image is read in a moment, its libraries listed as
+    not read; the good one is indexed in the first pass. Each image's time limit is
+    what is left of the pass's budget (its slices are recorded here)."""
+    from inventoryd.controller.images import index
+
+    first, second = tmp_path / "r1", tmp_path / "r2"  # the starving image's root first
+    first.mkdir()
+    second.mkdir()
+    shutil.copyfile(starving_image, first / "starving.sqsh")
+    good = _nccl_image(second / "good.sqsh", nccl_lib("2.21.5"), "2.21.5")
+    slices: list[float] = []
+    real = index.scan_image
+    t0 = time.monotonic()
+    real(str(good), timeout_s=60.0)  # the good image alone, on this machine now
+    budget = max(1.5, 4 * (time.monotonic() - t0))
+
+    def spy(path: str, **kw: object) -> dict:
+        slices.append(float(kw["timeout_s"]))  # type: ignore[arg-type]
+        return real(path, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(index, "scan_image", spy)
+    cfg = ImagesConfig(roots=(str(first), str(second)), timeout_s=budget + 0.5,
+                       scan_budget_s=budget)
+    with Inventory(tmp_path / "inv.db", values=GATE_VALUES) as inv:
+        passes = [update_index(inv, cfg) for _ in range(2)]
+        assert str(good) in passes[0].scanned + passes[1].scanned, passes
+        row = inv.image(str(first / "starving.sqsh"))
+    assert row is not None and row["record"] is not None
+    libs = row["record"]["libnccl"]
+    assert len(libs) == SPARSE and all(lib["version"] is None for lib in libs)
+    assert all("read budget" in lib["version_error"] for lib in libs)
+    assert slices and all(s <= cfg.scan_budget_s for s in slices), slices
+
+
+def test_an_image_that_fails_waits_behind_images_never_tried(tmp_path: Path, nccl_lib) -> None:
+    """An image that hits its time limit (a real 290 MB libnccl on a 0.3 s limit) is
+    tried again after a back-off, behind every image never tried: the new good one is
+    indexed within 2 passes, and the failing one is not tried first again."""
+    root = tmp_path / "images"
+    root.mkdir()
+    slow = _nccl_image(root / "a-slow.sqsh", nccl_lib("2.21.5"), "2.21.5")
+    cfg = ImagesConfig(roots=(str(root),), timeout_s=0.3, scan_budget_s=1.0,
+                       scan_interval_s=300.0)
+    with Inventory(tmp_path / "inv.db", values=GATE_VALUES) as inv:
+        first = update_index(inv, cfg)
+        assert list(first.failed) == [str(slow)] and "time limit" in first.failed[str(slow)]
+        (state,) = inv.image_states().values()
+        assert state.attempts == 1 and state.retry_at is not None
+        try:
+            good = images.build_image(root / "b-good.sqsh", {"/etc/rc": "good\n"})
+        except PartUnavailable as e:
+            unavailable(str(e))
+        res = update_index(inv, cfg)  # the next pass: the good one first
+        assert res.scanned == [str(good)] and not res.failed
+        res = update_index(inv, cfg)  # the failing one again (its first retry is at once)
+        assert list(res.failed) == [str(slow)] and not res.scanned
+        again = inv.image_states()[str(slow)]
+        assert again.attempts == 2 and again.retry_at is not None
+        res = update_index(inv, cfg)  # then only after scan_interval_s (300 s)
+        assert not res.failed and not res.scanned and not res.left
+
+
+def test_back_off_doubles_and_is_capped() -> None:
+    from inventoryd.controller.images.index import MAX_BACKOFF_S, backoff_s
+
+    cfg = ImagesConfig(scan_interval_s=300.0)
+    assert [backoff_s(n, cfg) for n in range(1, 5)] == [0.0, 300.0, 600.0, 1200.0]
+    assert backoff_s(40, cfg) == MAX_BACKOFF_S

@@ -10,12 +10,12 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers.parts import build_plugin, unavailable
 
 from devtools import images
 from devtools.ncclwheels import PartUnavailable
-from inventoryd.images.fingerprint import parse_environment, scan_image
-from inventoryd.images.squashfs import ImageError, ImagePathError, SquashImage
-from tests.conftest import build_plugin, unavailable
+from inventoryd.controller.images.fingerprint import parse_environment, scan_image
+from inventoryd.controller.images.squashfs import ImageError, ImagePathError, SquashImage
 
 
 def _image(out: Path, files: dict[str, Path | bytes | str], links: dict[str, str] | None = None,
@@ -166,8 +166,9 @@ def test_environment_parsing() -> None:
 
 
 def test_reads_where_setrlimit_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The collector's unit filters @resources (setrlimit fails with EPERM there): the
-    reader still works, bounded by its deadline and output limits."""
+    """Where setrlimit is refused (a seccomp filter that also names prlimit64; the
+    collector's unit does not: tests/test_install_systemd.py), the reader still works,
+    bounded by its deadline and output limits."""
     import errno
     import resource
 

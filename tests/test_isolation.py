@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest_slurm import require_slurm
+from helpers.slurm import require_slurm
 
 ROOT = Path(__file__).resolve().parents[1]
 PAIR = [

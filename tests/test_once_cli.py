@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from conftest import build_plugin, place, run_ldconfig
+from helpers.parts import build_plugin, place, run_ldconfig
 
 REPO = Path(__file__).resolve().parent.parent
 MULTIARCH = "/usr/lib/x86_64-linux-gnu"

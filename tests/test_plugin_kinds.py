@@ -1,25 +1,38 @@
-"""The env, GIN and RMA plugins, and which tuner and profiler NCCL really loads (issue 13).
+"""The env, GIN and RMA plugins, and which tuner, profiler, GIN and RMA NCCL really loads
+(issues 13 and 28).
 
-Real parts only: ``libnccl.so.2`` from the nvidia-nccl-cu12 wheels 2.21.5 (cu11), 2.27.7,
-2.28.9, 2.32.3 and nvidia-nccl-cu13 2.30.7; plugins built by gcc that export only the
-symbols named; node trees under ``--root``. The expected values come from each library's
-own strings (``tests/test_probe_nccl.py``, ``FACTS``) and NCCL's source:
+Real parts only: ``libnccl.so.2`` from the nvidia-nccl wheels (the releases of
+``devtools.ncclwheels.NCCL_WHEELS``: 2.19.3, 2.20.5 and 2.21.5 cu11 included, 2.30.7 cu13);
+plugins built by gcc that export only the symbols named; node trees under ``--root``.
+The expected values come from each library's own strings (``tests/test_probe_nccl.py``,
+``FACTS``) and NCCL's source at the tags that the rows of the loading-rules table cite
+(``ncclguard/fingerprint/loading.py``, docs/fingerprint.md "Loading rules by release"):
 
+- ``src/misc/tuner.cc`` (v2.19.1-1, v2.20.5-1): ``dlopen(getenv("NCCL_TUNER_PLUGIN"))``
+  only: no default name, no other library; v2.21.5-1: ``libnccl-tuner.so``, then
+  NCCL_NET_PLUGIN's names opened anew (whether or not the net plugin loaded).
 - ``src/plugin/plugin_open.cc`` (v2.30.7-1): prefixes ``libnccl-net``, ``-gin``, ``-rma``,
   ``-tuner``, ``-profiler``, ``-env``; a name tried as given, then as
   ``libnccl-<kind>-NAME.so`` unless it has a ``/`` or is ``lib*.so`` (v2.27.5-1 on).
 - ``src/plugin/tuner.cc`` (v2.28.9-1, v2.30.7-1): ``none`` disables; a tuner library
   that does not open falls back to the net plugin's (``ncclGetNetPluginLib``); one that
   opens without a known ``ncclTunerPlugin_vN`` is "unsupported" (``goto fail``): no tuner.
-- ``src/plugin/profiler.cc``: the net plugin fallback is in v2.28.9-1, not in v2.27.7-1.
-- ``src/plugin/env.cc`` (v2.28.9-1, v2.30.7-1): ``std::getenv("NCCL_ENV_PLUGIN")``, the
-  environment only: ``/etc/nccl.conf`` cannot name the env plugin.
+- ``src/plugin/profiler.cc``: the net plugin fallback is in v2.28.3-1, not in v2.27.7-1.
+- ``src/plugin/env.cc`` (v2.28.7-1 to v2.30.7-1): ``initEnv()`` (``src/misc/param.cc``:
+  ``/etc/nccl.conf`` into the environment, ``setenv(..., 0)``) and then
+  ``getenv("NCCL_ENV_PLUGIN")``: ``/etc/nccl.conf`` can name the env plugin.
 - ``src/plugin/net/net_v11.cc`` (v2.28.9-1): GIN v11 is ``dlsym``ed from the net plugin's
   library only; ``src/plugin/gin.cc`` (v2.29.7-1 on): ``NCCL_GIN_PLUGIN`` (a list, or
   ``none``), default ``libnccl-gin.so``, then the net plugin's library.
-- ``src/plugin/rma.cc`` (v2.30.7-1): ``NCCL_RMA_PLUGIN``, default ``libnccl-rma.so``,
-  then GIN's library, then the net plugin's; ``rma/rma_v13.cc`` takes
-  ``ncclGinPlugin_v13`` when ``ncclRmaPlugin_v13`` is missing.
+- ``src/plugin/gin.cc`` (v2.30.4-1): the GIN library's ``ncclRmaPlugin_v13`` is looked up
+  but never initialized: no external RMA at all.
+- ``src/plugin/rma.cc`` (v2.30.7-1): ``NCCL_RMA_PLUGIN``, default ``libnccl-rma.so``, then
+  the net plugin's library (GIN's is listed before it, but ``src/init.cc`` runs
+  ``ncclRmaInit`` before ``ncclGinInit``, so it is never open yet);
+  ``rma/rma_v13.cc`` takes ``ncclGinPlugin_v13`` when ``ncclRmaPlugin_v13`` is missing.
+
+Over 500 lines: one gcc-built plugin library per kind and ABI, against every NCCL
+release's loading rules; the kinds share the builder and the real libnccl files.
 """
 
 from __future__ import annotations
@@ -30,17 +43,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.parts import build_plugin
 
 from devtools.nodetree import LIBDIR, build_node
-from inventoryd.collect import collect
-from inventoryd.metrics import registry_for
+from inventoryd.filecache import FileCache
+from inventoryd.node.fingerprint import collect
+from inventoryd.node.textfile import registry_for
+from inventoryd.nodefs import ErrorLog, NodeFS
+from inventoryd.probes import plugins
 from ncclguard.config import InventorydConfig, PolicyConfig
 from ncclguard.fingerprint.compat import compat_values
-from ncclguard.fingerprint.fields import plugin_in_force
+from ncclguard.fingerprint.fields import net_plugin, plugin_in_force
 from ncclguard.policy import evaluate
 from ncclguard.policy.fpdiff import diff
 from ncclguard.store import Inventory
-from tests.conftest import build_plugin
 
 NET = f"{LIBDIR}/libnccl-net.so"
 TUNER = f"{LIBDIR}/libnccl-tuner.so"
@@ -69,14 +85,16 @@ def node(
 @pytest.fixture(scope="module")
 def so(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     """``so("packed", net_abis=[...], ...)``: a gcc-built plugin, once per module."""
-    memo: dict[str, Path] = {}
+    memo: dict[str, tuple[dict[str, Any], Path]] = {}
     base = tmp_path_factory.mktemp("plugins")
 
     def get(key: str, **kw: Any) -> Path:
         if key not in memo:
-            filename = kw.pop("filename", "libnccl-net.so")
-            memo[key] = build_plugin(base / key, filename=filename, **kw)
-        return memo[key]
+            options = dict(kw)
+            filename = options.pop("filename", "libnccl-net.so")
+            memo[key] = (kw, build_plugin(base / key, filename=filename, **options))
+        assert memo[key][0] == kw, f"so({key!r}) was built with other options"
+        return memo[key][1]
 
     return get
 
@@ -190,16 +208,22 @@ def test_named_tuner_expansion_and_path(node, so) -> None:
     assert by_path["effective"]["tuner"]["abi"] == 5
 
 
-def test_env_plugin_only_by_default_name_and_abi(node, so) -> None:
+def test_env_plugin_by_default_name_by_nccl_conf_and_abi(node, so) -> None:
     e2 = so("e2", env_abis=[2], env_name="SiteEnv", filename="libnccl-env.so")
     other = so("e2b", env_abis=[2], env_name="Other", filename="libnccl-env-other.so")
     # 2.28.9 knows ncclEnvPlugin_v1 only
     assert node("n1", "2.28.9", {ENV: e2})["effective"]["env"]["abi"] is None
-    fp = node("n2", "2.30.7", {ENV: e2, f"{LIBDIR}/libnccl-env-other.so": other},
-              conf="NCCL_ENV_PLUGIN=other\n")
-    # NCCL_ENV_PLUGIN in /etc/nccl.conf is not read (env.cc: std::getenv)
-    assert eff(fp, "env") == ("env", 2, "SiteEnv")
-    assert compat_values(fp)["env_plugin"] == "SiteEnv v2"
+    files = {ENV: e2, f"{LIBDIR}/libnccl-env-other.so": other}
+    assert eff(node("n2", "2.30.7", files), "env") == ("env", 2, "SiteEnv")
+    # env.cc runs initEnv() (param.cc: /etc/nccl.conf into the environment) before
+    # getenv("NCCL_ENV_PLUGIN"): the file names the env plugin (the record said SiteEnv
+    # before issue 28)
+    fp = node("n2", "2.30.7", files, conf="NCCL_ENV_PLUGIN=other\n")
+    assert eff(fp, "env") == ("env", 2, "Other")
+    assert compat_values(fp)["env_plugin"] == "Other v2"
+    off = node("n2", "2.30.7", files, conf="NCCL_ENV_PLUGIN=NONE\n")
+    assert off["effective"]["env"]["reason"] == "NCCL_ENV_PLUGIN=NONE: env plugins are disabled"
+    assert compat_values(off)["env_plugin"] == "none"
     # 2.27.7 loads no env plugin at all
     assert node("n3", "2.27.7", {ENV: e2})["effective"]["env"]["plugin"] is None
 
@@ -208,9 +232,20 @@ def test_gin_library_and_rma_fallbacks(node, so) -> None:
     g13 = so("g13", gin_abis=[13], gin_name="Gin13", filename="libnccl-gin.so")
     fp = node("n1", "2.30.7", {GIN: g13})
     assert eff(fp, "gin") == ("gin", 13, "Gin13")
-    # RMA v13 takes ncclGinPlugin_v13 (rma_v13.cc), from GIN's library
-    assert fp["effective"]["rma"]["plugin"] == GIN
-    assert (fp["effective"]["rma"]["via"], fp["effective"]["rma"]["abi"]) == ("gin", 13)
+    # rma.cc lists GIN's library, but init.cc runs ncclRmaInit before ncclGinInit: it is
+    # not open yet, and RMA is not taken from it (before issue 28: RMA v13 via gin)
+    rma = fp["effective"]["rma"]
+    assert (rma["plugin"], rma["abi"]) == (None, None)
+    assert rma["reason"] == ("no external rma plugin (libnccl-rma.so not found; not in the "
+                             "net plugin's library): NCCL uses its internal one, if any")
+    # ncclGinPlugin_v13 as RMA v13 (rma_v13.cc) where RMA does look: its own library, the
+    # net plugin's
+    assert eff(node("n1", "2.30.7", {RMA: so("g13r", gin_abis=[13], gin_name="Gin13",
+                                              filename="libnccl-rma.so")}), "rma") == (
+        "rma", 13, "Gin13")
+    both = node("n1", "2.30.7", {NET: so("net-g13", net_abis=[12], name="IBext_v12",
+                                         gin_abis=[13], gin_name="NetGin")})
+    assert eff(both, "rma") == ("net", 13, "NetGin") and eff(both, "gin") == ("net", 13, "NetGin")
     # 2.28.9 has no libnccl-gin.so (GIN lives in the net plugin's library only)
     old = node("n2", "2.28.9", {GIN: g13})
     assert old["effective"]["gin"]["plugin"] is None
@@ -251,7 +286,8 @@ def test_rules_on_real_nodes(node, so, tmp_path: Path) -> None:
     v = evaluate(fps, PolicyConfig())
     assert rules(v) == {"env-plugin": "refuse"} and v.decision == "refuse"
     assert v.odd_nodes == ["n3"]
-    fps["n3"] = node("n3", "2.32.3", {TUNER: t6, GIN: g13})
+    r13 = so("r13", rma_abis=[13], rma_name="Rma13", filename="libnccl-rma.so")
+    fps["n3"] = node("n3", "2.32.3", {TUNER: t6, GIN: g13, RMA: r13})
     v = evaluate(fps, PolicyConfig())
     assert rules(v) == {"tuner": "warn", "gin-rma": "warn"} and v.decision == "warn"
     text = v.format_text()
@@ -278,3 +314,191 @@ def test_rules_on_real_nodes(node, so, tmp_path: Path) -> None:
     assert 'ncclguard_plugin_abi_in_force{kind="tuner"} 6.0' in text
     assert 'ncclguard_plugin_abi_in_force{kind="rma"} 13.0' in text
     assert 'ncclguard_plugin_abi_in_force{kind="env"} 0.0' in text
+
+
+# ---- issue 28: what each release really loads (ncclguard/fingerprint/loading.py) ------
+
+
+@pytest.mark.parametrize("nccl", ["2.19.3", "2.20.5"])
+def test_tuner_2_19_and_2_20_only_where_named(node, so, nccl) -> None:
+    """src/misc/tuner.cc (v2.19.1-1, v2.20.5-1): dlopen(getenv("NCCL_TUNER_PLUGIN")) and
+    nothing else: no default name, no libnccl-tuner-NAME.so, no net plugin's library.
+    Before issue 28 the file below was the tuner in force (abi 1)."""
+    t1 = so("t1", tuner_abis=[1], tuner_name="T1", filename="libnccl-tuner.so")
+    fp = node("n1", nccl, {TUNER: t1})
+    rec = fp["effective"]["tuner"]
+    assert (rec["plugin"], rec["via"], rec["abi"]) == (None, None, None)
+    assert rec["reason"] == (f"no tuner plugin (libnccl {nccl} opens one only where "
+                             "NCCL_TUNER_PLUGIN names it, and /etc/nccl.conf does not (a "
+                             "job's own environment may))")
+    assert "libnccl-tuner" not in rec["reason"]  # it never looks for that name
+    assert all(p["path"] != TUNER for p in fp["plugins"])  # never opened, not listed
+    assert plugin_in_force(fp, "tuner") == ("none", 0)
+    # named: as given only, a path or a library name the linker finds
+    by_path = node("n2", nccl, {"/opt/t/libnccl-tuner.so": t1},
+                   conf="NCCL_TUNER_PLUGIN=/opt/t/libnccl-tuner.so\n")
+    assert eff(by_path, "tuner") == ("tuner", 1, "T1")
+    assert eff(node("n3", nccl, {TUNER: t1}, conf="NCCL_TUNER_PLUGIN=libnccl-tuner.so\n"),
+               "tuner") == ("tuner", 1, "T1")
+    site = so("t1s", tuner_abis=[2, 1], tuner_name="Site", filename="libnccl-tuner-site.so")
+    by_name = node("n4", nccl, {f"{LIBDIR}/libnccl-tuner-site.so": site},
+                   conf="NCCL_TUNER_PLUGIN=site\n")
+    assert by_name["effective"]["tuner"]["reason"] == "no tuner plugin (site not found)"
+    # 2.21.5 also tries libnccl-tuner-site.so (and speaks v2)
+    assert eff(node("n5", "2.21.5", {f"{LIBDIR}/libnccl-tuner-site.so": site},
+                    conf="NCCL_TUNER_PLUGIN=site\n"), "tuner") == ("tuner", 2, "Site")
+    # no fallback to the net plugin's library either
+    packed_v1 = so("packed-v1", net_abis=[7], name="IBext_v7", tuner_abis=[1],
+                   tuner_name="PackedT1")
+    fp = node("n6", nccl, {NET: packed_v1})
+    assert fp["net"]["effective_net_abi"] == 7
+    assert fp["effective"]["tuner"]["plugin"] is None
+
+
+def test_tuner_2_21_opens_the_net_plugins_names_itself(node, so) -> None:
+    """src/misc/tuner.cc (v2.21.5-1): without a tuner library, NCCL opens NCCL_NET_PLUGIN's
+    names (or libnccl-net.so) anew, whether or not the net plugin loaded; 2.26.2's
+    ncclGetNetPluginLib is the net plugin's library as loaded (src/plugin/tuner.cc)."""
+    odd = so("net-v4", net_abis=[4], name="OldNet", tuner_abis=[2], tuner_name="NetTuner")
+    fp = node("n1", "2.21.5", {NET: odd})
+    assert fp["net"]["effective_net_abi"] is None  # 2.21.5 looks for v8..v5
+    assert eff(fp, "tuner") == ("net", 2, "NetTuner")
+    named = node("n2", "2.21.5", {f"{LIBDIR}/libnccl-net-odd.so": odd},
+                 conf="NCCL_NET_PLUGIN=odd\n")
+    assert eff(named, "tuner") == ("net", 2, "NetTuner")
+    later = node("n3", "2.26.2", {NET: odd})
+    assert later["net"]["effective_net_abi"] is None
+    assert later["effective"]["tuner"]["reason"] == (
+        "no tuner plugin (libnccl-tuner.so not found; not in the net plugin's library)")
+
+
+def test_profiler_2_23_takes_the_value_as_given_only(node, so) -> None:
+    """src/misc/profiler.cc (v2.23.4-1 to v2.25.1-1) tries NCCL_PROFILER_PLUGIN as given
+    (twice), never libnccl-profiler-NAME.so; plugin_open.cc (v2.26.2-1) does."""
+    p1 = so("p1", profiler_abis=[1], profiler_name="Prof1",
+            filename="libnccl-profiler-site.so")
+    files = {f"{LIBDIR}/libnccl-profiler-site.so": p1}
+    old = node("n1", "2.23.4", files, conf="NCCL_PROFILER_PLUGIN=site\n")
+    assert old["effective"]["profiler"]["reason"] == "no profiler plugin (site not found)"
+    new = node("n2", "2.26.2", files, conf="NCCL_PROFILER_PLUGIN=site\n")
+    assert eff(new, "profiler") == ("profiler", 1, "Prof1")
+
+
+def test_rma_2_30_4_loads_no_external_plugin(node, so) -> None:
+    """2.30.4 has no libnccl-rma.so nor NCCL_RMA_PLUGIN (its strings); src/plugin/gin.cc
+    (v2.30.4-1) looks up ncclRmaPlugin_v13 in the GIN library but never raises its state
+    from LoadReady, so no external RMA is initialized. Before issue 28 each file below was
+    reported as RMA v13 in force."""
+    r13 = so("r13-only", rma_abis=[13], rma_name="Rma13", filename="libnccl-rma.so")
+    g13 = so("g13", gin_abis=[13], gin_name="Gin13", filename="libnccl-gin.so")
+    both = so("g13r13", gin_abis=[13], gin_name="Gin13", rma_abis=[13], rma_name="Rma13",
+              filename="libnccl-gin.so")
+    why = ("libnccl 2.30.4 loads no external rma plugin: it looks up ncclRmaPlugin_v13 in "
+           "the GIN library but never initializes an external RMA plugin (src/plugin/gin.cc "
+           "v2.30.4-1); there is no libnccl-rma.so nor NCCL_RMA_PLUGIN")
+    fp = node("n1", "2.30.4", {RMA: r13}, conf="NCCL_RMA_PLUGIN=libnccl-rma.so\n")
+    assert fp["effective"]["rma"] == {"plugin": None, "via": None, "name": None, "abi": None,
+                                      "reason": why}
+    assert all(p["path"] != RMA for p in fp["plugins"])
+    for gin in (g13, both):
+        fp = node("n2", "2.30.4", {GIN: gin})
+        assert eff(fp, "gin") == ("gin", 13, "Gin13")
+        assert fp["effective"]["rma"]["reason"] == why
+        assert plugin_in_force(fp, "rma") == ("none", 0)
+    # 2.30.7 opens libnccl-rma.so
+    assert eff(node("n3", "2.30.7", {RMA: r13}), "rma") == ("rma", 13, "Rma13")
+
+
+def test_gin_reason_when_nothing_is_set(node) -> None:
+    """2.28.x: GIN only in the net plugin's library; the reason read NCCL_GIN_PLUGIN=None."""
+    fp = node("n1", "2.28.9")
+    assert fp["effective"]["gin"]["reason"] == (
+        "no external gin plugin (libnccl 2.28.9 has no gin library of its own; not in the "
+        "net plugin's library): NCCL uses its internal one, if any")
+    fp = node("n2", "2.30.7", conf="NCCL_GIN_PLUGIN=none\n")
+    assert fp["effective"]["gin"]["reason"] == (
+        "no external gin plugin (NCCL_GIN_PLUGIN=none: its list is empty; not in the net "
+        "plugin's library): NCCL uses its internal one, if any")
+
+
+def test_the_jobs_executable_is_unknown(node, so) -> None:
+    """A prefix of STATIC_PLUGIN (2.22.3 on: tryOpenLib, dlopen(NULL)) or, in 2.19 and 2.20,
+    an empty NCCL_TUNER_PLUGIN (dlopen("")) opens the job's own executable: what it
+    exports is not on the node, so the kind is unknown (an error), never "none"."""
+    t5 = so("t5-default", tuner_abis=[5], tuner_name="T5", filename="libnccl-tuner.so")
+    for nccl, conf in (("2.28.9", "NCCL_TUNER_PLUGIN=static_plugin\n"),
+                       ("2.28.9", "NCCL_TUNER_PLUGIN=Stat\n"),
+                       ("2.19.3", "NCCL_TUNER_PLUGIN=\n")):
+        fp = node("n1", nccl, {TUNER: t5}, conf=conf)
+        assert fp["effective"]["tuner"]["plugin"] is None
+        assert "job's own executable" in fp["effective"]["tuner"]["reason"]
+        assert [e["field"] for e in fp["errors"]] == ["plugins.tuner"]
+        assert plugin_in_force(fp, "tuner") is None
+    # 2.21.5 has no STATIC_PLUGIN: the name is a name (and libnccl-tuner-static_plugin.so)
+    fp = node("n2", "2.21.5", {TUNER: t5}, conf="NCCL_TUNER_PLUGIN=static_plugin\n")
+    assert fp["errors"] == [] and fp["effective"]["tuner"]["plugin"] is None
+    # the net plugin too: unknown, not "no plugin"
+    fp = node("n3", "2.30.7", {NET: packed(so), TUNER: t5},
+              conf="NCCL_NET_PLUGIN=STATIC_PLUGIN\n")
+    assert fp["net"]["plugin"] is None and "job's own executable" in fp["net"]["reason"]
+    assert net_plugin(fp) is None
+    # and so is what falls back to the net plugin's library; a library of its own is not
+    assert [e["field"] for e in fp["errors"]] == [
+        "plugins.net", "plugins.profiler", "plugins.gin", "plugins.rma"]
+    assert eff(fp, "tuner") == ("tuner", 5, "T5")
+    # an earlier usable item decides before it
+    fp = node("n4", "2.30.7", {NET: packed(so)},
+              conf="NCCL_NET_PLUGIN=libnccl-net.so,STATIC_PLUGIN\n")
+    assert fp["net"]["effective_net_abi"] == 12 and fp["errors"] == []
+
+
+def test_empty_net_plugin_list_from_2_27(node, so) -> None:
+    """net.cc (v2.27.3-1 on): NCCL_NET_PLUGIN set but empty is a list of no item; before
+    2.27 (src/net.cc, strlen check) it means the default."""
+    fp = node("n1", "2.28.9", {NET: packed(so)}, conf="NCCL_NET_PLUGIN=\n")
+    assert fp["net"]["plugin"] is None
+    assert fp["net"]["reason"] == ("NCCL_NET_PLUGIN is empty (a list of no item): no "
+                                   "external net plugin")
+    assert node("n2", "2.26.2", {NET: packed(so)},
+                conf="NCCL_NET_PLUGIN=\n")["net"]["effective_net_abi"] == 10
+
+
+def _probe_as(root: Path, fp: dict[str, Any], version: str) -> tuple[dict, dict]:
+    """The plugin probe of ``root`` as if its default libnccl were ``version`` (a release
+    that cannot exist yet, or one older than any wheel): the real library's record with
+    only its version changed."""
+    libs = [dict(x, version=version) if x["default"] else x for x in fp["libnccl"]]
+    errors = ErrorLog()
+    _, net, effective = plugins.probe(NodeFS(root), errors, InventorydConfig(), {}, libs,
+                                      FileCache(None))
+    return net, effective
+
+
+def test_a_release_outside_the_table_is_named(tmp_path: Path, nccl_lib, so) -> None:
+    root = build_node(tmp_path / "n1", libnccl=nccl_lib("2.32.3"), hostname="n1",
+                      extra_files={NET: packed(so), TUNER: so(
+                          "t6", tuner_abis=[6], tuner_name="NewTuner",
+                          filename="libnccl-tuner.so")})
+    fp = dict(collect(str(root), "n1", InventorydConfig()))
+    assert all("loading-rules table" not in (r["reason"] or "")
+               for r in (fp["net"], *fp["effective"].values()))
+    net, effective = _probe_as(root, fp, "2.33.1")
+    note = ("libnccl 2.33.1 is newer than the newest release in the loading-rules table "
+            "(2.32.3): read with that release's rules")
+    # the newest row's rules: the same plugins in force, and every reason says so
+    assert net["effective_net_abi"] == fp["net"]["effective_net_abi"] == 12
+    assert net["reason"] == note
+    assert effective["tuner"]["abi"] == 6 and effective["tuner"]["reason"] == note
+    for kind in ("profiler", "env", "gin", "rma"):
+        assert effective[kind]["abi"] == fp["effective"][kind]["abi"]
+        before = fp["effective"][kind]["reason"]
+        assert effective[kind]["reason"] == (f"{before}; {note}" if before else note)
+    # older than the oldest row: its rules (no tuner), named
+    net, effective = _probe_as(root, fp, "2.9.9")
+    assert effective["tuner"]["reason"] == (
+        "libnccl 2.9.9 loads no tuner plugin; libnccl 2.9.9 is older than the oldest "
+        "release in the loading-rules table (2.10.3): read with that release's rules")
+    # a version not known at all: the newest row's rules, named
+    net, effective = _probe_as(root, fp, "x")
+    assert effective["tuner"]["abi"] == 6
+    assert "the default libnccl's version is unknown" in effective["tuner"]["reason"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 
-from policy_fingerprints import fingerprint
+from helpers.fingerprints import fingerprint
 
 from ncclguard.config import PolicyConfig
 from ncclguard.fingerprint.image import effective_stack
@@ -77,7 +77,7 @@ def test_an_image_that_cannot_be_checked_is_judged_by_the_nodes_own_stacks() -> 
     is unknown (warn), and what the nodes alone show still refuses: nodes with and
     without the net plugin differ for any image. The host's libnccl version alone says
     nothing about the container's."""
-    from policy_fingerprints import plugin
+    from helpers.fingerprints import plugin
 
     mixed = {"n1": _node("n1", None, plugins=[plugin("IBext_v8", abis=[8])]),
              "n2": _node("n2", None)}

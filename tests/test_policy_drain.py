@@ -26,7 +26,7 @@ def facts(spec: dict[str, str], ports: dict[str, int | None] | None = None,
     ports = ports or {}
     beat = beat or {}
     return {
-        h: NodeFacts(host=h, compat_key=k, values=CLASSES[k],
+        h: NodeFacts(host=h, klass=k, values=CLASSES[k],
                      last_heartbeat=beat.get(h, NOW - 10), ports_up=ports.get(h, 8),
                      ports_total=8)
         for h, k in spec.items()

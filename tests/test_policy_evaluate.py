@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import json
 
-from policy_fingerprints import error, fingerprint, libnccl, plugin
+from helpers.fingerprints import error, fingerprint, libnccl, plugin
 
 from ncclguard.config import PolicyConfig, from_dict
 from ncclguard.policy import DEFAULT_SEVERITY, evaluate, odd_nodes

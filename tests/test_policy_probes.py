@@ -2,7 +2,7 @@
 
 Each node is a root tree from ``devtools.nodetree.build_node`` with real files (real
 ``libnccl.so.2`` from the NCCL wheels, gcc-built net plugins, the sysfs layouts); the
-fingerprint is ``inventoryd.collect.collect`` on it, exactly what inventoryd stores.
+fingerprint is ``inventoryd.node.fingerprint.collect`` on it, exactly what inventoryd stores.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from devtools.nodetree import LIBDIR, build_node
-from inventoryd.collect import collect
+from inventoryd.node.fingerprint import collect
 from ncclguard.config import InventorydConfig, PolicyConfig
 from ncclguard.fingerprint.compat import compat_key, compat_values
 from ncclguard.fingerprint.transport import effective_transport

@@ -3,54 +3,13 @@
 from __future__ import annotations
 
 import itertools
-from functools import cache
 
+from helpers.properties import CONFIGS, allocations, kind_fingerprint
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from policy_fingerprints import error, fingerprint, plugin
 
 from ncclguard.config import PolicyConfig
-from ncclguard.policy import DEFAULT_SEVERITY, evaluate, evaluate_values, majority, node_values
-
-# min_nodes=1 so that "compatible" below means "no refuse-level finding" for any subset
-CONFIGS = {
-    "default": PolicyConfig(min_nodes=1),
-    "strict": PolicyConfig(
-        min_nodes=1,
-        severity={**DEFAULT_SEVERITY, "unknown-node": "refuse", "nccl-conf": "refuse"},
-    ),
-}
-
-# (nccl version, transport setting, plugin, nccl.conf extra); None = unreadable
-VERSIONS = st.sampled_from(["2.21.5", "2.18.3", "2.26.2", None])
-IB_DISABLE = st.sampled_from(["0", "1", None])
-PLUGIN = st.sampled_from([None, "IBext_v8"])
-ALGO = st.sampled_from([None, "Ring", "Tree"])
-KIND = st.tuples(VERSIONS, IB_DISABLE, PLUGIN, ALGO)
-NODE = st.one_of(st.none(), KIND)  # None: no record
-
-
-@cache
-def _fp(kind: tuple) -> dict:
-    version, ib_disable, plug, algo = kind
-    conf = {}
-    if ib_disable is not None:
-        conf["NCCL_IB_DISABLE"] = ib_disable
-    if algo is not None:
-        conf["NCCL_ALGO"] = algo
-    fp = fingerprint(
-        "x",
-        nccl=version or "2.21.5",
-        plugins=[plugin(plug, abis=[8, 7, 6])] if plug else [],
-        conf=conf,
-    )
-    if version is None:  # the nccl probe failed
-        fp["libnccl"] = None
-        fp["errors"].append(error("libnccl", probe="nccl"))
-    if ib_disable is None:  # nccl.conf unreadable
-        fp["nccl_conf"] = None
-        fp["errors"].append(error("nccl_conf", probe="ncclconf"))
-    return fp
+from ncclguard.policy import evaluate, evaluate_values, majority, node_values
 
 
 def _refuses(fps: dict, config: PolicyConfig, stale: set[str]) -> bool:
@@ -58,16 +17,11 @@ def _refuses(fps: dict, config: PolicyConfig, stale: set[str]) -> bool:
     return any(f.severity == "refuse" for f in v.findings)
 
 
-allocations = st.dictionaries(
-    st.sampled_from([f"n{i}" for i in range(1, 9)]), NODE, min_size=1, max_size=7
-)
-
-
 @settings(max_examples=150, deadline=None)
 @given(allocations, st.sampled_from(sorted(CONFIGS)), st.sets(st.sampled_from(["n1", "n2"])))
 def test_odd_nodes_are_a_minimum(nodes: dict, config_name: str, stale: set[str]) -> None:
     config = CONFIGS[config_name]
-    fps = {h: (_fp(k) if k is not None else None) for h, k in nodes.items()}
+    fps = {h: (kind_fingerprint(k) if k is not None else None) for h, k in nodes.items()}
     verdict = evaluate(fps, config, stale=stale & set(fps))
     odd = set(verdict.odd_nodes)
     assert odd <= set(fps)
@@ -90,7 +44,7 @@ def test_odd_nodes_are_a_minimum(nodes: dict, config_name: str, stale: set[str])
 def test_verdict_does_not_depend_on_node_order(case: tuple, config_name: str) -> None:
     nodes, order = case
     config = CONFIGS[config_name]
-    fps = {h: (_fp(k) if k is not None else None) for h, k in nodes.items()}
+    fps = {h: (kind_fingerprint(k) if k is not None else None) for h, k in nodes.items()}
     shuffled = {h: fps[h] for h in order}
     a = evaluate(fps, config, stale={"n1"} & set(fps))
     b = evaluate(shuffled, config, stale={"n1"} & set(fps))
@@ -128,7 +82,7 @@ def test_odd_nodes_keep_preferred_hosts_when_a_minimum_allows(
     nodes: dict, config_name: str, stale: set[str], prefer: set[str]
 ) -> None:
     config = CONFIGS[config_name]
-    fps = {h: (_fp(k) if k is not None else None) for h, k in nodes.items()}
+    fps = {h: (kind_fingerprint(k) if k is not None else None) for h, k in nodes.items()}
     stale &= set(fps)
     verdict = evaluate(fps, config, stale=stale, prefer=prefer)
     odd = set(verdict.odd_nodes)
@@ -150,7 +104,8 @@ def test_odd_nodes_keep_preferred_hosts_when_a_minimum_allows(
 
 def test_tie_break_keeps_the_preferred_node() -> None:
     """n3 (2.18.3) + n4 (2.21.5): either is a minimum; the partition's majority decides."""
-    fps = {"n3": _fp(("2.18.3", "0", None, None)), "n4": _fp(("2.21.5", "0", None, None))}
+    fps = {"n3": kind_fingerprint(("2.18.3", "0", None, None)),
+           "n4": kind_fingerprint(("2.21.5", "0", None, None))}
     config = CONFIGS["default"]
     plain = evaluate(fps, config)
     assert plain.decision == "refuse" and plain.odd_tie

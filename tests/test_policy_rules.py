@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from policy_fingerprints import device, error, fingerprint, libnccl, plugin, port
+from helpers.fingerprints import device, error, fingerprint, libnccl, plugin, port
 
 from ncclguard.fingerprint.compat import compat_values
 from ncclguard.policy.rules import (

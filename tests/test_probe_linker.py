@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import build_shared_lib, run_ldconfig
+from helpers.parts import build_shared_lib, run_ldconfig
 
 from inventoryd.nodefs import ErrorLog, NodeFS
 from inventoryd.probes import linker

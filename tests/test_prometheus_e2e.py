@@ -15,13 +15,14 @@ import sys
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import unavailable
-from policy_fingerprints import fingerprint
+from helpers.fingerprints import fingerprint
+from helpers.parts import unavailable
+from helpers.wait import wait_until
 
 from devtools.devcluster import DevCluster
 
@@ -41,20 +42,6 @@ def get(url: str) -> Any:
     with urllib.request.urlopen(url, timeout=5) as r:
         body = r.read().decode()
     return json.loads(body) if body.startswith("{") else body
-
-
-def wait(pred: Callable[[], Any], timeout: float, what: str, why: Callable[[], str]) -> Any:
-    end = time.monotonic() + timeout
-    while True:
-        try:
-            got = pred()
-        except OSError:
-            got = None
-        if got:
-            return got
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}\n{why()}")
-        time.sleep(0.5)
 
 
 def stop(p: subprocess.Popen[bytes]) -> None:
@@ -123,8 +110,9 @@ def prometheus(collector: tuple[int, Path], tmp_path: Path) -> Iterator[str]:
                                  stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path)
         base = f"http://127.0.0.1:{web}"
         try:
-            wait(lambda p=p, base=base: p.poll() is not None or "Ready" in get(
-                 f"{base}/-/ready"), 60, "prometheus to be ready", lambda: tail(log))
+            wait_until(lambda p=p, base=base: p.poll() is not None or "Ready" in get(
+                       f"{base}/-/ready"), 60, "prometheus to be ready", interval=0.5,
+                       detail=lambda: tail(log), ignore=(OSError,))
         except BaseException:
             stop(p)
             raise
@@ -159,8 +147,9 @@ def test_a_partition_split_alerts_through_prometheus(
     # the rules are loaded, and the collector is scraped: one class in partition debug
     groups = get(f"{base}/api/v1/rules")["data"]["groups"]
     assert any(r["name"] == "NcclguardPartitionSplit" for g in groups for r in g["rules"])
-    one = wait(lambda: query(base, 'ncclguard_partition_classes{partition="debug"} == 1'),
-               60, "Prometheus to scrape one class in partition debug", why)
+    one = wait_until(lambda: query(base, 'ncclguard_partition_classes{partition="debug"} == 1'),
+                     60, "Prometheus to scrape one class in partition debug", interval=0.5,
+                     detail=why, ignore=(OSError,))
     assert one[0]["metric"]["job"] == "ncclguard"
     nodes = query(base, 'ncclguard_partition_nodes{partition="debug"}')
     assert nodes[0]["value"][1] == str(len(cluster.node_names))
@@ -169,8 +158,8 @@ def test_a_partition_split_alerts_through_prometheus(
 
     # n3 gets another NCCL: its node publishes, the collector accepts it
     cluster.publish_fingerprint("n3", fingerprint("n3", nccl="2.18.3"))
-    alert = wait(lambda: split_alerts(base), 60, "NcclguardPartitionSplit in /api/v1/alerts",
-                 why)[0]
+    alert = wait_until(lambda: split_alerts(base), 60, "NcclguardPartitionSplit in /api/v1/alerts",
+                       interval=0.5, detail=why, ignore=(OSError,))[0]
     assert alert["state"] in ("pending", "firing")
     assert alert["labels"]["partition"] == "debug"
     assert alert["labels"]["severity"] == "warning"

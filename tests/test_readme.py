@@ -1,9 +1,9 @@
-"""The README's promises: every command block is run by CI (or visibly marked as not),
-and its install commands work as written.
+"""The README's promises, and the install guide's: every command block is run by CI (or
+visibly marked as not), the install commands work as written, the README stays short.
 
 A fenced block of commands (```sh) or of a captured session (lines starting with ``$ ``)
 must follow an HTML comment that names where CI runs it,
-``<!-- ci: tests/test_x.py::test_name -->`` (or a script such as ``.ci/run``), or one that
+``<!-- ci: tests/<file>.py::<test> -->`` (or a script such as ``.ci/run``), or one that
 says why not, ``<!-- not-run-by-ci: why -->``; the latter also needs a visible
 "*Not run by CI*" note just above it.
 """
@@ -11,7 +11,6 @@ says why not, ``<!-- not-run-by-ci: why -->``; the latter also needs a visible
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -20,18 +19,21 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from helpers.parts import checkout_copy
+from helpers.wait import wait_until
 
 from devtools.nodetree import build_node
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
+INSTALL = REPO / "docs" / "install.md"
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.M | re.S)
 MARK = re.compile(r"<!-- (ci|not-run-by-ci): (.+?) -->")
 
 
-def command_blocks() -> list[tuple[int, str, str, str]]:
+def command_blocks(doc: Path = README) -> list[tuple[int, str, str, str]]:
     """(line number, language, body, the text before it) of each command block."""
-    text = README.read_text()
+    text = doc.read_text()
     out = []
     for m in FENCE.finditer(text):
         lang, body = m[1], m[2]
@@ -51,31 +53,39 @@ def test_readme_has_the_two_commands_first() -> None:
     assert "demo-stop:\n\tbash scripts/demo.sh stop\n" in makefile
 
 
-def test_every_command_block_is_run_by_ci_or_says_why_not() -> None:
-    blocks = command_blocks()
-    assert len(blocks) >= 5
+# the documents with command blocks, and how many each has at least
+COMMAND_DOCS = {README: 3, INSTALL: 15, REPO / "docs" / "operations.md": 1,
+                REPO / "docs" / "perf.md": 1}
+
+
+def test_the_readme_is_read_in_five_minutes() -> None:
+    assert README.read_text().count("\n") < 200
+
+
+@pytest.mark.parametrize("doc", list(COMMAND_DOCS), ids=lambda p: p.name)
+def test_every_command_block_is_run_by_ci_or_says_why_not(doc: Path) -> None:
+    """A ``ci:`` marker names a script or a test that exists (``PATH::test``, and for the
+    install guide the step in parentheses: ``PATH::test (step)``)."""
+    name = doc.relative_to(REPO)
+    blocks = command_blocks(doc)
+    assert len(blocks) >= COMMAND_DOCS[doc]
     for line, _lang, _body, before in blocks:
         last = before.rstrip("\n").splitlines()[-1]
         m = MARK.fullmatch(last.strip())
-        assert m, f"README.md:{line}: a command block without a <!-- ci: ... --> marker"
+        assert m, f"{name}:{line}: a command block without a <!-- ci: ... --> marker"
         kind, what = m[1], m[2]
         if kind == "ci":
+            what = re.sub(r" \([a-z-]+\)$", "", what)  # the install guide's step
             path, _, func = what.partition("::")
             target = REPO / path
-            assert target.is_file(), f"README.md:{line}: {path} does not exist"
+            assert target.is_file(), f"{name}:{line}: {path} does not exist"
             if func:
                 assert re.search(rf"^def {re.escape(func)}\(", target.read_text(), re.M), (
-                    f"README.md:{line}: no test {func} in {path}")
+                    f"{name}:{line}: no test {func} in {path}")
         else:
             window = "\n".join(before.splitlines()[-12:])
             assert "*Not run by CI" in window, (
-                f"README.md:{line}: not run by CI, but the README does not say so")
-
-
-def test_readme_links_point_to_files() -> None:
-    for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", README.read_text()):
-        if not target.startswith("http"):
-            assert (REPO / target).exists(), target
+                f"{name}:{line}: not run by CI, but the text does not say so")
 
 
 # ------------------------------------------------------------------- install, as written
@@ -88,25 +98,11 @@ def _run(argv: list[str], cwd: Path, env: dict[str, str] | None = None,
     return r
 
 
-def _checkout_copy(dest: Path) -> Path:
-    """The working tree's tracked and unignored files, as a fresh checkout would have them."""
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO,
-                           capture_output=True, check=True, timeout=60).stdout.split(b"\0")
-    for f in filter(None, (x.decode() for x in files)):
-        src, dst = REPO / f, dest / f
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        if src.is_symlink():  # the sysfs fixtures are links, some on purpose unreadable
-            dst.symlink_to(os.readlink(src))
-        elif src.is_file():
-            shutil.copy2(src, dst)
-    return dest
-
-
 @pytest.mark.slow
 def test_install_from_checkout_and_wheel(tmp_path: Path) -> None:
     """`pip install <checkout>`, `pip wheel --no-deps -w dist <checkout>`, `pip install
-    <wheel>`, then the four programs, run from outside any checkout."""
-    src = _checkout_copy(tmp_path / "checkout")
+    <wheel>`, then the programs, run from outside any checkout."""
+    src = checkout_copy(tmp_path / "checkout")
     venv = tmp_path / "opt-ncclguard"
     base_python = getattr(sys, "_base_executable", None) or shutil.which("python3") or "python3"
     _run([base_python, "-m", "venv", str(venv)], tmp_path)
@@ -123,10 +119,29 @@ def test_install_from_checkout_and_wheel(tmp_path: Path) -> None:
         assert module in names
     for script in ("ncclguard = ncclguard.cli:main", "ncclguard-inventoryd = inventoryd.main:main",
                    "ncclguard-prolog = prolog.gate:run_as_program",
-                   "ncclguard-epilog = prolog.epilog:main"):
+                   "ncclguard-epilog = prolog.epilog:main",
+                   "ncclguard-features-hook = inventoryd.controller.features:hook_main"):
         assert script in eps
     assert not any(n.startswith("devtools/") for n in names)  # the dev kit stays out
     _run([pip, "install", "-q", "--force-reinstall", "--no-deps", str(wheel)], tmp_path)
+    # what docs/install.md installs from the wheel alone, under the venv's share/: every
+    # shipped systemd file, the lua, the enroot hook, the rules, and the documents the
+    # units' Documentation= names (for /opt/ncclguard, the venv here)
+    share = venv / "share" / "ncclguard"
+    shipped = sorted(p.relative_to(REPO / "systemd")
+                     for p in (REPO / "systemd").rglob("*") if p.is_file())
+    assert shipped and sorted(p.relative_to(share / "systemd")
+                              for p in (share / "systemd").rglob("*") if p.is_file()) == shipped
+    for f in ("slurm/job_submit.lua", "enroot/hooks.d/90-ncclguard.sh",
+              "prometheus/ncclguard.rules.yml", "config.example.toml"):
+        assert (share / f).is_file(), f
+    for unit in (REPO / "systemd").glob("*.service"):
+        docs = [u for ln in unit.read_text().splitlines() if ln.startswith("Documentation=")
+                for u in ln.split("=", 1)[1].split()]
+        assert docs, unit
+        for url in docs:
+            assert url.startswith("file:/opt/ncclguard/"), url
+            assert (venv / url[len("file:/opt/ncclguard/"):]).is_file(), url
 
     # the installed programs, away from the checkout
     work = tmp_path / "work"
@@ -144,7 +159,7 @@ def test_install_from_checkout_and_wheel(tmp_path: Path) -> None:
         _run([str(bindir / "ncclguard-inventoryd"), "once", "--store", "--root", str(root),
               "--hostname", host], work, env)
     out = _run([str(bindir / "ncclguard"), "classes"], work, env).stdout
-    assert "2 nodes in 1 compatibility classes" in out
+    assert "2 nodes in 1 class;" in out
     prolog_env = {**env, "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]",
                   "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_PARTITION": "debug",
                   "SLURM_JOB_USER": "alice", "SLURM_JOB_UID": "1000",
@@ -159,6 +174,16 @@ def test_install_from_checkout_and_wheel(tmp_path: Path) -> None:
     r = subprocess.run([str(bindir / "ncclguard-epilog")], cwd=work, env=epilog_env,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stderr == "", r.stderr  # a job that did not fail: nothing
+    # the hook Slurm runs returns at once; its detached sync logs why it gave up (no
+    # slurmctld here)
+    hook_log = work / "hook.log"
+    r = subprocess.run([str(bindir / "ncclguard-features-hook"), "--wait", "0", "--log",
+                        str(hook_log)], cwd=work, env=env, capture_output=True, text=True,
+                       timeout=30)
+    assert (r.returncode, r.stdout, r.stderr) == (0, "", "")
+    wait_until(lambda: "slurmctld did not answer" in (
+        hook_log.read_text() if hook_log.exists() else ""), 30,
+        "the hook's detached sync to log that slurmctld did not answer", interval=0.1)
     where = _run([str(bindir / "python"), "-c", "import ncclguard; print(ncclguard.__file__)"],
                  work, env).stdout.strip()
     assert where.startswith(str(venv)), where  # the installed copy, not a checkout

@@ -10,10 +10,10 @@ import stat
 from pathlib import Path
 
 import pytest
+from helpers.fingerprints import fingerprint
+from helpers.properties import CONFIGS, allocations, kind_fingerprint
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from policy_fingerprints import fingerprint
-from test_policy_properties import CONFIGS, _fp, allocations
 
 from ncclguard.config import Config, FeaturesConfig, PolicyConfig
 from ncclguard.policy import evaluate_values, node_values
@@ -22,16 +22,14 @@ from ncclguard.policy.schedule import (
     MAX_ALTERNATIVES,
     UNKNOWN_FEATURE,
     ClassCount,
-    _short_names,
+    feature_names,
     rank_classes,
     scheduling_classes,
 )
-from ncclguard.sched import classfile
+from ncclguard.sched import classfile, group
 from ncclguard.sched.sync import class_table, plan
 from ncclguard.slurm import NodeInfo
-from prolog.job import CLASS_FEATURE_PREFIX, Job
-
-LUA = Path(__file__).resolve().parents[1] / "slurm" / "job_submit.lua"
+from prolog.job import Job
 
 
 def _values(fps: dict) -> dict:
@@ -72,7 +70,7 @@ def test_nodes_that_share_a_feature_are_never_refused_by_the_gate(
     """The invariant prevention rests on: any set of nodes with one class feature passes
     the gate's own evaluation without a refuse-level finding."""
     config = CONFIGS[config_name]
-    fps = {h: (_fp(k) if k is not None else None) for h, k in nodes.items()}
+    fps = {h: (kind_fingerprint(k) if k is not None else None) for h, k in nodes.items()}
     values = _values(fps)
     stale &= set(fps)
     cls = scheduling_classes(values, config, stale)
@@ -113,9 +111,9 @@ def test_warn_level_differences_never_split_a_class(nodes: dict, config_name: st
         assert not [f for f in v.findings if f.severity == "refuse"]
 
 
-def test_short_names_grow_until_unique() -> None:
+def test_feature_names_grow_until_unique() -> None:
     a, b, c = "abcdef0123" + "0" * 54, "abcdef0124" + "0" * 54, "ffffffff" + "1" * 56
-    names = _short_names([a, b, c])
+    names = feature_names([a, b, c])
     assert names[a] == FEATURE_PREFIX + "abcdef0123" and names[b] == FEATURE_PREFIX + "abcdef0124"
     assert names[c] == FEATURE_PREFIX + "ffffffff"
 
@@ -151,22 +149,24 @@ def test_file_round_trip() -> None:
 @pytest.mark.parametrize(("text", "cause"), [
     ("", "cut short"),
     ("\n", "line 1"),
-    ("ncclguard-classes 2\nend\n", "line 1"),
-    ("ncclguard-classes 1\nverified 1\nmin_nodes 2\nmax_alternatives 64\nopt_out 1\n"
-     "guarded *\n", "no 'end'"),
-    ("ncclguard-classes 1\nverified x\nend\n", "line 2"),
-    ("ncclguard-classes 1\nverified 1\nverified 2\nend\n", "line 3"),
-    ("ncclguard-classes 1\nverified 1\nmin_nodes 2\nmax_alternatives 65\nopt_out 1\n"
-     "guarded *\nend\n", "max_alternatives 65"),
-    ("ncclguard-classes 1\nverified 1\nmin_nodes 2\nmax_alternatives 64\nopt_out 1\n"
+    ("ncclguard-classes 1\nverified 1\nend\n", "line 1"),
+    ("ncclguard-classes 2\nend\n", "line 2"),
+    ("ncclguard-classes 2\nmin_nodes 2\nverified 1\nend\n", "line 2"),
+    ("ncclguard-classes 2\nverified 1\nmin_nodes 2\nmax_alternatives 64\nopt_out 1\n"
+     "required_nodes refuse\nguarded *\n", "no 'end'"),
+    ("ncclguard-classes 2\nverified x\nend\n", "line 2"),
+    ("ncclguard-classes 2\nverified 1\nverified 2\nend\n", "line 3"),
+    ("ncclguard-classes 2\nverified 1\nmin_nodes 2\nmax_alternatives 65\nopt_out 1\n"
+     "required_nodes refuse\nguarded *\nend\n", "max_alternatives 65"),
+    ("ncclguard-classes 2\nverified 1\nmin_nodes 2\nmax_alternatives 64\nopt_out 1\n"
      "guarded *\npartition * nc_x]:3\nend\n", "not a class"),
-    ("ncclguard-classes 1\nverified 1\nmin_nodes 2\nmax_alternatives 64\nopt_out 1\n"
+    ("ncclguard-classes 2\nverified 1\nmin_nodes 2\nmax_alternatives 64\nopt_out 1\n"
      "guarded *\npartition a;b nc_0123abcd:3\nend\n", "partition"),
-    ("ncclguard-classes 1\nverified 1\nmin_nodes 2\nmax_alternatives 64\nopt_out 1\n"
+    ("ncclguard-classes 2\nverified 1\nmin_nodes 2\nmax_alternatives 64\nopt_out 1\n"
      "guarded *\nend\nmore\n", "after 'end'"),
-    ("ncclguard-classes 1\nverified 1\nend\n", "missing min_nodes"),
-    ("ncclguard-classes 1\nverified \u00b2\nend\n", "line 2"),  # isdigit() says yes
-    ("ncclguard-classes 1\nverified 1\nmin_nodes 2\nmax_alternatives 64\nopt_out 1\n"
+    ("ncclguard-classes 2\nverified 1\nend\n", "missing min_nodes"),
+    ("ncclguard-classes 2\nverified \u00b2\nend\n", "line 2"),  # isdigit() says yes
+    ("ncclguard-classes 2\nverified 1\nmin_nodes 2\nmax_alternatives 64\nopt_out 1\n"
      "guarded *\nend", "cut short"),  # the lua needs the final newline too
 ])
 def test_a_bad_file_is_refused_with_the_line(text: str, cause: str) -> None:
@@ -188,12 +188,9 @@ def test_write_is_atomic_and_refuses_a_directory_others_can_write(tmp_path: Path
     assert not (open_dir / "classes").exists()
 
 
-def test_the_lua_and_python_agree_on_limits() -> None:
-    lua = LUA.read_text()
-    assert f"ncclguard.FRESH_S = {classfile.LUA_FRESH_S}\n" in lua
-    assert f"ncclguard.MAX_TERMS = {MAX_ALTERNATIVES} " in lua
-    assert f'ncclguard.CLASSES_FILE = "{FeaturesConfig().classes_file}"' in lua
-    assert CLASS_FEATURE_PREFIX == FEATURE_PREFIX
+def test_the_group_format_knows_the_class_feature_prefix() -> None:
+    assert group.is_class_feature_name(FEATURE_PREFIX + "0123abcd")
+    assert group.is_class_feature_name(UNKNOWN_FEATURE)
 
 
 # ------------------------------------------------------------------ the plan
@@ -252,3 +249,14 @@ def test_the_gate_knows_a_class_group(constraint: str, group: bool) -> None:
     env = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]",
            "SLURM_JOB_CONSTRAINTS": constraint}
     assert Job.from_env(env).class_group is group
+
+
+def test_a_fifo_at_the_sync_lock_is_refused_at_once(tmp_path: Path) -> None:
+    from ncclguard.sched.sync import mark_verified
+
+    classes = tmp_path / "features" / "classes"
+    classes.parent.mkdir()
+    os.mkfifo(f"{classes}.lock")
+    cfg = Config(features=FeaturesConfig(classes_file=str(classes)))
+    with pytest.raises(classfile.ClassFileError, match="lock: not a regular file"):
+        mark_verified(cfg)

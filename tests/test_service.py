@@ -12,17 +12,18 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from conftest_munge import MungeSet
+from helpers.fingerprints import fingerprint
+from helpers.munge import MungeSet
+from helpers.wait import wait_until
 from prometheus_client.parser import text_string_to_metric_families
-from test_store import make_fp
 
-from inventoryd import service
-from inventoryd.metrics import write_textfile
-from inventoryd.publish import Publisher, PublishError
+from inventoryd.node import daemon as service
+from inventoryd.node.publish import Publisher, PublishError
+from inventoryd.node.textfile import write_textfile
 from inventoryd.sdnotify import Notifier
 from ncclguard import config as configmod
 from ncclguard import munge, spool
@@ -33,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 # test edits, in place of the probes (which have their own tests).
 _DRIVER = r"""
 import json, sys
-from inventoryd import service
+from inventoryd.node import daemon as service
 from ncclguard import config
 path = sys.argv[1]
 cfg = config.load(sys.argv[2])
@@ -65,12 +66,9 @@ class Listener:
                 continue
 
     def wait_for(self, line: str, timeout: float = 10) -> None:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if any(line in m.split("\n") for m in list(self.messages)):
-                return
-            time.sleep(0.02)
-        raise AssertionError(f"no {line!r} in {self.messages[-20:]!r}")
+        wait_until(lambda: any(line in m.split("\n") for m in list(self.messages)), timeout,
+                   f"{line!r} on the notify socket", interval=0.02,
+                   detail=lambda: f"got {self.messages[-20:]!r}")
 
     def close(self) -> None:
         self.closed = True
@@ -93,15 +91,6 @@ def notify_sock(tmp_path: Path) -> Iterator[tuple[socket.socket, str]]:
     s.settimeout(10)
     yield s, addr
     s.close()
-
-
-def _wait(cond: object, timeout: float = 10) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():  # type: ignore[operator]
-            return
-        time.sleep(0.05)
-    raise AssertionError("condition not met in time")
 
 
 def _record(d: Path, host: str, mungeds: MungeSet) -> dict | None:
@@ -182,7 +171,7 @@ def test_daemon_ready_watchdog_change_reload_and_sigterm(
     prom1.mkdir()
     prom2.mkdir()
     fp_file = tmp_path / "fp.json"
-    fp_file.write_text(json.dumps(make_fp("n7", "2.21.5")))
+    fp_file.write_text(json.dumps(fingerprint("n7", "2.21.5", plugin_abi=8)))
     sock = mungeds.node("n7").socket
     cfg = _config(tmp_path / "config.toml", d, sock, prom1)
     child = _start(fp_file, cfg, addr)
@@ -190,20 +179,24 @@ def test_daemon_ready_watchdog_change_reload_and_sigterm(
     try:
         listener.wait_for("READY=1")
         listener.wait_for("WATCHDOG=1")
-        _wait(lambda: _record(d, "n7", mungeds) is not None and (prom1 / "ncclguard.prom").exists())
+        wait_until(lambda: _record(d, "n7", mungeds) is not None
+                   and (prom1 / "ncclguard.prom").exists(), 10,
+                   "n7's first record and its metrics file", interval=0.05)
         # a change on the node is published at the next cycle
-        fp_file.write_text(json.dumps(make_fp("n7", "2.23.4")))
-        _wait(lambda: (_record(d, "n7", mungeds) or {}).get("libnccl", [{}])[0].get("version")
-              == "2.23.4")
+        fp_file.write_text(json.dumps(fingerprint("n7", "2.23.4", plugin_abi=8)))
+        wait_until(lambda: (_record(d, "n7", mungeds) or {}).get("libnccl", [{}])[0].get(
+                   "version") == "2.23.4", 10, "n7's record of NCCL 2.23.4", interval=0.05)
         # the same fingerprint is signed again every heartbeat_s (0.5 s): a new credential
         before = rec.read_bytes()
-        _wait(lambda: rec.read_bytes() != before, 5)
+        wait_until(lambda: rec.read_bytes() != before, 5, "n7's record signed again",
+                   interval=0.05)
         assert _record(d, "n7", mungeds)["libnccl"][0]["version"] == "2.23.4"  # type: ignore[index]
         # SIGHUP reloads the config: the metrics move to the new directory
         _config(cfg, d, sock, prom2)
         child.send_signal(signal.SIGHUP)
         listener.wait_for("RELOADING=1")
-        _wait(lambda: (prom2 / "ncclguard.prom").exists())
+        wait_until((prom2 / "ncclguard.prom").exists, 10,
+                   "the metrics file in the reloaded config's directory", interval=0.05)
         text = (prom2 / "ncclguard.prom").read_text()
         assert 'version="2.23.4"' in text and "ncclguard_publish_up 1.0" in text
         # SIGTERM: a clean stop, between cycles
@@ -220,34 +213,74 @@ def test_daemon_ready_watchdog_change_reload_and_sigterm(
     assert sorted(p.name for p in d.iterdir()) == ["n7.rec"]  # no temporary file left
 
 
-def test_unreachable_spool_logs_once_and_publishes_when_it_can(
-    tmp_path: Path, listener: Listener, mungeds: MungeSet
-) -> None:
-    addr = listener.addr
-    mount = tmp_path / "mnt"  # not there yet: a missing mount
-    d = mount / "ncclguard" / "spool"
-    fp_file = tmp_path / "fp.json"
-    fp_file.write_text(json.dumps(make_fp("n8")))
-    cfg = _config(tmp_path / "config.toml", d, mungeds.node("n8").socket, None, interval=0.05)
-    child = _start(fp_file, cfg, addr)
+def _through_a_fault(fp_file: Path, cfg: Path, listener: Listener, *,
+                     mend: Callable[[], object], mended: Callable[[], bool]) -> list[str]:
+    """Run the daemon for about 20 cycles (0.05 s each) against a fault, mend it, wait
+    until ``mended()`` and a few cycles more, stop it with SIGTERM: its log lines."""
+    child = _start(fp_file, cfg, listener.addr)
     try:
         listener.wait_for("READY=1")
-        time.sleep(1.0)  # about 20 cycles against the missing mount
+        time.sleep(1.0)  # about 20 cycles against the fault
         assert child.poll() is None  # still running
-        (mount / "ncclguard").mkdir(parents=True)  # the mount appears
-        _wait(lambda: _record(d, "n8", mungeds) is not None)
+        mend()
+        wait_until(mended, 10, "the daemon past the mended fault", interval=0.05)
+        time.sleep(0.3)  # a few more cycles that work
         child.send_signal(signal.SIGTERM)
         assert child.wait(timeout=10) == 0
     finally:
         if child.poll() is None:
             child.kill()
         _, err = child.communicate(timeout=10)
-    lines = err.splitlines()
+    return err.splitlines()
+
+
+def test_unreachable_spool_logs_once_and_publishes_when_it_can(
+    tmp_path: Path, listener: Listener, mungeds: MungeSet
+) -> None:
+    mount = tmp_path / "mnt"  # not there yet: a missing mount
+    d = mount / "ncclguard" / "spool"
+    fp_file = tmp_path / "fp.json"
+    fp_file.write_text(json.dumps(fingerprint("n8", plugin_abi=8)))
+    cfg = _config(tmp_path / "config.toml", d, mungeds.node("n8").socket, None, interval=0.05)
+    lines = _through_a_fault(
+        fp_file, cfg, listener,
+        mend=lambda: (mount / "ncclguard").mkdir(parents=True),  # the mount appears
+        mended=lambda: _record(d, "n8", mungeds) is not None)
     failed = [x for x in lines if "record not published" in x]
     assert len(failed) == 1, lines
     assert f"spool {d}" in failed[0] and "missing mount" in failed[0]
     assert failed[0].startswith("ERROR n8:")
     assert sum("works again" in x for x in lines) == 1
+
+
+def test_unwritable_textfile_dir_logs_once_and_its_recovery_once(
+    tmp_path: Path, listener: Listener, mungeds: MungeSet
+) -> None:
+    """A textfile directory that cannot be written (read-only under the unit's
+    ProtectSystem=strict without its drop-in; here a file where the directory should be)
+    is one error line however many cycles fail, one line when it works again, and never
+    a "collection works again" (collection never failed)."""
+    d = tmp_path / "spool"
+    d.mkdir()
+    prom = tmp_path / "prom"
+    prom.write_text("not a directory\n")
+    fp_file = tmp_path / "fp.json"
+    fp_file.write_text(json.dumps(fingerprint("n9", plugin_abi=8)))
+    cfg = _config(tmp_path / "config.toml", d, mungeds.node("n9").socket, prom, interval=0.05)
+
+    def mend() -> None:
+        prom.unlink()
+        prom.mkdir()
+
+    lines = _through_a_fault(fp_file, cfg, listener, mend=mend,
+                             mended=lambda: (prom / "ncclguard.prom").exists())
+    failed = [x for x in lines if "cannot write metrics" in x]
+    assert len(failed) == 1, lines
+    assert failed[0].startswith(f"ERROR n9: cannot write metrics to {prom}: "), failed
+    again = [x for x in lines if "again" in x]
+    assert again == [x for x in lines if f"n9: metrics written to {prom}/ncclguard.prom again"
+                     in x], lines
+    assert len(again) == 1, lines
 
 
 def test_publisher_republishes_a_replaced_or_deleted_record(
@@ -256,14 +289,14 @@ def test_publisher_republishes_a_replaced_or_deleted_record(
     sock = str(mungeds.node("n3").socket)
     cfg = configmod.SpoolConfig(dir=str(tmp_path / "s"), munge_socket=sock)
     pub = Publisher(cfg, heartbeat_s=300)
-    fp = make_fp("n3")
+    fp = fingerprint("n3", plugin_abi=8)
     assert pub.due(fp, 1000.0)
     path = pub.publish(fp, 1000.0)
     assert not pub.due(fp, 1001.0)  # the same fingerprint, heartbeat not due
-    assert pub.due(make_fp("n3", "2.18.3"), 1001.0)  # changed
+    assert pub.due(fingerprint("n3", "2.18.3", plugin_abi=8), 1001.0)  # changed
     assert pub.due(fp, 1300.0)  # heartbeat due
     assert pub.due(fp, 999.0)  # the clock went back
-    flaky = make_fp("n3")
+    flaky = fingerprint("n3", plugin_abi=8)
     flaky["errors"] = [{"probe": "rdma", "field": "x", "path": "/x", "error": "EIO"}]
     assert pub.due(flaky, 1001.0)  # new errors: published (shown), though not a change
     path.write_bytes(b"MUNGE:someone else's:\n")  # replaced (e.g. another node's forgery)
@@ -277,11 +310,11 @@ def test_publisher_republishes_a_replaced_or_deleted_record(
 def test_publisher_names_a_munged_that_is_down_and_an_unsafe_spool(tmp_path: Path) -> None:
     cfg = configmod.SpoolConfig(dir=str(tmp_path), munge_socket=str(tmp_path / "gone.socket"))
     with pytest.raises(PublishError) as e:
-        Publisher(cfg, 300).publish(make_fp("n1"))
+        Publisher(cfg, 300).publish(fingerprint("n1", plugin_abi=8))
     assert e.value.kind == "munge" and "gone.socket" in str(e.value)
     os.chmod(tmp_path, 0o777)
     with pytest.raises(PublishError) as e:
-        Publisher(cfg, 300).publish(make_fp("n1"))
+        Publisher(cfg, 300).publish(fingerprint("n1", plugin_abi=8))
     assert e.value.kind == "spool" and "writable by others" in str(e.value)
     assert list(tmp_path.iterdir()) == []
 
@@ -291,13 +324,13 @@ def test_store_once(tmp_path: Path, capsys: pytest.CaptureFixture[str],
     db = tmp_path / "inv" / "inventory.db"
     monkeypatch.setenv("NCCLGUARD_DB", str(db))
     cfg = configmod.Config()
-    assert service.store_once(make_fp("n1"), cfg) == 0
+    assert service.store_once(fingerprint("n1", plugin_abi=8), cfg) == 0
     assert "n1: inserted in" in capsys.readouterr().err
     bad = tmp_path / "bad.db"
     bad.write_bytes(b"garbage" * 1000)
     os.chmod(bad, 0o644)
     monkeypatch.setenv("NCCLGUARD_DB", str(bad))
-    assert service.store_once(make_fp("n1"), cfg) == 1
+    assert service.store_once(fingerprint("n1", plugin_abi=8), cfg) == 1
     assert f"corrupt inventory at {bad}" in capsys.readouterr().err
 
 
@@ -309,7 +342,7 @@ def test_run_in_process_survives_a_failing_collector(tmp_path: Path, mungeds: Mu
         calls.append(1)
         if len(calls) == 1:
             raise OSError("probe exploded")
-        return make_fp("n9")
+        return fingerprint("n9", plugin_abi=8)
 
     monkeypatch.delenv("NCCLGUARD_SPOOL", raising=False)
     cfg = configmod.from_dict({
@@ -325,7 +358,7 @@ def test_run_in_process_survives_a_failing_collector(tmp_path: Path, mungeds: Mu
 
 
 def test_textfile_metrics(tmp_path: Path) -> None:
-    fp = make_fp("n1")
+    fp = fingerprint("n1", hcas=2, plugin_abi=8)
     fp["errors"] = [{"probe": "rdma", "field": "rdma.x", "path": "/x", "error": "EINVAL"}]
     path = write_textfile(tmp_path, fp, last_change=123.0, publish_ok=True, last_publish=456.0)
     assert path == tmp_path / "ncclguard.prom"

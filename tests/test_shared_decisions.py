@@ -9,12 +9,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-import policy_fingerprints as pf
+import helpers.fingerprints as pf
 import pytest
-from click.testing import CliRunner, Result
-from test_cli_inventory import NodeSpec, base_fingerprint, build
+from click.testing import Result
+from helpers.cli import run_cli
+from helpers.inventory import NodeSpec, base_fingerprint, build
 
-from ncclguard.cli import main
 from ncclguard.config import Config, DrainConfig, PolicyConfig
 from ncclguard.fingerprint.fields import active_ports
 from ncclguard.policy import break_tie, evaluate
@@ -66,7 +66,7 @@ def test_pin_diffs_counts_refuse_rules_only_and_never_unknown() -> None:
 def _cli(db: Path, tmp_path: Path, config: str, *args: str) -> Result:
     cfg = tmp_path / "config.toml"
     cfg.write_text(config)
-    return CliRunner().invoke(main, ["--db", str(db), "--config", str(cfg), "--json", *args])
+    return run_cli("--json", *args, db=db, config=cfg)
 
 
 @pytest.mark.parametrize(
@@ -80,10 +80,10 @@ def test_classes_and_drain_recommend_name_the_same_baseline(tmp_path: Path, conf
     db = build(tmp_path / "inv.db", specs)
     classes = json.loads(_cli(db, tmp_path, config, "classes").stdout)
     plan = json.loads(_cli(db, tmp_path, config, "drain-recommend", "--nodes", "n[1-4]").stdout)
-    keys = sorted(c["compat_key"] for c in classes["classes"])
-    assert len(keys) == 2
-    assert classes["baseline"]["compat_key"] == keys[0]
-    assert plan["node_sets"][0]["baseline"]["compat_key"] == keys[0]
+    names = sorted(c["class"] for c in classes["classes"])
+    assert len(names) == 2
+    assert classes["baseline"]["class"] == names[0]
+    assert plan["node_sets"][0]["baseline"]["class"] == names[0]
 
 
 # --------------------------------------------------------------------------- tie-break
@@ -179,7 +179,7 @@ def test_store_diff_and_drain_read_one_active_port_count(tmp_path: Path) -> None
     assert json.loads(_cli(db, tmp_path, "", "nodes").stdout)["nodes"][4]["rdma_ports_up"] is None
     cfg_path = tmp_path / "plain.toml"
     cfg_path.write_text("")
-    text = CliRunner().invoke(main, ["--db", str(db), "--config", str(cfg_path), "nodes"]).stdout
+    text = run_cli("nodes", db=db, config=cfg_path).stdout
     assert next(ln for ln in text.splitlines() if ln.startswith("n5 ")).split()[5] == "?/4"
     d = diff({"n1": base["n1"], "n5": _unknown_port_state("n5")})
     assert "rdma.active_ports" in {u.field for u in d.unknown}

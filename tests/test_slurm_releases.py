@@ -16,7 +16,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest_slurm import require_slurm
+from helpers.slurm import require_slurm
+from helpers.wait import wait_until
 
 from devtools.devcluster import DevCluster
 from ncclguard.slurm import Release, Slurm, SlurmError
@@ -48,10 +49,7 @@ def env_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevCluster
 
 def _env(c: DevCluster, job: int, restart: int = 0) -> dict[str, str]:
     path = c.root / "envs" / f"{job}.{restart}"
-    deadline = time.monotonic() + 30
-    while not path.exists():
-        assert time.monotonic() < deadline, f"the prolog of job {job} did not run"
-        time.sleep(0.1)
+    wait_until(path.exists, 30, f"the prolog of job {job} to run", interval=0.1)
     time.sleep(0.1)  # written by one `env >`: let it finish
     lines = path.read_text().splitlines()
     return dict(line.split("=", 1) for line in lines if "=" in line)

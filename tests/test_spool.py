@@ -9,10 +9,10 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest_munge import MungeSet
-from test_store import make_fp
+from helpers.fingerprints import fingerprint
+from helpers.munge import MungeSet
 
-from inventoryd.collector import ADDRESS_RETRY_S, Addresses, resolve
+from inventoryd.controller.addresses import ADDRESS_RETRY_S, Addresses, resolve
 from ncclguard import config as configmod
 from ncclguard import munge, spool
 
@@ -100,7 +100,7 @@ def test_decoding_is_thread_safe(mungeds: MungeSet) -> None:
 
 
 def test_payload_round_trip_and_names() -> None:
-    fp = make_fp("gpu-001.a")
+    fp = fingerprint("gpu-001.a", plugin_abi=8)
     t0 = time.time_ns()
     rec = spool.parse_payload(spool.payload(fp), max_bytes=1 << 20)
     assert rec.host == "gpu-001.a" and rec.fingerprint == fp and t0 <= rec.seq <= time.time_ns()
@@ -114,7 +114,7 @@ def test_payload_round_trip_and_names() -> None:
 
 
 def test_payload_bounds_and_types() -> None:
-    big = spool.payload(make_fp("n1"))
+    big = spool.payload(fingerprint("n1", plugin_abi=8))
     with pytest.raises(spool.RecordError) as e:
         spool.parse_payload(big, max_bytes=len(big) - 1)
     assert e.value.cause == "oversized"
@@ -131,7 +131,7 @@ def test_payload_bounds_and_types() -> None:
         with pytest.raises(spool.RecordError) as e:
             spool.parse_payload(data, max_bytes=1 << 22)
         assert e.value.cause == "malformed" and text in e.value.detail, e.value.detail
-    fp = make_fp("n2")
+    fp = fingerprint("n2", plugin_abi=8)
     doc = spool.payload(fp).replace(b'"host":"n2"', b'"host":"n1"', 1)
     with pytest.raises(spool.RecordError) as e:
         spool.parse_payload(doc, max_bytes=1 << 22)

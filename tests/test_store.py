@@ -1,4 +1,9 @@
-"""The Inventory: schema, writes, queries, history, modes and refusals (real SQLite files)."""
+"""The Inventory: schema, writes, queries, history, modes and refusals (real SQLite files).
+
+Over 500 lines: the Inventory's contract, table family by family, on real SQLite files;
+the concurrency and fault tests are in test_store_concurrency.py and
+test_store_faults.py.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.cli import run_cli
+from helpers.fingerprints import fingerprint
 
 from ncclguard.config import InventoryConfig
 from ncclguard.fingerprint.canonical import fingerprint_diff, fingerprint_hash
@@ -32,71 +39,6 @@ from ncclguard.store.schema import MIGRATIONS
 from ncclguard.timeparse import parse_iso
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def make_fp(
-    host: str,
-    nccl: str = "2.21.5",
-    *,
-    plugin_abi: int | None = 8,
-    ports_up: int = 2,
-    driver: str = "550.54.15",
-    collected_at: str = "2026-11-30T02:13:28Z",
-    extra: str | None = None,
-) -> dict[str, Any]:
-    """A schema-1 fingerprint (docs/fingerprint.md) of a node on IB with a net plugin."""
-    major, minor, patch = (int(x) for x in nccl.split("."))
-    lib = "/usr/lib/x86_64-linux-gnu/libnccl.so.2"
-    plugin_path = "/usr/lib/x86_64-linux-gnu/libnccl-net.so"
-    abis = {"net": [8, 7, 6, 5], "collnet": [8, 7, 6, 5], "tuner": [2, 1], "profiler": []}
-    plugins = []
-    if plugin_abi is not None:
-        plugins.append({
-            "kind": "net", "path": plugin_path, "realpath": plugin_path, "size": 123,
-            "sha256": "ab" * 32,
-            "abis": {"net": [plugin_abi], "collnet": [], "tuner": [], "profiler": []},
-            "names": {"net": f"IBext_v{plugin_abi}"}, "name": f"IBext_v{plugin_abi}",
-            "default": True, "origin": "linker", "error": None,
-        })
-    ports = [
-        {"port": 1, "state": "ACTIVE" if i < ports_up else "DOWN",
-         "state_code": 4 if i < ports_up else 1, "phys_state": "LinkUp", "phys_state_code": 5,
-         "rate_gbps": 400.0, "rate": "400 Gb/sec (4X NDR)", "link_layer": "InfiniBand"}
-        for i in range(2)
-    ]
-    return {
-        "schema": 1,
-        "host": {"hostname": host, "kernel": "6.1.0-18-amd64", "boot_id": "b" * 8,
-                 "collected_at": collected_at, "tool_version": "0.1.0"},
-        "libnccl": [{
-            "path": lib, "realpath": f"{lib}.{nccl}", "size": 290123456, "sha256": "cd" * 32,
-            "version": nccl, "version_code": major * 10000 + minor * 100 + patch,
-            "cuda_version": "12.4", "version_source": "banner", "version_error": None,
-            "git_version": None, "abis": abis, "default": True, "origin": "linker",
-        }],
-        "plugins": plugins,
-        "net": {"libnccl": lib, "plugin": plugin_path if plugins else None,
-                "effective_net_abi": plugin_abi, "reason": None if plugins else "no net plugin"},
-        "rdma": {
-            "abi_version": {"verbs": "6", "mad": "5"},
-            "libibverbs": {"path": "/usr/lib/x86_64-linux-gnu/libibverbs.so.1",
-                           "version": "1.14.50.0"},
-            "providers": ["mlx5"],
-            "devices": [
-                {"name": f"mlx5_{i}", "fw_ver": "28.39.1002", "hca_type": "MT4129",
-                 "board_id": "MT_0000000838", "node_guid": "946d:ae03:00f3:8a3c",
-                 "node_type": "1: CA", "ports": [ports[i]]}
-                for i in range(2)
-            ],
-        },
-        "netifs": [{"name": "ib0", "up": True, "addresses": ["10.0.0.1"]}],
-        "nccl_conf": {"path": "/etc/nccl.conf", "present": extra is not None,
-                      "sha256": None, "raw": extra or "", "truncated": False,
-                      "settings": {"X": extra} if extra else {}},
-        "gpu": {"driver_version": driver, "count": 8, "models": ["NVIDIA H100 80GB HBM3"],
-                "peermem": "nvidia_peermem"},
-        "errors": [],
-    }
 
 
 @pytest.fixture
@@ -119,20 +61,20 @@ def test_fresh_database_has_schema_version_and_safe_modes(db: Path) -> None:
 
 def test_upsert_outcomes_and_heartbeat_interval(db: Path) -> None:
     with Inventory(db, values=GATE_VALUES, heartbeat_s=300) as inv:
-        fp = make_fp("n1")
+        fp = fingerprint("n1", plugin_abi=8)
         assert inv.upsert(fp, now=1000) == "inserted"
         assert inv.upsert(fp, now=1100) == "unchanged"
         # a new collection time alone is not a change
-        fp2 = make_fp("n1", collected_at="2026-11-30T03:00:00Z")
+        fp2 = fingerprint("n1", collected_at="2026-11-30T03:00:00Z", plugin_abi=8)
         assert inv.upsert(fp2, now=1200) == "unchanged"
         assert inv.upsert(fp2, now=1300) == "heartbeat"
-        assert inv.upsert(make_fp("n1", "2.21.6"), now=1400) == "changed"
+        assert inv.upsert(fingerprint("n1", "2.21.6", plugin_abi=8), now=1400) == "changed"
         rec = inv.load(["n1"])["n1"]
         assert rec is not None
         assert rec.first_seen == 1000
         assert rec.last_heartbeat == 1400
         assert rec.fingerprint["libnccl"][0]["version"] == "2.21.6"
-        assert rec.fp_hash == fingerprint_hash(make_fp("n1", "2.21.6"))
+        assert rec.fp_hash == fingerprint_hash(fingerprint("n1", "2.21.6", plugin_abi=8))
         assert inv.heartbeat("n1", now=1500) is True
         assert inv.heartbeat("nope", now=1500) is False
         assert inv.load(["n1"])["n1"].last_heartbeat == 1500  # type: ignore[union-attr]
@@ -141,28 +83,30 @@ def test_upsert_outcomes_and_heartbeat_interval(db: Path) -> None:
 def test_load_returns_none_for_unknown_hosts_and_reads_readonly(db: Path) -> None:
     with Inventory(db, values=GATE_VALUES) as inv:
         for i in range(5):
-            inv.upsert(make_fp(f"n{i}"), now=1000)
+            inv.upsert(fingerprint(f"n{i}", plugin_abi=8), now=1000)
     with Inventory(db, readonly=True) as ro:
         got = ro.load(["n0", "n3", "ghost", "n0"])
         assert list(got) == ["n0", "n3", "ghost"]
         assert got["ghost"] is None
         rec = got["n3"]
         assert rec is not None and rec.host == "n3"
-        assert rec.fingerprint == make_fp("n3")
-        assert rec.compat_key == compat_key(make_fp("n3"))  # the fingerprint's own key
+        assert rec.fingerprint == fingerprint("n3", plugin_abi=8)
+        # the fingerprint's own key
+        assert rec.compat_key == compat_key(fingerprint("n3", plugin_abi=8))
         assert rec.compat_key == got["n0"].compat_key  # type: ignore[union-attr]
         assert rec.collected_at == parse_iso("2026-11-30T02:13:28Z")  # host.collected_at
         with pytest.raises(InventoryReadOnly, match=str(db)):
-            ro.upsert(make_fp("n9"))
+            ro.upsert(fingerprint("n9", plugin_abi=8))
 
 
 def test_history_records_each_change_with_a_field_diff(db: Path) -> None:
     with Inventory(db, values=GATE_VALUES) as inv:
-        inv.upsert(make_fp("n1", "2.21.5"), now=100)
-        inv.upsert(make_fp("n2", "2.21.5"), now=100)
-        inv.upsert(make_fp("n1", "2.21.5"), now=500)  # heartbeat: no history row
-        inv.upsert(make_fp("n1", "2.23.4"), now=1000)
-        inv.upsert(make_fp("n1", "2.23.4", ports_up=1), now=2000)
+        inv.upsert(fingerprint("n1", "2.21.5", hcas=2, plugin_abi=8), now=100)
+        inv.upsert(fingerprint("n2", "2.21.5", hcas=2, plugin_abi=8), now=100)
+        # a heartbeat: no history row
+        inv.upsert(fingerprint("n1", "2.21.5", hcas=2, plugin_abi=8), now=500)
+        inv.upsert(fingerprint("n1", "2.23.4", hcas=2, plugin_abi=8), now=1000)
+        inv.upsert(fingerprint("n1", "2.23.4", hcas=2, ports_up=1, plugin_abi=8), now=2000)
         h = inv.history("n1")
         assert [r["at"] for r in h] == [100, 1000, 2000]
         assert h[0]["old_hash"] is None and h[0]["diff"] == []
@@ -182,22 +126,125 @@ def test_history_records_each_change_with_a_field_diff(db: Path) -> None:
         assert inv.fingerprint_at("n1", 1000)["libnccl"][0]["version"] == "2.23.4"  # type: ignore[index]
 
 
-def test_classes_group_by_compat_key(db: Path) -> None:
-    with Inventory(db, values=GATE_VALUES) as inv:
-        for i in range(6):
-            inv.upsert(make_fp(f"n{i}", "2.21.5" if i < 4 else "2.18.3", driver=str(i)), now=1)
+def _policy(**severity: str) -> Any:
+    from ncclguard.config import PolicyConfig
+    from ncclguard.policy.schedule import class_values
+
+    return class_values(PolicyConfig(severity={k.replace("_", "-"): v
+                                               for k, v in severity.items()}))
+
+
+def test_classes_group_by_the_configured_refuse_rules(db: Path) -> None:
+    """One class per set of refuse-level values: the drivers differ (a warn rule by
+    default) and do not split a class; the versions do. A rule at warn (nccl-version)
+    joins two versions in one class, and the class says its nodes differ there."""
+    with Inventory(db, values=_policy()) as inv:
+        for i in range(6):  # both versions offer the plugin's net ABI: only they differ
+            inv.upsert(fingerprint(f"n{i}", "2.21.5" if i < 4 else "2.18.3", driver=str(i),
+                                   net_abis=[8, 7, 6, 5], plugin_abi=8), now=1)
         classes = inv.classes()
         assert [c.hosts for c in classes] == [["n0", "n1", "n2", "n3"], ["n4", "n5"]]
-        assert classes[0].values["nccl"] == "2.21.5"
+        assert classes[0].values["nccl"] == "2.21.5" and not classes[0].spread
         assert classes[1].values["nccl"] == "2.18.3"
-        sub = inv.classes(["n5", "n1"])
+        assert all(re.fullmatch("[0-9a-f]{64}", c.key) for c in classes)
+        sub = inv.classes(["n5", "n1", "nX"])
         assert sorted(c.hosts[0] for c in sub) == ["n1", "n5"]
+        assert {c.key for c in sub} == {c.key for c in classes}
+    with Inventory(db, readonly=True, values=_policy(nccl_version="warn")) as ro:
+        (one,) = ro.classes()
+        assert one.hosts == [f"n{i}" for i in range(6)]
+        assert one.values["nccl"] is None and one.spread["nccl"] == ["2.18.3", "2.21.5"]
+    with Inventory(db, readonly=True, values=_policy(gpu_driver="refuse")) as ro:
+        assert sorted(len(c.hosts) for c in ro.classes()) == [1] * 6
+
+
+def _stored_classes(db: Path) -> tuple[dict[str, str], str]:
+    conn = sqlite3.connect(db)
+    try:
+        keys = dict(conn.execute("SELECT host, class_key FROM gate_nodes").fetchall())
+        (policy,) = conn.execute(
+            "SELECT value FROM collector_state WHERE name = 'class_policy'").fetchone()
+    finally:
+        conn.close()
+    return keys, policy
+
+
+def test_a_severity_change_derives_every_class_once(db: Path) -> None:
+    """The writer stores each node's class under its policy; a writer with another
+    severity derives them all again when it opens the file, and once only."""
+    strict = _policy(gpu_driver="refuse")
+    with Inventory(db, values=_policy()) as inv:
+        for i in range(4):
+            inv.upsert(fingerprint(f"n{i}", driver="550" if i < 3 else "535", plugin_abi=8), now=1)
+    before, policy = _stored_classes(db)
+    assert len(set(before.values())) == 1 and policy == _policy().class_policy
+    with Inventory(db, values=strict) as inv:  # opening derives them
+        assert inv.derive_classes() == 0  # ... once
+        got = {h: inv.class_keys([h])[h] for h in before}
+    after, policy = _stored_classes(db)
+    assert policy == strict.class_policy != _policy().class_policy
+    assert after == got and len(set(after.values())) == 2
+    assert after["n0"] == after["n1"] == after["n2"] != after["n3"]
+    with Inventory(db, values=_policy()) as inv:  # and back
+        assert inv.derive_classes() == 0
+    assert _stored_classes(db) == (before, _policy().class_policy)
+
+
+def test_a_reader_of_another_policy_derives_the_classes_itself(db: Path) -> None:
+    """A reader whose config says other severities than the collector's (not reloaded
+    yet) gets the classes of its own config; a stored key it cannot trust (another
+    policy's, or not a key at all) is derived again from the gate's values."""
+    from ncclguard.policy import node_values
+
+    fps = {f"n{i}": fingerprint(f"n{i}", driver="550" if i < 3 else "535", plugin_abi=8)
+           for i in range(4)}
+    with Inventory(db, values=_policy()) as inv:
+        for fp in fps.values():
+            inv.upsert(fp, now=1)
+    strict = _policy(gpu_driver="refuse")
+    assert strict.classify is not None
+    with Inventory(db, readonly=True, values=strict) as ro:
+        assert ro.class_keys() == {h: strict.classify(node_values(fp)) for h, fp in fps.items()}
+    conn = sqlite3.connect(db)
+    conn.execute("UPDATE gate_nodes SET class_key = 'nc_forged' WHERE host = 'n3'")
+    conn.commit()
+    conn.close()
+    default = _policy()
+    assert default.classify is not None
+    with Inventory(db, readonly=True, values=default) as ro:
+        assert ro.class_keys(["n3", "n9"]) == {"n3": default.classify(node_values(fps["n3"])),
+                                               "n9": None}
+    with Inventory(db, readonly=True, values=GATE_VALUES) as ro, \
+            pytest.raises(ValueError, match="class_values"):
+        ro.classes()
+    with Inventory(db, readonly=True, values=GATE_VALUES) as ro:
+        assert ro.stored_class_policy() == default.class_policy != strict.class_policy
+
+
+def test_classes_says_when_the_collector_stored_another_policys_classes(db: Path,
+                                                                      tmp_path: Path) -> None:
+    """An admin edited the severities and the collector has not reloaded: ``classes``
+    shows the classes of its own config, and says that the stored ones differ."""
+    with Inventory(db, values=_policy()) as inv:
+        for i in range(3):
+            inv.upsert(fingerprint(f"n{i}", driver="550" if i < 2 else "535", plugin_abi=8), now=1)
+    same, edited = tmp_path / "same.toml", tmp_path / "edited.toml"
+    same.write_text("")
+    edited.write_text('[policy.severity]\n"gpu-driver" = "refuse"\n')
+    for cfg, classes, noted in ((same, 1, False), (edited, 2, True)):
+        r = run_cli("classes", db=db, config=cfg)
+        assert r.exit_code == 0, r.output
+        assert f"3 nodes in {classes} class{'' if classes == 1 else 'es'};" in r.output
+        assert ("note: the collector stored these classes under other severities"
+                in r.output) is noted, r.output
+        doc = json.loads(run_cli("classes", "--json", db=db, config=cfg).output)
+        assert doc["collector_policy_differs"] is noted
 
 
 def test_nodes_query_columns_and_filters(db: Path) -> None:
     with Inventory(db, values=GATE_VALUES) as inv:
-        inv.upsert(make_fp("a", "2.21.5", ports_up=2), now=10)
-        inv.upsert(make_fp("b", "2.18.3", plugin_abi=None, ports_up=1, driver="535"), now=20)
+        inv.upsert(fingerprint("a", "2.21.5", hcas=2, ports_up=2, plugin_abi=8), now=10)
+        inv.upsert(fingerprint("b", "2.18.3", hcas=2, ports_up=1, driver="535"), now=20)
         rows = {r["host"]: r for r in inv.nodes()}
         assert rows["a"]["nccl_version"] == "2.21.5"
         assert rows["a"]["nccl_versions"] == ["2.21.5"]
@@ -217,14 +264,14 @@ def test_nodes_query_columns_and_filters(db: Path) -> None:
 
 def test_stale_and_hosts(db: Path) -> None:
     with Inventory(db, values=GATE_VALUES) as inv:
-        inv.upsert(make_fp("old"), now=100)
-        inv.upsert(make_fp("new"), now=1000)
+        inv.upsert(fingerprint("old", plugin_abi=8), now=100)
+        inv.upsert(fingerprint("new", plugin_abi=8), now=1000)
         assert inv.stale(now=1100, ttl=500) == ["old"]
         assert inv.hosts() == ["new", "old"]
 
 
 def test_fingerprint_diff_ignores_collection_time() -> None:
-    a = make_fp("n1")
+    a = fingerprint("n1", plugin_abi=8)
     b = copy.deepcopy(a)
     b["host"]["collected_at"] = "2030-01-01T00:00:00Z"
     assert fingerprint_diff(a, b) == []
@@ -324,7 +371,7 @@ def test_migrates_from_every_earlier_version(tmp_path: Path, version: int) -> No
         Inventory(p, readonly=True)  # readers never migrate
     with Inventory(p, values=GATE_VALUES) as inv:
         assert inv.schema_version() == SCHEMA_VERSION
-        assert inv.upsert(make_fp("n1"), now=1) == "inserted"
+        assert inv.upsert(fingerprint("n1", plugin_abi=8), now=1) == "inserted"
     with Inventory(p, values=GATE_VALUES) as inv:  # a second open runs nothing again
         assert inv.schema_version() == SCHEMA_VERSION
         assert inv.hosts() == ["n1"]
@@ -372,7 +419,7 @@ def test_default_path_works_without_root_on_a_fresh_home(tmp_path: Path) -> None
 
 def test_the_gate_path_uses_plain_sqlite3_only(db: Path) -> None:
     with Inventory(db, values=GATE_VALUES) as inv:
-        inv.upsert(make_fp("n1"), now=1)
+        inv.upsert(fingerprint("n1", plugin_abi=8), now=1)
     code = (
         "import sys, json\n"
         "from ncclguard.store import Inventory\n"
@@ -392,7 +439,8 @@ def test_migration_to_v2_backfills_the_gate_values(tmp_path: Path) -> None:
     from ncclguard.policy import evaluate, evaluate_values, node_values
 
     p = tmp_path / "inventory.db"
-    fps = {"n1": make_fp("n1"), "n2": make_fp("n2"), "n3": make_fp("n3", nccl="2.18.3")}
+    fps = {"n1": fingerprint("n1", plugin_abi=8), "n2": fingerprint("n2", plugin_abi=8),
+           "n3": fingerprint("n3", nccl="2.18.3", plugin_abi=8)}
     with Inventory(p, values=GATE_VALUES) as inv:
         for fp in fps.values():
             inv.upsert(fp, now=1)
@@ -406,6 +454,10 @@ def test_migration_to_v2_backfills_the_gate_values(tmp_path: Path) -> None:
         conn.execute(f"ALTER TABLE nodes DROP COLUMN {col}")
     conn.execute("DROP TABLE images")  # v5's
     conn.execute("DROP TABLE container_runs")
+    conn.execute("DROP TABLE collector_state")  # v6's
+    conn.execute("DROP INDEX idx_history_usage")
+    conn.execute("ALTER TABLE history DROP COLUMN bytes")
+    conn.execute("ALTER TABLE history DROP COLUMN stored_at")
     conn.execute("PRAGMA user_version = 1")
     conn.close()
     with Inventory(p, values=GATE_VALUES) as inv:
@@ -420,7 +472,7 @@ def test_migration_to_v2_backfills_the_gate_values(tmp_path: Path) -> None:
     assert got["n1"][0] is got["n2"][0]  # equal records are decoded once, shared
     # n3 joins the majority: its old record is dropped
     with Inventory(p, values=GATE_VALUES) as inv:
-        inv.upsert(make_fp("n3"), now=2)
+        inv.upsert(fingerprint("n3", plugin_abi=8), now=2)
         inv.heartbeat("n1", now=5)
     conn = sqlite3.connect(p)
     assert conn.execute("SELECT count(*) FROM policy_values").fetchone()[0] == 1
@@ -441,7 +493,9 @@ def test_gate_values_never_trust_an_unreadable_or_older_record(db: Path) -> None
 
     VALUES_VERSION = GATE_VALUES.version
 
-    fps = {"n1": make_fp("n1"), "n2": make_fp("n2", nccl="2.18.3"), "n3": make_fp("n3")}
+    fps = {"n1": fingerprint("n1", plugin_abi=8),
+           "n2": fingerprint("n2", nccl="2.18.3", plugin_abi=8),
+           "n3": fingerprint("n3", plugin_abi=8)}
     with Inventory(db, values=GATE_VALUES) as inv:
         for fp in fps.values():
             inv.upsert(fp, now=1)
@@ -503,8 +557,8 @@ def test_a_transient_error_is_shown_but_is_not_a_change(db: Path) -> None:
     """Issue 12: errors were part of the fingerprint hash, so a node whose probe failed
     now and then alternated between two fingerprints, a history row each time (6 MB a
     simulated day). Now the errors are stored and shown, and only the stack is a change."""
-    clean = make_fp("n1")
-    flaky = make_fp("n1")
+    clean = fingerprint("n1", plugin_abi=8)
+    flaky = fingerprint("n1", plugin_abi=8)
     flaky["errors"] = [{"probe": "rdma", "field": "rdma.devices[mlx5_0].fw_ver",
                         "path": "/sys/class/infiniband/mlx5_0/fw_ver", "error": "[Errno 5] EIO"}]
     with Inventory(db, values=GATE_VALUES, heartbeat_s=300) as inv:
@@ -516,7 +570,8 @@ def test_a_transient_error_is_shown_but_is_not_a_change(db: Path) -> None:
         assert inv.nodes()[0]["error_count"] == 1
         assert inv.upsert(clean, now=2000) == "heartbeat"  # the errors went away: shown
         assert inv.load(["n1"])["n1"].fingerprint["errors"] == []  # type: ignore[union-attr]
-        assert inv.upsert(make_fp("n1", "2.18.3"), now=3000) == "changed"  # the stack did
+        # the stack did
+        assert inv.upsert(fingerprint("n1", "2.18.3", plugin_abi=8), now=3000) == "changed"
         assert len(inv.history("n1")) == 2
 
 
@@ -527,8 +582,8 @@ def test_history_is_kept_for_history_days(db: Path) -> None:
     day = 86400.0
     with Inventory(db, values=GATE_VALUES) as inv:
         for i, v in enumerate(["2.18.3", "2.21.5", "2.23.4"]):
-            inv.upsert(make_fp("n1", v), now=1000 + i * 100 * day)
-        inv.upsert(make_fp("n2"), now=1000)
+            inv.upsert(fingerprint("n1", v, plugin_abi=8), now=1000 + i * 100 * day)
+        inv.upsert(fingerprint("n2", plugin_abi=8), now=1000)
         at80 = inv.fingerprint_at("n1", 1000 + 80 * day)
         assert inv.prune_history(1000 + 250 * day, keep_days=0) == 0
         assert inv.prune_history(1000 + 250 * day, keep_days=180) == 0  # day 0 is day 70's
@@ -542,7 +597,7 @@ def test_history_is_kept_for_history_days(db: Path) -> None:
 def test_a_new_hash_of_the_same_fingerprint_is_no_change(db: Path) -> None:
     """An upgrade that hashes otherwise (issue 12 left the errors out): the first record
     after it is a heartbeat, not a change with an empty diff."""
-    fp = make_fp("n1")
+    fp = fingerprint("n1", plugin_abi=8)
     with Inventory(db, values=GATE_VALUES) as inv:
         inv.upsert(fp, now=1000)
         conn = inv._conn
@@ -582,7 +637,7 @@ def test_migrates_a_real_v3_inventory(tmp_path: Path) -> None:
     with pytest.raises(InventoryCorrupt, match="older"):
         Inventory(p, readonly=True)  # a reader never migrates
     with Inventory(p, values=GATE_VALUES) as inv:
-        assert inv.schema_version() == SCHEMA_VERSION == 5
+        assert inv.schema_version() == SCHEMA_VERSION == 7
         rows = {r["host"]: r for r in inv.nodes({})}
     new, old = rows["new"], rows["old"]
     assert (new["tuner_plugin"], new["tuner_abi"]) == ("PackedTuner", 6)

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_store import make_fp
+from helpers.fingerprints import fingerprint
 
 from ncclguard.config import InventoryConfig
 from ncclguard.policy import GATE_VALUES
@@ -48,10 +48,10 @@ def _writer(db: str, i: int, out: str) -> None:
         inv = Inventory(db, values=GATE_VALUES, config=InventoryConfig(), heartbeat_s=300)
         counts: dict[str, int] = {}
         host = f"w{i:02d}"
-        fp = make_fp(host)
+        fp = fingerprint(host, plugin_abi=8)
         for j in range(OPS):
             if j % 2 == 0:
-                fp = make_fp(host, extra=f"NCCL_DEBUG=WARN{j}")
+                fp = fingerprint(host, conf=f"NCCL_DEBUG=WARN{j}", plugin_abi=8)
             status = inv.upsert(fp, now=BASE + j * 1000)
             counts[status] = counts.get(status, 0) + 1
         inv.close()
@@ -101,11 +101,11 @@ def test_64_writers_lose_nothing_and_never_leak_locked(shm_dir: Path) -> None:
 _KILLED_WRITER = r"""
 import os, sys, time
 sys.path.insert(0, {tests!r})
-from test_store import make_fp
+from helpers.fingerprints import fingerprint
 from ncclguard.policy import GATE_VALUES
 from ncclguard.store import Inventory, InventoryLocked
 inv = Inventory({db!r}, values=GATE_VALUES)
-inv.upsert(make_fp("n1", "2.21.5"), now=1000)
+inv.upsert(fingerprint("n1", "2.21.5", plugin_abi=8), now=1000)
 # a tiny page cache makes SQLite spill changed pages into the database file before
 # COMMIT, so the kill leaves a half-written file and a hot journal behind
 inv._conn.execute("PRAGMA cache_size = 2")
@@ -113,7 +113,7 @@ def stop(conn):
     print("in-transaction", flush=True)
     time.sleep(60)
 inv._before_commit = stop
-big = make_fp("n1", "2.23.4", extra="X" * 200000)
+big = fingerprint("n1", "2.23.4", conf={{"X": "X" * 200000}}, plugin_abi=8)
 inv.upsert(big, now=2000)
 """
 
@@ -142,7 +142,7 @@ def test_writer_killed_inside_its_transaction_leaves_the_previous_record(tmp_pat
         assert rec.fingerprint["libnccl"][0]["version"] == "2.21.5"
         assert rec.last_heartbeat == 1000
         assert [h["at"] for h in inv.history("n1")] == [1000]
-        assert inv.upsert(make_fp("n1", "2.23.4"), now=3000) == "changed"
+        assert inv.upsert(fingerprint("n1", "2.23.4", plugin_abi=8), now=3000) == "changed"
     raw = sqlite3.connect(db)
     assert raw.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
     raw.close()

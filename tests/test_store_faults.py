@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_store import make_fp
+from helpers.fingerprints import fingerprint
 
 from ncclguard.config import InventoryConfig
 from ncclguard.policy import GATE_VALUES
@@ -44,7 +44,7 @@ def test_missing_mount_is_not_papered_over(tmp_path: Path) -> None:
     # only the last directory is created when its parent is there
     (tmp_path / "mnt" / "shared").mkdir(parents=True)
     with Inventory(db, values=GATE_VALUES) as inv:
-        assert inv.upsert(make_fp("n1"), now=1) == "inserted"
+        assert inv.upsert(fingerprint("n1", plugin_abi=8), now=1) == "inserted"
 
 
 @contextlib.contextmanager
@@ -63,7 +63,7 @@ def _write_as_nobody(db: str, out: str) -> None:
     os.setgid(65534)
     os.setuid(65534)
     try:
-        Inventory(db, values=GATE_VALUES).upsert(make_fp("n2"), now=5)
+        Inventory(db, values=GATE_VALUES).upsert(fingerprint("n2", plugin_abi=8), now=5)
         result = "written"
     except InventoryError as e:
         result = f"{type(e).__name__} {e}"
@@ -74,7 +74,7 @@ def test_read_only_database_is_a_named_error() -> None:
     with _public_tmp() as d:
         db = d / "inv" / "inventory.db"
         with Inventory(db, values=GATE_VALUES) as inv:
-            inv.upsert(make_fp("n1"), now=1)
+            inv.upsert(fingerprint("n1", plugin_abi=8), now=1)
         if IS_ROOT:  # root ignores mode bits: write as an unprivileged user instead
             r, w = os.pipe()
             child = mp.get_context("fork").Process(target=_write_as_nobody, args=(str(db), str(w)))
@@ -87,7 +87,7 @@ def test_read_only_database_is_a_named_error() -> None:
         else:
             os.chmod(db, 0o444)
             with pytest.raises(InventoryReadOnly, match=str(db)):
-                Inventory(db, values=GATE_VALUES).upsert(make_fp("n2"), now=5)
+                Inventory(db, values=GATE_VALUES).upsert(fingerprint("n2", plugin_abi=8), now=5)
         with Inventory(db, readonly=True) as ro:  # readers are not affected
             assert ro.hosts() == ["n1"]
 
@@ -114,10 +114,10 @@ def small_tmpfs() -> Iterator[Path]:
 def test_read_only_filesystem(small_tmpfs: Path) -> None:
     db = small_tmpfs / "inv" / "inventory.db"
     with Inventory(db, values=GATE_VALUES) as inv:
-        inv.upsert(make_fp("n1"), now=1)
+        inv.upsert(fingerprint("n1", plugin_abi=8), now=1)
     assert _mount(["-o", "remount,ro", str(small_tmpfs)])
     with pytest.raises(InventoryReadOnly, match=str(db)), Inventory(db, values=GATE_VALUES) as inv:
-        inv.upsert(make_fp("n1", "2.23.4"), now=2)
+        inv.upsert(fingerprint("n1", "2.23.4", plugin_abi=8), now=2)
     with Inventory(db, readonly=True) as ro:
         rec = ro.load(["n1"])["n1"]
         assert rec is not None and rec.fingerprint["libnccl"][0]["version"] == "2.21.5"
@@ -126,7 +126,7 @@ def test_read_only_filesystem(small_tmpfs: Path) -> None:
 def _fill_until_full(inv: Inventory) -> tuple[int, InventoryError]:
     for i in range(10_000):
         try:
-            inv.upsert(make_fp(f"n{i}", extra="Y" * 4000), now=1)
+            inv.upsert(fingerprint(f"n{i}", conf={"X": "Y" * 4000}, plugin_abi=8), now=1)
         except InventoryError as e:
             return i, e
     raise AssertionError("never filled up")
@@ -159,7 +159,7 @@ def test_corruption_inside_a_database_is_named(tmp_path: Path) -> None:
     db = tmp_path / "inv" / "inventory.db"
     with Inventory(db, values=GATE_VALUES) as inv:
         for i in range(50):
-            inv.upsert(make_fp(f"n{i}"), now=1)
+            inv.upsert(fingerprint(f"n{i}", plugin_abi=8), now=1)
     data = bytearray(db.read_bytes())
     page = 4096
     for off in range(2 * page, len(data), page):  # keep the header page, trash the rest
@@ -184,7 +184,7 @@ c.execute("ROLLBACK")
 def test_lock_held_longer_than_the_budget(tmp_path: Path) -> None:
     db = tmp_path / "inv" / "inventory.db"
     with Inventory(db, values=GATE_VALUES) as inv:
-        inv.upsert(make_fp("n1"), now=1)
+        inv.upsert(fingerprint("n1", plugin_abi=8), now=1)
     cfg = InventoryConfig(busy_timeout_ms=100, write_retries=2)
     inv = Inventory(db, values=GATE_VALUES, config=cfg)  # the daemon's open connection
     ro = Inventory(db, readonly=True, config=cfg)
@@ -198,7 +198,7 @@ def test_lock_held_longer_than_the_budget(tmp_path: Path) -> None:
         with inv:
             t0 = time.monotonic()
             with pytest.raises(InventoryLocked, match=r"still busy after 3 tries") as ei:
-                inv.upsert(make_fp("n1", "2.23.4"), now=2)
+                inv.upsert(fingerprint("n1", "2.23.4", plugin_abi=8), now=2)
             assert time.monotonic() - t0 < 5  # bounded by the budget
             assert str(db) in str(ei.value)
             with pytest.raises(InventoryLocked, match=str(db)):
@@ -209,7 +209,7 @@ def test_lock_held_longer_than_the_budget(tmp_path: Path) -> None:
             holder.stdin.flush()
             assert holder.wait(timeout=10) == 0
             # writes as soon as it can
-            assert inv.upsert(make_fp("n1", "2.23.4"), now=3) == "changed"
+            assert inv.upsert(fingerprint("n1", "2.23.4", plugin_abi=8), now=3) == "changed"
             ro.close()
     finally:
         if holder.poll() is None:
@@ -223,23 +223,23 @@ def test_clock_skew_between_writers(tmp_path: Path) -> None:
     db = tmp_path / "inv" / "inventory.db"
     t = 1_700_000_000.0
     with Inventory(db, values=GATE_VALUES, heartbeat_s=300) as inv:
-        inv.upsert(make_fp("fast"), now=t + 3600)  # an hour ahead
-        inv.upsert(make_fp("slow"), now=t - 3600)  # an hour behind
-        inv.upsert(make_fp("ok"), now=t)
+        inv.upsert(fingerprint("fast", plugin_abi=8), now=t + 3600)  # an hour ahead
+        inv.upsert(fingerprint("slow", plugin_abi=8), now=t - 3600)  # an hour behind
+        inv.upsert(fingerprint("ok", plugin_abi=8), now=t)
         # the controller's clock decides staleness; skew is within the admin's ttl or not
         assert inv.stale(now=t, ttl=900) == ["slow"]
         assert inv.stale(now=t, ttl=7200) == []
         # "fast" is corrected by NTP: its clock jumps back an hour
-        assert inv.upsert(make_fp("fast"), now=t + 10) == "heartbeat"
+        assert inv.upsert(fingerprint("fast", plugin_abi=8), now=t + 10) == "heartbeat"
         assert inv.load(["fast"])["fast"].last_heartbeat == t + 10  # type: ignore[union-attr]
-        assert inv.upsert(make_fp("fast", "2.23.4"), now=t + 20) == "changed"
+        assert inv.upsert(fingerprint("fast", "2.23.4", plugin_abi=8), now=t + 20) == "changed"
         hist = inv.history("fast")
         assert [h["at"] for h in hist] == [t + 3600, t + 20]
         # the newest change written at or before t+30 is the corrected one
         assert inv.fingerprint_at("fast", t + 30)["libnccl"][0]["version"] == "2.23.4"  # type: ignore[index]
         assert inv.fingerprint_at("fast", t) is None
         # another writer (for example `once --store` from an admin host) with a skewed clock
-        assert inv.upsert(make_fp("ok"), now=t - 50) == "heartbeat"
+        assert inv.upsert(fingerprint("ok", plugin_abi=8), now=t - 50) == "heartbeat"
         assert inv.integrity_check() == "ok"
     raw = sqlite3.connect(db)
     assert raw.execute("SELECT count(*) FROM history").fetchone()[0] == 4

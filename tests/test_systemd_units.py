@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import stat
@@ -21,14 +22,18 @@ needs_analyze = pytest.mark.skipif(shutil.which("systemd-analyze") is None,
 
 
 def _unit_copy(tmp_path: Path, unit: Path = UNIT) -> Path:
-    """The unit with ExecStart pointing at a file that exists here (verify checks it)."""
+    """The unit with ExecStart pointing at a file that exists here (verify checks it), and
+    its shipped drop-ins beside it (systemd-analyze reads them from there)."""
     text = unit.read_text()
-    assert f"ExecStart=/usr/local/bin/ncclguard-inventoryd {UNITS[unit]}\n" in text
+    assert f"ExecStart=/opt/ncclguard/bin/ncclguard-inventoryd {UNITS[unit]}\n" in text
     exe = tmp_path / "ncclguard-inventoryd"
     exe.write_text("#!/bin/sh\nexit 0\n")
     exe.chmod(0o755)
     out = tmp_path / unit.name
-    out.write_text(text.replace("/usr/local/bin/ncclguard-inventoryd", str(exe)))
+    out.write_text(text.replace("/opt/ncclguard/bin/ncclguard-inventoryd", str(exe)))
+    dropins = SYSTEMD / f"{unit.name}.d"
+    if dropins.is_dir():
+        shutil.copytree(dropins, tmp_path / dropins.name, dirs_exist_ok=True)
     return out
 
 
@@ -69,6 +74,34 @@ def test_unit_runs_as_the_sysusers_user_with_one_readwrite_path() -> None:
     assert re.search(r"^u ncclguard ", sysusers, re.M)
 
 
+def test_every_shipped_dropin_names_a_shipped_unit_and_is_in_the_wheel() -> None:
+    units = {p.name for p in SYSTEMD.glob("*.service")}
+    dropins = sorted(SYSTEMD.glob("*.service.d/*.conf"))
+    assert dropins
+    data_files = (SYSTEMD.parent / "pyproject.toml").read_text()
+    for d in dropins:
+        assert d.parent.name[: -len(".d")] in units, d
+        assert f'"systemd/{d.parent.name}/*.conf"' in data_files, d  # installed with the wheel
+
+
+def test_the_dropins_change_what_they_say(tmp_path: Path) -> None:
+    """shared-spool.conf: the spool is the node unit's one writable path (the reset line
+    first); textfile.conf: node_exporter's directory is added, optional ("-")."""
+    node = (SYSTEMD / "ncclguard-inventoryd.service.d" / "shared-spool.conf").read_text()
+    rw = [x for x in node.splitlines() if x.startswith("ReadWritePaths=")]
+    assert rw == ["ReadWritePaths=", "ReadWritePaths=/shared/ncclguard/spool"]
+    assert "RequiresMountsFor=/shared/ncclguard/spool" in node
+    for unit in ("ncclguard-inventoryd", "ncclguard-collector"):
+        text = (SYSTEMD / f"{unit}.service.d" / "textfile.conf").read_text()
+        assert [x for x in text.splitlines() if x.startswith("ReadWritePaths=")] == [
+            "ReadWritePaths=-/var/lib/prometheus/node-exporter"]
+
+
+def _apply_tmpfiles(root: Path, *files: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["systemd-tmpfiles", "--create", f"--root={root}", *files],
+                          capture_output=True, text=True, timeout=60)
+
+
 @pytest.mark.skipif(shutil.which("systemd-sysusers") is None
                     or shutil.which("systemd-tmpfiles") is None,
                     reason="systemd-sysusers/systemd-tmpfiles not installed")
@@ -79,14 +112,36 @@ def test_sysusers_and_tmpfiles_apply_to_an_empty_root(tmp_path: Path) -> None:
         d = root / "usr/lib" / f"{kind}.d"
         d.mkdir(parents=True)
         shutil.copy(SYSTEMD / f"ncclguard.{kind}.conf", d / "ncclguard.conf")
+    # the controller's: the audit directory, owned by SlurmUser (Debian's slurm user)
+    shutil.copy(SYSTEMD / "ncclguard-controller.tmpfiles.conf",
+                root / "usr/lib/tmpfiles.d/ncclguard-controller.conf")
+    (root / "usr/lib/sysusers.d/slurm.conf").write_text('u slurm 64030 "SLURM" /nonexistent\n')
     subprocess.run(["systemd-sysusers", f"--root={root}"], check=True, capture_output=True,
                    timeout=60)
     passwd = (root / "etc/passwd").read_text()
     assert re.search(r"^ncclguard:x:\d+:\d+:.*:/usr/sbin/nologin$", passwd, re.M)
-    r = subprocess.run(["systemd-tmpfiles", "--create", f"--root={root}"], capture_output=True,
-                       text=True, timeout=60)
+    r = _apply_tmpfiles(root)
     assert r.returncode == 0, r.stderr
     for d in ("var/lib/ncclguard", "var/lib/ncclguard/spool"):
         st = (root / d).stat()
         assert stat.S_IMODE(st.st_mode) == 0o755  # readable by the gate, never o+w
         assert not st.st_mode & stat.S_IWOTH
+    # the enroot hook's records: users add files, cannot list or remove others'
+    st = (root / "var/lib/ncclguard/spool/containers").stat()
+    assert stat.S_IMODE(st.st_mode) == 0o1733
+    assert not (root / "var/cache/ncclguard").exists()  # nothing uses it
+    ids = {ln.split(":")[0]: int(ln.split(":")[2]) for ln in passwd.splitlines()}
+    groups = {ln.split(":")[0]: int(ln.split(":")[2])
+              for ln in (root / "etc/group").read_text().splitlines()}
+    # the audit trail: SlurmUser's, group ncclguard (the collector reads it), setgid
+    st = (root / "var/log/ncclguard").stat()
+    assert stat.S_IMODE(st.st_mode) == 0o2750
+    assert (st.st_uid, st.st_gid) == (ids["slurm"], groups["ncclguard"])
+    # an audit file of the older layout (slurm:slurm) gets the collector's group
+    audit = root / "var/log/ncclguard/decisions.jsonl"
+    audit.write_text("{}\n")
+    os.chown(audit, ids["slurm"], groups["slurm"])
+    audit.chmod(0o600)
+    assert _apply_tmpfiles(root).returncode == 0
+    st = audit.stat()
+    assert (stat.S_IMODE(st.st_mode), st.st_gid) == (0o640, groups["ncclguard"])

@@ -4,7 +4,8 @@ Where: the directories the dynamic linker searches (:mod:`inventoryd.probes.link
 the admin's ``nccl_search_paths`` (directories or globs). The linker's answer for
 ``libnccl.so.2`` is marked ``default``.
 
-What, read from the file itself and never from its name (docs/nccl-facts.md):
+What, read from the file itself and never from its name (docs/nccl.md, "The version,
+read from the library file"):
 - the banner ``NCCL version X.Y.Z+cudaA.B``, a compile-time literal present since 2.3.5;
 - ``NCCL git version <branch> <hash>`` when present;
 - the plugin ABIs the library looks up by name with ``dlsym``: the string literals
@@ -34,6 +35,7 @@ from inventoryd.filecache import FileCache
 from inventoryd.nodefs import ErrorLog, NodeFS
 from inventoryd.probes import linker
 from ncclguard.config import InventorydConfig
+from ncclguard.fileowner import owner
 from ncclguard.fingerprint.abi import ABI_KINDS
 
 PROBE = "nccl"
@@ -300,7 +302,7 @@ def untrusted(fs: NodeFS, real: str) -> str | None:
         except OSError as e:
             return f"cannot stat {node_path}: {_oserror(e)}"
         if st.st_uid != 0:
-            return f"{node_path} is owned by uid {st.st_uid}, not root"
+            return f"{node_path} is owned by {owner(st.st_uid)}, not root"
         if st.st_mode & 0o022:
             return f"{node_path} is writable by others (mode {oct(st.st_mode & 0o7777)})"
     return None

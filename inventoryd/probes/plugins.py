@@ -1,34 +1,20 @@
-"""The NCCL plugins this node would load, what ABIs they speak, and the ABI in force per kind.
+"""The NCCL plugins this node would load, what ABIs they speak, and the plugin in force per kind.
 
-Which file (docs/nccl-facts.md, and NCCL's ``src/plugin/*.cc``): NCCL ``dlopen``s a name,
-so the dynamic linker's search decides (:mod:`inventoryd.probes.linker`). The name comes
-from ``NCCL_<KIND>_PLUGIN`` (here: as ``/etc/nccl.conf`` sets it; a job's environment is
-not known to the node), with the rules of the default libnccl's version
-(:func:`expand`, ``src/plugin/plugin_open.cc``):
-
-- unset: ``libnccl-<kind>.so``;
-- net, 2.11 to 2.20: ``X`` means ``libnccl-net-X.so``;
-- 2.21 to 2.26: ``X`` as given (a name or a path), then ``libnccl-<kind>-X.so``;
-- 2.27.3: a ``lib*.so`` name as given only, any other only as ``libnccl-<kind>-X.so``;
-- 2.27.5 on: as given, then ``libnccl-<kind>-X.so``, the second try skipped when the
-  name has a ``/`` or is ``lib*.so``;
-- net from 2.27, GIN and RMA: a comma-separated list, first usable item wins;
-- 2.28 on: ``none`` (any case) turns the kind off (GIN, RMA: only the named list).
-
-Kinds and their fallbacks (v2.30.7-1): the tuner (from 2.21) and the profiler (from
-2.28) fall back to the net plugin's library when no library of their own opens; GIN
-(``ncclGinPlugin_vN``) lives in the net plugin's library in 2.28.x and also in
-``libnccl-gin.so`` from 2.29.7; RMA (2.30.7) tries its own list, then GIN's library, then
-the net plugin's. The env plugin is named by the *environment* only (``std::getenv``
-in ``src/plugin/env.cc``: it is what reads ``/etc/nccl.conf``), so only
-``libnccl-env.so`` is looked for. A kind is looked for only when the default libnccl
-names its symbols (or is unknown). Plus every plugin in ``plugin_search_paths``.
+Which file: NCCL ``dlopen``s a name, so the dynamic linker's search decides
+(:mod:`inventoryd.probes.linker`). Which names, for each kind (net, tuner, profiler, env,
+GIN, RMA), which variables name them, and which libraries a kind falls back to: the
+loading rules of the default libnccl's release, and nothing else
+(:mod:`ncclguard.fingerprint.loading`, one table keyed by release, each row citing the
+NCCL tag and files it was read from). The variables are ``NCCL_<KIND>_PLUGIN`` as
+``/etc/nccl.conf`` sets them (NCCL puts that file into its environment before it reads
+any of them, the env plugin's included); a job's own environment is not known to the
+node. Plus every plugin in ``plugin_search_paths``.
 
 What each file speaks: its exported ``ncclNetPlugin_vN`` / ``ncclCollNetPlugin_vN`` /
 ``ncclTunerPlugin_vN`` / ``ncclProfiler_vN`` / ``ncclEnvPlugin_vN`` / ``ncclGinPlugin_vN``
 / ``ncclRmaPlugin_vN`` dynamic symbols (:mod:`inventoryd.elf`), and the ``name`` that each
 struct's first field points to. The ABI in force is the highest N that both the default
-libnccl looks for and the plugin exports (:mod:`ncclguard.fingerprint.abi`).
+libnccl looks for (its strings) and the plugin exports (:mod:`ncclguard.fingerprint.abi`).
 """
 
 from __future__ import annotations
@@ -41,100 +27,23 @@ from inventoryd.filecache import FileCache
 from inventoryd.nodefs import ErrorLog, NodeFS
 from inventoryd.probes import linker
 from ncclguard.config import InventorydConfig
+from ncclguard.fingerprint import loading
 from ncclguard.fingerprint.abi import ABI_KINDS, SYMBOLS, common, exported
+from ncclguard.fingerprint.loading import PREFIXES, Version, net_plugin_names
+from ncclguard.fingerprint.model import EFFECTIVE_KINDS
+
+__all__ = ["EFFECTIVE_KINDS", "PREFIXES", "analyze", "describe", "net_plugin_names", "probe"]
 
 PROBE = "plugins"
 KIND = "nccl-plugin/2"  # /2: env, GIN and RMA symbols (issue 13)
-MAX_LIST_ITEMS = 16  # NCCL_NET_PLUGIN list items considered (NCCL itself keeps a few)
 MAX_CONFIG_PLUGINS = 64
-# src/plugin/plugin_open.cc (v2.30.7-1), pluginPrefix[]
-PREFIXES = {"net": "libnccl-net", "gin": "libnccl-gin", "rma": "libnccl-rma",
-            "tuner": "libnccl-tuner", "profiler": "libnccl-profiler", "env": "libnccl-env"}
-LATEST = (99, 0, 0)  # rules used when the default libnccl's version is unknown
-#: The kinds with an ``effective`` record, in the order NCCL loads them.
-EFFECTIVE_KINDS = ("tuner", "profiler", "env", "gin", "rma")
-TUNER_NET_FALLBACK = (2, 21, 0)  # tuner.cc: ncclGetNetPluginLib
-PROFILER_NET_FALLBACK = (2, 28, 0)  # profiler.cc: ncclGetNetPluginLib (not in 2.27.7)
-GIN_OWN_LIBRARY = (2, 29, 7)  # src/plugin/gin.cc, libnccl-gin.so; 2.28: net_v11.cc only
-KIND_NONE = (2, 28, 0)  # "none" turns a kind off
 
 _SYMBOL = re.compile(r"(" + "|".join(SYMBOLS.values()) + r")_v(\d{1,4})")
 _SYMBOL_KIND = {v: k for k, v in SYMBOLS.items()}
 
-Version = tuple[int, int, int]
-
-
-# ---- which names NCCL tries ----------------------------------------------------------
-
-
-def expand(kind: str, value: str | None, version: Version | None) -> list[str]:
-    """The names ``openPluginLib`` tries, in order, for one value of ``NCCL_<KIND>_PLUGIN``
-    (``src/plugin/plugin_open.cc`` at v2.26.2-1, v2.27.3-1, v2.27.5-1, v2.30.7-1)."""
-    prefix = PREFIXES[kind]
-    if not value:
-        return [f"{prefix}.so"]
-    v = version or LATEST
-    lib_so = value.startswith("lib") and value.endswith(".so")
-    if (2, 27, 0) <= v < (2, 27, 5):  # 2.27.3
-        return [value] if lib_so and len(value) >= len("libX.so") else [f"{prefix}-{value}.so"]
-    if v >= (2, 27, 5) and ("/" in value or lib_so):
-        return [value]
-    return [value, f"{prefix}-{value}.so"]
-
-
-def _off(value: str, v: Version) -> bool:
-    return v >= KIND_NONE and value.lower() == "none"
-
-
-def net_plugin_names(value: str | None, version: Version | None) -> list[list[str]]:
-    """The names NCCL ``dlopen``s for its net plugin, as groups tried in order.
-
-    Each group is one plugin (its names tried in order, the first that opens is it); the
-    groups are the items of a list. ``[]``: external net plugins are off.
-    """
-    v = version or LATEST
-    if not value or v < (2, 11, 0):
-        return [["libnccl-net.so"]]
-    if v < (2, 21, 0):
-        return [[f"libnccl-net-{value}.so"]]
-    if v < (2, 27, 0):
-        return [expand("net", value, v)]
-    if _off(value, v):
-        return []
-    items = [x for x in value.split(",") if x][:MAX_LIST_ITEMS]
-    return [expand("net", x, v) for x in items]
-
-
-def named_plugin_names(
-    kind: str, value: str | None, version: Version | None = None
-) -> list[list[str]]:
-    """Tuner, profiler, env: one group (the value, expanded); ``[]`` for ``none`` (2.28+)."""
-    v = version or LATEST
-    if value and _off(value, v):
-        return []
-    return [expand(kind, value, v)]
-
-
-def list_plugin_names(kind: str, value: str | None, version: Version | None) -> list[list[str]]:
-    """GIN and RMA: ``libnccl-<kind>.so`` by default, else each item of the comma-separated
-    list; ``none`` empties the list (``gin.cc``/``rma.cc`` at v2.30.7-1: strtok_r on ",")."""
-    v = version or LATEST
-    if not value:
-        return [[f"{PREFIXES[kind]}.so"]]
-    if value.lower() == "none":
-        return []
-    items = [x for x in value.split(",") if x][:MAX_LIST_ITEMS]
-    return [expand(kind, x, v) for x in items]
-
 
 def _version(lib: dict[str, Any] | None) -> Version | None:
-    if not lib or not lib.get("version"):
-        return None
-    try:
-        a, b, c = (int(x) for x in str(lib["version"]).split("."))
-    except ValueError:
-        return None
-    return (a, b, c)
+    return loading.parse_version(lib.get("version")) if lib and lib.get("version") else None
 
 
 # ---- what a file is ------------------------------------------------------------------
@@ -250,7 +159,7 @@ def _in_force(
     via: str | None = None,
 ) -> dict[str, Any]:
     """One ``effective`` record: ``plugin`` (its path), ``via`` (whose library: the kind's
-    own, ``net`` or ``gin``), ``name``, ``abi`` (highest common ABI) and ``reason`` (why
+    own or ``net``), ``name``, ``abi`` (highest common ABI) and ``reason`` (why
     ``abi`` is null). The one place that judges a libnccl against a plugin, for every kind
     (the ``net`` part is this record's net view)."""
     rec: dict[str, Any] = {"plugin": plugin["path"] if plugin else None,
@@ -271,6 +180,8 @@ def _in_force(
         rec["reason"] = f"the {kind} plugin cannot be used: {plugin['error']}"
     elif (abi := common(lib_abis, mine)):
         rec["abi"] = abi[0]
+        if abi[0] not in exported({kind: (plugin.get("abis") or {}).get(kind)}, kind):
+            rec["name"] = (plugin.get("names") or {}).get("gin")  # RMA v13 from GIN v13
     else:
         rec["reason"] = (
             f"no common ABI: libnccl {lib.get('version') or '?'} looks for {_vs(lib_abis)}, "
@@ -295,6 +206,23 @@ def _absent(reason: str) -> dict[str, Any]:
     return {"plugin": None, "via": None, "name": None, "abi": None, "reason": reason}
 
 
+#: Stands for the job's own executable among the files a kind may load
+#: (:data:`ncclguard.fingerprint.loading.EXECUTABLE`).
+_EXE: dict[str, Any] = {"path": None, "abis": {}, "error": None}
+
+
+def _names(groups: list[list[str]]) -> str:
+    return ", ".join(n or "the job's executable" for g in groups for n in g)
+
+
+def _unknown(errors: ErrorLog, kind: str, var: str, value: str | None) -> dict[str, Any]:
+    """The record of a kind whose library is the job's own executable: unknown here."""
+    why = (f"{var}={value!r}: NCCL looks for the {kind} plugin in the job's own executable "
+           "(a prefix of STATIC_PLUGIN, or an empty name), which the node cannot see")
+    errors.add(PROBE, f"plugins.{kind}", None, why)
+    return _absent(why)
+
+
 def probe(
     fs: NodeFS,
     errors: ErrorLog,
@@ -312,8 +240,8 @@ def probe(
         if not any(o["field"] == e["field"] and o["path"] == e["path"] for o in errors.entries)
     )
     lib = next((x for x in libnccl if x.get("default")), None)
-    version = _version(lib)
-    v = version or LATEST
+    rules = loading.rules_for(_version(lib))
+    ver = (lib or {}).get("version") or "?"
     records: dict[str, dict[str, Any]] = {}
 
     def add(kind: str, path: str, origin: str) -> dict[str, Any]:
@@ -322,95 +250,98 @@ def probe(
         return records[path]
 
     def first(kind: str, group: list[str], origin: str) -> dict[str, Any] | None:
-        """The file the first name of ``group`` that opens leads to (NCCL's dlopen)."""
-        path = next((p for p in (view.lookup(n) for n in group) if p is not None), None)
-        return None if path is None else add(kind, path, origin)
+        """The file the first name of ``group`` that opens leads to (NCCL's dlopen);
+        :data:`_EXE` for the job's executable (it always opens)."""
+        for name in group:
+            if name == loading.EXECUTABLE:
+                return _EXE
+            path = view.lookup(name)
+            if path is not None:
+                return add(kind, path, origin)
+        return None
+
+    def lib_abis(kind: str) -> list[int]:
+        return list(((lib or {}).get("abis") or {}).get(kind) or [])
 
     def usable(kind: str, rec: dict[str, Any]) -> bool:
-        lib_abis = ((lib or {}).get("abis") or {}).get(kind) or []
-        return not rec["error"] and bool(common(lib_abis, exported(rec["abis"], kind)))
+        return not rec["error"] and bool(common(lib_abis(kind), exported(rec["abis"], kind)))
 
-    # net: the first group whose file exists and shares an ABI; else the first found
-    value = nccl_settings.get("NCCL_NET_PLUGIN")
-    groups = net_plugin_names(value, version)
+    # net: the first item whose file opens and shares an ABI; else the first that opens
+    value = nccl_settings.get("NCCL_NET_PLUGIN") if rules.kinds["net"].var else None
+    groups = loading.own_names("net", value, rules) or []
     origin = "nccl.conf" if value else "linker"
     chosen: dict[str, Any] | None = None
     for group in groups:
         rec = first("net", group, origin)
         if rec is None:
             continue
-        chosen = chosen or rec
-        if usable("net", rec):
+        if rec is _EXE or usable("net", rec):
             chosen = rec  # NCCL keeps the first item that loads and speaks its ABI
             break
-    if chosen is not None:
-        chosen["default"] = True
-    net = _net_part(lib, chosen, groups, value)
-    # the net plugin's library, as the other kinds fall back to it: only while in use
-    net_lib = chosen if net["effective_net_abi"] is not None else None
+        chosen = chosen or rec
+    if chosen is _EXE:  # no earlier item was usable: the job's executable decides
+        bad = _unknown(errors, "net", "NCCL_NET_PLUGIN", value)
+        net = {"libnccl": lib["path"] if lib else None, "plugin": None,
+               "effective_net_abi": None, "reason": bad["reason"]}
+        net_lib: dict[str, Any] | None = _EXE  # what the other kinds fall back to: unknown
+    else:
+        if chosen is not None:
+            chosen["default"] = True
+        net = _net_part(lib, chosen, groups, value)
+        # the net plugin's library, as the other kinds fall back to it: only while in use
+        net_lib = chosen if net["effective_net_abi"] is not None else None
 
     def wanted(kind: str) -> bool:  # the default libnccl looks for this kind (or is unknown)
-        return lib is None or bool((lib.get("abis") or {}).get(kind))
+        return lib is None or bool(lib_abis(kind))
 
     effective: dict[str, Any] = {}
     for kind in EFFECTIVE_KINDS:
+        rule = rules.kinds.get(kind)
         var = f"NCCL_{kind.upper()}_PLUGIN"
-        kvalue = None if kind == "env" else nccl_settings.get(var)
+        if rule is not None and not rule.external:
+            effective[kind] = _absent(f"libnccl {ver} loads no external {kind} plugin: "
+                                      f"{rule.note}")
+            continue
+        if rule is None or not wanted(kind):
+            effective[kind] = _absent(f"libnccl {ver} loads no {kind} plugin")
+            continue
+        kvalue = nccl_settings.get(var) if rule.var else None
+        own = loading.own_names(kind, kvalue, rules)
+        if own is None:
+            effective[kind] = _absent(f"{var}={kvalue}: {kind} plugins are disabled")
+            continue
+        # the candidates in NCCL's order: its own (a list's items), then its fallbacks;
+        # each is (file, whose library, the variable and value that named it)
         korigin = "nccl.conf" if kvalue else "linker"
-        if not wanted(kind):
-            effective[kind] = _absent(f"libnccl {(lib or {}).get('version') or '?'} "
-                                      f"loads no {kind} plugin")
-            continue
-        if kind in ("tuner", "profiler", "env"):
-            # one library of its own; if it opens, it is the one, usable or not
-            own = None
-            for group in named_plugin_names(kind, kvalue, version):
-                own = first(kind, group, korigin)
-            fallback = (kind == "tuner" and v >= TUNER_NET_FALLBACK) or (
-                kind == "profiler" and v >= PROFILER_NET_FALLBACK)
-            if kvalue and _off(kvalue, v):
-                effective[kind] = _absent(f"{var}={kvalue}: {kind} plugins are disabled")
-            elif own is not None:
-                effective[kind] = _in_force(kind, lib, own)
-            elif fallback and net_lib is not None and exported(net_lib["abis"], kind):
-                effective[kind] = _in_force(kind, lib, net_lib, "net")
-            else:
-                names = ", ".join(n for g in named_plugin_names(kind, kvalue, version) for n in g)
-                tail = " nor in the net plugin" if fallback else ""
-                effective[kind] = _absent(f"no {kind} plugin ({names} not found{tail})")
-            continue
-        # GIN and RMA: a list of their own, then the libraries they fall back to
-        if kind == "gin" and v < GIN_OWN_LIBRARY:
-            own_groups: list[list[str]] = []  # 2.28.x: the net plugin's library only
-        else:
-            own_groups = list_plugin_names(kind, kvalue, version)
-        tried: list[tuple[dict[str, Any], str]] = []
-        for group in own_groups:
-            rec = first(kind, group, korigin)
-            if rec is not None:
-                tried.append((rec, kind))
-        if kind == "rma" and effective["gin"]["abi"] is not None:
-            tried.append((records[effective["gin"]["plugin"]], "gin"))
-        if net_lib is not None:
-            tried.append((net_lib, "net"))
+        cands: list[tuple[dict[str, Any], str, str, str | None]] = []
+        for group in own:
+            if (rec := first(kind, group, korigin)) is not None:
+                cands.append((rec, kind, var, kvalue))
+        if not (cands and rule.unusable == loading.STOP):  # an own library that opens is it
+            for fb in rule.fallbacks:
+                if fb == loading.NET and net_lib is not None:
+                    cands.append((net_lib, "net", "NCCL_NET_PLUGIN", value))
+                elif fb == loading.NET_NAMES and (rec := first(
+                        "net", [n for g in groups for n in g], origin)) is not None:
+                    cands.append((rec, "net", "NCCL_NET_PLUGIN", value))
         # a library NCCL falls back to counts only where it exports this kind at all
-        kept: dict[str, tuple[dict[str, Any], str]] = {}
-        for r, via in tried:
-            if (via == kind or exported(r["abis"], kind)) and r["path"] not in kept:
-                kept[r["path"]] = (r, via)
-        tried = list(kept.values())
-        pick = next(((r, via) for r, via in tried if usable(kind, r)), None)
-        if pick is not None:
-            effective[kind] = _in_force(kind, lib, pick[0], pick[1])
-        elif tried:
-            effective[kind] = _in_force(kind, lib, tried[0][0], tried[0][1])
+        kept = [c for i, c in enumerate(cands)
+                if (c[1] == kind or c[0] is _EXE or exported(c[0]["abis"], kind))
+                and all(c[0] is not o[0] for o in cands[:i])]
+        pick = next((c for c in kept if c[0] is _EXE or rule.unusable == loading.STOP
+                     or usable(kind, c[0])), kept[0] if kept else None)
+        if pick is None:
+            effective[kind] = _absent(_nothing(kind, rule, var, kvalue, own, groups, ver))
+        elif pick[0] is _EXE:
+            effective[kind] = _unknown(errors, kind, pick[2], pick[3])
         else:
-            names = ", ".join(n for g in own_groups for n in g) or f"{var}={kvalue}: none"
-            effective[kind] = _absent(f"no external {kind} plugin ({names}; not in the net "
-                                      "plugin): NCCL uses its internal one, if any")
+            effective[kind] = _in_force(kind, lib, pick[0], pick[1])
     for kind, rec in effective.items():
         if rec["abi"] is not None and rec["via"] == kind:
             records[rec["plugin"]]["default"] = True
+    if rules.caveat and lib is not None:
+        for rec in (net, *effective.values()):
+            rec["reason"] = f"{rec['reason']}; {rules.caveat}" if rec["reason"] else rules.caveat
 
     found = _config_plugins(fs, errors, config)
     if len(found) > MAX_CONFIG_PLUGINS:
@@ -420,6 +351,29 @@ def probe(
     for kind, path in found:
         add(kind, path, "config")
     return [records[p] for p in sorted(records)], net, effective
+
+
+def _nothing(kind: str, rule: loading.Kind, var: str, value: str | None,
+             own: list[list[str]], net_groups: list[list[str]], ver: str) -> str:
+    """Why no library is in force for ``kind`` (none of its own opens, no fallback has it)."""
+    tail = {loading.NET: "the net plugin's library",
+            loading.NET_NAMES: f"NCCL_NET_PLUGIN's library ({_names(net_groups)})"}
+    also = [tail[fb] for fb in rule.fallbacks]
+    where = f"; not in {' nor '.join(also)}" if also else ""
+    if not rule.own:
+        mine = f"libnccl {ver} has no {kind} library of its own"
+    elif own:
+        mine = f"{_names(own)} not found"
+    elif rule.var and value is None and not rule.default:
+        mine = (f"libnccl {ver} opens one only where {var} names it, and /etc/nccl.conf "
+                "does not (a job's own environment may)")
+    elif value is not None and value.lower() == "none":
+        mine = f"{var}={value}: its list is empty"
+    else:
+        mine = f"{var} is empty: its list is empty"
+    external = "external " if kind in ("gin", "rma") else ""
+    inner = ": NCCL uses its internal one, if any" if external else ""
+    return f"no {external}{kind} plugin ({mine}{where}){inner}"
 
 
 def _net_part(
@@ -434,11 +388,12 @@ def _net_part(
         "effective_net_abi": None,
         "reason": None,
     }
-    if not groups:
+    if not groups and value is not None and value.lower() == "none":
         net["reason"] = f"NCCL_NET_PLUGIN={value}: external net plugins are disabled"
+    elif not groups:
+        net["reason"] = "NCCL_NET_PLUGIN is empty (a list of no item): no external net plugin"
     elif plugin is None:
-        tried = ", ".join(n for g in groups for n in g)
-        net["reason"] = f"no net plugin ({tried} not found by the dynamic linker)"
+        net["reason"] = f"no net plugin ({_names(groups)} not found by the dynamic linker)"
     else:
         rec = _in_force("net", lib, plugin)
         net["effective_net_abi"] = rec["abi"]

@@ -100,7 +100,15 @@ def history(node: str | None, since: float | None, as_json: bool, as_csv: bool) 
     for h in c.inv("history", node, since):
         fields = []
         for d in h["diff"] if isinstance(h["diff"], list) else []:
+            if not isinstance(d, dict):
+                continue
             name = d.get("field", "")
+            if not isinstance(name, str):
+                continue
+            if name == "" and isinstance(d.get("new"), str):  # what the store could not keep
+                fields.append({"field": d["new"], "old": None, "new": None, "rule": None,
+                               "severity": None})
+                continue
             if not compared(name):
                 continue
             rule = rule_for(name)

@@ -22,6 +22,7 @@ from ncclguard.cli.context import (
     partitions,
 )
 from ncclguard.cli.errors import DECISION_EXIT, EXIT_ERROR, fail
+from ncclguard.text import safe
 
 __all__ = ["check"]
 
@@ -80,6 +81,13 @@ def check(hostlist: str, partition: str | None, image: str | None, as_json: bool
     doc = verdict.to_dict()
     if tie_break is not None:
         doc["tie_break"] = tie_break
-    c.emit(doc, text=verdict.format_text().rstrip("\n") + "\n" if c.fmt == "table" else None)
+    note = c.writer_note()  # a frozen inventory: the gate says the same in its log
+    if note:
+        doc["inventory"] = note
+    text = None
+    if c.fmt == "table":
+        text = verdict.format_text().rstrip("\n") + "\n"
+        text += f"  note: {safe(note)}\n" if note else ""
+    c.emit(doc, text=text)
     ctx = click.get_current_context()
     ctx.exit(DECISION_EXIT.get(decision, EXIT_ERROR))

@@ -20,6 +20,7 @@ from ncclguard import config as configmod
 from ncclguard.cli import output as out
 from ncclguard.cli.errors import fail
 from ncclguard.hostlist import HostlistError, expand
+from ncclguard.text import safe
 from ncclguard.timeparse import FORMS, parse_time
 
 __all__ = [
@@ -70,8 +71,8 @@ class NodeSet:
     def describe(self) -> str:
         what = {"slurm": "Slurm", "--nodes": "--nodes",
                 "inventory": "the whole inventory"}.get(self.source, self.source)
-        text = f"node set: {self.name}, {len(self.hosts)} nodes, from {what}"
-        return f"{text} ({self.note})" if self.note else text
+        text = f"node set: {safe(self.name)}, {len(self.hosts)} nodes, from {what}"
+        return f"{text} ({safe(self.note)})" if self.note else text
 
 
 @dataclass
@@ -99,12 +100,12 @@ class Ctx:
     @property
     def inventory(self) -> Any:
         if self._inventory is None:
-            from ncclguard.policy import GATE_VALUES
-            from ncclguard.store import Inventory, InventoryError
+            from ncclguard.sched.classes import open_classes
+            from ncclguard.store import InventoryError
 
-            try:
-                self._inventory = Inventory(self.db, readonly=True, config=self.config.inventory,
-                                            values=GATE_VALUES)
+            try:  # with the config's classes (ncclguard/sched/classes.py)
+                self._inventory = open_classes(self.config.policy, self.config.inventory,
+                                               self.db)
             except InventoryError as e:
                 fail(str(e))
         return self._inventory
@@ -120,6 +121,25 @@ class Ctx:
         except ValueError as e:  # nodes(where=...) with an unknown field
             fail(str(e))
 
+    def classes(self, hosts: Any = None) -> Any:
+        """The classes of ``hosts`` (every node: None) as Slurm's features name them
+        (:class:`ncclguard.sched.classes.ClassView`)."""
+        from ncclguard.sched.classes import read_classes
+        from ncclguard.store import InventoryError
+
+        try:
+            return read_classes(self.inventory, hosts)
+        except InventoryError as e:
+            fail(str(e))
+
+    def class_names(self) -> dict[str, str]:
+        """``{host: class name}`` for every node of the inventory with a readable record."""
+        from ncclguard.policy.schedule import feature_names
+
+        keys = self.inv("class_keys")
+        names = feature_names(k for k in keys.values() if k is not None)
+        return {h: names[k] for h, k in keys.items() if k is not None}
+
     @property
     def slurm(self) -> Any:
         if self._slurm is None:
@@ -133,6 +153,14 @@ class Ctx:
         if self._slurm_nodes is None:
             self._slurm_nodes = self.slurm.nodes()
         return self._slurm_nodes
+
+    def writer_note(self) -> str | None:
+        """How old the inventory itself is, when the collector has stopped writing it or
+        it cannot grow (:func:`ncclguard.policy.freshness.writer_note`), else None."""
+        from ncclguard.policy.freshness import writer_note
+
+        written_at, pressure = self.inv("writer_state")
+        return writer_note(written_at, pressure, self.now)
 
     @property
     def stale_after(self) -> float:
@@ -163,7 +191,9 @@ class Ctx:
             click.echo(out.csv_text(r, c), nl=False)
         else:
             if text is not None:
-                click.echo(text, nl=False)
+                # what a command composed itself: its values went through out.cell or
+                # safe(); this catches any terminal sequence that did not
+                click.echo(safe(text, keep_newlines=True), nl=False)
             elif rows is not None and columns is not None:
                 click.echo(out.table(rows, columns), nl=False)
 
@@ -201,19 +231,18 @@ def expand_hosts(args: Iterable[str], what: str) -> list[str]:
 
 
 def partitions(c: Ctx) -> dict[str, list[str]]:
+    """Slurm's partitions that hold nodes, and their nodes: one narrow read
+    (``Slurm.partitions``: the partitions' compressed node lists, a few hundred bytes at
+    16,384 nodes), never the whole node list."""
     from ncclguard.slurm import SlurmError
 
     try:
-        nodes = c.slurm_nodes()
-    except SlurmError as e:
+        lists = c.slurm.partitions()
+        return {p: expand(text) for p, text in lists.items() if text}
+    except (SlurmError, HostlistError) as e:
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
         text = lines[-1] if lines else type(e).__name__
         raise SlurmUnreachable(text[:300]) from None
-    parts: dict[str, list[str]] = {}
-    for n in nodes:
-        for p in n.partitions:
-            parts.setdefault(p, []).append(n.name)
-    return parts
 
 
 class SlurmUnreachable(Exception):

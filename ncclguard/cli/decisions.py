@@ -62,16 +62,19 @@ def container_rows(c: Any, job: str) -> list[dict[str, Any]]:
         runs = c.inventory.container_runs(job)
     except (InventoryError, SystemExit):
         return []
+    from ncclguard.spool import container_view
+
     out_rows = []
     for r in runs:
-        rec = r["record"]
-        lib: dict[str, Any] = next((x for x in rec.get("libnccl") or [] if x.get("default")), {})
-        net = rec.get("net") or {}
-        out_rows.append({"step": r["step"], "host": r["host"],
-                         "nccl_version": r["nccl_version"] or "unknown",
-                         "net_plugin": f"{net.get('name') or 'none'} v{net.get('abi') or 0}",
-                         "libnccl": lib.get("path"), "at": out.iso(r["encoded_at"]),
-                         "uid": r["uid"]})
+        view = container_view(r["record"])  # any stored shape: None, "unreadable"
+        at = r["encoded_at"]
+        out_rows.append({
+            "step": r["step"], "host": r["host"],
+            "nccl_version": (view.nccl_version if view else None) or (
+                "unknown" if view else "unreadable record"),
+            "net_plugin": f"{view.net_name or 'none'} v{view.net_abi or 0}" if view else None,
+            "libnccl": view.libnccl if view else None,
+            "at": out.iso(at) if isinstance(at, int | float) else None, "uid": r["uid"]})
     return out_rows
 
 

@@ -87,9 +87,9 @@ def diagnose(
     if not no_inventory:
 
         def opener() -> Any:
-            from ncclguard.store import Inventory
+            from ncclguard.sched.classes import open_classes
 
-            return Inventory(c.db, readonly=True, config=cfg.inventory)
+            return open_classes(cfg.policy, cfg.inventory, c.db)
 
     try:
         report = run(
@@ -121,7 +121,9 @@ def diagnose(
 
             text = (text.rstrip("\n") + "\n\nwhat each node's container had (the enroot "
                     "hook's signed records):\n" + out.table(ran, CONTAINER_COLUMNS).rstrip("\n"))
-        click.echo(text)
+        from ncclguard.text import safe
+
+        click.echo(safe(text, keep_newlines=True))  # log lines quoted: no terminal sequence
 
 
 def _lookup(job_id: str, cfg: cfgmod.Config, have_files: bool) -> JobLogs | None:
@@ -132,7 +134,10 @@ def _lookup(job_id: str, cfg: cfgmod.Config, have_files: bool) -> JobLogs | None
     except SlurmError as e:
         if not have_files:
             fail(f"job {job_id}: Slurm query failed: {e}")
-        click.echo(f"warning: job {job_id}: Slurm query failed ({e}); using the files", err=True)
+        from ncclguard.text import safe
+
+        click.echo(f"warning: job {job_id}: Slurm query failed ({safe(str(e))}); using the "
+                   "files", err=True)
         return None
     if job is None:
         if not have_files:

@@ -28,7 +28,8 @@ ACTION_COLUMNS: list[out.Column] = [
 
 
 def gather_facts(c: Ctx, hosts: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(facts per host, class values per compat_key) from the inventory's query tables.
+    """(facts per host, values per class name) from the inventory's classes and query
+    tables.
 
     The active ports are :func:`ncclguard.fingerprint.fields.active_ports`, as the store's
     ``rdma_ports_up`` column holds them. For nodes with probe errors they are read from
@@ -39,8 +40,9 @@ def gather_facts(c: Ctx, hosts: Sequence[str]) -> tuple[dict[str, Any], dict[str
     from ncclguard.policy.drain import NodeFacts
 
     wanted = set(hosts)
-    cls = c.inv("classes", None)  # all of them: cheaper than a 16,000-name filter
-    values = {k.compat_key: k.values for k in cls}
+    view = c.classes()  # all of them: cheaper than a 16,000-name filter
+    values = {view.name(k.key): k.values for k in view.classes}
+    class_of = {h: view.name(k.key) for k in view.classes for h in k.hosts}
     rows = [r for r in c.inv("nodes", None) if r["host"] in wanted]
     ports_up = {r["host"]: r["rdma_ports_up"] for r in rows}
     with_errors = [r["host"] for r in rows if r.get("error_count")]
@@ -50,7 +52,8 @@ def gather_facts(c: Ctx, hosts: Sequence[str]) -> tuple[dict[str, Any], dict[str
                 ports_up[h] = active_ports(rec.fingerprint)
     facts = {
         r["host"]: NodeFacts(
-            host=r["host"], compat_key=r["compat_key"], values=values.get(r["compat_key"], {}),
+            host=r["host"], klass=class_of.get(r["host"]),
+            values=values.get(class_of.get(r["host"]) or "", {}),
             last_heartbeat=r["last_heartbeat"], ports_up=ports_up[r["host"]],
             ports_total=r["rdma_ports_total"],
         )
@@ -65,7 +68,8 @@ def make_judge(c: Ctx, facts: Mapping[str, Any], values: Mapping[str, Any]) -> A
 
     reps: dict[str, str] = {}
     for f in facts.values():
-        reps.setdefault(f.compat_key, f.host)
+        if f.klass is not None:
+            reps.setdefault(f.klass, f.host)
     if len(reps) < 2:  # one class: nothing to judge
         return drain.values_judge(values, c.config)
     loaded = c.inv("load", list(reps.values()))
@@ -131,17 +135,16 @@ def drain_recommend(partition: str | None, nodes_opt: str | None, do_apply: bool
             ns = by_name[sp.name]
             lines.append(ns.describe())
             b = sp.baseline
-            if b and b.get("compat_key"):
+            if b and b.get("class"):
                 vals = b.get("values") or {}
-                desc = ", ".join(f"{k} {vals.get(k)}" for k in
-                                 BASELINE_KEYS)
+                desc = out.cell(", ".join(f"{k} {vals.get(k)}" for k in BASELINE_KEYS))
                 how = "pinned" if b.get("pinned") else f"majority {b.get('share', 0):.0%}"
-                lines.append(f"  baseline: class {b['compat_key']} ({how}, {b['count']} "
+                lines.append(f"  baseline: class {b['class']} ({how}, {b['count']} "
                              f"nodes): {desc}")
             elif b:
-                lines.append(f"  baseline: pinned {b.get('pin')}, no class matches")
+                lines.append(f"  baseline: pinned {out.cell(b.get('pin'))}, no class matches")
             if sp.note:
-                lines.append(f"  NOTE: {sp.note}")
+                lines.append(f"  NOTE: {out.cell(sp.note)}")
             if not sp.recommendations:
                 lines.append("  nothing to drain")
             else:

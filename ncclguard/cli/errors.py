@@ -13,6 +13,8 @@ from typing import Any, NoReturn
 
 import click
 
+from ncclguard.text import safe
+
 __all__ = ["DECISION_EXIT", "EXIT_ERROR", "EXIT_OK", "CliError", "fail"]
 
 EXIT_OK = 0
@@ -27,7 +29,7 @@ class CliError(click.ClickException):
     exit_code = EXIT_ERROR
 
     def show(self, file: Any = None) -> None:
-        click.echo(f"ncclguard: error: {self.format_message()}", err=True)
+        click.echo(f"ncclguard: error: {safe(self.format_message())}", err=True)
 
 
 def fail(message: str) -> NoReturn:

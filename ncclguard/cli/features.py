@@ -66,8 +66,8 @@ def sync_cmd(dry_run: bool, as_json: bool, as_csv: bool) -> None:
     else:
         lines.append(f"{len(res.plan.changed_hosts)} of {len(res.plan.nodes)} nodes updated in "
                      f"{len(res.applied)} calls")
-        lines += [f"error: {e}" for e in res.errors]
-        lines += [f"pending job {j}: its classes changed: {o} -> {n}"
+        lines += [f"error: {out.cell(e)}" for e in res.errors]
+        lines += [f"pending job {j}: its classes changed: {out.cell(o)} -> {out.cell(n)}"
                   for j, o, n in res.regrouped]
         lines.append(f"wrote {res.written}" if res.written else
                      "an update failed: the file of classes names only what Slurm has; "
@@ -81,16 +81,27 @@ def sync_cmd(dry_run: bool, as_json: bool, as_csv: bool) -> None:
 @format_options
 def check_cmd(as_json: bool, as_csv: bool) -> None:
     """Compare Slurm's class features and the file of classes with the inventory; exit 1
-    when they differ (run `ncclguard features sync`, or see why the daemon did not)."""
+    when they differ (run `ncclguard features sync`, or see why the daemon did not). A
+    node the daemon holds without a class (its stack keeps changing) is listed as held,
+    and is no difference while Slurm has no class feature on it."""
     from ncclguard.policy.schedule import is_class_feature
-    from ncclguard.sched import classfile
+    from ncclguard.sched import classfile, status
+    from ncclguard.slurm.model import clean_text
 
     c = get_ctx(as_json, as_csv)
     res = _sync(c, dry_run=True)
-    rows = []
     by_name = {n.name: n for n in res.plan.nodes}
+    held_back = status.read(c.config) or {"failing": [], "held": []}
+    failing = [f for f in held_back["failing"] if f["host"] in by_name]
+    held = [h for h in held_back["held"] if h["host"] in by_name]
+    # a node the daemon holds without a class on purpose (its stack keeps changing,
+    # features.settle_s) is as it should be while it has no class feature in Slurm
+    holding = {h["host"] for h in held if float(h.get("until") or 0) > c.now}
+    rows = []
     for host in res.plan.changed_hosts:
         have = [f for f in by_name[host].active_features if is_class_feature(f)]
+        if not have and host in holding:
+            continue
         rows.append({"host": host, "has": ",".join(have) or "-",
                      "want": res.plan.classes.get(host) or "-"})
     path = Path(c.config.features.classes_file)
@@ -114,8 +125,9 @@ def check_cmd(as_json: bool, as_csv: bool) -> None:
                          "daemon running?)")
         else:
             state.update(ok=True, problem=None)
-    ok = not rows and state["ok"]
-    doc = {"ok": ok, "nodes": len(res.plan.nodes), "differ": rows, "classes_file": state}
+    ok = not rows and state["ok"] and not failing
+    doc = {"ok": ok, "nodes": len(res.plan.nodes), "differ": rows, "classes_file": state,
+           "failing": failing, "held": held}
     text = None
     if c.fmt == "table":
         text = (f"{len(rows)} of {len(res.plan.nodes)} nodes have other class features in "
@@ -123,8 +135,14 @@ def check_cmd(as_json: bool, as_csv: bool) -> None:
         if rows:
             text += out.table(rows, DRIFT_COLUMNS)
         text += f"classes file {path}: " + (
-            f"verified {state['age_s']:.0f} s ago" if state["ok"] else str(state["problem"])
+            f"verified {state['age_s']:.0f} s ago" if state["ok"] else out.cell(state["problem"])
         ) + "\n"
+        for f in failing:
+            text += (f"update refused by Slurm, retried with back-off: {clean_text(f['host'])} "
+                     f"({f.get('attempts')} tries): {clean_text(str(f.get('error')))}\n")
+        for h in held:
+            text += (f"held without a class (its stack keeps changing): {clean_text(h['host'])}"
+                     "\n")
     c.emit(doc, rows=rows, columns=DRIFT_COLUMNS, text=text)
     if not ok:
         raise SystemExit(1)

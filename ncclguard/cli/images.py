@@ -91,28 +91,36 @@ def show(path: str, as_json: bool, as_csv: bool) -> None:
     c = get_ctx(as_json, as_csv)
     row = _get(c, path)
     rec = row.get("record") or {}
-    lines = [f"image {row['path']} ({row['size']} bytes, scanned {out.iso(row['scanned_at'])})"]
+    v = out.cell  # every value from the image, escaped
+    lines = [f"image {v(row['path'])} ({row['size']} bytes, scanned "
+             f"{out.iso(row['scanned_at'])})"]
     if row.get("error"):
-        lines.append(f"  not readable: {row['error']}")
-    for lib in rec.get("libnccl") or []:
+        lines.append(f"  not readable: {v(row['error'])}")
+    for lib in _dicts(rec.get("libnccl")):
         mark = " (loaded)" if lib.get("default") else ""
         ver = lib.get("version") or f"unknown: {lib.get('version_error')}"
         abis = (lib.get("abis") or {}).get("net") or []
-        lines.append(f"  libnccl {lib['path']} -> {lib.get('realpath')}: {ver}{mark}, "
-                     f"net ABIs {abis} [{lib.get('origin')}]")
-    for p in rec.get("plugins") or []:
+        lines.append(f"  libnccl {v(lib.get('path'))} -> {v(lib.get('realpath'))}: {v(ver)}"
+                     f"{mark}, net ABIs {v(str(abis))} [{v(lib.get('origin'))}]")
+    for p in _dicts(rec.get("plugins")):
         mark = " (loaded)" if p.get("default") else ""
-        abis = {k: v for k, v in (p.get("abis") or {}).items() if v}
-        lines.append(f"  plugin {p['kind']} {p['path']}: {p.get('name')} {abis}{mark}"
-                     + (f" error: {p['error']}" if p.get("error") else ""))
+        abis = {k: x for k, x in (p.get("abis") or {}).items() if x}
+        lines.append(f"  plugin {v(p.get('kind'))} {v(p.get('path'))}: {v(p.get('name'))} "
+                     f"{v(str(abis))}{mark}"
+                     + (f" error: {v(p['error'])}" if p.get("error") else ""))
     conf = rec.get("nccl_conf") or {}
     if conf.get("present"):
-        lines.append(f"  /etc/nccl.conf: {conf.get('settings')}")
+        lines.append(f"  /etc/nccl.conf: {v(str(conf.get('settings')))}")
     if rec.get("env"):
-        lines.append(f"  /etc/environment: {rec['env']}")
-    for e in rec.get("errors") or []:
-        lines.append(f"  error {e.get('field')} {e.get('path') or ''}: {e.get('error')}")
+        lines.append(f"  /etc/environment: {v(str(rec['env']))}")
+    for e in _dicts(rec.get("errors")):
+        lines.append(f"  error {v(e.get('field'))} {v(e.get('path') or '')}: "
+                     f"{v(e.get('error'))}")
     c.emit(row, text="\n".join(lines) + "\n")
+
+
+def _dicts(items: Any) -> list[dict[str, Any]]:
+    return [x for x in items if isinstance(x, dict)] if isinstance(items, list) else []
 
 
 @images.command()

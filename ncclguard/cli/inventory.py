@@ -1,7 +1,8 @@
 """``ncclguard nodes``, ``classes`` and ``show``: what the inventory holds.
 
 - ``nodes``: one row per node (filters: ``--where``, ``--stale``, ``--errors``);
-- ``classes``: the compatibility classes, with the baseline marked
+- ``classes``: the classes (what the configured refuse-level rules tell apart, each named
+  by its Slurm feature: ncclguard/sched/classes.py), with the baseline marked
   (:func:`ncclguard.policy.baseline.choose_baseline`, the one ``drain-recommend`` uses);
 - ``show NODE``: one node's whole fingerprint, readable.
 """
@@ -34,15 +35,15 @@ WHERE_ALIASES = {
     "transport": "transport",
     "driver": "driver",
     "host": "host",
-    "class": "compat_key",
 }
+CLASS_FIELD = "class"  # --where class=NAME: the class of ncclguard classes (and Slurm's feature)
 _INT_COLUMNS = {"net_abi", "rdma_ports_up", "rdma_ports_total", "error_count"}
 
 NODE_TABLE: list[out.Column] = [
     ("host", "HOST"), ("nccl", "NCCL"), ("net_plugin_name", "PLUGIN"), ("net_abi", "ABI"),
     ("transport", "TRANSPORT"), ("rdma", "RDMA UP/TOTAL"), ("driver", "DRIVER"),
     ("heartbeat", "LAST HEARTBEAT"), ("age", "AGE"), ("error_count", "ERRORS"),
-    ("status", "STATUS"),
+    ("class", "CLASS"), ("status", "STATUS"),
 ]
 NODE_CSV: list[out.Column] = [
     ("host", "host"), ("nccl_version", "nccl_version"), ("nccl_versions", "nccl_versions"),
@@ -50,7 +51,7 @@ NODE_CSV: list[out.Column] = [
     ("net_abi", "net_abi"), ("transport", "transport"), ("rdma_ports_up", "rdma_ports_up"),
     ("rdma_ports_total", "rdma_ports_total"), ("driver", "driver"),
     ("last_heartbeat", "last_heartbeat"), ("age_s", "age_s"), ("error_count", "error_count"),
-    ("compat_key", "compat_key"), ("status", "status"),
+    ("class", "class"), ("status", "status"),
 ]
 
 
@@ -65,9 +66,9 @@ def parse_where(items: Sequence[str]) -> dict[str, Any]:
         if not sep or not name:
             fail(f"--where {item!r}: expected FIELD=VALUE")
         column = WHERE_ALIASES.get(name, name)
-        if column not in STORE_COLUMNS and column != "has_nccl":
-            known = ", ".join([*WHERE_ALIASES, *(c for c in STORE_COLUMNS
-                                                  if c not in WHERE_ALIASES.values())])
+        if column not in STORE_COLUMNS and column not in ("has_nccl", CLASS_FIELD):
+            known = ", ".join([*WHERE_ALIASES, CLASS_FIELD, *(
+                c for c in STORE_COLUMNS if c not in WHERE_ALIASES.values())])
             fail(f"--where {item!r}: unknown field {name!r} (known: {known})")
         values: list[Any] = []
         for v in value.split(","):
@@ -139,15 +140,21 @@ def nodes(partition: str | None, nodes_opt: str | None, where: tuple[str, ...], 
     """One row per node: NCCL, net plugin and ABI, transport, RDMA ports, driver, heartbeat."""
     c = get_ctx(as_json, as_csv)
     filters = parse_where(where)
+    by_class = filters.pop(CLASS_FIELD, None)
     sets = resolve_sets(c, partition, nodes_opt)
     rows = c.inv("nodes", filters or None)
+    names = c.class_names()
     now, ttl = c.now, c.stale_after
-    result = [_node_row(r, now, ttl) for r in rows]
+    result = [_node_row(r, now, ttl) | {"class": names.get(r["host"])} for r in rows]
+    if by_class is not None:
+        wanted = set(by_class) if isinstance(by_class, list) else {by_class}
+        result = [r for r in result if r["class"] in wanted]
+        filters[CLASS_FIELD] = by_class
     node_set = sets[0] if sets else None
     if node_set is not None:
         members = set(node_set.hosts)
         result = [r for r in result if r["host"] in members]
-        if not filters and not errors:
+        if not filters and not errors:  # a node not in the inventory is a row of its own
             have = {r["host"] for r in result}
             result += [_missing_row(h) for h in node_set.hosts if h not in have]
             result.sort(key=lambda r: r["host"])
@@ -155,10 +162,13 @@ def nodes(partition: str | None, nodes_opt: str | None, where: tuple[str, ...], 
         result = [r for r in result if r["stale"]]
     if errors:
         result = [r for r in result if r.get("error_count")]
+    note = c.writer_note()
+
     def doc() -> dict[str, Any]:  # built only for --json
         return {
             "node_set": node_set.to_dict() if node_set else None,
             "filters": {"where": filters, "stale": stale, "errors": errors},
+            "inventory": note,
             "count": len(result),
             "nodes": [{k: r.get(k) for k, _ in NODE_CSV} | {"stale": r["stale"]}
                       for r in result],
@@ -168,19 +178,26 @@ def nodes(partition: str | None, nodes_opt: str | None, where: tuple[str, ...], 
     if c.fmt == "table":
         head = f"{node_set.describe()}\n" if node_set else ""
         text = head + out.table(result, NODE_TABLE) + f"{len(result)} nodes\n"
+        if note:
+            text += f"NOTE: {out.cell(note)}\n"
     c.emit(doc, rows=result, columns=NODE_TABLE, text=text, csv_columns=NODE_CSV)
 
 
 CLASS_COLUMNS: list[out.Column] = [
-    ("baseline_mark", " "), ("compat_key", "CLASS"), ("count", "NODES"), ("share_pct", "SHARE"),
+    ("baseline_mark", " "), ("class", "CLASS"), ("count", "NODES"), ("share_pct", "SHARE"),
     ("nccl", "NCCL"), ("net_plugin", "PLUGIN"), ("net_abi", "ABI"), ("transport", "TRANSPORT"),
-    ("stale", "STALE"), ("feature", "FEATURE"), ("hosts", "HOSTS"),
+    ("stale", "STALE"), ("hosts", "HOSTS"),
 ]
+#: a column shown when the configured refuse-level rules tell classes apart on more than
+#: the four above (an env plugin, or a rule an admin set to refuse: gpu-driver)
+ALSO_COLUMN: out.Column = ("also", "ALSO DIFFERS")
 CLASS_CSV: list[out.Column] = [
-    ("compat_key", "compat_key"), ("count", "count"), ("share", "share"), ("nccl", "nccl"),
-    ("net_plugin", "net_plugin"), ("net_abi", "net_abi"), ("transport", "transport"),
-    ("stale", "stale"), ("baseline", "baseline"), ("feature", "feature"), ("hosts", "hosts"),
+    ("class", "class"), ("class_key", "class_key"), ("count", "count"), ("share", "share"),
+    ("nccl", "nccl"), ("net_plugin", "net_plugin"), ("net_abi", "net_abi"),
+    ("transport", "transport"), ("stale", "stale"), ("baseline", "baseline"),
+    ("hosts", "hosts"),
 ]
+_SHOWN = ("nccl", "net_plugin", "net_abi", "transport")
 
 
 @click.command()
@@ -189,28 +206,33 @@ CLASS_CSV: list[out.Column] = [
               help="Only these nodes (no Slurm needed).")
 @format_options
 def classes(partition: str | None, nodes_opt: str | None, as_json: bool, as_csv: bool) -> None:
-    """The compatibility classes: defining values, node count and hostlist."""
+    """The classes: what the configured refuse-level rules tell apart. Each is named by
+    its Slurm feature; the baseline is marked."""
     c = get_ctx(as_json, as_csv)
     sets = resolve_sets(c, partition, nodes_opt)
     node_set = sets[0] if sets else None
-    cls = c.inv("classes", node_set.hosts if node_set else None)
+    view = c.classes(node_set.hosts if node_set else None)
+    cls = view.classes
     stale = set(c.inv("stale", c.now, c.stale_after, HEARTBEAT_SKEW_S))
     total = sum(len(k.hosts) for k in cls)
-    fresh = {k.compat_key: sum(1 for h in k.hosts if h not in stale) for k in cls}
-    base, why = choose_baseline(fresh, {k.compat_key: k.values for k in cls}, c.config)[:2]
-    features = _class_features(c, cls)
+    fresh = {k.key: sum(1 for h in k.hosts if h not in stale) for k in cls}
+    base, why = choose_baseline(fresh, {k.key: k.values for k in cls}, c.config)[:2]
+    rules = _refuse_values(c, cls)
+    also = _also_differs(rules)
     rows = []
     for k in cls:
-        v = k.values if isinstance(k.values, dict) else {}
+        v = k.values
         rows.append({
-            "compat_key": k.compat_key, "values": v, "count": len(k.hosts),
+            "class": view.name(k.key), "class_key": k.key, "values": v,
+            "differs": {f: vals for f, vals in k.spread.items()},
+            "rules": rules.get(k.key, {}), "also": also.get(k.key, ""),
+            "count": len(k.hosts),
             "share": round(len(k.hosts) / total, 4) if total else 0.0,
             "share_pct": f"{len(k.hosts) / total:.0%}" if total else "-",
-            "nccl": v.get("nccl"), "net_plugin": v.get("net_plugin"),
-            "net_abi": v.get("net_abi"), "transport": v.get("transport"),
+            **{f: _cell(v.get(f), k.spread.get(f)) for f in _SHOWN},
             "stale": sum(1 for h in k.hosts if h in stale),
-            "baseline": k.compat_key == base, "baseline_mark": "*" if k.compat_key == base else "",
-            "feature": features.get(k.compat_key), "hosts": compress(k.hosts),
+            "baseline": k.key == base, "baseline_mark": "*" if k.key == base else "",
+            "hosts": compress(k.hosts),
         })
     missing: list[str] = []
     if node_set is not None:
@@ -218,59 +240,108 @@ def classes(partition: str | None, nodes_opt: str | None, as_json: bool, as_csv:
         missing = [h for h in node_set.hosts if h not in have]
     oldest = c.inv("oldest_heartbeat", node_set.hosts if node_set else None)
     n_stale = sum(r["stale"] for r in rows)
+    note = c.writer_note()
+    other_policy = _other_policy(c)
     freshness = {"stale": n_stale, "stale_after_s": c.stale_after,
                  "oldest_heartbeat": out.iso(oldest),
-                 "oldest_age_s": None if oldest is None else round(c.now - oldest, 1)}
-    in_force = _class_in_force(c, {h: k.compat_key for k in cls for h in k.hosts})
+                 "oldest_age_s": None if oldest is None else round(c.now - oldest, 1),
+                 "inventory": note}
+    in_force = _class_in_force(c, {h: k.key for k in cls for h in k.hosts})
+    base_name = view.name(base) if base else None
     doc = {
         "node_set": node_set.to_dict() if node_set else None,
         "total": total,
         "freshness": freshness,
-        "baseline": {"compat_key": base, "why": why},
-        "classes": [{**{k: r[k] for k in ("compat_key", "values", "count", "share", "stale",
-                                           "baseline", "feature", "hosts")},
-                     "in_force": in_force.get(r["compat_key"], {})} for r in rows],
+        "baseline": {"class": base_name, "class_key": base, "why": why},
+        "classes": [{**{k: r[k] for k in ("class", "class_key", "values", "differs", "rules",
+                                           "count", "share", "stale", "baseline", "hosts")},
+                     "in_force": in_force.get(r["class_key"], {})} for r in rows],
         "missing": {"count": len(missing), "hosts": compress(missing) if missing else ""},
+        "collector_policy_differs": other_policy,
     }
     text = None
     if c.fmt == "table":
         lines = [node_set.describe()] if node_set else []
-        lines.append(f"{total} nodes in {len(cls)} compatibility classes; baseline: "
-                     + (f"{base} ({why})" if base else why))
-        text = "\n".join(lines) + "\n" + out.table(rows, CLASS_COLUMNS)
+        lines.append(f"{total} nodes in {len(cls)} class{'' if len(cls) == 1 else 'es'}; baseline: "
+                     + out.cell(f"{base_name} ({why})" if base else why))
+        columns = ([*CLASS_COLUMNS[:-2], ALSO_COLUMN, *CLASS_COLUMNS[-2:]] if also
+                   else CLASS_COLUMNS)
+        text = "\n".join(lines) + "\n" + out.table(rows, columns)
         if oldest is not None:
             text += (f"freshness: {n_stale} of {total} nodes stale (no heartbeat for "
                      f"{c.stale_after:.0f} s, or dated ahead); oldest heartbeat "
                      f"{out.iso(oldest)} ({out.age(c.now - oldest)} ago)\n")
+        if note:
+            text += f"freshness: {out.cell(note)}\n"
         if missing:
-            text += f"not in the inventory: {len(missing)} nodes: {compress(missing)}\n"
+            text += f"not in the inventory: {len(missing)} nodes: {out.cell(compress(missing))}\n"
+        if other_policy:
+            text += ("note: the collector stored these classes under other severities than "
+                     f"{c.config.source}'s; shown are this config's (reload the collector "
+                     "where the config changed: systemctl reload ncclguard-collector)\n")
     c.emit(doc, rows=rows, columns=CLASS_COLUMNS, text=text, csv_columns=CLASS_CSV)
 
 
-def _class_features(c: Ctx, cls: list[Any]) -> dict[str, str | None]:
-    """Each class's Slurm feature (docs/scheduling.md): the one most of its nodes get
-    (a stale node may get none, where ``unknown-node`` refuses)."""
-    from collections import Counter
+def _other_policy(c: Ctx) -> bool:
+    """Whether the collector derived the stored classes under another policy than this
+    config's (one of the two configs changed and the collector was not reloaded)."""
+    from ncclguard.policy.schedule import class_policy
 
-    from ncclguard.sched.sync import desired
-    from ncclguard.store import InventoryError
+    stored = c.inv("stored_class_policy")
+    return stored is not None and stored != class_policy(c.config.policy)
 
-    hosts = [h for k in cls for h in k.hosts]
-    try:
-        per_host = desired(c.config, hosts, c.now, inventory=c.inventory)
-    except InventoryError as e:
-        fail(str(e))
-    out: dict[str, str | None] = {}
-    for k in cls:
-        counts = Counter(f for h in k.hosts if (f := per_host.get(h)))
-        out[k.compat_key] = counts.most_common(1)[0][0] if counts else None
+
+def _cell(value: Any, spread: list[Any] | None) -> Any:
+    """A class's value; where its nodes differ (a rule at warn), every value seen."""
+    if spread:
+        return "|".join("-" if v is None else str(v) for v in spread)
+    return value
+
+
+def _refuse_values(c: Ctx, cls: list[Any]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per class: what the refuse-level rules read of it (one node stands for its class:
+    the rules read the same of every node of a class)."""
+    from ncclguard.policy.schedule import refuse_values
+
+    reps = {k.key: k.hosts[0] for k in cls}
+    records = c.inv("load_values", list(reps.values()))
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for key, host in reps.items():
+        rec = records.get(host)
+        out[key] = refuse_values(rec[0], c.config.policy) if rec is not None else {}
+    return out
+
+
+def _also_differs(rules: dict[str, dict[str, dict[str, Any]]]) -> dict[str, str]:
+    """Per class, the refuse-level values (other than the shown columns' rules) on which
+    the classes in view differ: ``gpu-driver=550.54.15``. Empty when there are none."""
+    from ncclguard.policy.schedule import SHOWN_RULES
+
+    varying: set[tuple[str, str]] = set()
+    items = list(rules.values())
+    for rule_values in items:
+        for rule, aspects in rule_values.items():
+            if rule in SHOWN_RULES:
+                continue
+            for aspect, value in aspects.items():
+                if any(other.get(rule, {}).get(aspect) != value for other in items):
+                    varying.add((rule, aspect))
+    if not varying:
+        return {}
+    single = {rule for rule, _ in varying
+              if all(len(rv.get(rule, {})) <= 1 for rv in items)}  # a rule of one aspect
+    out: dict[str, str] = {}
+    for key, rule_values in rules.items():
+        parts = [f"{rule}{'' if rule in single else '.' + aspect}="
+                 f"{rule_values.get(rule, {}).get(aspect)}" for rule, aspect in sorted(varying)]
+        out[key] = " ".join(parts)
     return out
 
 
 def _class_in_force(c: Ctx, key_of: dict[str, str]) -> dict[str, dict[str, dict[str, int]]]:
-    """Per class: ``{kind: {"NAME vN" | "none" | "unknown": nodes}}`` for the plugins other
-    than net (the store's v4 columns). A class is grouped on the refuse-level values only,
-    so its nodes may differ here (a tuner, a GIN plugin: warn-level rules)."""
+    """Per class key: ``{kind: {"NAME vN" | "none" | "unknown": nodes}}`` for the plugins
+    other than net (the store's v4 columns). A class is grouped on the refuse-level values
+    only, so its nodes may differ here (a tuner, a GIN plugin: warn-level rules)."""
     from ncclguard.fingerprint.model import EFFECTIVE_KINDS
 
     if not key_of:
@@ -313,7 +384,17 @@ def _in_force(fp: dict[str, Any]) -> list[dict[str, Any]]:
     return plugins_in_force(fp)
 
 
-def _show_text(rec: Any, now: float, ttl: float) -> str:
+def _obj(x: Any) -> dict[str, Any]:
+    """A part that should be an object; any other stored shape shows as empty."""
+    return x if isinstance(x, dict) else {}
+
+
+def _objs(x: Any) -> list[dict[str, Any]]:
+    """A part that should be a list of objects: its objects (any stored shape)."""
+    return [i for i in x if isinstance(i, dict)] if isinstance(x, list) else []
+
+
+def _show_text(rec: Any, now: float, ttl: float, klass: str | None) -> str:
     from ncclguard.fingerprint.fields import plugins_in_force
 
     fp = rec.fingerprint
@@ -322,7 +403,7 @@ def _show_text(rec: Any, now: float, ttl: float) -> str:
     d = derived(fp)
     age = now - rec.last_heartbeat
     parts = [out.section(f"node {rec.host}", out.kv([
-        ("class", rec.compat_key),
+        ("class", klass or "-"),
         ("nccl", d.get("compat.nccl")), ("net plugin", d.get("compat.net_plugin")),
         ("net ABI", d.get("compat.net_abi")), ("transport", d.get("compat.transport")),
         ("last heartbeat", f"{out.iso(rec.last_heartbeat)} ({out.age(age)} ago"
@@ -330,33 +411,33 @@ def _show_text(rec: Any, now: float, ttl: float) -> str:
         ("collected at", out.iso(rec.collected_at)), ("first seen", out.iso(rec.first_seen)),
         ("fingerprint", rec.fp_hash[:16]),
     ]))]
-    host = fp.get("host") or {}
+    host = _obj(fp.get("host"))
     parts.append(out.section("host", out.kv([(k, host.get(k)) for k in
                                              ("kernel", "boot_id", "tool_version")])))
-    libs = [{**x, "abi_net": (x.get("abis") or {}).get("net"),
-             "abi_other": _abi_summary(x.get("abis"))} for x in fp.get("libnccl") or []]
+    libs = [{**x, "abi_net": _obj(x.get("abis")).get("net"),
+             "abi_other": _abi_summary(x.get("abis"))} for x in _objs(fp.get("libnccl"))]
     parts.append(out.section("libnccl", out.table(libs, [
         ("path", "PATH"), ("version", "VERSION"), ("cuda_version", "CUDA"),
         ("abi_net", "NET ABIS"), ("abi_other", "OTHER PLUGIN ABIS"), ("default", "DEFAULT"),
         ("origin", "ORIGIN"), ("version_error", "ERROR")])))
-    plugins = [{**x, "abi": (x.get("abis") or {}).get(x.get("kind"))}
-               for x in fp.get("plugins") or []]
+    plugins = [{**x, "abi": _obj(x.get("abis")).get(str(x.get("kind")))}
+               for x in _objs(fp.get("plugins"))]
     parts.append(out.section("plugins", out.table(plugins, [
         ("kind", "KIND"), ("path", "PATH"), ("name", "NAME"), ("abi", "ABIS"),
         ("default", "DEFAULT"), ("origin", "ORIGIN"), ("error", "ERROR")])))
-    net = fp.get("net") or {}
+    net = _obj(fp.get("net"))
     parts.append(out.section("net (default libnccl x default net plugin)", out.kv(
         [(k, net.get(k)) for k in ("libnccl", "plugin", "effective_net_abi", "reason")])))
     parts.append(out.section("plugins in force (default libnccl x the library NCCL loads "
-                             "for each kind)", out.table(plugins_in_force(fp), [
+                             "for each kind)", out.table(_objs(plugins_in_force(fp)), [
         ("kind", "KIND"), ("plugin", "PLUGIN"), ("via", "VIA"), ("name", "NAME"),
         ("abi", "ABI"), ("reason", "REASON")])))
-    rdma = fp.get("rdma") or {}
+    rdma = _obj(fp.get("rdma"))
     ports = [{"device": dv.get("name"), "fw_ver": dv.get("fw_ver"),
               "hca_type": dv.get("hca_type"), **p}
-             for dv in rdma.get("devices") or [] for p in dv.get("ports") or [{}]]
-    abi = rdma.get("abi_version") or {}
-    ibv = rdma.get("libibverbs") or {}
+             for dv in _objs(rdma.get("devices")) for p in _objs(dv.get("ports")) or [{}]]
+    abi = _obj(rdma.get("abi_version"))
+    ibv = _obj(rdma.get("libibverbs"))
     parts.append(out.section("rdma", out.kv([
         ("verbs ABI", abi.get("verbs")), ("mad ABI", abi.get("mad")),
         ("libibverbs", f"{ibv.get('path')} {ibv.get('version') or ''}".strip()
@@ -365,17 +446,17 @@ def _show_text(rec: Any, now: float, ttl: float) -> str:
             ("device", "DEVICE"), ("port", "PORT"), ("state", "STATE"),
             ("phys_state", "PHYS"), ("rate", "RATE"), ("link_layer", "LINK"),
             ("fw_ver", "FIRMWARE"), ("hca_type", "HCA")])))
-    parts.append(out.section("netifs", out.table(fp.get("netifs") or [], [
+    parts.append(out.section("netifs", out.table(_objs(fp.get("netifs")), [
         ("name", "NAME"), ("up", "UP"), ("addresses", "ADDRESSES")])))
-    conf = fp.get("nccl_conf") or {}
-    settings = conf.get("settings") or {}
+    conf = _obj(fp.get("nccl_conf"))
+    settings = _obj(conf.get("settings"))
     parts.append(out.section("nccl.conf", out.kv(
         [("path", conf.get("path")), ("present", conf.get("present"))]
-        + [(k, v) for k, v in sorted(settings.items())])))
-    gpu = fp.get("gpu") or {}
+        + [(str(k), v) for k, v in sorted(settings.items(), key=lambda kv: str(kv[0]))])))
+    gpu = _obj(fp.get("gpu"))
     parts.append(out.section("gpu", out.kv([(k, gpu.get(k)) for k in
                                             ("driver_version", "count", "models", "peermem")])))
-    errs = fp.get("errors") or []
+    errs = _objs(fp.get("errors"))
     parts.append(out.section(f"probe errors ({len(errs)})", out.table(errs, [
         ("probe", "PROBE"), ("field", "FIELD"), ("path", "PATH"), ("error", "ERROR")])
         if errs else "  none\n"))
@@ -391,9 +472,10 @@ def show(node: str, as_json: bool, as_csv: bool) -> None:
     if c.fmt == "csv":
         fail("--csv is not available for show (a fingerprint is not rows); use --json")
     rec = _load_one(c, node)
+    klass = c.class_names().get(rec.host)
     age = c.now - rec.last_heartbeat
     doc = {
-        "host": rec.host, "compat_key": rec.compat_key, "fp_hash": rec.fp_hash,
+        "host": rec.host, "class": klass, "fp_hash": rec.fp_hash,
         "first_seen": out.iso(rec.first_seen), "collected_at": out.iso(rec.collected_at),
         "last_heartbeat": out.iso(rec.last_heartbeat), "age_s": round(age, 1),
         "stale": is_stale(rec.last_heartbeat, c.now, c.stale_after),
@@ -401,4 +483,4 @@ def show(node: str, as_json: bool, as_csv: bool) -> None:
         "in_force": _in_force(rec.fingerprint),
         "fingerprint": rec.fingerprint,
     }
-    c.emit(doc, text=_show_text(rec, c.now, c.stale_after) if c.fmt == "table" else None)
+    c.emit(doc, text=_show_text(rec, c.now, c.stale_after, klass) if c.fmt == "table" else None)

@@ -3,6 +3,11 @@
 Every command builds plain values (a JSON-ready document, and rows for a table) and
 hands them here; nothing else in the CLI formats text. Table cells are strings made by
 :func:`cell`; JSON keeps the real types (numbers stay numbers, ``None`` stays ``null``).
+
+Every string shown in a table, a CSV cell, a ``key: value`` line or a title goes through
+:func:`ncclguard.text.safe` (in :func:`cell`): a value from a node, a record, an image
+or a job cannot add a line, a row or a terminal escape sequence. JSON needs nothing:
+``json.dumps`` escapes control characters itself.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from ncclguard.text import safe
 from ncclguard.timeparse import iso_utc
 
 FORMATS = ("table", "json", "csv")
@@ -25,10 +31,11 @@ Column = tuple[str, str]
 
 
 def cell(value: Any) -> str:
-    """One table or CSV cell: ``None`` shows as ``-``, lists are comma-joined."""
+    """One table or CSV cell: ``None`` shows as ``-``, lists are comma-joined, and
+    control characters are escaped (:func:`ncclguard.text.safe`)."""
     t = type(value)
     if t is str:  # the common cases first: tables of 16,000 rows
-        return value
+        return safe(value)
     if t is int:
         return str(value)
     if value is None:
@@ -42,12 +49,12 @@ def cell(value: Any) -> str:
     if isinstance(value, list | tuple | set | frozenset):
         items = sorted(value, key=str) if isinstance(value, set | frozenset) else value
         return ",".join(cell(v) for v in items) if items else "-"
-    return str(value)
+    return safe(str(value))
 
 
 def table(rows: Iterable[Mapping[str, Any]], columns: Sequence[Column]) -> str:
     """A plain aligned table with a header line; an empty table still has its header."""
-    header = [h for _, h in columns]
+    header = [cell(h) for _, h in columns]
     keys = [k for k, _ in columns]
     body = [[cell(r.get(k)) for k in keys] for r in rows]
     widths = [max(len(h), *(len(line[i]) for line in body)) if body else len(h)
@@ -66,7 +73,7 @@ def csv_text(rows: Iterable[Mapping[str, Any]], columns: Sequence[Column]) -> st
     keys = [k for k, _ in columns]
     for r in rows:
         values = [r.get(k) for k in keys]
-        w.writerow([v if type(v) is str else "" if v is None else cell(v) for v in values])
+        w.writerow(["" if v is None else cell(v) for v in values])
     return buf.getvalue()
 
 
@@ -122,6 +129,7 @@ def now() -> float:
 
 def section(title: str, body: str) -> str:
     """A titled block of text (used by ``show`` and ``drain-recommend``)."""
+    title = safe(title)
     return f"{title}\n{body}" if body.endswith("\n") else f"{title}\n{body}\n"
 
 
@@ -129,6 +137,8 @@ def kv(pairs: Sequence[tuple[str, Any]], indent: int = 2) -> str:
     """``key: value`` lines, keys aligned; for readable single records."""
     if not pairs:
         return ""
-    w = max(len(k) for k, _ in pairs)
+    keys = [safe(k) for k, _ in pairs]
+    w = max(len(k) for k in keys)
     pad = " " * indent
-    return "".join(f"{pad}{k.ljust(w)}  {cell(v)}\n" for k, v in pairs)
+    return "".join(f"{pad}{k.ljust(w)}  {cell(v)}\n"
+                   for k, (_, v) in zip(keys, pairs, strict=True))

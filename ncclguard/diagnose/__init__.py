@@ -16,8 +16,11 @@ from typing import Any
 
 from .catalog import Catalog, CatalogError
 from .catalog import load as load_catalog
-from .engine import NO_SIGNATURE, Report, Scanner, correlate, diagnose, inventory_view
+from .correlate import correlate, inventory_view
+from .diagnosis import diagnose
 from .logparse import LogError
+from .report import NO_SIGNATURE, Report
+from .scanner import Scanner
 
 __all__ = [
     "NO_SIGNATURE",

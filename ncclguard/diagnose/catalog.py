@@ -4,6 +4,10 @@ The built-in catalog is ``signatures.toml`` next to this module (package data).
 Admins add files through ``[diagnose] signature_files`` in the config: an entry
 whose id already exists replaces it, ``disabled = true`` removes it, and any
 other entry is added. Every error names the file, the entry and the cause.
+
+Over 500 lines: loading, validating and merging the catalog share the checks each
+entry passes (its fields, its patterns' cost and literals); one home for what a
+signature may be, used by the built-in file and every admin's file alike.
 """
 
 from __future__ import annotations
@@ -26,12 +30,14 @@ KINDS = ("line", "differs")
 SCOPES = ("any", "nccl")
 LEVELS = ("INFO", "WARN", "TRACE")
 ODD = ("printers", "none")
+VERDICTS = ("stack", "not-stack", "neutral")
 _UNNAME = re.compile(r"\(\?P<\w+>")
 _ID = re.compile(r"^[a-z0-9]+(?:-[a-z0-9]+)*$")
 _REQUIRED_TEXT = ("title", "meaning", "cause", "fix")
 _KNOWN = {
     "id", "title", "kind", "scope", "level", "patterns", "weight", "odd",
-    "meaning", "cause", "fix", "confirm", "rules", "disabled",
+    "meaning", "cause", "fix", "confirm", "rules", "disabled", "family", "verdict",
+    "corroborate",
 }  # fmt: skip
 
 
@@ -46,6 +52,22 @@ class Pattern:
     text: str  # the regex as written
     weak: bool = False  # a host's weak value is dropped when it also has a strong one
     needles: tuple[bytes, ...] | None = None  # one of these is in every match; None: unknown
+    # one of these is in every *line* a match is on (what a block is searched for): the
+    # needles; for a pattern anchored at the start of an NCCL INFO message, the needles
+    # of "NCCL INFO " and the pattern; for a WARN (TRACE) pattern "NCCL WARN" ("NCCL
+    # TRACE"): one pass over a block finds every such line (the scanner finds the
+    # messages that PyTorch repeats after "Last error:" by that literal)
+    line_needles: tuple[bytes, ...] | None = None
+    # the only NCCL level whose lines it is tried on (its own or its signature's);
+    # None: any line its signature's scope admits
+    level: str | None = None
+    # other literal sets of which every match holds one (the pattern's other runs of
+    # literal text): a block may be searched for one of these instead of line_needles
+    options: tuple[tuple[bytes, ...], ...] = ()
+
+    def all_needles(self) -> tuple[tuple[bytes, ...], ...]:
+        """line_needles and the other literal sets a line it matches on holds."""
+        return (self.line_needles or (), *self.options)
 
     def render(self, m: re.Match[bytes]) -> str | None:
         if self.value is None:
@@ -70,9 +92,25 @@ class Signature:
     confirm: tuple[str, ...]
     rules: tuple[str, ...]
     source: str  # the file it came from
+    # the cause family it names (docs/diagnose.md, "Families"); several signatures may
+    # name one family
+    family: str = ""
+    # what naming it says about the node stack: "stack" (a node-stack or fabric cause),
+    # "not-stack" (a verdict of its own: not a node-stack problem), "neutral" (a wrapper
+    # that names no cause)
+    verdict: str = "stack"
+    # signatures that must also fire for this one to stand as a stack cause (a symptom
+    # of a version split is not a version split when the log shows one version)
+    corroborate: tuple[str, ...] = ()
 
-    def match(self, text: bytes) -> tuple[Pattern, re.Match[bytes]] | None:
+    def match(
+        self, text: bytes, level: str | None = None
+    ) -> tuple[Pattern, re.Match[bytes]] | None:
+        """The first pattern that matches ``text``, the message of a line of NCCL level
+        ``level`` (None: not an NCCL line); a pattern with a level sees only its level."""
         for p in self.patterns:
+            if p.level is not None and p.level != level:
+                continue
             if p.needles is not None and not any(n in text for n in p.needles):
                 continue
             m = p.regex.search(text)
@@ -118,13 +156,21 @@ class Catalog:
         piece (``NET/Plugin``, `` interface found``) are searched for by that piece
         (:func:`cover`): a line with a literal has every piece of it.
         """
-        needles: set[bytes] = set()
-        for s in self.signatures:
-            for p in s.patterns:
-                if not p.needles:
-                    return None
-                needles.update(p.needles)
-        return cover(needles)
+        pats = [p for s in self.signatures for p in s.patterns]
+        if not all(p.line_needles for p in pats):
+            return None
+        lits = list(cover(n for p in pats for n in p.line_needles or ()))
+        # a pattern with several runs of literal text ("^NET/Plugin ?: ?Could not
+        # find:") may be searched by another run: drop each literal that every pattern
+        # can do without (fewer searches, and never more lines picked)
+        for lit in sorted(lits):
+            rest = [x for x in lits if x != lit]
+            if all(
+                any(all(any(x in n for x in rest) for n in o) for o in p.all_needles())
+                for p in pats
+            ):
+                lits = rest
+        return tuple(sorted(lits))
 
     def combined(self) -> re.Pattern[bytes] | None:
         """One regex that matches wherever any signature pattern could: a prefilter.
@@ -230,7 +276,7 @@ def _signature(e: dict[str, Any], sig_id: str, where: str, source: str) -> Signa
     weight = e.get("weight", 50)
     if not isinstance(weight, int) or isinstance(weight, bool) or not 1 <= weight <= 100:
         raise CatalogError(f"{where}: weight = {weight!r}: expected an integer from 1 to 100")
-    patterns = _patterns(e.get("patterns"), where)
+    patterns = _patterns(e.get("patterns"), where, level)
     if kind == "differs" and all(p.value is None for p in patterns):
         raise CatalogError(f"{where}: kind = 'differs' needs at least one pattern with a value")
     confirm = _strings(e, "confirm", where)
@@ -238,9 +284,20 @@ def _signature(e: dict[str, Any], sig_id: str, where: str, source: str) -> Signa
     for r in rules:
         if r not in BY_NAME:
             raise CatalogError(f"{where}: rules: unknown rule {r!r} (known: {', '.join(BY_NAME)})")
+    family = e.get("family", sig_id)
+    if not isinstance(family, str) or not _ID.match(family):
+        raise CatalogError(f"{where}: family = {family!r}: expected lower-case words joined by '-'")
+    # an entry without a verdict (an admin's older file): a stack cause when it names
+    # policy rules, else a wrapper that names none
+    verdict = _choice(e, "verdict", VERDICTS, "stack" if rules else "neutral", where)
+    if verdict == "not-stack" and rules:
+        raise CatalogError(f"{where}: verdict = 'not-stack' with rules {list(rules)}: a cause "
+                           "that is not a node-stack one has no policy rule to confirm it")
+    corroborate = _strings(e, "corroborate", where)
     return Signature(
         id=sig_id, kind=kind, scope=scope, level=level, patterns=patterns, weight=weight,
-        odd=odd, confirm=confirm, rules=rules, source=source, **texts,
+        odd=odd, confirm=confirm, rules=rules, source=source, family=family, verdict=verdict,
+        corroborate=corroborate, **texts,
     )  # fmt: skip
 
 
@@ -258,7 +315,9 @@ def _strings(e: dict[str, Any], key: str, where: str) -> tuple[str, ...]:
     return tuple(v)
 
 
-def _patterns(raw: Any, where: str) -> tuple[Pattern, ...]:
+def _patterns(raw: Any, where: str, level: str | None = None) -> tuple[Pattern, ...]:
+    """The entry's patterns; ``level``: the signature's level, the NCCL level of every
+    line they see unless a pattern names its own (``{ regex, level }``)."""
     if not isinstance(raw, list) or not raw:
         raise CatalogError(f"{where}: patterns is required (a non-empty list)")
     out = []
@@ -267,18 +326,28 @@ def _patterns(raw: Any, where: str) -> tuple[Pattern, ...]:
         weak = False
         text: Any
         value: Any
+        plevel: Any = level
         if isinstance(item, str):
             text, value = item, None
         elif isinstance(item, dict):
-            extra = set(item) - {"regex", "value", "weak"}
+            extra = set(item) - {"regex", "value", "weak", "level"}
             if extra:
                 raise CatalogError(
-                    f"{pw}: unknown key(s) {sorted(extra)} (known: regex, value, weak)"
+                    f"{pw}: unknown key(s) {sorted(extra)} (known: regex, value, weak, level)"
                 )
             text, value = item.get("regex"), item.get("value")
             weak = item.get("weak", False)
             if not isinstance(weak, bool):
                 raise CatalogError(f"{pw}: weak = {weak!r}: expected true or false")
+            plevel = item.get("level", level)
+            if plevel not in (None, *LEVELS):
+                raise CatalogError(
+                    f"{pw}: level = {plevel!r}: expected one of {', '.join(LEVELS)}"
+                )
+            if level is not None and plevel != level:
+                raise CatalogError(
+                    f"{pw}: level = {plevel!r}, but the signature's level is {level!r}"
+                )
             if not isinstance(text, str):
                 raise CatalogError(f"{pw}: regex is required (a string)")
             if value is not None and not isinstance(value, str):
@@ -306,13 +375,25 @@ def _patterns(raw: Any, where: str) -> tuple[Pattern, ...]:
                     f"{pw}: value {value!r} uses {missing}, not named groups of the regex "
                     f"(named groups: {sorted(rx.groupindex) or 'none'})"
                 )
-        out.append(Pattern(rx, value, text, weak, needles_of(text)))
+        options = needle_options(text)
+        needles = options[0] if options else None
+        line_needles = needles
+        if plevel in ("WARN", "TRACE"):
+            # every line it is tried on has NCCL's "NCCL WARN" (the scanner's messages
+            # repeated after "Last error:" are found by that literal): one search for all
+            line_needles = (f"NCCL {plevel}".encode(),)
+        elif plevel is not None and text.startswith("^") and needles is None:
+            # the scanner's message of an NCCL line starts right after "NCCL <level> "
+            line_needles = needles_of(re.escape(f"NCCL {plevel} ") + text[1:])
+        others = tuple(options[1:]) if line_needles == needles else ()
+        out.append(Pattern(rx, value, text, weak, needles, line_needles, plevel, others))
     return tuple(out)
 
 
 # ---------------------------------------------------------------------------- needles
 MIN_NEEDLE = 4  # a shorter literal is no faster than the regex
 MIN_COVER = 8  # a shared piece shorter than this would pick too many lines
+_EVERY_LINE = b" NCCL INFO  NCCL TRACE "
 
 
 def cover(needles: Iterable[bytes]) -> tuple[bytes, ...]:
@@ -325,8 +406,10 @@ def cover(needles: Iterable[bytes]) -> tuple[bytes, ...]:
     for i, a in enumerate(rest):
         for b in rest[i + 1 :]:
             m = SequenceMatcher(None, a, b, autojunk=False).find_longest_match(0, len(a), 0, len(b))
-            if m.size >= MIN_COVER:
-                pieces.add(a[m.a : m.a + m.size])
+            piece = a[m.a : m.a + m.size]
+            # never NCCL's " NCCL INFO " itself: it is on nearly every line of a log
+            if m.size >= MIN_COVER and piece not in _EVERY_LINE:
+                pieces.add(piece)
     out: list[bytes] = []
     while pieces:
         best = max(sorted(pieces), key=lambda c: (sum(c in n for n in rest), len(c)))
@@ -340,15 +423,23 @@ def cover(needles: Iterable[bytes]) -> tuple[bytes, ...]:
 
 
 def needles_of(text: str) -> tuple[bytes, ...] | None:
-    """Literals of which every match of ``text`` contains one (None: none worth it).
+    """Literals of which every match of ``text`` contains one (None: none worth it):
+    the first of :func:`needle_options`."""
+    options = needle_options(text)
+    return options[0] if options else None
+
+
+def needle_options(text: str) -> list[tuple[bytes, ...]]:
+    """The sets of literals of which every match of ``text`` contains one, best first
+    (longest shortest literal, then fewest literals); empty: none worth it.
 
     Walks the parsed regex (parsed as the bytes pattern that is compiled, so that an
     escape such as ``\\xe9`` is the byte it matches): runs of literal bytes at the top
     level, inside groups, inside repeats of at least one, and any-of sets from
     alternations whose every branch has one. Anything else (classes, optional parts,
     look-arounds, conditionals, scoped flags, an opcode this walk does not know) gives
-    no literal, so the answer errs towards ``None`` (every line is tried), never
-    towards a literal a match may lack. Case-insensitive and verbose patterns get none.
+    no literal, so the answer errs towards none (every line is tried), never towards
+    a literal a match may lack. Case-insensitive and verbose patterns get none.
     """
     try:
         # CPython's own regex parser (private since 3.11, sre_parse before): typeshed has
@@ -358,9 +449,9 @@ def needles_of(text: str) -> tuple[bytes, ...] | None:
 
         parsed = P.parse(text.encode("utf-8"))
     except Exception:  # a regex this walk cannot read: no literal, never a wrong one
-        return None
+        return []
     if parsed.state.flags & (re.IGNORECASE | re.VERBOSE):
-        return None
+        return []
 
     def required(items: Any) -> list[list[bytes]]:
         cands: list[list[bytes]] = []
@@ -392,16 +483,23 @@ def needles_of(text: str) -> tuple[bytes, ...] | None:
         flush()
         return cands
 
+    def rank(c: list[bytes]) -> tuple[int, int]:
+        return (min(len(n) for n in c), -len(c))
+
     def best(cands: list[list[bytes]]) -> list[bytes] | None:
         cands = [c for c in cands if c]
         if not cands:
             return None
-        return max(cands, key=lambda c: (min(len(n) for n in c), -len(c)))
+        return max(cands, key=rank)
 
     try:
-        got = best(required(parsed))
+        top = [c for c in required(parsed) if c]
     except Exception:
-        return None
-    if not got or min(len(n) for n in got) < MIN_NEEDLE:
-        return None
-    return tuple(dict.fromkeys(got))
+        return []
+    top.sort(key=rank, reverse=True)  # stable: of equals, the first in the pattern
+    out: list[tuple[bytes, ...]] = []
+    for c in top:
+        t = tuple(dict.fromkeys(c))
+        if min(len(n) for n in t) >= MIN_NEEDLE and t not in out:
+            out.append(t)
+    return out

@@ -33,24 +33,40 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ncclguard.fileowner import owner
+
 MAX_LINE = 64 * 1024  # bytes kept of one line
 GZIP_MAGIC = b"\x1f\x8b"
 _CHUNK = 1 << 20
 
-# Launcher tags, then NCCL's optional timestamp, then NCCL's prefix.
+# A launcher's timestamp (Open MPI --timestamp-output: "2019-06-02T16:13:44.884Z: "),
+# launcher tags, then NCCL's optional timestamp, then NCCL's prefix. The tags: srun -l
+# ("12: "), torchrun ("[rank12]:"), Open MPI --tag-output ("[1,12]<stderr>:") and pdsh,
+# which DeepSpeed's launcher uses ("node01: ": a name, a colon and a space, which a host
+# name in NCCL's "host:pid:tid" never has).
+_LEAD = rb"(?:\d{4}-\d\d-\d\dT[\d:.,]+(?:Z|[+-]\d\d:?\d\d)?:? )?"
 _TAG = (
     rb"(?:\s*(?P<task>\d+): "
     rb"|\[rank(?P<rrank>\d+)\]:\s?"
-    rb"|\[\d+,(?P<mrank>\d+)\]<std(?:out|err)>:\s?)"
+    rb"|\[\d+,(?P<mrank>\d+)\]<std(?:out|err)>:\s?"
+    rb"|[A-Za-z][\w.\-]*: )"
 )
+_NCCL_TS = rb"(?:\[\d{4}-\d\d-\d\d[ T][\d:.,]+\] )?"
 _PREFIX = re.compile(
-    rb"^" + _TAG + rb"?"
-    rb"(?:\[\d{4}-\d\d-\d\d[ T][\d:.,]+\] )?"
-    rb"(?P<host>[A-Za-z0-9_.\-]+):(?P<pid>\d+):(?P<tid>\d+) \[(?P<dev>-?\d+)\] "
+    rb"^" + _LEAD + _TAG + rb"?" + _NCCL_TS
+    + rb"(?P<host>[A-Za-z0-9_.\-]+):(?P<pid>\d+):(?P<tid>\d+) \[(?P<dev>-?\d+)\] "
     rb"(?:[\d.]+ )?(?:(?P<src>[\w./+\-]+:\d+) )?"
     rb"NCCL (?P<level>INFO|WARN|TRACE) ?(?P<msg>[^\r\n]*)",
 )
-_TAG_ONLY = re.compile(rb"^" + _TAG)
+# An NCCL line whose "host:pid:tid" a paste or a tool lost: "include/shm.h:28 NCCL WARN
+# ...", "[3] NCCL INFO ...", "NCCL WARN NET/IB : ...". Its host is the launcher tag's,
+# else the nearest NCCL-prefixed line's above it (scanner.py).
+_BARE = re.compile(
+    rb"^" + _LEAD + _TAG + rb"?" + _NCCL_TS
+    + rb"(?:\[-?\d+\] )?(?:(?P<src>[\w./+\-]+:\d+) )?"
+    rb"NCCL (?P<level>INFO|WARN|TRACE) ?(?P<msg>[^\r\n]*)",
+)
+_TAG_ONLY = re.compile(rb"^" + _LEAD + _TAG)
 
 
 class LogError(Exception):
@@ -128,7 +144,7 @@ def _open_owned(p: Path, uid: int) -> io.BufferedReader:
         if not stat.S_ISREG(st.st_mode):
             raise LogError(f"{p}: not a regular file; not read")
         if st.st_uid != uid:
-            raise LogError(f"{p}: owned by uid {st.st_uid}, not by the job's user "
+            raise LogError(f"{p}: owned by {owner(st.st_uid)}, not by the job's user "
                            f"(uid {uid}); not read")
         os.set_blocking(fd, True)
         return open(fd, "rb", closefd=True)

@@ -1,7 +1,7 @@
 """Which plugin ABI NCCL uses: the one rule, shared by the probe and the policy's readers.
 
 NCCL looks up a plugin's exported ``<symbol>_vN`` structs newest first and uses the first
-it knows (docs/nccl-facts.md, "Plugins NCCL loads"): the ABI in use is the highest N that
+it knows (docs/nccl.md, "Plugins NCCL loads"): the ABI in use is the highest N that
 both the libnccl (its string literals) and the plugin (its dynamic symbols) name; with none
 in common NCCL does not use that library for that kind. One exception: the RMA loader
 of 2.30 takes ``ncclGinPlugin_v13`` when there is no ``ncclRmaPlugin_v13``

@@ -134,7 +134,7 @@ def net_plugin(fp: dict) -> tuple[str, int] | None:
 
     ``("none", 0)``: no default net plugin. ABI ``0``: the plugin is there, but it and the
     default libnccl have no ``ncclNetPlugin_vN`` in common, so NCCL ignores it. The ABI is
-    the highest N in both sets (nccl-facts, "Plugins NCCL loads"); the probe's
+    the highest N in both sets (docs/nccl.md, "Plugins NCCL loads"); the probe's
     ``net.effective_net_abi`` is used only when the ABI lists are missing.
     """
     plugins = part(fp, "plugins")

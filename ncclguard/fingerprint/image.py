@@ -1,7 +1,7 @@
 """What the gate reads of an image record (``image_values``), and the effective NCCL stack
 of a job that runs an image on a node (:func:`effective_stack`).
 
-An image record is :func:`inventoryd.images.fingerprint.scan_image`'s output
+An image record is :func:`inventoryd.controller.images.fingerprint.scan_image`'s output
 (docs/containers.md). Standard library only: the gate's path imports it.
 """
 
@@ -60,7 +60,7 @@ def effective_stack(image: dict[str, Any], injected: dict[str, Any] | None,
 
     NCCL uses a plugin only at an ABI both sides know; with none in common it logs
     ``Failed to find ncclNetPlugin_vN symbol`` and uses its internal transports
-    (docs/nccl-facts.md). Returns ``{"nccl", "plugin", "source", "abi", "transport",
+    (docs/nccl.md, "Plugins NCCL loads"). Returns ``{"nccl", "plugin", "source", "abi", "transport",
     "fallback"}``; ``fallback`` is True when a plugin is there but unusable.
     """
     plugin = injected if injected is not None else image.get("plugin")

@@ -4,7 +4,7 @@ A fingerprint is a plain JSON-ready ``dict`` (docs/fingerprint.md): the daemon p
 the store keeps it and the policy reads it, all as the same value. Its shape, part by
 part, is :mod:`ncclguard.fingerprint.shape` (``TypedDict`` classes). The ``empty_*``
 functions are the value a part takes when its probe fails as a whole
-(``inventoryd/collect.py``), which the readers in :mod:`ncclguard.fingerprint.fields`
+(``inventoryd/node/fingerprint.py``), which the readers in :mod:`ncclguard.fingerprint.fields`
 then treat as unknown (see :data:`PROBES`).
 
 Standard library only: the gate's path imports it.

@@ -1,7 +1,7 @@
 """Which network NCCL ends up on for one node: a plugin's name, ``IB``, ``RoCE`` or ``Socket``.
 
-The derivation follows NCCL's own order (see docs/nccl-facts.md, "Which transport a node
-ends up on"), from the node's fingerprint and the settings of its ``/etc/nccl.conf``:
+The derivation follows NCCL's own order (see docs/nccl.md, "Which transport a node ends
+up on"), from the node's fingerprint and the settings of its ``/etc/nccl.conf``:
 
 1. ``NCCL_NET`` forces a network by name (compared case-insensitively, as NCCL does).
 2. A net plugin that NCCL would load (a common ABI with the default libnccl) is tried first.

@@ -1,9 +1,9 @@
 """Drain recommendations: which nodes to take out of service, why, and the two safety rails.
 
 :func:`recommend` is a pure function. It takes, per node, the few facts it needs
-(:class:`NodeFacts`: compatibility class, last heartbeat, active RDMA ports), the node sets
+(:class:`NodeFacts`: its class, last heartbeat, active RDMA ports), the node sets
 to judge (Slurm partitions, or a hostlist given by hand), a ``judge`` that says which
-refuse-level rules separate two compatibility classes (built on the gate's own policy by
+refuse-level rules separate two classes (built on the gate's own policy by
 :func:`policy_judge`), and the config. It returns a :class:`Plan`: per node set, the
 baseline, the recommendations grouped by reason, and whether a rail stopped them.
 
@@ -12,7 +12,7 @@ For each node set:
 - nodes whose inventory is missing or stale: ``ncclguard: no heartbeat since …``;
 - the baseline of the fresh nodes (:func:`ncclguard.policy.baseline.choose_baseline`, as
   ``ncclguard classes`` marks it): the config's pinned ``[baseline]`` if there is one,
-  else the largest compatibility class if it holds more than ``drain.majority`` of them.
+  else the largest class if it holds more than ``drain.majority`` of them.
   With no clear majority (a rolling upgrade, a 50/50 split) nothing is recommended
   against a baseline, and the plan says so;
 - nodes outside the baseline on a refuse-level rule, with the differing values;
@@ -53,8 +53,8 @@ class NodeFacts:
     """What the recommendation needs to know about one node in the inventory."""
 
     host: str
-    compat_key: str | None
-    values: Mapping[str, Any]  # the class's defining values (fingerprint.compat.compat_values)
+    klass: str | None  # its class's name (ncclguard/sched/classes.py), as Slurm's feature
+    values: Mapping[str, Any]  # what the class's nodes share (store.NodeClass.values)
     last_heartbeat: float | None
     ports_up: int | None = None  # ACTIVE RDMA ports; None: unknown (a port state unreadable)
     ports_total: int | None = None
@@ -73,7 +73,7 @@ class SetPlan:
 
     name: str
     hosts: list[str]
-    baseline: dict[str, Any] | None = None  # compat_key, values, count, share, pinned
+    baseline: dict[str, Any] | None = None  # class, values, count, share, pinned
     note: str | None = None  # why there is no baseline, or what a rail did
     recommendations: list[Recommendation] = field(default_factory=list)
     cap: int = 0  # most nodes that may be recommended without force
@@ -188,7 +188,7 @@ def recommend(
 
         by_class: dict[str | None, list[NodeFacts]] = {}
         for f in fresh:
-            by_class.setdefault(f.compat_key, []).append(f)
+            by_class.setdefault(f.klass, []).append(f)
         base = choose_baseline(
             {k: len(fs) for k, fs in by_class.items() if k is not None},
             {k: fs[0].values for k, fs in by_class.items() if k is not None},
@@ -197,7 +197,7 @@ def recommend(
         base_key = base.key
         if base.pinned or base_key is not None:  # a pin with no matching class is kept too
             sp.baseline = {
-                "pinned": base.pinned, "compat_key": base_key,
+                "pinned": base.pinned, "class": base_key,
                 "values": dict(by_class[base_key][0].values) if base_key else None,
                 "count": base.size, "share": round(base.share, 4),
             }
@@ -267,7 +267,7 @@ def recommend(
 def policy_judge(representatives: Mapping[str, Mapping[str, Any]], config: Config) -> Judge:
     """A judge that runs the gate's policy on one node of each class, as a two-node job.
 
-    ``representatives`` maps each compat_key to one fingerprint of that class. The refuse
+    ``representatives`` maps each class to one fingerprint of it. The refuse
     findings are the rules that would stop a job spanning both classes.
     """
     from ncclguard.policy import evaluate

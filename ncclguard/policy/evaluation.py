@@ -120,12 +120,16 @@ _RULE_NAMES = frozenset(r.name for r in COMPARISONS)
 class StoredValues(NamedTuple):
     """What the store keeps for the gate (``ncclguard.store.GateValues``): the records of
     :func:`node_values`, their marker, the version they were computed by, and the check
-    of a decoded record."""
+    of a decoded record; with the classes of a policy
+    (:func:`ncclguard.policy.schedule.class_values`), each record's class key and what
+    the keys were derived under."""
 
     version: int
     marker: str
     compute: Callable[[dict[str, Any]], dict[str, Any]]
     check: Callable[[Any], bool] = valid_values
+    classify: Callable[[dict[str, Any]], str] | None = None
+    class_policy: str | None = None
 
 
 #: Handed to every :class:`~ncclguard.store.Inventory` that writes the gate's tables or

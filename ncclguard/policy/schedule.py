@@ -1,14 +1,14 @@
 """Scheduling classes: the node feature that keeps Slurm from picking a mixed set.
 
 Slurm's matching-OR constraint ``--constraint="[nc_a|nc_b]"`` gives a job nodes that all
-carry the same one of the listed features (slurm-facts.md, "Prevention at scheduling").
+carry the same one of the listed features (docs/slurm.md, "Matching OR").
 Each node carries one class feature, so a job with the group never spans two classes.
 
 A node's class is the digest of what the **refuse-level** rules read from it (their
 aspects that can refuse: ``warn_only`` aspects are left out), taken from the same
 :func:`~ncclguard.policy.evaluation.node_values` records the gate compares. Two nodes
 of one class therefore agree on every aspect that could make the gate refuse: a set of
-nodes that share a feature is never refused by the gate (tests/test_schedule.py checks
+nodes that share a feature is never refused by the gate (tests/test_sched.py checks
 this against :func:`~ncclguard.policy.evaluate_values`). The converse does not hold:
 a value that is unknown to the gate (``None``, agrees with anything) is a value of its
 own here, so such nodes form a class apart. Warn-level differences do not split classes:
@@ -32,21 +32,30 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import Counter
-from collections.abc import Collection, Iterable, Mapping
-from typing import NamedTuple
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 from ncclguard.config import PolicyConfig
-from ncclguard.policy.evaluation import _record_values
+from ncclguard.fingerprint.compat import VALUES_VERSION
+from ncclguard.policy.evaluation import GATE_VALUES, StoredValues, _record_values
 from ncclguard.policy.rules import COMPARISONS, unknown_node
 from ncclguard.policy.settings import severity_of
 
 __all__ = [
+    "CLASS_VERSION",
     "FEATURE_PREFIX",
     "MAX_ALTERNATIVES",
+    "SHOWN_RULES",
     "UNKNOWN_FEATURE",
     "ClassCount",
+    "class_features",
+    "class_key",
+    "class_policy",
+    "class_values",
+    "feature_names",
     "is_class_feature",
     "rank_classes",
+    "refuse_values",
     "scheduling_classes",
 ]
 
@@ -56,9 +65,11 @@ FEATURE_PREFIX = "nc_"
 UNKNOWN_FEATURE = FEATURE_PREFIX + "unknown"
 #: Slurm's bitmaps for matching-OR features hold 64 positions (``MAX_FEATURES`` in
 #: src/slurmctld/node_scheduler.c, 22.05 to master), one per term of the whole
-#: constraint, with no check: past 64 slurmctld 22.05 crashed (slurm-facts.md).
+#: constraint, with no check: past 64 slurmctld 22.05 crashed (docs/slurm.md, "Constraints").
 MAX_ALTERNATIVES = 64
 _DIGITS = 8  # hex digits of a class feature; more where two classes would share them
+#: bump when :func:`class_key` changes its derivation (the store derives every class again)
+CLASS_VERSION = 1
 
 
 def is_class_feature(name: str) -> bool:
@@ -66,9 +77,12 @@ def is_class_feature(name: str) -> bool:
     return name.startswith(FEATURE_PREFIX)
 
 
-def _refuse_key(record: dict, config: PolicyConfig) -> str:
-    """What the refuse-level rules read from one node, as one canonical string."""
-    rules = [r for r in COMPARISONS if severity_of(config, r.name) == "refuse"]
+def _refuse_rules(config: PolicyConfig) -> list[Any]:
+    return [r for r in COMPARISONS if severity_of(config, r.name) == "refuse"]
+
+
+def _refuse_key(record: dict, rules: Sequence[Any]) -> str:
+    """What the refuse-level ``rules`` read from one node, as one canonical string."""
     values = _record_values(record, rules)
     key = [
         [rule.name, sorted((a, v) for a, v in vals.items() if a not in rule.warn_only)]
@@ -77,42 +91,104 @@ def _refuse_key(record: dict, config: PolicyConfig) -> str:
     return json.dumps(key, sort_keys=True, separators=(",", ":"))
 
 
+def refuse_values(record: dict, config: PolicyConfig) -> dict[str, dict[str, Any]]:
+    """``{rule: {aspect: value}}``: what the refuse-level rules read from one gate record,
+    the values a class is made of (``ncclguard classes --json``, its "rules")."""
+    rules = _refuse_rules(config)
+    values = _record_values(record, rules)
+    return {rule.name: {a: v for a, v in sorted(vals.items()) if a not in rule.warn_only}
+            for rule, vals in zip(rules, values, strict=True)}
+
+
+#: the rules whose values ``ncclguard classes`` shows in columns of their own (NCCL,
+#: PLUGIN, ABI, TRANSPORT); any other refuse-level rule that tells classes apart is
+#: shown beside them
+SHOWN_RULES = frozenset({"nccl-version", "net-plugin", "transport"})
+
+
+def class_key(record: dict, config: PolicyConfig) -> str:
+    """The class of one node: the SHA-256 (64 hex digits) of what the refuse-level rules
+    read from its gate record (:func:`~ncclguard.policy.evaluation.node_values`). The one
+    identity of a class: ``ncclguard classes``, the baseline, drains, the metrics and
+    Slurm's feature (:func:`feature_names`) all name a class by it."""
+    return hashlib.sha256(_refuse_key(record, _refuse_rules(config)).encode()).hexdigest()
+
+
+def class_policy(config: PolicyConfig) -> str:
+    """What :func:`class_key` depends on besides the record: the meaning of the values
+    (``VALUES_VERSION``) and the refuse-level rules with the aspects they leave out. The
+    store keeps the classes it derived under it, and derives them again when it changes
+    (an admin changed a severity)."""
+    rules = [[r.name, sorted(r.warn_only)] for r in _refuse_rules(config)]
+    text = json.dumps([CLASS_VERSION, VALUES_VERSION, rules], separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def class_values(config: PolicyConfig) -> StoredValues:
+    """:data:`~ncclguard.policy.evaluation.GATE_VALUES` with the classes of ``config``:
+    handed to an :class:`~ncclguard.store.Inventory` that writes or reads classes, so that
+    the store (which never imports the policy) keys each node by :func:`class_key`."""
+    rules = _refuse_rules(config)
+
+    def classify(record: dict) -> str:
+        return hashlib.sha256(_refuse_key(record, rules).encode()).hexdigest()
+
+    return GATE_VALUES._replace(classify=classify, class_policy=class_policy(config))
+
+
 def scheduling_classes(
     records: Mapping[str, dict | None],
     config: PolicyConfig,
     stale: Collection[str] = (),
 ) -> dict[str, str | None]:
     """``{host: class feature}`` for every host of ``records`` (gate-style
-    :func:`~ncclguard.policy.evaluation.node_values` records, ``None`` for no record);
-    ``None`` for a host that gets no class (``unknown-node`` at refuse).
-
-    The feature is :data:`FEATURE_PREFIX` and 8 hex digits of the class's digest; where two
-    classes share 8 digits, both get as many more as it takes to tell them apart.
-    """
-    refuse_unknown = severity_of(config, unknown_node.NAME) == "refuse"
-    stale_set = set(stale)
-    digests: dict[str, str] = {}  # key -> full digest
-    by_host: dict[str, str | None] = {}
+    :func:`~ncclguard.policy.evaluation.node_values` records, ``None`` for no record):
+    :func:`class_features` of their :func:`class_key`."""
+    rules = _refuse_rules(config)
+    keys: dict[str, str | None] = {}
     by_object: dict[int, str] = {}  # records shared between hosts: one key each
     for host, record in records.items():
-        if record is None or (refuse_unknown and host in stale_set):
-            by_host[host] = None if refuse_unknown else UNKNOWN_FEATURE
+        if record is None:
+            keys[host] = None
             continue
         key = by_object.get(id(record))
         if key is None:
-            key = by_object[id(record)] = _refuse_key(record, config)
-        if key not in digests:
-            digests[key] = hashlib.sha256(key.encode()).hexdigest()
-        by_host[host] = key
-    names = _short_names(digests.values())
-    return {h: (k if k is None or k == UNKNOWN_FEATURE else names[digests[k]])
-            for h, k in by_host.items()}
+            text = _refuse_key(record, rules)
+            key = by_object[id(record)] = hashlib.sha256(text.encode()).hexdigest()
+        keys[host] = key
+    return class_features(keys, config, stale)
 
 
-def _short_names(digests: Iterable[str]) -> dict[str, str]:
-    """Each digest's feature: the shortest prefix (8 hex digits or more) that no other
-    digest shares."""
-    unique = sorted(set(digests))
+def class_features(
+    keys: Mapping[str, str | None],
+    config: PolicyConfig,
+    stale: Collection[str] = (),
+    names: Mapping[str, str] | None = None,
+) -> dict[str, str | None]:
+    """``{host: class feature}`` for every host of ``keys`` (its :func:`class_key`, None
+    for no record); ``None`` for a host that gets no class (``unknown-node`` at refuse).
+
+    ``names``: each key's feature (:func:`feature_names` over every class of the
+    inventory, so that a subset of nodes gets the names the whole cluster has); default:
+    :func:`feature_names` of these keys."""
+    refuse_unknown = severity_of(config, unknown_node.NAME) == "refuse"
+    stale_set = set(stale)
+    if names is None:
+        names = feature_names(k for k in keys.values() if k is not None)
+    out: dict[str, str | None] = {}
+    for host, key in keys.items():
+        if key is None or (refuse_unknown and host in stale_set):
+            out[host] = None if refuse_unknown else UNKNOWN_FEATURE
+        else:
+            out[host] = names.get(key) or feature_names([key])[key]
+    return out
+
+
+def feature_names(keys: Iterable[str]) -> dict[str, str]:
+    """Each class key's feature (and the name ``ncclguard classes`` shows): the prefix
+    :data:`FEATURE_PREFIX` and the shortest run of its hex digits (8 or more) that no other
+    key of ``keys`` shares."""
+    unique = sorted(set(keys))
     out: dict[str, str] = {}
     for i, d in enumerate(unique):
         width = _DIGITS

@@ -166,12 +166,14 @@ class Verdict:
         ]
         if self.odd_nodes:
             lines.append(f"  odd nodes: {compress(self.odd_nodes)} ({len(self.odd_nodes)})")
+        from ncclguard.text import safe  # a node's value never starts a line of its own
+
         for f in self.findings:
-            lines.append(f"  {f.severity} {f.rule}: {f.message}")
+            lines.append(f"  {f.severity} {f.rule}: {safe(f.message)}")
             for label, hosts, count in f.groups:
-                lines.append(f"      {label}: {hosts} ({count})")
+                lines.append(f"      {safe(label)}: {safe(hosts)} ({count})")
         for note in self.notes:
-            lines.append(f"  note: {note}")
+            lines.append(f"  note: {safe(note)}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:

@@ -2,47 +2,91 @@
 
 One line per fact, words split by spaces; the lua parses it with the same strict rules as
 :func:`parse` (an unknown or malformed line makes the whole file unusable, and the lua
-then adds no constraint: the gate stays the check)::
+then adds no constraint: the gate stays the check; ``tests/test_lua_submit.py`` runs one
+corpus of files through both)::
 
-    ncclguard-classes 1
+    ncclguard-classes 2
     verified 1764523456          # Slurm was seen holding these features at this time
     min_nodes 2                  # [policy] min_nodes: smaller jobs are not checked
     max_alternatives 64          # [features] max_alternatives
     opt_out 1                    # [gate] allow_opt_out: ncclguard=off in comment/extra
+    required_nodes refuse        # [features] required_nodes: -w across classes
     guarded *                    # [policy] partitions ("*": every partition)
+    default debug                # Slurm's default partition (optional)
     partition * nc_1a2b3c4d:12 nc_99aa00bb:4     # every node, largest class first
     partition gpu nc_1a2b3c4d:8 nc_99aa00bb:4
+    members nc_1a2b3c4d n[1-12]                  # each class's nodes (all classes)
+    members nc_99aa00bb gpu[01-04]
     end
 
-``verified`` is rewritten by the sync daemon each time it has seen Slurm holding the
-features; the lua trusts the file only while ``verified`` is recent and not older than
-its own start (a restarted slurmctld lost the runtime features, docs/scheduling.md).
+Line 1 and line 2 are fixed: the sync rewrites ``verified`` every few seconds, and the
+lua parses the rest again only when it changed (its cost per submission does not grow
+with the file). ``verified`` is trusted only while recent and not older than the lua's
+own start (a restarted slurmctld lost the runtime features, docs/scheduling.md).
+
+``members`` lists use one bracket set per item, over trailing digits only
+(:func:`ncclguard.hostlist.compress`), which the lua expands; every host is in one class
+at most. They let the lua refuse, at submit, a job whose required nodes (``-w``) span
+classes (Slurm gives a job its required nodes whatever its constraint). Where they
+would make the file larger than :data:`MAX_BYTES`, they are left out and
+``required_nodes`` says ``gate``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ncclguard.audit import check_dir
 from ncclguard.policy.schedule import MAX_ALTERNATIVES, ClassCount
+from ncclguard.sched.group import FEATURE
 from ncclguard.spool import atomic_write
 
-__all__ = ["MAGIC", "ClassFile", "ClassFileError", "parse", "read", "render", "write"]
+__all__ = [
+    "MAGIC",
+    "REQUIRED_NODES",
+    "ClassFile",
+    "ClassFileError",
+    "expand_members",
+    "parse",
+    "read",
+    "read_bytes",
+    "render",
+    "write",
+    "write_bytes",
+]
 
-MAGIC = "ncclguard-classes 1"
+MAGIC = "ncclguard-classes 2"
 FILE_MODE = 0o644  # slurmctld (SlurmUser) reads it; the sync (SlurmUser) writes it
-MAX_BYTES = 1 << 20
+MAX_BYTES = 1 << 20  # job_submit.lua's MAX_FILE
 #: job_submit.lua's FRESH_S: it ignores a file verified longer ago than this
-#: (tests/test_sched.py checks that the two agree).
+#: (tests/test_lua_submit.py checks that the two agree).
 LUA_FRESH_S = 60
 ALL = "*"  # the partition entry for every node, and "every partition is guarded"
+#: ``[features] required_nodes``: a job whose -w nodes span classes is refused at submit
+#: (``refuse``), or left to the gate (``gate``).
+REQUIRED_NODES = ("refuse", "gate")
+#: The most hosts the members lines may name (the lua expands them).
+MAX_MEMBERS = 1 << 18
 
-_FEATURE = re.compile(r"nc_(?:unknown|[0-9a-f]{8,64})")
 _PARTITION = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _DIGITS = re.compile(r"[0-9]{1,18}")
 _SPACE = re.compile(r"[ \t\r\v\f]+")
+_ITEM = r"[^\[\],\s]*\[[0-9,-]+\]|[^\[\],\s]+"
+_HOSTLIST = re.compile(rf"(?:{_ITEM})(?:,(?:{_ITEM}))*")
+_HOSTLIST_ITEM = re.compile(
+    r"(?P<prefix>[^\[\],\s]*)\[(?P<ranges>[0-9,-]+)\]|(?P<name>[^\[\],\s]+)")
+_RANGE = re.compile(r"(?P<lo>[0-9]{1,9})(?:-(?P<hi>[0-9]{1,9}))?")
+_NUMBERS = ("verified", "min_nodes", "max_alternatives", "opt_out")
+#: the one-word settings, and what their word may be
+_WORDS = {
+    "required_nodes": REQUIRED_NODES.__contains__,
+    "default": lambda w: _PARTITION.fullmatch(w) is not None,
+}
 
 
 class ClassFileError(ValueError):
@@ -55,31 +99,39 @@ class ClassFile:
     min_nodes: int = 2
     max_alternatives: int = MAX_ALTERNATIVES
     opt_out: bool = True
+    required_nodes: str = "refuse"
     guarded: tuple[str, ...] = ()  # () = every partition
     default: str | None = None  # Slurm's default partition: for jobs that name none
     partitions: dict[str, tuple[ClassCount, ...]] = field(default_factory=dict)
+    members: dict[str, str] = field(default_factory=dict)  # class -> compressed hostlist
 
 
 def render(cf: ClassFile) -> bytes:
-    lines = [
+    bad = [p for p in cf.guarded if not _PARTITION.fullmatch(p)]
+    if bad:
+        raise ClassFileError(f"[policy] partitions: {bad[0]!r} is not a partition name "
+                             "job_submit.lua can match (letters, digits, _ . -; 64 at most)")
+    head = [
         MAGIC,
         f"verified {int(cf.verified)}",
         f"min_nodes {cf.min_nodes}",
         f"max_alternatives {cf.max_alternatives}",
         f"opt_out {int(cf.opt_out)}",
-        "guarded " + (" ".join(cf.guarded) if cf.guarded else ALL),
     ]
-    bad = [p for p in cf.guarded if not _PARTITION.fullmatch(p)]
-    if bad:
-        raise ClassFileError(f"[policy] partitions: {bad[0]!r} is not a partition name "
-                             "job_submit.lua can match (letters, digits, _ . -; 64 at most)")
+    rest = ["guarded " + (" ".join(cf.guarded) if cf.guarded else ALL)]
     if cf.default is not None and _PARTITION.fullmatch(cf.default):
-        lines.append(f"default {cf.default}")
+        rest.append(f"default {cf.default}")
     for name, classes in cf.partitions.items():
         if name != ALL and not _PARTITION.fullmatch(name):
             continue  # not a name the lua would match: Slurm's own are plain words
-        lines.append(" ".join(["partition", name, *(f"{c.feature}:{c.nodes}" for c in classes)]))
-    lines.append("end")
+        rest.append(" ".join(["partition", name, *(f"{c.feature}:{c.nodes}" for c in classes)]))
+    members = [f"members {f} {hosts}" for f, hosts in sorted(cf.members.items())]
+    required = cf.required_nodes
+    size = sum(len(line) + 1 for line in (*head, *rest, *members)) + 40
+    if size > MAX_BYTES or sum(len(expand_members(h)) for h in cf.members.values()) \
+            > MAX_MEMBERS:
+        members, required = [], "gate"  # too many nodes for the lua: -w is the gate's
+    lines = [*head, f"required_nodes {required}", *rest, *members, "end"]
     return ("\n".join(lines) + "\n").encode()
 
 
@@ -88,12 +140,17 @@ def parse(text: str, where: str = "classes file") -> ClassFile:
     if not text.endswith("\n"):
         raise ClassFileError(f"{where}: cut short (no final newline)")
     lines = text.split("\n")
-    if not lines or lines[0] != MAGIC:
+    if lines[0] != MAGIC:
         raise ClassFileError(f"{where}: line 1 is not {MAGIC!r}")
-    values: dict[str, str] = {}
+    m = re.fullmatch(r"verified ([0-9]{1,18})", lines[1]) if len(lines) > 2 else None
+    if m is None:
+        raise ClassFileError(f"{where}: line 2 is not 'verified <seconds>'")
+    values: dict[str, str] = {"verified": m[1]}
     partitions: dict[str, tuple[ClassCount, ...]] = {}
+    members: dict[str, str] = {}
+    seen: set[str] = set()
     ended = False
-    for n, line in enumerate(lines[1:], start=2):
+    for n, line in enumerate(lines[2:], start=3):
         words = [w for w in _SPACE.split(line) if w]  # ASCII white space, as lua's %s
         if not words:
             continue
@@ -102,12 +159,11 @@ def parse(text: str, where: str = "classes file") -> ClassFile:
         key = words[0]
         if key == "end" and len(words) == 1:
             ended = True
-        elif key in ("verified", "min_nodes", "max_alternatives", "opt_out") and len(words) == 2:
+        elif key in _NUMBERS and len(words) == 2:
             if not _DIGITS.fullmatch(words[1]) or key in values:
                 raise ClassFileError(f"{where}: line {n}: {line[:80]!r}")
             values[key] = words[1]
-        elif key == "default" and len(words) == 2 and _PARTITION.fullmatch(words[1]) \
-                and key not in values:
+        elif key in _WORDS and len(words) == 2 and _WORDS[key](words[1]) and key not in values:
             values[key] = words[1]
         elif key == "guarded" and len(words) >= 2 and key not in values:
             if words[1:] != [ALL] and not all(_PARTITION.fullmatch(w) for w in words[1:]):
@@ -118,12 +174,23 @@ def parse(text: str, where: str = "classes file") -> ClassFile:
             if (name != ALL and not _PARTITION.fullmatch(name)) or name in partitions:
                 raise ClassFileError(f"{where}: line {n}: partition {name[:80]!r}")
             partitions[name] = tuple(_class(w, where, n) for w in words[2:])
+        elif key == "members" and len(words) == 3:
+            feature, hosts = words[1], words[2]
+            if not FEATURE.fullmatch(feature) or feature in members:
+                raise ClassFileError(f"{where}: line {n}: not a class: {feature[:80]!r}")
+            try:
+                names = expand_members(hosts, MAX_MEMBERS - len(seen))
+            except ValueError as e:
+                raise ClassFileError(f"{where}: line {n}: {e}") from None
+            if seen.intersection(names) or len(set(names)) != len(names):
+                raise ClassFileError(f"{where}: line {n}: a host in two classes")
+            seen.update(names)
+            members[feature] = hosts
         else:
             raise ClassFileError(f"{where}: line {n}: not understood: {line[:80]!r}")
     if not ended:
         raise ClassFileError(f"{where}: no 'end' line (cut short?)")
-    missing = [k for k in ("verified", "min_nodes", "max_alternatives", "opt_out", "guarded")
-               if k not in values]
+    missing = [k for k in (*_NUMBERS, "required_nodes", "guarded") if k not in values]
     if missing:
         raise ClassFileError(f"{where}: missing {', '.join(missing)}")
     alternatives = int(values["max_alternatives"])
@@ -135,39 +202,98 @@ def parse(text: str, where: str = "classes file") -> ClassFile:
         min_nodes=int(values["min_nodes"]),
         max_alternatives=alternatives,
         opt_out=values["opt_out"] == "1",
+        required_nodes=values["required_nodes"],
         guarded=() if guarded == [ALL] else tuple(guarded),
         default=values.get("default"),
         partitions=partitions,
+        members=members,
     )
 
 
 def _class(word: str, where: str, n: int) -> ClassCount:
     feature, _, count = word.partition(":")
-    if not _FEATURE.fullmatch(feature) or not _DIGITS.fullmatch(count):
+    if not FEATURE.fullmatch(feature) or not _DIGITS.fullmatch(count):
         raise ClassFileError(f"{where}: line {n}: not a class: {word[:80]!r}")
     return ClassCount(feature, int(count))
 
 
+def expand_members(hostlist: str, limit: int = MAX_MEMBERS) -> list[str]:
+    """The hosts of a ``members`` list, as the lua expands them: comma-separated items,
+    each a name or ``prefix[ranges]`` (the width of ``lo`` sets the zero padding).
+    ``ValueError`` past ``limit`` hosts or for anything else."""
+    if _HOSTLIST.fullmatch(hostlist) is None:
+        raise ValueError(f"not a list of names and prefix[ranges]: {hostlist[:80]!r}")
+    out: list[str] = []
+    for m in _HOSTLIST_ITEM.finditer(hostlist):
+        if m["ranges"] is None:
+            out.append(m["name"])
+        else:
+            for r in m["ranges"].split(","):
+                rm = _RANGE.fullmatch(r)
+                if rm is None:
+                    raise ValueError(f"not a range: {r[:80]!r}")
+                lo = int(rm["lo"])
+                hi = int(rm["hi"]) if rm["hi"] is not None else lo
+                if hi < lo or len(out) + hi - lo + 1 > limit:
+                    raise ValueError(f"range {r!r}: backwards or more than {limit} hosts")
+                width = len(rm["lo"])
+                out.extend(f"{m['prefix']}{i:0{width}d}" for i in range(lo, hi + 1))
+        if len(out) > limit:
+            raise ValueError(f"more than {limit} hosts")
+    return out
+
+
 def write(path: Path, cf: ClassFile) -> None:
     """Replace the file atomically, in a directory only we (or root) can write: the lua
-    trusts what it reads there. :class:`ClassFileError` names the path and the cause."""
+    trusts what it reads there. Written by root (an admin's ``ncclguard features sync``),
+    it is given to the directory's owner (SlurmUser), whose slurmctld opens it read-write
+    (job_submit.lua: that open never blocks). :class:`ClassFileError` names the path and
+    the cause."""
+    write_bytes(path, render(cf))
+
+
+def write_bytes(path: Path, data: bytes) -> None:
+    """:func:`write` of a rendered file."""
     try:
         path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
         check_dir(path.parent, "the file of classes")
-        atomic_write(path, render(cf), FILE_MODE)
+        atomic_write(path, data, FILE_MODE)
+        if os.geteuid() == 0:
+            st = os.stat(path.parent)
+            if st.st_uid != 0:
+                os.chown(path, st.st_uid, st.st_gid, follow_symlinks=False)
     except OSError as e:
         raise ClassFileError(f"{path}: cannot write: {e.strerror or e}") from None
 
 
 def read(path: Path) -> ClassFile:
-    try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_BYTES + 1)
-    except OSError as e:
-        raise ClassFileError(f"{path}: cannot read: {e.strerror or e}") from None
-    if len(data) > MAX_BYTES:
-        raise ClassFileError(f"{path}: larger than {MAX_BYTES} bytes")
+    """The file, parsed (:func:`read_bytes`)."""
+    data = read_bytes(path)
     try:
         return parse(data.decode("utf-8"), str(path))
     except UnicodeDecodeError as e:
         raise ClassFileError(f"{path}: not UTF-8 ({e.reason})") from None
+
+
+def read_bytes(path: Path) -> bytes:
+    """The file's bytes; only a regular file is read, and opening never blocks (a FIFO put
+    there would otherwise hold the reader until something writes it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise ClassFileError(f"{path}: cannot read: {e.strerror or e}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ClassFileError(f"{path}: not a regular file; not reading it")
+        if st.st_size > MAX_BYTES:
+            raise ClassFileError(f"{path}: larger than {MAX_BYTES} bytes")
+        with contextlib.closing(os.fdopen(fd, "rb", closefd=False)) as f:
+            data = f.read(MAX_BYTES + 1)
+    except OSError as e:
+        raise ClassFileError(f"{path}: cannot read: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
+    if len(data) > MAX_BYTES:
+        raise ClassFileError(f"{path}: larger than {MAX_BYTES} bytes")
+    return data

@@ -2,7 +2,7 @@
 
     Slurm's nodes ──┐
                     ├─▶ plan: each node's features = its own + its class ─▶ updates
-    inventory ──────┘   (scheduling_classes: the gate's values, refuse-level rules)
+    inventory ──────┘   (each node's class key, its name: ncclguard/sched/classes.py)
                                                                   │
       one ``scontrol update NodeName=<hostlist>`` per distinct new list, only for
       nodes whose lists differ; then the file of classes (verified = now)
@@ -17,25 +17,27 @@ hook that fires on its own update finds nothing left to do.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
-import re
+import stat
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ncclguard.audit import AuditError, lock
 from ncclguard.config import Config
 from ncclguard.hostlist import compress
-from ncclguard.policy import GATE_VALUES, stale_hosts
+from ncclguard.policy import stale_hosts
 from ncclguard.policy.schedule import (
     ClassCount,
+    class_features,
+    class_values,
+    feature_names,
     is_class_feature,
     rank_classes,
-    scheduling_classes,
 )
-from ncclguard.sched import classfile
+from ncclguard.sched import classfile, group
+from ncclguard.sched.submit import choose, constraints
 from ncclguard.slurm import NodeInfo, Slurm, SlurmError
 from ncclguard.store import Inventory
 
@@ -71,6 +73,7 @@ class Plan:
 class SyncResult:
     plan: Plan
     applied: list[Update] = field(default_factory=list)
+    failed: list[tuple[Update, str]] = field(default_factory=list)  # and why
     errors: list[str] = field(default_factory=list)
     written: Path | None = None
     regrouped: list[tuple[str, str, str]] = field(default_factory=list)  # (job, old, new)
@@ -79,18 +82,22 @@ class SyncResult:
 
 def desired(config: Config, hosts: Sequence[str], now: float | None = None,
             inventory: Inventory | None = None) -> dict[str, str | None]:
-    """Each host's class feature, from the gate's own view of the inventory: its values,
-    and the same freshness test (stale nodes follow ``unknown-node``)."""
+    """Each host's class feature: its class in the inventory
+    (:meth:`~ncclguard.store.Inventory.class_keys`, named over every class of the
+    inventory), with the gate's freshness test (stale nodes follow ``unknown-node``).
+    ``inventory``: the caller's, opened with the policy's classes, left open."""
     now = time.time() if now is None else now
-    if inventory is not None:  # the caller's, left open
-        records = inventory.load_values(hosts)
+    if inventory is not None:
+        every, beats = inventory.class_keys(), inventory.heartbeats()
     else:
-        with Inventory(readonly=True, values=GATE_VALUES, config=config.inventory) as inv:
-            records = inv.load_values(hosts)
-    stale = stale_hosts({h: r[1] for h, r in records.items() if r is not None}, now,
+        with Inventory(readonly=True, values=class_values(config.policy),
+                       config=config.inventory) as inv:
+            every, beats = inv.class_keys(), inv.heartbeats()
+    keys = {h: every.get(h) for h in hosts}
+    stale = stale_hosts({h: beats[h] for h in hosts if keys[h] is not None and h in beats}, now,
                         config.inventory.stale_after_s)
-    values = {h: (r[0] if r is not None else None) for h, r in records.items()}
-    return scheduling_classes(values, config.policy, stale)
+    names = feature_names(k for k in every.values() if k is not None)
+    return class_features(keys, config.policy, stale, names=names)
 
 
 def plan(nodes: Sequence[NodeInfo], classes: Mapping[str, str | None]) -> Plan:
@@ -123,14 +130,20 @@ def class_table(config: Config, nodes: Sequence[NodeInfo], classes: Mapping[str,
     table: dict[str, tuple[ClassCount, ...]] = {
         p: tuple(rank_classes(classes, hosts, limit=limit)) for p, hosts in members.items()
     }
+    by_class: dict[str, list[str]] = {}
+    for n in nodes:
+        if (cls := classes.get(n.name)) is not None:
+            by_class.setdefault(cls, []).append(n.name)
     return classfile.ClassFile(
         verified=int(verified),
         min_nodes=config.policy.min_nodes,
         max_alternatives=limit,
         opt_out=config.gate.allow_opt_out,
+        required_nodes=config.features.required_nodes,
         guarded=tuple(config.policy.partitions),
         default=default,
         partitions=table,
+        members={f: compress(hosts) for f, hosts in by_class.items()},
     )
 
 
@@ -145,11 +158,15 @@ def _locked(path: Path, wait_s: float = 30.0) -> Iterator[None]:
     """One sync at a time (daemon, hooks, admins): an flock on ``<file>.lock``."""
     path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
     lock_path = Path(f"{path}.lock")
-    try:  # read-only: flock needs no more, and a lock file root created still opens
-        fd = os.open(lock_path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:  # read-only: flock needs no more, and a lock file root created still opens;
+        # O_NONBLOCK: a FIFO put there must not hold the sync (and the hooks) for ever
+        fd = os.open(lock_path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+                     | os.O_NONBLOCK, 0o644)
     except OSError as e:
         raise classfile.ClassFileError(f"{lock_path}: cannot open: {e.strerror or e}") from None
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise classfile.ClassFileError(f"{lock_path}: not a regular file; no sync")
         try:
             lock(fd, lock_path, wait_s, "no sync", poll_s=0.05)
         except AuditError as e:
@@ -160,11 +177,16 @@ def _locked(path: Path, wait_s: float = 30.0) -> Iterator[None]:
 
 
 def sync(config: Config, slurm: Slurm, *, dry_run: bool = False, now: float | None = None,
-         inventory: Inventory | None = None) -> SyncResult:
+         inventory: Inventory | None = None,
+         classes: Callable[[Sequence[str]], Mapping[str, str | None]] | None = None,
+         skip: Collection[str] = ()) -> SyncResult:
     """Read Slurm's nodes and the inventory, apply the updates (unless ``dry_run``), and
     write the file of classes when Slurm holds every feature it names.
 
-    ``inventory``: an open one to read (the CLI's), else the configured one.
+    ``inventory``: an open one to read (the CLI's), else the configured one. ``classes``:
+    each node's class from the names of Slurm's nodes, instead of :func:`desired` (the
+    daemon's, with flapping nodes held). ``skip``: nodes whose update is not tried now
+    (the daemon backs off from updates Slurm refused); they count as failed.
     ``SlurmError`` from reading the nodes, ``ClassFileError`` or ``InventoryError``
     propagate. While features move, the file names only classes Slurm has before and
     after; a failed update is reported in ``errors``, and the file then names only what
@@ -176,8 +198,8 @@ def sync(config: Config, slurm: Slurm, *, dry_run: bool = False, now: float | No
     lock = contextlib.nullcontext() if dry_run else _locked(path)
     with lock:
         nodes = slurm.nodes()
-        classes = desired(config, [n.name for n in nodes], now, inventory)
-        p = plan(nodes, classes)
+        names = [n.name for n in nodes]
+        p = plan(nodes, classes(names) if classes else desired(config, names, now, inventory))
         result = SyncResult(p, dry_run=dry_run)
         if dry_run:
             return result
@@ -190,11 +212,15 @@ def sync(config: Config, slurm: Slurm, *, dry_run: bool = False, now: float | No
                                                      for h, c in p.classes.items()}, now,
                                      default))
         for u in p.updates:
+            if skip and any(h in skip for h in u.hosts):
+                result.failed.append((u, "not tried again yet (backing off)"))
+                continue
             try:
                 slurm.set_features(u.hosts, u.available, u.active)
                 result.applied.append(u)
             except SlurmError as e:
-                result.errors.append(f"{compress(u.hosts)}: {e}")
+                result.failed.append((u, str(e)))
+        result.errors += [f"{compress(u.hosts)}: {why}" for u, why in result.failed]
         if result.errors:
             # some updates failed: the file names what Slurm reports it has, nothing else
             try:
@@ -212,9 +238,6 @@ def sync(config: Config, slurm: Slurm, *, dry_run: bool = False, now: float | No
         return result
 
 
-_GROUP = re.compile(r"(?:\((?P<user>[^()\[\]*]*)\)&)?\[(?P<group>[^\[\]]*)\]")
-
-
 def regroup_pending(slurm: Slurm, cf: classfile.ClassFile, errors: list[str]
                     ) -> list[tuple[str, str, str]]:
     """Pending jobs whose class group (as job_submit.lua wrote it) names a class the file no
@@ -224,21 +247,20 @@ def regroup_pending(slurm: Slurm, cf: classfile.ClassFile, errors: list[str]
     sizes = {name: {k.feature: k.nodes for k in lst} for name, lst in cf.partitions.items()}
     changed = []
     for job, features, partition, need in slurm.pending_features():
-        m = _GROUP.fullmatch(features)
-        if not m:
-            continue
-        group = m["group"].split("|")
-        if not all(is_class_feature(g) for g in group):
-            continue  # a user's own bracket group
+        parsed = group.parse(features)
+        if parsed is None:
+            continue  # no group, or a user's own
+        user, classes = parsed
         name = partition if partition in sizes else (cf.default if cf.default in sizes
                                                      else classfile.ALL)
         here = sizes.get(name, {})
-        if all(here.get(g, 0) >= need for g in group):
+        if all(here.get(g, 0) >= need for g in classes):
             continue  # every class it names still exists and fits
-        fits = [f for f, n in here.items() if n >= need][: cf.max_alternatives]
-        if not fits:
+        joined = constraints(choose(cf.partitions.get(name, ()), need, cf.max_alternatives),
+                             user, None)
+        if joined is None:
             continue  # nothing fits now: it waits, and the gate checks it when it starts
-        new = (f"({m['user']})&" if m["user"] else "") + "[" + "|".join(fits) + "]"
+        new = joined[0]
         try:
             slurm.update_job(job, Features=new)
             changed.append((job, features, new))
@@ -248,14 +270,24 @@ def regroup_pending(slurm: Slurm, cf: classfile.ClassFile, errors: list[str]
 
 
 def mark_verified(config: Config, now: float | None = None) -> bool:
-    """Rewrite the file with ``verified = now`` (Slurm was just seen holding its
-    features); False when there is no readable file to confirm."""
+    """Set the file's ``verified`` to now (Slurm was just seen holding its features): line 2
+    rewritten, the rest as the last sync wrote it (no parse: at 16,384 nodes that would
+    cost more than the pass's one Slurm call); False when there is no file of ours to
+    confirm."""
     path = Path(config.features.classes_file)
     with _locked(path):
         try:
-            cf = classfile.read(path)
+            data = classfile.read_bytes(path)
         except classfile.ClassFileError:
             return False
-        classfile.write(path, dataclasses.replace(
-            cf, verified=int(time.time() if now is None else now)))
+        head, _, rest = data.partition(b"\n")
+        line2, _, body = rest.partition(b"\n")
+        if head != classfile.MAGIC.encode() or not line2.startswith(b"verified ") \
+                or not body.endswith(b"\nend\n"):
+            return False
+        stamp = int(time.time() if now is None else now)
+        try:
+            classfile.write_bytes(path, b"%s\nverified %d\n%s" % (head, stamp, body))
+        except classfile.ClassFileError:
+            return False
         return True

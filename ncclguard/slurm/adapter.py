@@ -17,6 +17,10 @@ An optional ``deadline`` (a ``time.monotonic()`` value) caps every call's timeou
 caller with a hard budget (the prolog) can never overrun it in here.
 
 This module is imported by the prolog only on paths that call Slurm: standard library only.
+
+Over 500 lines: the one module that runs a Slurm command (docs/development.md): every
+call, its arguments, its time limit and its reading live together, so that no other
+module runs one.
 """
 
 from __future__ import annotations
@@ -51,6 +55,34 @@ def _node_list(nodes: str | Iterable[str]) -> str:
     if not text or any(c.isspace() for c in text) or text.startswith("-"):
         raise SlurmError(f"not a node list: {text!r}")
     return text
+
+
+#: The longest hostlist put in one argument, in bytes. Linux refuses to run a command with
+#: an argument over 128 KiB (``MAX_ARG_STRLEN``: "Argument list too long"); a node update
+#: naming more is compressed and split (:func:`ncclguard.hostlist.compress_within`), one
+#: ``scontrol update`` per part.
+HOSTLIST_ARG_MAX = 64 * 1024
+
+
+def _node_lists(nodes: str | Iterable[str]) -> list[str]:
+    """``nodes`` as compressed hostlists (``gpu[00001-16384]``, as Slurm reads them), each
+    at most :data:`HOSTLIST_ARG_MAX` bytes: one, unless the names do not compress."""
+    from ncclguard.hostlist import HostlistError, compress_within, expand
+
+    try:
+        if isinstance(nodes, str):
+            text = _node_list(nodes)
+            if len(text.encode()) <= HOSTLIST_ARG_MAX:
+                return [text]
+            names = expand(text)
+        else:
+            names = list(nodes)
+        if not names or any(not n or n.startswith("-") or any(c.isspace() for c in n)
+                            for n in names):
+            raise SlurmError(f"not a node list: {','.join(names)[:200]!r}")
+        return compress_within(names, HOSTLIST_ARG_MAX)
+    except HostlistError as e:
+        raise SlurmError(f"not a node list: {e}") from None
 
 
 def _job_id(job_id: int | str) -> str:
@@ -110,39 +142,75 @@ class Slurm:
             env["SLURM_CONF"] = self.conf
         return env
 
-    def run(self, name: str, args: Sequence[str], *, timeout: float | None = None) -> str:
-        """Run one Slurm command; its stdout, or :class:`SlurmError`.
-
-        Messages name the command by its name, not its path, and quote what Slurm said
-        without the ``/usr/bin/scontrol: `` prefix that 24.11 adds, so that they read the
-        same on every release."""
-        argv = [self.program(name), *args]
-        shown = " ".join([name, *args[:2]])
+    def _limit(self, name: str, argv: Sequence[str], timeout: float | None) -> float:
         limit = self.timeout if timeout is None else timeout
         if self.deadline is not None:
             left = self.deadline - time.monotonic()
             if left <= 0.05:
                 raise SlurmTimeout(f"{name}: no time left before the deadline", argv)
             limit = min(limit, left)
+        return limit
+
+    def run(self, name: str, args: Sequence[str], *, timeout: float | None = None) -> str:
+        """Run one Slurm command; its stdout, or :class:`SlurmError`.
+
+        Messages name the command by its name, not its path, and quote what Slurm said
+        without the ``/usr/bin/scontrol: `` prefix that 24.11 adds, so that they read the
+        same on every release."""
+        return self.run_all([(name, args)], timeout=timeout)[0]
+
+    def run_all(self, calls: Sequence[tuple[str, Sequence[str]]], *,
+                timeout: float | None = None) -> list[str]:
+        """Run Slurm commands at the same time, under one limit (the timeout, capped by
+        the deadline); their stdouts in order, or the first :class:`SlurmError` (the
+        others are then killed). Two narrow reads that each wait for slurmctld's locks
+        (a backfill cycle holds them up to ``bf_yield_interval``, 2 s) wait once."""
+        procs: list[tuple[str, list[str], subprocess.Popen[str]]] = []
         try:
-            r = subprocess.run(
-                argv,
-                env=self.env(),
-                stdin=subprocess.DEVNULL,
-                capture_output=True,
-                text=True,
-                errors="replace",
-                timeout=limit,
-                close_fds=True,
-            )
-        except subprocess.TimeoutExpired:
-            raise SlurmTimeout(f"{shown}: timed out after {limit:.1f}s", argv) from None
-        except OSError as e:
-            raise SlurmError(f"{name}: cannot run {argv[0]}: {e.strerror or e}", argv) from None
-        if r.returncode != 0:
-            err = _without_program(r.stderr.strip() or r.stdout.strip(), argv[0], name)
-            raise SlurmError(f"{shown}: exit {r.returncode}: {err[:500]}", argv, r.returncode, err)
-        return r.stdout
+            limit = 0.0
+            for name, args in calls:
+                argv = [self.program(name), *args]
+                limit = self._limit(name, argv, timeout)
+                try:
+                    p = subprocess.Popen(
+                        argv, env=self.env(), stdin=subprocess.DEVNULL,
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                        errors="replace", close_fds=True,
+                    )
+                except OSError as e:
+                    raise SlurmError(f"{name}: cannot run {argv[0]}: {e.strerror or e}",
+                                     argv) from None
+                procs.append((name, argv, p))
+            end = time.monotonic() + limit
+            outs = []
+            for name, argv, p in procs:
+                shown = " ".join([name, *argv[1:3]])
+                try:
+                    out, err = p.communicate(timeout=max(end - time.monotonic(), 0.001))
+                except subprocess.TimeoutExpired:
+                    raise SlurmTimeout(f"{shown}: timed out after {limit:.1f}s", argv) from None
+                if p.returncode != 0:
+                    text = _without_program(err.strip() or out.strip(), argv[0], name)
+                    raise SlurmError(f"{shown}: exit {p.returncode}: {text[:500]}", argv,
+                                     p.returncode, text)
+                outs.append(out)
+            return outs
+        finally:
+            for _, _, p in procs:  # as subprocess.run does on a timeout: kill and reap (a
+                if p.poll() is None:  # child it left holding the pipes is not waited for)
+                    p.kill()
+                p.wait()
+                for f in (p.stdout, p.stderr):
+                    if f is not None:
+                        f.close()
+
+    def ping(self) -> bool:
+        """Whether the controller answers (``scontrol ping``: ``is UP``); False when it
+        does not, within this call's timeout."""
+        try:
+            return " is UP" in self.run("scontrol", ["ping"])
+        except SlurmError:
+            return False
 
     def version(self) -> Release:
         """The release of the Slurm commands (``scontrol --version``), asked once per
@@ -194,9 +262,61 @@ class Slurm:
             found = parse_nodes(self._json("sinfo", [], ["--json"]), "sinfo --json")
         return [n for n in found if wanted is None or n.name in wanted]
 
+    def partitions(self) -> dict[str, str]:
+        """Every partition (hidden ones too) and its nodes as Slurm's compressed hostlist
+        (``gpu[00001-16384]``; "" for none): ``scontrol -a -o show partition``, the same
+        text on every release. Its size grows with the partitions, not with the nodes:
+        a few hundred bytes at 16,384 nodes, where the node list is 21 MB of JSON on
+        22.05 (docs/perf.md). slurmctld answers it under its partition read lock alone,
+        which a backfill cycle does not hold against it (docs/slurm-versions.md)."""
+        out = self.run("scontrol", ["-a", "-o", "show", "partition"])
+        parts: dict[str, str] = {}
+        for line in out.splitlines():
+            words = line.split()
+            if not words or not words[0].startswith("PartitionName="):
+                continue  # "No partitions in the system"
+            name = words[0].partition("=")[2]
+            nodes = [w.partition("=")[2] for w in words if w.startswith("Nodes=")]
+            if not name or len(nodes) != 1:
+                raise SlurmSchemaError(f"scontrol show partition: a line without one "
+                                       f"PartitionName and one Nodes: {line[:200]!r}")
+            parts[name] = "" if nodes[0] == "(null)" else nodes[0]
+        return parts
+
     def partition_nodes(self, partition: str) -> list[str]:
-        """The names of the nodes in ``partition`` (any state)."""
-        return [n.name for n in self.nodes() if partition in n.partitions]
+        """The names of the nodes in ``partition`` (any state; [] for an unknown one),
+        from :meth:`partitions`."""
+        from ncclguard.hostlist import HostlistError, expand
+
+        text = self.partitions().get(partition, "")
+        try:
+            return expand(text) if text else []
+        except HostlistError as e:
+            raise SlurmSchemaError(f"scontrol show partition {partition}: Nodes={text[:200]!r}: "
+                                   f"{e}") from None
+
+    def feature_groups(self) -> list[tuple[str, bool, str, tuple[str, ...]]]:
+        """``(partition, is the default, hostlist, active features)`` for each group of a
+        partition's nodes with the same active features, as ``sinfo -a -h -o "%P|%N|%b"``
+        groups them (the same text on every release): 32 classes in one partition of
+        16,384 nodes make 32 lines, where the node list is 21 MB of JSON on 22.05. Nodes
+        of no partition are not listed. Partition names and hostlists never hold ``|``; a
+        node's features never hold a comma."""
+        out = self.run("sinfo", ["-a", "-h", "-o", "%P|%N|%b"])
+        groups: list[tuple[str, bool, str, tuple[str, ...]]] = []
+        for line in out.splitlines():
+            if not line.strip():
+                continue
+            part, hosts, features = [*line.split("|", 2), "", ""][:3]
+            if not part or not hosts or any(c.isspace() for c in part + hosts) \
+                    or line.count("|") < 2:
+                raise SlurmSchemaError(f"sinfo -o %P|%N|%b: not a partition, a hostlist and "
+                                       f"features: {line[:200]!r}")
+            feats = () if features in ("", "(null)") else tuple(
+                f for f in features.split(",") if f)
+            default = part.endswith("*")
+            groups.append((part[:-1] if default else part, default, hosts, feats))
+        return groups
 
     def default_partition(self) -> str | None:
         """The partition Slurm gives a job that names none (``sinfo %P`` marks it ``*``)."""
@@ -240,6 +360,53 @@ class Slurm:
             if j.job_id == int(jid):
                 return j
         return None
+
+    def job_brief(self, job_id: int | str, *, admin_comment: bool = True) -> JobInfo | None:
+        """One job's placement, for the gate and its follow-up: its state, partition,
+        required (``-w``) and excluded (``-x``) nodes and, with ``admin_comment``, its
+        AdminComment; None when Slurm no longer knows it.
+
+        ``squeue -h -t all -j J`` in text asks slurmctld for that one job on every
+        release (``slurm_load_job``), where 22.05's ``squeue --json`` lists every job
+        (31 MB with 10,000 queued: docs/perf.md). Two calls run at once
+        (:meth:`run_all`): ``-o "%A|%T|%P|%n|%x"`` (the same letters from 22.05 to
+        26.05) and ``-O "JobId:0|,admin_comment:0"``: ``-o`` has no letter for the
+        AdminComment, and ``-O`` has no ``ExcNodes`` before 24.05
+        (docs/slurm-versions.md). Width 0 prints a field whole. The AdminComment comes
+        last, ended by :data:`RECORD_END`: it may hold ``|`` and line breaks (only an
+        operator sets it); the other fields are a job id, a state, partition names and
+        hostlists, which never hold ``|``."""
+        jid = _job_id(job_id)
+        base = ["-h", "-t", "all", "-j", jid]
+        calls = [("squeue", [*base, "-o", "%A|%T|%P|%n|%x"])]
+        if admin_comment:
+            calls.append(("squeue", [*base, "-O", f"JobId:0|,admin_comment:0{RECORD_END}"]))
+        try:
+            outs = self.run_all(calls)
+        except SlurmError as e:
+            if type(e) is SlurmError and "Invalid job id" in f"{e} {e.stderr}":
+                return None
+            raise
+        placed = None
+        for line in outs[0].splitlines():
+            fields = line.split("|")
+            if len(fields) != 5 or not fields[0].isdigit():
+                raise SlurmSchemaError(f"squeue -j {jid} -o %A|%T|%P|%n|%x: not five fields: "
+                                       f"{line[:200]!r}")
+            if fields[0] == jid:
+                placed = fields
+        if placed is None:
+            return None
+        comment = _admin_comments(outs[1]).get(jid, "") if admin_comment else ""
+        unset = ("", "(null)")
+        return JobInfo(
+            job_id=int(jid),
+            state=placed[1],
+            partition=placed[2],
+            required_nodes="" if placed[3] in unset else placed[3],
+            excluded_nodes="" if placed[4] in unset else placed[4],
+            admin_comment="" if comment == "(null)" else comment,
+        )
 
     def job_state(self, job_id: int | str) -> str | None:
         """The job's state (``squeue -h -o %T``, the cheapest query), None if unknown."""
@@ -292,30 +459,25 @@ class Slurm:
 
     def drain(self, nodes: str | Iterable[str], reason: str) -> None:
         """Drain nodes with a reason (ncclguard reasons start with ``ncclguard:``)."""
-        self.run(
-            "scontrol",
-            [
-                "update",
-                f"NodeName={_node_list(nodes)}",
-                "State=DRAIN",
-                f"Reason={clean_text(reason, 250)}",
-            ],
-        )
+        self.update_nodes(nodes, "State=DRAIN", f"Reason={clean_text(reason, 250)}")
 
     def set_features(self, nodes: str | Iterable[str], available: Iterable[str],
                      active: Iterable[str] | None = None) -> None:
         """Set the available and active features of ``nodes`` (``active``: the same as
         ``available`` when not given). Each replaces the nodes' whole list
-        (slurm-facts.md: merge a node's own features back in). Needs root, SlurmUser or
-        a Slurm admin."""
+        (docs/slurm.md: merge a node's own features back in). Needs root, SlurmUser or
+        a Slurm admin.
+
+        A node's own features go back as Slurm reported them: Slurm takes any text but a
+        comma in a feature (``gpu:a100``, ``x=y``, ``a&b``, spaces: seen on 22.05.8), and
+        the list is one argument, never a shell word."""
         avail = list(available)
         act = avail if active is None else list(active)
-        bad = [f for f in (*avail, *act) if not f or any(c in f for c in _NOT_IN_FEATURE)]
+        bad = [f for f in (*avail, *act) if not f or "," in f or "\0" in f]
         if bad:
             raise SlurmError(f"not a feature name: {bad[0]!r}")
-        self.run("scontrol", ["update", f"NodeName={_node_list(nodes)}",
-                              f"AvailableFeatures={','.join(avail)}",
-                              f"ActiveFeatures={','.join(act)}"])
+        self.update_nodes(nodes, f"AvailableFeatures={','.join(avail)}",
+                          f"ActiveFeatures={','.join(act)}")
 
     def active_features(self, node: str) -> tuple[str, ...] | None:
         """One node's active features, asking slurmctld for that node only (``scontrol
@@ -333,10 +495,31 @@ class Slurm:
         raise SlurmError(f"scontrol show node {node}: no ActiveFeatures in {out[:200]!r}")
 
     def resume(self, nodes: str | Iterable[str]) -> None:
-        self.run("scontrol", ["update", f"NodeName={_node_list(nodes)}", "State=RESUME"])
+        self.update_nodes(nodes, "State=RESUME")
+
+    def update_nodes(self, nodes: str | Iterable[str], *fields: str) -> None:
+        """``scontrol update NodeName=<hostlist> FIELDS``, the hostlist compressed and, when
+        it would not fit in one argument, split: one call per part (the same fields each),
+        the first failure raised (the parts before it are applied; each update sets, so
+        a retry of the whole is harmless)."""
+        for part in _node_lists(nodes):
+            self.run("scontrol", ["update", f"NodeName={part}", *fields])
 
 
-_NOT_IN_FEATURE = frozenset(",=&|[]()*: \t\n")
+#: Ends each record of the AdminComment read (ASCII's record separator): a comment may
+#: hold line breaks and ``|``, never this (``clean_text`` drops it from ours; an operator
+#: who types one cuts their own comment there).
+RECORD_END = "\x1e"
+
+
+def _admin_comments(out: str) -> dict[str, str]:
+    """``squeue -O "JobId:0|,admin_comment:0<RECORD_END>"``: job id -> its AdminComment."""
+    found: dict[str, str] = {}
+    for record in out.split(RECORD_END + "\n"):
+        head, sep, comment = record.partition("|")
+        if sep and head.isdigit():
+            found[head] = comment.split(RECORD_END)[0].rstrip("\n")
+    return found
 
 
 def _without_program(text: str, path: str, name: str) -> str:

@@ -19,13 +19,12 @@ from ncclguard.store.errors import (
     InventoryReadOnly,
     InventoryUnsafe,
 )
-from ncclguard.store.inventory import DEFAULT_HEARTBEAT_S, CompatClass, Inventory, NodeRecord
+from ncclguard.store.inventory import DEFAULT_HEARTBEAT_S, Inventory, NodeClass, NodeRecord
 from ncclguard.store.schema import SCHEMA_VERSION, GateValues
 
 __all__ = [
     "DEFAULT_HEARTBEAT_S",
     "SCHEMA_VERSION",
-    "CompatClass",
     "GateValues",
     "Inventory",
     "InventoryCorrupt",
@@ -35,5 +34,6 @@ __all__ = [
     "InventoryMissing",
     "InventoryReadOnly",
     "InventoryUnsafe",
+    "NodeClass",
     "NodeRecord",
 ]

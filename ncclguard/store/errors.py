@@ -107,3 +107,13 @@ def hot_journal(e: sqlite3.Error, path: Path) -> bool:
 def busy(e: sqlite3.Error) -> bool:
     code = (getattr(e, "sqlite_errorcode", 0) or 0) & 0xFF
     return code in (_BUSY, _LOCKED) or "database is locked" in str(e)
+
+
+def database_failure(e: Exception) -> bool:
+    """An error of the database itself (busy, full, I/O, damaged), as opposed to a value
+    that cannot be bound or a constraint that one record breaks."""
+    if isinstance(e, sqlite3.ProgrammingError):  # a value of a type SQLite cannot bind
+        return "binding parameter" not in str(e)  # ... or a closed connection
+    return isinstance(e, sqlite3.DatabaseError) and not isinstance(
+        e, sqlite3.IntegrityError | sqlite3.DataError
+    )

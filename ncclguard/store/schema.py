@@ -117,7 +117,10 @@ def _migrate_1_to_2(conn: sqlite3.Connection, values: GateValues) -> None:
             fp = json.loads(fp_json)
         except ValueError:
             continue  # an unreadable fingerprint: the gate sees no record, i.e. unknown
-        write_gate_row(conn, host, gate_record(values, fp), heartbeat, values.version)
+        key, text, _ = gate_record(values, fp)  # the class key's column comes with v7
+        conn.execute("INSERT OR REPLACE INTO gate_nodes VALUES (?, ?, ?, ?)",
+                     (host, key, heartbeat, values.version))
+        conn.execute("INSERT OR IGNORE INTO policy_values VALUES (?, ?)", (key, text))
 
 
 class GateValues(Protocol):
@@ -126,7 +129,9 @@ class GateValues(Protocol):
     The policy owns it (``ncclguard.policy.GATE_VALUES``: its ``node_values`` and their
     version); the store's callers hand it in, so that the store never imports the policy.
     ``marker`` is a key that every record holds; ``check`` tells a record of the right
-    shape and types from one that is not (a check on what is decoded).
+    shape and types from one that is not (a check on what is decoded). With the classes
+    of a policy (``ncclguard.policy.schedule.class_values``): ``classify`` gives a
+    record's class key, ``class_policy`` names what the keys are derived under.
     """
 
     @property
@@ -137,6 +142,10 @@ class GateValues(Protocol):
     def compute(self) -> Callable[[dict[str, Any]], dict[str, Any]]: ...
     @property
     def check(self) -> Callable[[Any], bool]: ...
+    @property
+    def classify(self) -> Callable[[dict[str, Any]], str] | None: ...
+    @property
+    def class_policy(self) -> str | None: ...
 
 
 def _sha256() -> Callable[[bytes], Any]:
@@ -159,21 +168,26 @@ def record_key(version: int, text: str) -> str:
     return str(_sha256()(f"{version}:{text}".encode()).hexdigest()[:32])
 
 
-def gate_record(values: GateValues, fp: dict[str, Any]) -> tuple[str, str]:
-    """``(key, canonical JSON)`` of what the policy reads of one fingerprint."""
-    text = canonical_json(values.compute(fp))
-    return record_key(values.version, text), text
+def gate_record(values: GateValues, fp: dict[str, Any]) -> tuple[str, str, str | None]:
+    """``(key, canonical JSON, class key)`` of what the policy reads of one fingerprint
+    (the class key None without ``values.classify``: readers derive it then)."""
+    record = values.compute(fp)
+    text = canonical_json(record)
+    klass = values.classify(record) if values.classify is not None else None
+    return record_key(values.version, text), text, klass
 
 
 def write_gate_row(
-    conn: sqlite3.Connection, host: str, record: tuple[str, str], heartbeat: float, version: int
+    conn: sqlite3.Connection, host: str, record: tuple[str, str, str | None], heartbeat: float,
+    version: int,
 ) -> None:
-    key, text = record
+    key, text, klass = record
     old = conn.execute("SELECT policy_key FROM gate_nodes WHERE host = ?", (host,)).fetchone()
     conn.execute("INSERT OR IGNORE INTO policy_values VALUES (?, ?)", (key, text))
     conn.execute(
-        "INSERT OR REPLACE INTO gate_nodes VALUES (?, ?, ?, ?)",
-        (host, key, heartbeat, version),
+        "INSERT OR REPLACE INTO gate_nodes (host, policy_key, last_heartbeat, values_version, "
+        "class_key) VALUES (?, ?, ?, ?, ?)",
+        (host, key, heartbeat, version, klass),
     )
     if old is not None and old[0] != key:  # drop a record that no node uses any more
         conn.execute(
@@ -246,11 +260,42 @@ def _migrate_4_to_5(conn: sqlite3.Connection, values: GateValues) -> None:
     )
 
 
+def _migrate_5_to_6(conn: sqlite3.Connection, values: GateValues) -> None:
+    """Bounds (issue 25, docs/collector.md): ``history.bytes`` (the row's fingerprint and
+    diff) and ``history.stored_at`` (the writer's clock) behind the covering index
+    ``idx_history_usage``, for the per-node quota and change rate; ``images.attempts``
+    and ``images.retry_at``, the image index's back-off; ``collector_state``, when the
+    collector last wrote (``written``) and why the inventory cannot grow
+    (``pressure``); an index on ``container_runs.encoded_at`` for pruning by age."""
+    conn.execute("ALTER TABLE history ADD COLUMN bytes INTEGER NOT NULL DEFAULT 0")
+    conn.execute("ALTER TABLE history ADD COLUMN stored_at REAL NOT NULL DEFAULT 0")
+    conn.execute("UPDATE history SET bytes = length(CAST(fingerprint AS BLOB)) + "
+                 "length(CAST(diff AS BLOB)), stored_at = at")
+    conn.execute("CREATE INDEX idx_history_usage ON history (host, stored_at, bytes)")
+    conn.execute("ALTER TABLE images ADD COLUMN attempts INTEGER NOT NULL DEFAULT 0")
+    conn.execute("ALTER TABLE images ADD COLUMN retry_at REAL")
+    conn.execute("CREATE TABLE collector_state (name TEXT PRIMARY KEY, value TEXT, "
+                 "at REAL NOT NULL) WITHOUT ROWID")
+    conn.execute("CREATE INDEX idx_container_runs_at ON container_runs (encoded_at)")
+
+
+def _migrate_6_to_7(conn: sqlite3.Connection, values: GateValues) -> None:
+    """One class (issue 27, docs/store.md): ``gate_nodes.class_key``, each node's class
+    under the configured refuse-level rules (``ncclguard.policy.schedule.class_key``),
+    which ``ncclguard classes``, drains, the metrics and Slurm's features all name. The
+    column starts empty: the first writer that hands in a policy's classes derives every
+    node's (:meth:`ncclguard.store.Inventory.derive_classes`), and records under which
+    policy in ``collector_state`` (``class_policy``); until then readers derive them."""
+    conn.execute("ALTER TABLE gate_nodes ADD COLUMN class_key TEXT")
+
+
 MIGRATIONS: tuple[Callable[[sqlite3.Connection, GateValues], None], ...] = (
     _migrate_0_to_1,
     _migrate_1_to_2,
     _migrate_2_to_3,
     _migrate_3_to_4,
     _migrate_4_to_5,
+    _migrate_5_to_6,
+    _migrate_6_to_7,
 )
 SCHEMA_VERSION = len(MIGRATIONS)

@@ -4,7 +4,8 @@ With pyxis/enroot a job's libnccl comes from its image, and its net plugin from 
 (an injected one: enroot's ``mounts.d``, hooks, Apptainer binds) or from the image. On
 each node the effective stack is the image's libnccl with that plugin, used at the highest
 ABI both know, or, when they share none, NCCL's own transport of that node (NCCL logs
-``Failed to find ncclNetPlugin_vN symbol`` and falls back: docs/nccl-facts.md). Nothing in
+``Failed to find ncclNetPlugin_vN symbol`` and falls back: docs/nccl.md, "Plugins NCCL
+loads"). Nothing in
 NCCL compares the transports across ranks: a node on IB meeting one on a plugin hangs or
 fails with ``wrong type``.
 

@@ -1,10 +1,11 @@
 """gpu-driver, gpudirect: the NVIDIA driver version, and GPUDirect RDMA
 (``nvidia_peermem``) loaded on some nodes only.
 
-NCCL fact (docs/nccl-facts.md, "sysfs for RDMA devices"): the driver version is in
+NCCL fact (docs/nccl.md, "GPUs, RDMA devices and GPUDirect"): the driver version is in
 ``/proc/driver/nvidia/version``; GPUDirect RDMA needs ``nvidia_peermem`` (or the older
-``nv_peer_mem``). Without it NCCL stages through host memory on that node, so the job runs
-but every collective waits for it: a warning.
+``nv_peer_mem``), or DMA-BUF, which the fingerprint does not see. Without it NCCL stages
+through host memory on that node, so the job runs but every collective waits for it: a
+warning.
 """
 
 from __future__ import annotations

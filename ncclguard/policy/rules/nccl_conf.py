@@ -1,6 +1,6 @@
 """nccl-conf: ``NCCL_*`` settings of ``/etc/nccl.conf`` that differ between nodes.
 
-NCCL fact (docs/nccl-facts.md, "Config files"): ``/etc/nccl.conf`` is read on every rank
+NCCL fact (docs/nccl.md, "Config files"): ``/etc/nccl.conf`` is read on every rank
 and applied where the environment does not set the variable, so a setting on some nodes
 only makes ranks behave differently. The settings that choose the transport
 (``NCCL_IB_HCA``, ``NCCL_IB_DISABLE``, ``NCCL_NET``, ``NCCL_SOCKET_IFNAME``) are judged by

@@ -1,7 +1,7 @@
 """nccl-version: the default libnccl, and every configured library path, must have the
 same full version (major.minor.patch) on every node; a path on some nodes only is a finding.
 
-NCCL fact (docs/nccl-facts.md, "Version agreement between ranks"): ranks compare
+NCCL fact (docs/nccl.md, "Version agreement between ranks"): ranks compare
 ``NCCL_VERSION_CODE`` at init only since 2.23.4, and it covers the patch level (2.26.2 vs
 2.26.5 fails). Older pairs are not detected at all: the job hangs or fails later with
 unrelated-looking errors. So the policy compares the full version itself. The version is

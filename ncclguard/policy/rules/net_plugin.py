@@ -2,7 +2,7 @@
 same effective ABI and name with each node's libnccl; a different sha256 with the same ABI
 is a warning.
 
-NCCL fact (docs/nccl-facts.md, "Plugins NCCL loads"): NCCL loads ``libnccl-net.so`` by
+NCCL fact (docs/nccl.md, "Plugins NCCL loads"): NCCL loads ``libnccl-net.so`` by
 default and uses the highest ``ncclNetPlugin_vN`` that both it and the plugin know; with
 none in common it falls back to its internal transports. A plugin present on only some
 nodes hangs the job with no error. A plugin that shares no ABI with the node's libnccl

@@ -1,9 +1,10 @@
 """env-plugin, gin-rma, tuner: the plugins other than net that NCCL loads (2.19 to 2.32).
 
 Each reads ``effective.<kind>`` through :func:`ncclguard.fingerprint.fields.plugin_in_force`:
-the plugin NCCL loads for that kind (its own library, or the net plugin's or GIN's
-library it falls back to) and the highest ABI it shares with the node's libnccl
-(docs/nccl-facts.md, "Plugin kinds in NCCL 2.23 to 2.32"). As for the net plugin, a file
+the plugin NCCL loads for that kind (its own library, or the net plugin's library it
+falls back to: the rules of each release are ``ncclguard/fingerprint/loading.py``) and
+the highest ABI it shares with the node's libnccl (docs/fingerprint.md, "Plugin kinds by
+NCCL"). As for the net plugin, a file
 that shares no ABI with the libnccl is the same, for the job, as none: only a warning
 that something NCCL ignores is installed. A different build (sha256) under the same name
 and ABI is a warning.
@@ -70,8 +71,9 @@ def env_values(fp: dict) -> Values:
 #: env-plugin: an env plugin on some nodes only, or different ones.
 #:
 #: NCCL fact (``src/plugin/env.cc`` and ``src/misc/param.cc`` at v2.30.7-1; 2.28.x
-#: loads ``ncclEnvPlugin_v1``): the env plugin (``libnccl-env.so``, named only by the
-#: *environment*'s ``NCCL_ENV_PLUGIN``) replaces how NCCL reads **every** ``NCCL_*``
+#: loads ``ncclEnvPlugin_v1``; docs/nccl.md, "The env plugin"): the env plugin
+#: (``libnccl-env.so``, or what ``NCCL_ENV_PLUGIN`` names, which ``/etc/nccl.conf`` can
+#: set) replaces how NCCL reads **every** ``NCCL_*``
 #: variable, ``/etc/nccl.conf`` included. It can therefore set, per node and invisibly
 #: to this fingerprint, what the refuse-level rules judge: ``NCCL_NET_PLUGIN`` (a net
 #: plugin on some nodes only hangs the job), ``NCCL_IB_HCA``/``NCCL_IB_DISABLE``/

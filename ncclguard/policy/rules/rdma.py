@@ -1,8 +1,8 @@
 """rdma-rate, rdma-port-count, rdma-firmware: RDMA asymmetry that works, but slows every
 collective down to the slowest node.
 
-NCCL fact (docs/nccl-facts.md, "Which transport a node ends up on" and "sysfs for RDMA
-devices"): NCCL uses the ports that are ACTIVE, have link layer InfiniBand or Ethernet and
+NCCL fact (docs/nccl.md, "Which transport a node ends up on", and "GPUs, RDMA devices
+and GPUDirect"): NCCL uses the ports that are ACTIVE, have link layer InfiniBand or Ethernet and
 are selected by ``NCCL_IB_HCA``. A ring or tree runs at the pace of its slowest link, so
 fewer or slower ports on one node, or another firmware, is a warning, not a refusal.
 Only those ports count (:func:`ncclguard.fingerprint.transport.nccl_ib_ports`);

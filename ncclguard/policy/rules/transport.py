@@ -1,7 +1,7 @@
 """transport: each node's effective NCCL transport (plugin name, IB, RoCE, Socket) must be
 the same.
 
-NCCL fact (docs/nccl-facts.md, "Which transport a node ends up on"): nothing in NCCL
+NCCL fact (docs/nccl.md, "Which transport a node ends up on"): nothing in NCCL
 compares the chosen transport across ranks. A node on IB meeting a node on Socket fails
 with ``socketFinalizeAccept: wrong type 4 != 3``, or hangs. The derivation (ACTIVE ports,
 link layer, IP interface, ``NCCL_IB_HCA`` / ``NCCL_IB_DISABLE`` / ``NCCL_NET``) is in

@@ -1,0 +1,300 @@
+"""The NCCL stack inside one squashfs image (an ``image record``), read, never run.
+
+What (docs/containers.md):
+
+- every ``libnccl.so*`` on the image's linker paths (``LD_LIBRARY_PATH`` from the image's
+  ``/etc/environment``, the directories of ``/etc/ld.so.conf`` and ``ld.so.conf.d/*.conf``,
+  the standard ones) and in pip's ``site-packages/nvidia/nccl/lib`` (also
+  ``dist-packages``), each analysed like a node's (:func:`inventoryd.probes.nccl.analyze`:
+  the banner and the plugin ABIs read from the file, never an ``NCCL_VERSION`` label);
+- the NCCL plugins in the same directories (:func:`inventoryd.probes.plugins.analyze`);
+- ``/etc/nccl.conf`` (parsed as NCCL parses it), the ``NCCL_*`` and ``LD_LIBRARY_PATH``
+  settings of ``/etc/environment`` (enroot's image format: the container's environment),
+  and the head of ``/etc/rc`` (enroot's entrypoint script: where the image came from).
+
+Which libnccl the job loads (``default``): pip's copy when the image has one (PyTorch and
+JAX load it by their RPATH), else what the linker finds for ``libnccl.so.2`` first.
+Which net plugin: ``NCCL_NET_PLUGIN`` from the environment, then ``/etc/nccl.conf``,
+expanded with the default libnccl's rules, else ``libnccl-net.so``, searched in the same
+directories.
+
+Every file is streamed out of the image into an unlinked temporary file and read there;
+the whole image shares one deadline (:mod:`inventoryd.controller.images.squashfs`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+import time
+from typing import Any
+
+from inventoryd.controller.images.squashfs import ImageError, SquashImage
+from inventoryd.probes import nccl as nccl_probe
+from inventoryd.probes import ncclconf
+from inventoryd.probes import plugins as plugin_probe
+from inventoryd.probes.linker import standard_dirs
+from ncclguard.fingerprint.abi import ABI_KINDS
+
+SCHEMA = 1
+MAX_SMALL = 64 * 1024  # /etc/environment, /etc/rc, ld.so.conf files
+MAX_RC = 4096  # bytes of /etc/rc kept
+MAX_LIBRARIES = 64
+MAX_PLUGINS = 64
+MAX_CONF_FILES = 64
+PIP_SUFFIXES = ("/site-packages/nvidia/nccl/lib", "/dist-packages/nvidia/nccl/lib")
+ENV_FILE = "/etc/environment"
+RC_FILE = "/etc/rc"
+PLUGIN_PREFIX = "libnccl-"
+
+
+def parse_environment(data: bytes) -> dict[str, str]:
+    """``NAME=value`` lines of enroot's ``/etc/environment`` (pam_env's plain form; an
+    ``export`` prefix and one pair of surrounding quotes are removed). Only ``NCCL_*`` and
+    ``LD_LIBRARY_PATH`` are kept; the first occurrence wins."""
+    out: dict[str, str] = {}
+    for raw in data.decode("utf-8", "replace").splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        line = line.removeprefix("export ").lstrip()
+        name, eq, value = line.partition("=")
+        if not eq or not (name.startswith("NCCL_") or name == "LD_LIBRARY_PATH"):
+            continue
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "\"'":
+            value = value[1:-1]
+        out.setdefault(name, value[:4096])
+    return out
+
+
+def _conf_dirs(image: SquashImage, errors: list[dict[str, Any]]) -> list[str]:
+    """Directories of the image's ``/etc/ld.so.conf`` (one ``include`` level of globs
+    in ``/etc/ld.so.conf.d``, as Debian and RHEL ship it)."""
+    files = ["/etc/ld.so.conf"]
+    files += [f"/etc/ld.so.conf.d/{n}" for n in image.children("/etc/ld.so.conf.d")
+              if n.endswith(".conf")][:MAX_CONF_FILES]
+    dirs: list[str] = []
+    for f in files:
+        if image.entry(f) is None:
+            continue
+        try:
+            data = image.read_small(f, MAX_SMALL)
+        except ImageError as e:
+            errors.append(_error("linker", f, e.cause))
+            continue
+        for line in data.decode("utf-8", "replace").splitlines():
+            line = line.split("#", 1)[0].strip()
+            if line.startswith("/") and line not in dirs:
+                dirs.append(line.rstrip("/") or "/")
+    return dirs
+
+
+def _error(field: str, path: str | None, cause: str) -> dict[str, Any]:
+    return {"probe": "image", "field": field, "path": path, "error": cause}
+
+
+def _analyze(image: SquashImage, path: str, analyze: Any, tmpdir: str) -> tuple[str, Any]:
+    """(real path, facts) of one file; each real file is streamed and read once."""
+    memo = image.memo
+    real = image.resolve(path)
+    if (real, analyze) in memo:
+        return real, memo[real, analyze]
+    with tempfile.TemporaryFile(dir=tmpdir) as f:
+        real, _ = image.copy_file(path, f)
+        f.seek(0)
+        memo[real, analyze] = facts = analyze(f, f"{image.path}:{real}")
+        return real, facts
+
+
+def scan_image(
+    path: str, *, unsquashfs: str = "", timeout_s: float = 30.0, tmpdir: str | None = None,
+    max_file_bytes: int | None = None, max_read_bytes: int | None = None,
+) -> dict[str, Any]:
+    """The image record of the squashfs file at ``path``. Raises ImageError when the image
+    as a whole cannot be read (the cause names it); one unreadable file inside costs its
+    own entry and an ``errors`` item.
+
+    What the gate uses is read first: the libnccl a job loads (:func:`_default_lib`'s
+    candidates, in its order), then the net plugins; the other libraries and plugins
+    only while the image's read budget lasts (``max_read_bytes``, and at most
+    ``MAX_EXPANSION`` times the image's own size: a sparse member is never read whole);
+    those past it are listed with the reason."""
+    st = os.stat(path)
+    t0 = time.monotonic()
+    kw: dict[str, Any] = {}
+    if max_file_bytes is not None:
+        kw["max_file_bytes"] = max_file_bytes
+    if max_read_bytes is not None:
+        kw["max_read_bytes"] = max_read_bytes
+    image = SquashImage(path, deadline=t0 + timeout_s, unsquashfs=unsquashfs, **kw)
+    errors: list[dict[str, Any]] = []
+    if image.odd_names:
+        errors.append(_error("names", None, f"{image.odd_names} entries with control "
+                              "characters or overlong names were skipped"))
+    env: dict[str, str] = {}
+    if image.entry(ENV_FILE) is not None:
+        try:
+            env = parse_environment(image.read_small(ENV_FILE, MAX_SMALL))
+        except ImageError as e:
+            errors.append(_error("env", ENV_FILE, e.cause))
+    rc = None
+    if image.entry(RC_FILE) is not None:
+        try:
+            rc = image.read_small(RC_FILE, MAX_SMALL)[:MAX_RC].decode("utf-8", "replace")
+        except ImageError as e:
+            errors.append(_error("rc", RC_FILE, e.cause))
+    conf = _nccl_conf(image, errors)
+
+    ld_path = [d for d in env.get("LD_LIBRARY_PATH", "").split(":") if d.startswith("/")]
+    linker_dirs = _unique([*ld_path, *_conf_dirs(image, errors), *standard_dirs()])
+    pip_dirs = sorted(d for d in image.directories() if d.endswith(PIP_SUFFIXES))
+    search = _unique([*pip_dirs, *linker_dirs])
+
+    libs: list[dict[str, Any]] = []
+    plugin_files: list[tuple[str, str]] = []  # (path, directory)
+    for d in search:
+        for name in image.children(d):
+            p = f"{d.rstrip('/')}/{name}"
+            if name == "libnccl.so" or name.startswith("libnccl.so."):
+                if len(libs) < MAX_LIBRARIES:
+                    libs.append({"path": p, "origin": "pip" if d in pip_dirs else "linker"})
+            elif name.startswith(PLUGIN_PREFIX) and ".so" in name:
+                plugin_files.append((p, d))
+    with tempfile.TemporaryDirectory(dir=tmpdir, prefix="ncclguard-image-") as tmp:
+        # read in the order the gate needs them; listed in the search order
+        read: dict[int, dict[str, Any] | None] = {}
+        for i in sorted(range(len(libs)), key=lambda i: _default_rank(libs[i])):
+            read[i] = _library(image, libs[i], tmp, errors)
+        out_libs = [r for i in range(len(libs)) if (r := read[i]) is not None]
+        default = _default_lib(out_libs, pip_dirs)
+        for rec in out_libs:
+            rec["default"] = rec["path"] == default
+        plugins = []
+        for p, _d in sorted(plugin_files[:MAX_PLUGINS],
+                            key=lambda f: plugin_probe._kind_of(f[0]) != "net"):
+            kind = plugin_probe._kind_of(p)
+            if kind is None:
+                continue
+            prec = _plugin(image, kind, p, tmp, errors)
+            if prec is not None:
+                plugins.append(prec)
+        default_lib = next((r for r in out_libs if r["default"]), None)
+        net = _net_plugin(image, env, conf, default_lib, plugins, search)
+        for prec in plugins:
+            prec["default"] = prec["path"] == net
+    st2 = os.stat(path)
+    if (st.st_ino, st.st_size, st.st_mtime_ns) != (st2.st_ino, st2.st_size, st2.st_mtime_ns):
+        raise ImageError(path, "changed while it was read; read again at the next scan")
+    return {
+        "schema": SCHEMA,
+        "image": {"path": path, "inode": st.st_ino, "size": st.st_size,
+                  "mtime_ns": st.st_mtime_ns, "entries": image.listed},
+        "libnccl": sorted(out_libs, key=lambda r: r["path"]),
+        "plugins": sorted(plugins, key=lambda r: (r["kind"], r["path"])),
+        "net_plugin": net,
+        "nccl_conf": conf,
+        "env": env,
+        "rc": rc,
+        "errors": errors,
+        "scan_seconds": round(time.monotonic() - t0, 3),
+    }
+
+
+def _unique(items: list[str]) -> list[str]:
+    out: list[str] = []
+    for i in items:
+        i = i.rstrip("/") or "/"
+        if i not in out:
+            out.append(i)
+    return out
+
+
+def _nccl_conf(image: SquashImage, errors: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {"present": False, "sha256": None, "raw": None,
+                           "settings": {}, "comment_settings": {}}
+    if image.entry(ncclconf.PATH) is None:
+        return out
+    out["present"] = True
+    try:
+        data = image.read_small(ncclconf.PATH, ncclconf.MAX_PARSE)
+    except ImageError as e:
+        errors.append(_error("nccl_conf", ncclconf.PATH, e.cause))
+        out["settings"] = out["comment_settings"] = None
+        return out
+    out["sha256"] = hashlib.sha256(data).hexdigest()
+    out["raw"] = data[: ncclconf.MAX_RAW].decode("utf-8", "replace")
+    out["settings"], out["comment_settings"] = ncclconf.parse(data)
+    return out
+
+
+def _library(image: SquashImage, rec: dict[str, Any], tmp: str,
+             errors: list[dict[str, Any]]) -> dict[str, Any] | None:
+    p = rec["path"]
+    try:
+        real, facts = _analyze(image, p, nccl_probe.analyze, tmp)
+    except ImageError as e:
+        if "no such file" in e.cause:
+            return None  # a dangling link: not loadable
+        errors.append(_error("libnccl", p, e.cause))
+        if "time limit" in e.cause:
+            raise
+        return {"path": p, "realpath": None, "size": None, "sha256": None, "version": None,
+                "version_code": None, "cuda_version": None, "version_source": None,
+                "version_error": e.cause, "git_version": None,
+                "abis": {k: [] for k in ABI_KINDS}, "origin": rec["origin"]}
+    return {"path": p, "realpath": real, **facts, "origin": rec["origin"]}
+
+
+def _plugin(image: SquashImage, kind: str, p: str, tmp: str,
+            errors: list[dict[str, Any]]) -> dict[str, Any] | None:
+    try:
+        real, facts = _analyze(image, p, plugin_probe.analyze, tmp)
+    except ImageError as e:
+        if "no such file" in e.cause:
+            return None
+        errors.append(_error(f"plugins.{kind}", p, e.cause))
+        if "time limit" in e.cause:
+            raise
+        return None
+    rec = {"kind": kind, "path": p, "realpath": real, **facts}
+    rec["name"] = rec["names"].get(kind)
+    if rec["error"]:
+        errors.append(_error(f"plugins.{kind}", p, rec["error"]))
+    return rec
+
+
+def _default_rank(lib: dict[str, Any]) -> int:
+    """How likely a listed libnccl is the one a job loads (:func:`_default_lib`): pip's
+    ``libnccl.so.2``, then the linker's, then the other names."""
+    if not lib["path"].endswith("/libnccl.so.2"):
+        return 2
+    return 0 if lib["origin"] == "pip" else 1
+
+
+def _default_lib(libs: list[dict[str, Any]], pip_dirs: list[str]) -> str | None:
+    pip = [r for r in libs if r["origin"] == "pip" and r["path"].endswith("/libnccl.so.2")]
+    if pip:
+        return str(pip[0]["path"])
+    for r in libs:  # search order: libs were listed directory by directory
+        if r["path"].endswith("/libnccl.so.2"):
+            return str(r["path"])
+    return None
+
+
+def _net_plugin(image: SquashImage, env: dict[str, str], conf: dict[str, Any],
+                lib: dict[str, Any] | None, plugins: list[dict[str, Any]],
+                search: list[str]) -> str | None:
+    """The path of the net plugin NCCL loads inside the image (no injection), or None."""
+    value = env.get("NCCL_NET_PLUGIN")
+    if value is None and conf.get("settings"):
+        value = conf["settings"].get("NCCL_NET_PLUGIN")
+    groups = plugin_probe.net_plugin_names(value, plugin_probe._version(lib))
+    by_path = {r["path"]: r for r in plugins}
+    for group in groups:
+        for name in group:
+            candidates = [name] if "/" in name else [f"{d}/{name}" for d in search]
+            for c in candidates:
+                if c in by_path and by_path[c]["abis"]["net"]:
+                    return c
+    return None

@@ -1,0 +1,182 @@
+"""The image index: find the squashfs images under the admin's roots, scan the new and
+changed ones within a time budget, and hand the results to the inventory's one writer
+(the collector, :meth:`ncclguard.store.Inventory.write_images`).
+
+An image is known by its path and identified by (inode, size, mtime_ns): an image that
+is replaced or rewritten is scanned again; one whose identity did not change is not.
+Symlinks are not followed (a user could point one anywhere), nor are directories deeper
+than ``[images] max_depth`` searched. An image that cannot be read is stored with its
+cause (``ncclguard images`` shows it; the gate calls a job using it "unknown").
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from inventoryd.controller.images.fingerprint import scan_image
+from inventoryd.controller.images.squashfs import ImageError
+from ncclguard.config import ImagesConfig
+from ncclguard.store import Inventory
+
+log = logging.getLogger("ncclguard.collector.images")  # the collector's log, escaped
+
+SUFFIXES = (".sqsh", ".squashfs", ".sqfs")
+MIN_SLICE_S = 1.0  # no image is started with less of the pass's budget left
+MAX_BACKOFF_S = 86400.0  # an image failing again and again is still tried once a day
+
+
+@dataclass
+class IndexResult:
+    scanned: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+    gone: list[str] = field(default_factory=list)
+    left: int = 0  # changed images left for the next cycle (budget spent)
+    seconds: float = 0.0
+
+
+def find_images(cfg: ImagesConfig) -> Iterator[tuple[str, os.stat_result]]:
+    """(path, stat) of every regular ``*.sqsh`` file under the roots, without following
+    symlinks, at most ``max_depth`` levels down and ``max_images`` in all."""
+    count = 0
+    for root in cfg.roots:
+        stack: list[tuple[str, int]] = [(root, 0)]
+        while stack:
+            d, depth = stack.pop()
+            try:
+                with os.scandir(d) as it:
+                    entries = sorted(it, key=lambda e: e.name)
+            except OSError as err:
+                log.warning("images: cannot list %s: %s", d, err.strerror or err)
+                continue
+            for ent in reversed(entries):
+                try:
+                    st = ent.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                if stat.S_ISDIR(st.st_mode):
+                    if depth < cfg.max_depth:
+                        stack.append((ent.path, depth + 1))
+                elif stat.S_ISREG(st.st_mode) and ent.name.endswith(SUFFIXES):
+                    count += 1
+                    if count > cfg.max_images:
+                        log.warning("images: more than %d images under the roots; the rest "
+                                    "are not indexed", cfg.max_images)
+                        return
+                    yield ent.path, st
+
+
+def _passing(cause: str) -> bool:
+    """A failure that says nothing about the image's content (unsquashfs missing, a time
+    limit on a loaded machine, a signal): the image is tried again after a back-off
+    instead of staying unreadable until it changes."""
+    return (cause.startswith("cannot run ") or cause.endswith("time limit reached")
+            or "signal" in cause or "killed" in cause.lower())
+
+
+def backoff_s(attempts: int, cfg: ImagesConfig) -> float:
+    """How long after its ``attempts``-th failure in a row an image waits: the next pass
+    after the first, then ``scan_interval_s`` doubling, at most :data:`MAX_BACKOFF_S`."""
+    if attempts <= 1:
+        return 0.0
+    return min(cfg.scan_interval_s * 2.0 ** (attempts - 2), MAX_BACKOFF_S)
+
+
+def _order(todo: list[tuple[str, os.stat_result, int]]) -> list[tuple[str, os.stat_result, int]]:
+    """Images never failed first, then by failures in a row; among equals, one image of
+    each owner in turn (a user with many images, or one renamed again and again, waits
+    behind everyone else's), then by path."""
+    rank: dict[int, int] = {}
+    keyed = []
+    for path, st, attempts in sorted(todo, key=lambda t: (t[2], t[0])):
+        n = rank.get(st.st_uid, 0)
+        rank[st.st_uid] = n + 1
+        keyed.append(((attempts, n, path), (path, st, attempts)))
+    return [item for _, item in sorted(keyed, key=lambda kv: kv[0])]
+
+
+def update_index(inv: Inventory, cfg: ImagesConfig, budget_s: float | None = None,
+                 now: float | None = None) -> IndexResult:
+    """One pass: scan what changed and what is due again, fairly (:func:`_order`), within
+    the budget, and drop what is gone.
+
+    The pass never runs past ``scan_budget_s``: each image may take what is left of it
+    (at most ``timeout_s``), and none is started with less than :data:`MIN_SLICE_S` left,
+    except the first of a pass, which may take the whole budget. An image cut short by
+    the budget rather than by its own ``timeout_s`` is left for the next pass, not
+    counted as a failure."""
+    t0 = time.monotonic()
+    wall = time.time() if now is None else now
+    budget = cfg.scan_budget_s if budget_s is None else budget_s
+    res = IndexResult()
+    known = inv.image_states()
+    present: set[str] = set()
+    todo: list[tuple[str, os.stat_result, int]] = []
+    for path, st in find_images(cfg):
+        present.add(path)
+        # the later of mtime and ctime: a user who can write the roots can set an image's
+        # mtime back after changing it (touch -d), never its ctime
+        ident = (st.st_ino, st.st_size, max(st.st_mtime_ns, st.st_ctime_ns))
+        old = known.get(path)
+        if old is not None and old.ident == ident and (
+                old.retry_at is None or old.retry_at > wall):
+            continue  # read as it is, or failed for its content, or not due again yet
+        todo.append((path, st, old.attempts if old is not None else 0))
+    rows: list[dict[str, Any]] = []
+    for path, st, attempts in _order(todo):
+        left = budget - (time.monotonic() - t0)
+        first = not rows
+        if not first and left < MIN_SLICE_S:
+            res.left += 1
+            continue
+        slice_s = cfg.timeout_s if first and budget <= 0 else min(cfg.timeout_s, max(left, 0.0))
+        # the first image of a pass had the whole budget: its time limit is a failure
+        row = _scan_one(path, st, attempts, slice_s, cfg, res, can_defer=not first)
+        if row is None:  # cut short by the budget: the next pass
+            res.left += 1
+            continue
+        if row.get("error") is not None and row["retry_at"] is not None:
+            row["retry_at"] = wall + backoff_s(row["attempts"], cfg)
+        rows.append(row)
+    res.gone = sorted(set(known) - present)
+    if rows or res.gone:
+        inv.write_images(rows, res.gone)
+    res.seconds = time.monotonic() - t0
+    return res
+
+
+def _scan_one(path: str, st: os.stat_result, attempts: int, slice_s: float,
+              cfg: ImagesConfig, res: IndexResult, *, can_defer: bool) -> dict[str, Any] | None:
+    """The row of one image scanned within ``slice_s``; None (``can_defer``) when it ran
+    out of a slice shorter than its own ``timeout_s``: what was left of the pass's
+    budget, not the image, was short."""
+    row: dict[str, Any] = {"path": path, "inode": st.st_ino, "size": st.st_size,
+                           "mtime_ns": max(st.st_mtime_ns, st.st_ctime_ns),
+                           "attempts": attempts + 1, "retry_at": None}
+    try:
+        row["record"] = scan_image(path, unsquashfs=cfg.unsquashfs, timeout_s=slice_s,
+                                   tmpdir=cfg.tmp_dir or None,
+                                   max_read_bytes=cfg.max_read_bytes)
+        row["attempts"] = 0
+        res.scanned.append(path)
+        return row
+    except ImageError as e:
+        if can_defer and e.cause.endswith("time limit reached") and slice_s < cfg.timeout_s:
+            return None
+        row["error"] = e.cause
+        if _passing(e.cause):  # not about the image: tried again after a back-off
+            row["retry_at"] = 0.0
+    except OSError as e:
+        row["error"] = f"cannot read: {e.strerror or e}"
+    except Exception as e:  # a bug on one image must not stop the index (nor the collector)
+        row["error"] = f"internal error reading the image: {type(e).__name__}: {e}"
+        log.exception("image %s: internal error", path)
+    res.failed[path] = row["error"]
+    log.warning("image %s not indexed (failure %d in a row): %s", path, row["attempts"],
+                row["error"])
+    return row

@@ -1,0 +1,357 @@
+"""Read a squashfs image without mounting it, without root, and without trusting it.
+
+Every image under an admin's root may have been built by a user, so every image is
+hostile input. Nothing in it is ever executed or loaded: squashfs-tools' ``unsquashfs``
+(GPL, a separate process; an AGPL reader may not become a dependency) lists it
+(``-lln``) and streams single files out of it (``-cat``), each run with an argument list
+(never a shell), a deadline, a memory limit and a bound on what it may print.
+
+What this module adds:
+
+- **The listing is parsed against a random prefix** (``-d /<token>``): a file name that
+  holds a newline cannot forge an entry, because it cannot know the token.
+- **Symlinks are resolved here, inside the image**: an absolute target restarts at the
+  image's root, ``..`` never climbs above it, and at most :data:`MAX_HOPS` links are
+  followed (one squashfs library's own resolver looped for ever on a loop).
+- **Bounds**, each a clear :class:`ImageError` naming the image and the cause: entries
+  listed, listing bytes, tree depth, name length, the size of a file streamed out, and
+  the time of the whole image.
+
+Only the entries the fingerprint can use are kept (directories, symlinks, and files whose
+names :func:`wanted` accepts), so a 1 GB image with 100,000 files costs a few MB.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import resource
+import secrets
+import select
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import IO, Any
+
+MAX_HOPS = 40  # as the kernel's ELOOP limit
+MAX_ENTRIES = 500_000  # entries listed (all of them, kept or not)
+MAX_LISTING_BYTES = 128 << 20  # what unsquashfs -lln may print
+MAX_DEPTH = 64  # directories below the image's root
+MAX_NAME = 255  # bytes of one name (squashfs's own limit is 256)
+MAX_PATH = 4096
+MAX_FILE_BYTES = 2 << 30  # a file streamed out: as the node probe's MAX_LIBRARY_BYTES
+CHILD_MEMORY_BYTES = 1 << 30  # address space of unsquashfs (RLIMIT_AS)
+#: unsquashfs's data and fragment queues, in MB (-da, -fr; 256 each by default): its peak
+#: RSS streaming a 290 MB libnccl out of a 0.9 GB zstd image went from 268 MB to 13 MB,
+#: and 0.49 s to 0.35 s (squashfs-tools 4.5.1)
+QUEUE_MB = 8
+TIMEOUT_S = 30.0  # one image, listing and every file together
+MAX_READ_BYTES = 3 << 30  # streamed out of one image in all (the libnccl a job loads first)
+#: at most this many times the image file's own size is streamed out of it: a real
+#: libnccl compresses about 1.5x (the 2.21.5 wheel: 290 MB in 200 MB), so a member
+#: larger than 64x the whole image is mostly sparse or zeros, never a library
+MAX_EXPANSION = 64
+STDERR_KEEP = 4096
+
+_ALLOWED_NAME = re.compile(r"[\x20-\x7e]+")
+
+
+class ImageError(Exception):
+    """An image that cannot be read within the bounds: the message names the image and
+    the cause."""
+
+    def __init__(self, image: str, cause: str) -> None:
+        super().__init__(f"{image}: {cause}")
+        self.image = image
+        self.cause = cause
+
+
+class ImagePathError(ImageError):
+    """One path inside a readable image is missing, not a file, or loops."""
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    kind: str  # "d" directory, "l" symlink, "-" regular file, others as ls prints them
+    size: int
+    target: str | None = None  # a symlink's target
+
+
+def wanted(name: str) -> bool:
+    """The file names the image fingerprint reads (everything else is only counted)."""
+    return (name.startswith("libnccl") or name in ("nccl.conf", "environment", "rc",
+                                                   "ld.so.conf") or name.endswith(".conf"))
+
+
+def unsquashfs_path(configured: str = "") -> str:
+    """The unsquashfs program: the configured one, else the first on PATH, else /usr/bin."""
+    if configured:
+        return configured
+    return shutil.which("unsquashfs") or "/usr/bin/unsquashfs"
+
+
+def _limit_child(memory: int) -> Callable[[], None]:
+    def apply() -> None:  # runs in the child, between fork and exec
+        # under the collector's unit these apply: it filters @resources, but glibc's
+        # setrlimit() calls prlimit64, which the filter lets through (shown under systemd,
+        # tests/test_install_systemd.py). Where a limit is refused, systemd's own limits
+        # apply, and the deadline and output bounds still hold
+        for limit, value in ((resource.RLIMIT_AS, memory), (resource.RLIMIT_CORE, 0)):
+            with contextlib.suppress(OSError, ValueError):
+                resource.setrlimit(limit, (value, value))
+    return apply
+
+
+class SquashImage:
+    """One image, listed once; ``resolve``, ``children``, ``open_file`` read inside it."""
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        deadline: float | None = None,
+        unsquashfs: str = "",
+        keep: Callable[[str], bool] = wanted,
+        max_entries: int = MAX_ENTRIES,
+        max_depth: int = MAX_DEPTH,
+        max_file_bytes: int = MAX_FILE_BYTES,
+        child_memory: int = CHILD_MEMORY_BYTES,
+        timeout_s: float = TIMEOUT_S,
+        max_read_bytes: int = MAX_READ_BYTES,
+    ) -> None:
+        self.path = path
+        # what may still be streamed out of this image (copy_file): the work one image
+        # may cost is bounded by its own size, not by what its listing claims
+        self.read_left = min(max_read_bytes, MAX_EXPANSION * os.stat(path).st_size + (1 << 20))
+        self.deadline = deadline if deadline is not None else time.monotonic() + timeout_s
+        self.program = unsquashfs_path(unsquashfs)
+        self.keep = keep
+        self.max_entries = max_entries
+        self.max_depth = max_depth
+        self.max_file_bytes = max_file_bytes
+        self.child_memory = child_memory
+        self.entries: dict[str, Entry] = {}
+        self.dirs: dict[str, list[str]] = {}  # directory -> names kept in it
+        self.listed = 0  # every entry of the image, kept or not
+        self.odd_names = 0  # names with control characters or over MAX_NAME: skipped
+        self.deepest = 0
+        self.memo: dict[tuple[str, Any], Any] = {}  # (real path, reader) -> its result
+        self._list()
+
+    # ---- running unsquashfs ----------------------------------------------------------
+
+    def _left(self) -> float:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise ImageError(self.path, "time limit reached")
+        return left
+
+    def _run(self, args: list[str], out: IO[bytes] | None, limit: int, what: str) -> bytes:
+        """Run unsquashfs; its stdout goes to ``out`` (or is returned), at most ``limit``
+        bytes, before the deadline. Raises ImageError with the cause."""
+        cmd = [self.program, *args]
+        with tempfile.TemporaryFile() as err:
+            try:
+                p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                     stderr=err, env={"PATH": os.defpath, "LC_ALL": "C"},
+                                     preexec_fn=_limit_child(self.child_memory))
+            except OSError as e:
+                raise ImageError(self.path, f"cannot run {self.program}: "
+                                            f"{e.strerror or e}") from None
+            assert p.stdout is not None
+            chunks: list[bytes] = []
+            total = 0
+            fd = p.stdout.fileno()
+            try:
+                while True:
+                    ready, _, _ = select.select([fd], [], [], min(self._left(), 1.0))
+                    if not ready:
+                        continue
+                    chunk = os.read(fd, 1 << 20)
+                    if not chunk:
+                        break
+                    total += len(chunk)
+                    if total > limit:
+                        raise ImageError(self.path, f"{what}: more than {limit} bytes")
+                    if out is None:
+                        chunks.append(chunk)
+                    else:
+                        out.write(chunk)
+                rc = p.wait(timeout=max(0.1, self._left()))
+            except subprocess.TimeoutExpired:
+                raise ImageError(self.path, f"{what}: time limit reached") from None
+            except ImageError as e:
+                if e.cause == "time limit reached":
+                    raise ImageError(self.path, f"{what}: time limit reached") from None
+                raise
+            finally:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+                p.stdout.close()
+            if rc != 0:
+                err.seek(0, os.SEEK_END)
+                err.seek(max(0, err.tell() - STDERR_KEEP))
+                tail = err.read().decode("utf-8", "replace").strip().splitlines()
+                cause = tail[-1] if tail else f"exit status {rc}"
+                if rc < 0:
+                    cause = f"killed by signal {-rc} ({cause})"
+                raise ImageError(self.path, f"{what}: unsquashfs failed: {_printable(cause)}")
+        return b"".join(chunks)
+
+    # ---- the listing -----------------------------------------------------------------
+
+    def _list(self) -> None:
+        token = "/ncg" + secrets.token_hex(12)
+        args = ["-no-progress", "-da", str(QUEUE_MB), "-fr", str(QUEUE_MB), "-UTC", "-d", token,
+                "-max-depth", str(self.max_depth + 1),
+                "-lln", self.path]
+        data = self._run(args, None, MAX_LISTING_BYTES, "listing")
+        line = re.compile(
+            rb"(?P<kind>[-dlbcps])[-rwxsStT]{9} \d+/\d+ +(?P<size>\d+|\d+, *\d+) "
+            rb"\d{4}-\d\d-\d\d \d\d:\d\d " + re.escape(token.encode()) + rb"(?P<rest>/.*)?")
+        current: list[bytes] | None = None  # kind, size, rest of the entry being read
+        for raw in data.removesuffix(b"\n").split(b"\n"):
+            m = line.fullmatch(raw)
+            if m is None:  # a name holding a newline: the rest of the previous entry
+                if current is not None:
+                    current[2] += b"\n" + raw
+                continue
+            if current is not None:
+                self._add(*current)
+            current = [m.group("kind"), m.group("size"), m.group("rest") or b""]
+        if current is not None:
+            self._add(*current)
+        if not self.entries.get("/", Entry("", 0)).kind == "d":
+            raise ImageError(self.path, "listing: no root directory (not a squashfs image?)")
+
+    def _add(self, kind_b: bytes, size_b: bytes, rest: bytes) -> None:
+        self.listed += 1
+        if self.listed > self.max_entries:
+            raise ImageError(self.path, f"more than {self.max_entries} entries")
+        kind = kind_b.decode()
+        size = int(size_b) if size_b.isdigit() else 0
+        target = None
+        if kind == "l":  # "name -> target", the size is the target's length
+            sep = len(rest) - size - 4
+            if size == 0 or sep < 0 or rest[sep : sep + 4] != b" -> ":
+                self.odd_names += 1
+                return
+            rest, target_b = rest[:sep], rest[sep + 4 :]
+            target = target_b.decode("utf-8", "surrogateescape")
+            if not _ALLOWED_NAME.fullmatch(target) or len(target) > MAX_PATH:
+                self.odd_names += 1
+                return
+        path = rest.decode("utf-8", "surrogateescape") or "/"
+        name = path.rsplit("/", 1)[-1]
+        if path != "/" and (not _ALLOWED_NAME.fullmatch(path) or len(name) > MAX_NAME
+                            or len(path) > MAX_PATH):
+            self.odd_names += 1
+            return
+        depth = path.count("/") if path != "/" else 0
+        if depth > self.max_depth:
+            raise ImageError(self.path, f"directory tree deeper than {self.max_depth} levels "
+                                        f"(at {_printable(path[:200])}...)")
+        self.deepest = max(self.deepest, depth)
+        if kind == "d":
+            self.entries[path] = Entry("d", 0)
+            self.dirs.setdefault(path, [])
+        elif kind == "l" or self.keep(name):
+            self.entries[path] = Entry(kind, size, target)
+            if path != "/":
+                self.dirs.setdefault(path.rsplit("/", 1)[0] or "/", []).append(name)
+
+    # ---- reading inside the image ----------------------------------------------------
+
+    def resolve(self, path: str) -> str:
+        """The path inside the image that ``path`` names, with every symlink followed
+        inside the image. Raises ImagePathError (missing, not a directory, a loop)."""
+        todo = [p for p in reversed(path.split("/")) if p]
+        done: list[str] = []
+        hops = 0
+        while todo:
+            part = todo.pop()
+            if part == ".":
+                continue
+            if part == "..":
+                if done:
+                    done.pop()  # never above the image's root
+                continue
+            here = "/" + "/".join([*done, part])
+            e = self.entries.get(here)
+            if e is None:
+                raise ImagePathError(self.path, f"{path}: no such file in the image")
+            if e.kind == "l":
+                hops += 1
+                if hops > MAX_HOPS:
+                    raise ImagePathError(self.path, f"{path}: more than {MAX_HOPS} symlinks "
+                                                    "(a loop?)")
+                assert e.target is not None
+                if e.target.startswith("/"):
+                    done = []
+                todo.extend(p for p in reversed(e.target.split("/")) if p)
+                continue
+            if todo and e.kind != "d":
+                raise ImagePathError(self.path, f"{path}: {here} is not a directory")
+            done.append(part)
+        return "/" + "/".join(done)
+
+    def entry(self, path: str) -> Entry | None:
+        try:
+            return self.entries.get(self.resolve(path))
+        except ImagePathError:
+            return None
+
+    def is_dir(self, path: str) -> bool:
+        e = self.entry(path)
+        return e is not None and e.kind == "d"
+
+    def children(self, directory: str) -> list[str]:
+        """The kept names in a directory (after resolving it), sorted."""
+        try:
+            real = self.resolve(directory)
+        except ImagePathError:
+            return []
+        return sorted(self.dirs.get(real, []))
+
+    def directories(self) -> Iterator[str]:
+        return iter(self.dirs)
+
+    def copy_file(self, path: str, out: IO[bytes], limit: int | None = None) -> tuple[str, int]:
+        """Stream one regular file (symlinks resolved here) into ``out``; returns its real
+        path and size. At most ``limit`` (or ``max_file_bytes``) bytes."""
+        real = self.resolve(path)
+        e = self.entries.get(real)
+        if e is None or e.kind != "-":
+            raise ImagePathError(self.path, f"{path}: not a regular file")
+        bound = self.max_file_bytes if limit is None else limit
+        if e.size > bound:
+            raise ImagePathError(self.path, f"{path}: {e.size} bytes, more than {bound}; "
+                                            "not read")
+        if e.size > self.read_left:
+            raise ImagePathError(self.path, f"{path}: {e.size} bytes, more than the "
+                                 f"{self.read_left} left of this image's read budget "
+                                 f"(at most {MAX_EXPANSION}x its size, "
+                                 "images.max_read_bytes); not read")
+        self.read_left -= e.size
+        self._run(["-no-progress", "-no-wildcards", "-da", str(QUEUE_MB), "-fr", str(QUEUE_MB),
+                   "-cat", self.path, real.lstrip("/")],
+                  out, e.size, f"reading {real}")
+        if out.tell() != e.size:
+            raise ImagePathError(self.path, f"{real}: {out.tell()} of {e.size} bytes read "
+                                            "(truncated image?)")
+        return real, e.size
+
+    def read_small(self, path: str, limit: int = 64 * 1024) -> bytes:
+        with tempfile.TemporaryFile() as f:
+            self.copy_file(path, f, limit)
+            f.seek(0)
+            return f.read()
+
+
+def _printable(text: str) -> str:
+    return text if _ALLOWED_NAME.fullmatch(text) else repr(text)

@@ -1,0 +1,309 @@
+"""What ``slurm/job_submit.lua`` decides for one job, in Python.
+
+The lua runs inside slurmctld and cannot be imported; this is its mirror, line for line
+in its decisions, so that the two cannot drift: ``tests/test_lua_submit.py`` runs one
+corpus of job descriptions and files of classes through ``lua5.1`` (with a stub ``slurm``
+table) and through :func:`decide`, and compares every outcome, message included. The
+file's rules are :mod:`ncclguard.sched.classfile`'s, the group's format and where it may
+be joined are :mod:`ncclguard.sched.group`'s; the sync's
+:func:`~ncclguard.sched.sync.regroup_pending` chooses classes with :func:`choose`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from ncclguard.policy.schedule import ClassCount
+from ncclguard.sched import classfile, group
+
+__all__ = ["CAPPED", "Decision", "JobDesc", "choose", "constraints", "decide", "trusted"]
+
+NO_VAL = 4294967294
+NO_VAL16 = 65534
+MAX_REQ_NODES = 65536  # job_submit.lua's MAX_REQ_NODES: the longest -w list read
+#: The job fields Slurm caps at 1024 characters after the plugin ran (the lua's CAPPED).
+CAPPED = ("features", "prefer", "comment", "extra", "partition", "tres_per_job")
+
+
+@dataclass(frozen=True)
+class JobDesc:
+    """The fields of Slurm's ``job_desc`` that the lua reads (None: not set)."""
+
+    features: str | None = None
+    prefer: str | None = None
+    comment: str | None = None
+    extra: str | None = None
+    partition: str | None = None
+    tres_per_job: str | None = None
+    req_nodes: str | None = None
+    min_nodes: int | None = None
+    max_nodes: int | None = None
+    num_tasks: int | None = None
+    ntasks_per_node: int | None = None
+    het_job_offset: int | None = None
+
+
+Action = Literal["keep", "set", "cap", "reject"]
+
+
+@dataclass(frozen=True)
+class Decision:
+    """``keep``: the job as it came; ``set``: with ``features`` (and ``prefer``); ``cap``:
+    a field past Slurm's cap, ``features`` and ``prefer`` as the lua leaves them (cut),
+    refused by Slurm next; ``reject``: refused with ``code`` (the ``slurm`` table's name)
+    and ``message``."""
+
+    action: Action
+    features: str | None = None
+    prefer: str | None = None
+    code: str = ""
+    message: str = ""
+
+
+KEEP = Decision("keep")
+
+
+def trusted(cf: classfile.ClassFile, now: int, loaded_at: int) -> str | None:
+    """Why the lua would not trust a file verified at ``cf.verified``, or None."""
+    if cf.verified <= loaded_at:
+        return "the classes were not verified since this slurmctld started"
+    if now - cf.verified > classfile.LUA_FRESH_S:
+        return f"the classes were last verified {now - cf.verified} s ago"
+    if cf.verified > now + 2:
+        return "the classes were verified in the future"
+    return None
+
+
+def _set(v: int | None, none: int) -> bool:
+    return v is not None and v != none
+
+
+def _spans(job: JobDesc, threshold: int) -> bool:
+    minn, maxn = job.min_nodes, job.max_nodes
+    if _set(maxn, NO_VAL) and 0 < maxn < threshold:  # type: ignore[operator]
+        return False
+    if _set(minn, NO_VAL) and minn >= threshold:  # type: ignore[operator]
+        return True
+    if _set(maxn, NO_VAL) and maxn >= threshold:  # type: ignore[operator]
+        return True
+    tasks, per_node = job.num_tasks, job.ntasks_per_node
+    if _set(tasks, NO_VAL) and tasks >= threshold:  # type: ignore[operator]
+        return not (_set(per_node, NO_VAL16) and per_node >= tasks)  # type: ignore[operator]
+    return job.tres_per_job is not None and "gpu" in job.tres_per_job
+
+
+def _words(text: str) -> list[str]:
+    """Lua's ``[^%s,;]+`` over ASCII white space."""
+    out: list[str] = []
+    word: list[str] = []
+    for ch in text:
+        if ch in " \t\n\r\v\f,;":
+            if word:
+                out.append("".join(word))
+                word = []
+        else:
+            word.append(ch)
+    if word:
+        out.append("".join(word))
+    return out
+
+
+def _opted_out(job: JobDesc) -> bool:
+    for text in (job.comment or "", job.extra or ""):
+        lowered = "".join(c.lower() if "A" <= c <= "Z" else c for c in text)
+        if "ncclguard=off" in _words(lowered):
+            return True
+    return False
+
+
+def _guarded(cf: classfile.ClassFile, partition: str | None) -> bool:
+    if not cf.guarded or partition is None:
+        return True
+    return any(p in cf.guarded for p in partition.split(",") if p)
+
+
+def _classes_for(cf: classfile.ClassFile, partition: str | None
+                 ) -> tuple[tuple[ClassCount, ...], str]:
+    name = partition if partition is not None else cf.default  # lua: "" is a name
+    if name is not None and "," not in name and name in cf.partitions:
+        return cf.partitions[name], f"partition {name}"
+    return cf.partitions.get(classfile.ALL, ()), "the cluster"
+
+
+def choose(classes: Sequence[ClassCount], need: int, limit: int) -> list[str]:
+    """The classes a job of ``need`` nodes is offered, in the file's order, at most
+    ``limit``."""
+    return [c.feature for c in classes if c.nodes >= need][:limit]
+
+
+def _some(hosts: Sequence[str]) -> str:
+    text = ",".join(hosts[:4])
+    return text + (f" and {len(hosts) - 4} more" if len(hosts) > 4 else "")
+
+
+def _required_hosts(cf: classfile.ClassFile, req: str | None) -> list[str] | None:
+    if not req or cf.required_nodes != "refuse":
+        return None
+    try:
+        hosts = classfile.expand_members(req, max(_nodes(cf), 1))
+    except ValueError:
+        return None
+    return list(dict.fromkeys(hosts))
+
+
+def _nodes(cf: classfile.ClassFile) -> int:
+    return sum(len(classfile.expand_members(h)) for h in cf.members.values())
+
+
+def _required_class(cf: classfile.ClassFile, hosts: Sequence[str],
+                    classes: Sequence[ClassCount], need: int, pname: str
+                    ) -> tuple[ClassCount | None, str]:
+    member = {h: f for f, hl in cf.members.items() for h in classfile.expand_members(hl)}
+    by: dict[str, list[str]] = {}
+    for h in hosts:
+        f = member.get(h)
+        if f is None:
+            return None, "gate"
+        by.setdefault(f, []).append(h)
+    if len(by) > 1:
+        order = list(by)
+        parts = [f"{f}: {_some(by[f])}" for f in order[:4]]
+        if len(order) > 4:
+            parts.append(f"and {len(order) - 4} more classes")
+        return None, (f"ncclguard: the required nodes (-w) have {len(order)} different NCCL "
+                      f"stacks ({'; '.join(parts)}); ask for nodes of one class (see "
+                      "`ncclguard classes`)")
+    (f,) = by
+    for c in classes:
+        if c.feature == f:
+            if c.nodes >= need:
+                return c, ""
+            return None, (f"ncclguard: this job needs {need} nodes with one NCCL stack, but "
+                          f"its required nodes (-w) are in class {f}, which has {c.nodes} "
+                          f"nodes in {pname} (see `ncclguard classes`)")
+    size = len(classfile.expand_members(cf.members[f]))
+    if size < need:
+        return None, (f"ncclguard: this job needs {need} nodes with one NCCL stack, but its "
+                      f"required nodes (-w) are in class {f}, which has {size} nodes (see "
+                      "`ncclguard classes`)")
+    return None, "gate"
+
+
+def _too_many_terms(constraint: str | None) -> str | None:
+    if constraint is None:
+        return None
+    count = group.terms(constraint)
+    if count > group.MAX_TERMS:
+        return (f"ncclguard: a bracket group ([a|b|...]) may name at most {group.MAX_TERMS} "
+                f"features (Slurm's limit); this one names {count}")
+    return None
+
+
+def _oversized(job: JobDesc) -> Decision | None:
+    """A field past Slurm's cap: Slurm refuses the job next. The lua cuts a constraint or
+    preference that long to ``MAX_CONSTRAINT + 1`` characters (still refused, for its
+    length, but without Slurm reading megabytes of it)."""
+    if not any(len(v) > group.MAX_CONSTRAINT for f in CAPPED
+               if isinstance(v := getattr(job, f), str)):
+        return None
+
+    def cut(v: str | None) -> str | None:
+        return v[: group.MAX_CONSTRAINT + 1] if v is not None else None
+
+    return Decision("cap", features=cut(job.features), prefer=cut(job.prefer))
+
+
+def _crash_check(job: JobDesc) -> Decision | None:
+    for value in (job.features, job.prefer):
+        msg = _too_many_terms(value)
+        if msg:
+            return Decision("reject", code="ERROR", message=msg)
+    return None
+
+
+def decide(cf: classfile.ClassFile | None, job: JobDesc) -> Decision:
+    """The lua's ``ncclguard.submit(job_desc)``; ``cf``: the file as the lua would use it
+    (None: missing, malformed or not trusted, see :func:`trusted`)."""
+    capped = _oversized(job)
+    if capped:
+        return capped  # Slurm refuses it next
+    if job.req_nodes is not None and len(job.req_nodes) > MAX_REQ_NODES:
+        return KEEP  # a -w list too long to read: the gate's
+    crash = _crash_check(job)
+    if crash:
+        return crash
+    if _set(job.het_job_offset, NO_VAL):
+        return KEEP
+    user, prefer = job.features, job.prefer
+    if (user is not None and "[" in user) or (prefer is not None and "[" in prefer):
+        return KEEP
+    if cf is None:
+        return KEEP
+    threshold = max(2, cf.min_nodes)
+    has_req = bool(job.req_nodes)
+    if has_req and cf.required_nodes != "refuse":
+        return KEEP
+    hosts = _required_hosts(cf, job.req_nodes)
+    if not (_spans(job, threshold) or (hosts is not None and len(hosts) >= threshold)):
+        return KEEP
+    if cf.opt_out and _opted_out(job):
+        return KEEP
+    if not _guarded(cf, job.partition):
+        return KEEP
+    classes, pname = _classes_for(cf, job.partition)
+    if not classes:
+        return KEEP
+    need = 1
+    if job.min_nodes is not None and job.min_nodes != NO_VAL and job.min_nodes > 1:
+        need = job.min_nodes
+    if has_req:
+        if hosts is None:
+            return KEEP
+        need = max(need, len(hosts))
+        c, msg = _required_class(cf, hosts, classes, need, pname)
+        if c is None:
+            return KEEP if msg == "gate" else Decision("reject", code="ERROR", message=msg)
+        classes = (c,)
+    chosen = choose(classes, need, cf.max_alternatives)
+    if not chosen:
+        largest = max(c.nodes for c in classes)
+        return Decision("reject", code="ESLURM_INVALID_NODE_COUNT", message=(
+            f"ncclguard: this job needs {need} nodes with one NCCL stack, but the largest "
+            f"such set in {pname} has {largest} nodes (ask for at most {largest}, or see "
+            "`ncclguard classes`)"))
+    joined = constraints(chosen, user, prefer)
+    if joined is None:
+        return KEEP
+    return Decision("set", features=joined[0], prefer=joined[1])
+
+
+def constraints(chosen: Sequence[str], user: str | None, prefer: str | None
+                ) -> tuple[str, str | None] | None:
+    """The job's constraint and preference with the group of as many of ``chosen`` as keep
+    both within Slurm's cap (the first ones: the file's order is the preference), or None
+    where a user's expression cannot take the group (:func:`~ncclguard.sched.group.joinable`)
+    or not even one class fits. Lengths are counted, not built (the lua does the same)."""
+    has_prefer = bool(prefer)
+    if not group.joinable(user) or (has_prefer and not group.joinable(prefer)):
+        return None
+    longest = max(len(user or ""), len(prefer or "") if has_prefer else 0)
+    room = group.MAX_CONSTRAINT - (longest + 3 if longest else 0)
+    k, length = 0, 1
+    for i, f in enumerate(chosen, start=1):
+        length += len(f) + 1
+        if length > room:
+            break
+        k = i
+    if k == 0:
+        return None
+    g = group.render(chosen[:k])
+    features = group.join(user, g)
+    assert features is not None
+    return features, (group.join(prefer, g) if has_prefer else None)
+
+
+def decide_modify(job: JobDesc) -> Decision:
+    """The lua's ``ncclguard.modify(job_desc)``."""
+    return _oversized(job) or _crash_check(job) or KEEP

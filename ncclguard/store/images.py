@@ -1,0 +1,196 @@
+"""The image index and the container runs (v5, v6; docs/containers.md): one row per
+squashfs image under the admin's roots with the gate's ``image_values``, and the enroot
+hook's verified records of what each container really had."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+from ncclguard.store.connection import Database, chunks
+from ncclguard.store.decoding import decoded as _decoded
+from ncclguard.store.errors import database_failure
+
+
+class ImageState(NamedTuple):
+    """What the image index stored of one image (``image_states``)."""
+
+    ident: tuple[int, int, int]  # (inode, size, mtime_ns) when it was last scanned
+    attempts: int  # failures of this path in a row (0 once it was read)
+    retry_at: float | None  # when a failure not about its content is tried again
+    error: str | None
+
+
+class ImageTables(Database):
+    """The image and container tables of an :class:`~ncclguard.store.Inventory`."""
+
+    def write_images(self, scanned: Sequence[dict[str, Any]], gone: Sequence[str] = (),
+                     now: float | None = None) -> None:
+        """Write image rows in one transaction: each item is ``{"path", "inode", "size",
+        "mtime_ns", "record"}`` (a record of ``scan_image``) or the same with ``"error"``
+        instead of a record, and then ``"attempts"`` (failures of that path in a row)
+        and ``"retry_at"`` (when to try again; None: when it changes); ``gone``: paths
+        no longer under the roots."""
+        import hashlib  # not on the gate's path (3 ms)
+
+        from ncclguard.fingerprint.canonical import canonical_json
+        from ncclguard.fingerprint.image import image_values
+
+        self._require_rw()
+        now = time.time() if now is None else float(now)
+        rows: list[tuple[Any, ...]] = []
+        for item in scanned:
+            record = item.get("record")
+            head = (item["path"], item["inode"], item["size"], item["mtime_ns"], now)
+            tail = (int(item.get("attempts") or 0), item.get("retry_at"))
+            if record is not None:
+                text = canonical_json(record)
+                values = image_values(record)
+                rows.append((*head, text, hashlib.sha256(text.encode()).hexdigest(),
+                             canonical_json(values), values["nccl_version"], None, 0, None))
+            else:
+                rows.append((*head, None, None, None, None,
+                             str(item.get("error") or "unreadable"), *tail))
+
+        def body(conn: sqlite3.Connection) -> None:
+            conn.executemany(
+                "INSERT OR REPLACE INTO images (path, inode, size, mtime_ns, scanned_at, "
+                "record, record_hash, image_values, nccl_version, error, attempts, retry_at) "
+                "VALUES (?,?,?,?,?,?,?,?,?,?,?,?)", rows)
+            for chunk in chunks(list(gone)):
+                conn.execute("DELETE FROM images WHERE path IN (SELECT value FROM json_each(?))",
+                             (json.dumps(chunk),))
+
+        self._retrying(self._conn, body, f"write {len(rows)} images")
+
+    def image_states(self) -> dict[str, ImageState]:
+        """path -> what the scanner knows of every indexed image: its identity, its
+        failures in a row and when to try it again."""
+        rows = self._reading("read images", lambda c: c.execute(
+            "SELECT path, inode, size, mtime_ns, attempts, retry_at, error FROM images"
+        ).fetchall())
+        return {r[0]: ImageState((r[1], r[2], r[3]), r[4], r[5], r[6]) for r in rows}
+
+    def images(self) -> list[dict[str, Any]]:
+        """Every indexed image: path, size, mtime_ns, scanned_at, nccl_version, error."""
+        rows = self._reading("read images", lambda c: c.execute(
+            "SELECT path, inode, size, mtime_ns, scanned_at, nccl_version, error, record_hash "
+            "FROM images ORDER BY path").fetchall())
+        keys = ("path", "inode", "size", "mtime_ns", "scanned_at", "nccl_version", "error",
+                "record_hash")
+        return [dict(zip(keys, r, strict=True)) for r in rows]
+
+    def image(self, path: str) -> dict[str, Any] | None:
+        """One image's row with its full ``record`` (None if the image is not indexed)."""
+        row = self._reading("read image", lambda c: c.execute(
+            "SELECT path, inode, size, mtime_ns, scanned_at, nccl_version, error, record "
+            "FROM images WHERE path = ?", (path,)).fetchone())
+        if row is None:
+            return None
+        keys = ("path", "inode", "size", "mtime_ns", "scanned_at", "nccl_version", "error",
+                "record")
+        out = dict(zip(keys, row, strict=True))
+        out["record"] = _decoded(out["record"], None) if out["record"] else None
+        return out
+
+    def load_image_values(self, path: str) -> tuple[dict[str, Any] | None, str | None] | None:
+        """The gate's read of one image: None when it is not indexed, else
+        ``(image_values, error)`` (values None with the cause when it was unreadable).
+        A record that fails the check is computed again from the stored record."""
+        from ncclguard.fingerprint.image import image_values, valid_image_values
+
+        row = self._reading("read image", lambda c: c.execute(
+            "SELECT image_values, error, record FROM images WHERE path = ?",
+            (path,)).fetchone())
+        if row is None:
+            return None
+        text, error, record = row
+        if error is not None:
+            return None, str(error)
+        try:
+            values = json.loads(text)
+            if valid_image_values(values):
+                return values, None
+            values = image_values(json.loads(record))
+        except (TypeError, ValueError, RecursionError, AttributeError):
+            return None, "the stored record cannot be read"
+        return (values, None) if valid_image_values(values) else (
+            None, "the stored record cannot be read")
+
+    def write_container_runs(self, runs: Sequence[dict[str, Any]], *,
+                             max_steps: int = 0) -> list[str]:
+        """Store verified container records: each ``{"job", "step", "host", "encoded_at",
+        "uid", "origin", "file_state", "nccl_version", "record"}``; a newer one replaces
+        an older one. Each in a savepoint: one that cannot be stored ("invalid: ...") or
+        that would be more than ``max_steps`` steps of its job on its node
+        ("over-quota: ...") is left out alone. Returns one status per run, "written" for
+        the others."""
+        from ncclguard.fingerprint.canonical import canonical_json
+
+        self._require_rw()
+
+        def body(conn: sqlite3.Connection) -> list[str]:
+            out = []
+            for r in runs:
+                conn.execute("SAVEPOINT run")
+                try:
+                    version = r.get("nccl_version")
+                    row = (str(r["job"]), str(r["step"]), str(r["host"]),
+                           float(r["encoded_at"]), int(r["uid"]), str(r["origin"]),
+                           str(r["file_state"]), version if isinstance(version, str) else None,
+                           canonical_json(r["record"]))
+                    if max_steps and conn.execute(
+                            "SELECT count(*) >= ? AND NOT EXISTS (SELECT 1 FROM container_runs "
+                            "WHERE job = ? AND step = ? AND host = ?) FROM container_runs "
+                            "WHERE job = ? AND host = ?",
+                            (max_steps, row[0], row[1], row[2], row[0], row[2])).fetchone()[0]:
+                        out.append(f"over-quota: job {row[0]} already has {max_steps} steps "
+                                   f"recorded on {row[2]}")
+                    else:
+                        conn.execute(
+                            "INSERT INTO container_runs VALUES (?,?,?,?,?,?,?,?,?) "
+                            "ON CONFLICT (job, step, host) DO UPDATE SET "
+                            "encoded_at = excluded.encoded_at, uid = excluded.uid, "
+                            "origin = excluded.origin, file_state = excluded.file_state, "
+                            "nccl_version = excluded.nccl_version, record = excluded.record "
+                            "WHERE excluded.encoded_at >= container_runs.encoded_at", row)
+                        out.append("written")
+                except Exception as e:
+                    if database_failure(e):
+                        raise
+                    conn.execute("ROLLBACK TO run")
+                    out.append(f"invalid: {type(e).__name__}: {str(e)[:200]}")
+                conn.execute("RELEASE run")
+            return out
+
+        return self._retrying(self._conn, body, f"write {len(runs)} container records")
+
+    def prune_container_runs(self, now: float, keep_days: float) -> int:
+        """Delete container records signed more than ``keep_days`` ago (0: none)."""
+        self._require_rw()
+        if keep_days <= 0:
+            return 0
+        return int(self._retrying(self._conn, lambda conn: conn.execute(
+            "DELETE FROM container_runs WHERE encoded_at < ?",
+            (now - keep_days * 86400,)).rowcount, "prune container records"))
+
+    def container_states(self) -> dict[tuple[str, str, str], str]:
+        """(job, step, host) -> the file state last stored (the collector's cache)."""
+        rows = self._reading("read container runs", lambda c: c.execute(
+            "SELECT job, step, host, file_state FROM container_runs").fetchall())
+        return {(r[0], r[1], r[2]): r[3] for r in rows}
+
+    def container_runs(self, job: str) -> list[dict[str, Any]]:
+        """What each node's container had for ``job``: step, host, encoded_at, uid,
+        origin, nccl_version, record; by step and host."""
+        rows = self._reading("read container runs", lambda c: c.execute(
+            "SELECT step, host, encoded_at, uid, origin, nccl_version, record "
+            "FROM container_runs WHERE job = ? ORDER BY step, host", (str(job),)).fetchall())
+        keys = ("step", "host", "encoded_at", "uid", "origin", "nccl_version", "record")
+        out = [dict(zip(keys, r, strict=True)) for r in rows]
+        for r in out:
+            r["record"] = _decoded(r["record"], None)  # None: unreadable (its shape: spool)
+        return out
