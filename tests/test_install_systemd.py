@@ -239,7 +239,7 @@ def state(box: Machine) -> dict[str, object]:
     features = {n: re.search(r"ActiveFeatures=(\S*)", box.run(
         ["scontrol", "show", "node", n]).stdout)[1] for n in (HOST, "n2")}  # type: ignore[index]
     return {"units": units,
-            "classes": sorted((c["compat_key"], c["hosts"]) for c in classes["classes"]),
+            "classes": sorted((c["class_key"], c["hosts"]) for c in classes["classes"]),
             "features": features}
 
 
@@ -403,7 +403,11 @@ def test_the_install_guide_under_systemd(
     assert len(tables) == 6, out  # three times a header and the node
     rows = [ln.split() for ln in lines if ln.startswith(f"{HOST} ")]
     assert len({tuple(r[:5]) for r in rows}) == 1, out  # the same for all three
-    assert rows[0][1] == "2.18.3" and rows[0][-2:] == ["0", "ok"], out  # no errors
+    # the columns by the header's names (two of them are two words, their values one)
+    header = tables[0].replace("RDMA UP/TOTAL", "RDMA").replace("LAST HEARTBEAT", "LAST")
+    row = dict(zip(header.split(), rows[0], strict=True))
+    assert (row["NCCL"], row["ERRORS"], row["STATUS"]) == ("2.18.3", "0", "ok"), out
+    assert row["CLASS"].startswith("nc_"), out
     assert "0 unresolved rejections" in out, out
     for unit in ("ncclguard-inventoryd", "ncclguard-collector"):
         assert box.run(["systemctl", "is-active", unit]).stdout.strip() == "active"
