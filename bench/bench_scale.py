@@ -97,10 +97,11 @@ code = os.waitstatus_to_exitcode(status)
 sys.exit(code if code >= 0 else 128 - code)
 """
 RESULTS: dict[str, Any] = {}
+SIZE = {"n": 0}  # the N being measured: each size's figures are kept under it
 
 
 def _record(key: str, value: Any) -> None:
-    RESULTS[key] = value
+    RESULTS.setdefault(str(SIZE["n"]), {})[key] = value
 
 
 def _wait(pred: Callable[[], object], timeout: float, what: str, every: float = 0.2) -> None:
@@ -502,6 +503,7 @@ def backfill(root: Path, n: int, a: argparse.Namespace, codes: dict[str, str]) -
 
 def one_size(base: Path, n: int, a: argparse.Namespace, codes: dict[str, str]) -> None:
     print(f"\n== N = {n:,} defined nodes, {a.classes} classes", flush=True)
+    SIZE["n"] = n
     parts = set(a.only)
     if parts - {"backfill"}:
         rig = Rig(base / f"n{n}", n, a.classes, codes)
