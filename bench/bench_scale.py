@@ -73,7 +73,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
-from policy_fingerprints import fingerprint  # noqa: E402
+from helpers.fingerprints import fingerprint  # noqa: E402
 
 from devtools.devcluster import DevCluster  # noqa: E402
 from ncclguard import audit  # noqa: E402
