@@ -90,7 +90,8 @@ class Suite:
 
     def __init__(self, name: str, slurm: str, *, unified: bool = False,
                  not_started_at_first_boot: tuple[str, ...] = (),
-                 cgroup_conf: str | None = None) -> None:
+                 cgroup_conf: str | None = None,
+                 not_ours: dict[str, str] | None = None) -> None:
         self.name = name
         self.slurm = slurm
         self.unified = unified  # cgroup v2 for the container (devtools/nspawn.py)
@@ -98,6 +99,8 @@ class Suite:
         # scaffolding: units of Debian's that the first boot does not start (the guide's
         # first step enables and starts them), and why
         self.not_started_at_first_boot = not_started_at_first_boot
+        # journal lines of this release's own that a clean run may show (pattern -> why)
+        self.not_ours = not_ours or {}
 
 
 SUITES = {
@@ -111,7 +114,15 @@ SUITES = {
     # turns Slurm's cgroup plugin off (ProctrackType=proctrack/linuxproc and
     # TaskPlugin=task/none use none)
     "forky": Suite("forky", "26.05", unified=True, not_started_at_first_boot=("slurmd",),
-                   cgroup_conf="CgroupPlugin=disabled\n"),
+                   cgroup_conf="CgroupPlugin=disabled\n",
+                   not_ours={
+                       r" slurmd\[\d+\]: \[[\d.T:-]+\] error: Unable to register: Connection "
+                       r"reset by peer$":
+                       "26.05.5's slurmd registering while its slurmctld restarts in place "
+                       "(from 23.11 `scontrol reconfigure` does, the guide's gate and features "
+                       "steps run it; at boot both start at once): send_registration_msg() "
+                       "logs the failed try and slurmd registers again (CI's run of "
+                       "2026-12-02; the test then waits for both nodes idle and runs jobs)"}),
 }
 
 
@@ -309,7 +320,11 @@ def add_second_node(box: Machine, nccl_lib: Callable[[str], Path]) -> None:
            "reloaded\"; do sleep 0.5; done'\n"
            "systemctl daemon-reload\n"
            "systemctl enable --now munge-n2\n"
-           "systemctl restart slurmctld slurmd\n"
+           # slurmctld first, answering, then the slurmds: both at once, 26.05.5's slurmd
+           # met a slurmctld not yet serving ("Unable to register: Connection reset by peer")
+           "systemctl restart slurmctld\n"
+           "timeout 60 sh -c 'until scontrol ping | grep -q UP; do sleep 0.5; done'\n"
+           "systemctl restart slurmd\n"
            "systemctl enable --now slurmd-n2 ncclguard-inventoryd-n2\n")
     wait_until(lambda: sorted(box.run(
         ["sinfo", "-h", "-N", "-o", "%N %T"], check=False).stdout.split()) == sorted(
@@ -361,7 +376,8 @@ def checks_of_facts(box: Machine) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("machine", list(SUITES), indirect=True)
 def test_the_install_guide_under_systemd(
-    machine: Machine, tmp_path: Path, nccl_lib: Callable[[str], Path]
+    machine: Machine, tmp_path: Path, nccl_lib: Callable[[str], Path],
+    request: pytest.FixtureRequest,
 ) -> None:
     box = machine
     blocks = guide_blocks()
@@ -469,7 +485,7 @@ def test_the_install_guide_under_systemd(
     checks_of_facts(box)
     # the gate refuses by exiting non-zero, which slurmctld logs as an error: that one line
     refused = (rf" slurmctld\[\d+\]: .*error: prolog_slurmctld JobId={job} prolog exit status "
-               r"1:0$",)
+               r"1:0$", *SUITES[request.node.callspec.params["machine"]].not_ours)
     errors = journal_errors(box, since, refused)
     assert not errors, "\n".join(errors[:40])
 
