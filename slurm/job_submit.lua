@@ -1,5 +1,5 @@
 --[[
-ncclguard's job_submit.lua: Slurm itself never picks a mixed set of nodes.
+ncclguard's job_submit.lua: Slurm itself picks the nodes of one class for a multi-node job.
 
 Every multi-node job gets a matching-OR constraint over the compatibility classes,
 "[nc_1a2b3c4d|nc_99aa00bb]" (in --prefer too, when the job has one: Slurm tries that

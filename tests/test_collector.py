@@ -505,16 +505,20 @@ def test_an_unwritable_textfile_dir_is_logged_once_and_its_recovery_once(
 
     ms, d, db = collector_env
     publish(ms, d, "n1")
+    # a link, mended in one rename: a file unlinked and a directory made in its place let
+    # a scan meet the gap (a second cause, logged as such; tests/test_service.py too)
     prom = tmp_path / "prom"
-    prom.write_text("not a directory\n")
+    (tmp_path / "a-file").write_text("not a directory\n")
+    prom.symlink_to(tmp_path / "a-file")
     cfg = config(ms, d)
     cfg = cfg.replace(collector=cfg.collector.replace(textfile_dir=str(prom),
                                                       scan_interval_s=0.02))
 
     def mend() -> None:
         time.sleep(0.5)  # scans that fail
-        prom.unlink()
-        prom.mkdir()
+        (tmp_path / "a-dir").mkdir()
+        (tmp_path / "prom.new").symlink_to(tmp_path / "a-dir")
+        os.replace(tmp_path / "prom.new", prom)
 
     t = threading.Thread(target=mend)
     t.start()

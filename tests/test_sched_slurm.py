@@ -12,9 +12,11 @@ changed.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -470,6 +472,77 @@ def test_after_a_plain_restart_the_features_return_and_the_gap_is_the_gates(
     wait_until(lambda: _classes(c) == before, 30, "the class features after restart")
     took = time.monotonic() - t0
     print(f"class features back {took:.1f} s after a plain restart (SlurmctldPrimaryOnProg)")
+
+
+class _Pings:
+    """``scontrol ping`` every 0.2 s from a thread while a test reconfigures or restarts
+    slurmctld: when each answer came, so that a stall shows as a gap between answers."""
+
+    def __init__(self, c: DevCluster) -> None:
+        self.c = c
+        self.answered: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                r = self.c.run(["scontrol", "ping"], check=False, timeout=15)
+                if "UP" in r.stdout:
+                    self.answered.append(time.monotonic())
+            except subprocess.TimeoutExpired:
+                pass
+            self._stop.wait(0.2)
+
+    def __enter__(self) -> _Pings:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def longest_gap(self, since: float, until: float) -> float:
+        """The longest time in [since, until] without an answer."""
+        marks = [since, *(t for t in self.answered if since < t < until), until]
+        return max(b - a for a, b in itertools.pairwise(marks))
+
+
+def test_reconfigure_and_restart_keep_slurmctld_answering_and_the_features_back_in_5_s(
+    sc: DevCluster,
+) -> None:
+    """Issue 24: on 26.05.5 the hook called back into a slurmctld that runs
+    SlurmctldPrimaryOnProg before it serves any RPC: every start and reconfigure stalled it
+    10 s (clients timed out) and the class features did not come back. Now the hook returns
+    at once; on every release slurmctld answers throughout a reconfigure, answers within
+    10 s of a restart's start, and the class features are back within 5 s of either."""
+    c = sc
+    before = _classes(c)
+    with _Pings(c) as pings:
+        time.sleep(1)
+        t0 = time.monotonic()
+        c.run(["scontrol", "reconfigure"], timeout=60)
+        wait_until(lambda: _classes(c) == before, 30, "the class features after reconfigure")
+        back = time.monotonic() - t0
+        time.sleep(1)  # an answer after the features are back
+        gap = pings.longest_gap(t0, time.monotonic())
+        print(f"reconfigure: features back in {back:.1f} s; longest gap between answered "
+              f"pings {gap:.1f} s (Slurm {c.slurm().version()})")
+        assert back < 5, back
+        assert gap < 5, gap
+
+        t1 = time.monotonic()
+        c.restart_slurmctld()  # returns once slurmctld answers a ping
+        up = time.monotonic()
+        wait_until(lambda: _classes(c) == before, 30, "the class features after restart")
+        back = time.monotonic() - up
+        time.sleep(1)
+        gap = pings.longest_gap(t1, time.monotonic())
+        print(f"restart: answering {up - t1:.1f} s after the stop began, features back "
+              f"{back:.1f} s later; longest gap between answered pings {gap:.1f} s")
+        assert up - t1 < 10, up - t1
+        assert back < 5, back
+        assert gap < 10, gap
 
 
 # ------------------------------------------------------- the controller comes first

@@ -262,15 +262,20 @@ def test_unwritable_textfile_dir_logs_once_and_its_recovery_once(
     a "collection works again" (collection never failed)."""
     d = tmp_path / "spool"
     d.mkdir()
+    # the configured path is a link, so that the fault is mended in one step: unlinking a
+    # file and making a directory in its place let a cycle meet the gap between them (a
+    # second cause, "No such file or directory", logged as such: CI's forky run, 2026-12-02)
     prom = tmp_path / "prom"
-    prom.write_text("not a directory\n")
+    (tmp_path / "a-file").write_text("not a directory\n")
+    prom.symlink_to(tmp_path / "a-file")
     fp_file = tmp_path / "fp.json"
     fp_file.write_text(json.dumps(fingerprint("n9", plugin_abi=8)))
     cfg = _config(tmp_path / "config.toml", d, mungeds.node("n9").socket, prom, interval=0.05)
 
     def mend() -> None:
-        prom.unlink()
-        prom.mkdir()
+        (tmp_path / "a-dir").mkdir()
+        (tmp_path / "prom.new").symlink_to(tmp_path / "a-dir")
+        os.replace(tmp_path / "prom.new", prom)  # one rename: the fault is gone at once
 
     lines = _through_a_fault(fp_file, cfg, listener, mend=mend,
                              mended=lambda: (prom / "ncclguard.prom").exists())
