@@ -55,10 +55,11 @@ echo "scripts/test.sh: the suite on $(slurmctld -V 2>/dev/null || echo 'Slurm ?'
 # The order: as written on this machine's Slurm; shuffled across files in the second run
 # (NCCLGUARD_SHUFFLE=1, which slurm-root.sh sets; pytest-randomly prints its seed, and
 # --randomly-seed=SEED repeats it), so that no test leans on what another left behind.
+# --durations: the slowest tests of each run in its log, where CI's time goes
 if [[ ${NCCLGUARD_SHUFFLE:-0} == 1 ]]; then
-    .venv/bin/python -m pytest "$@"
+    .venv/bin/python -m pytest --durations=25 "$@"
 else
-    .venv/bin/python -m pytest --randomly-dont-reorganize "$@"
+    .venv/bin/python -m pytest --randomly-dont-reorganize --durations=25 "$@"
 fi
 
 # Then the same suite on the newer Slurm releases, each in a cached debootstrap root

@@ -62,11 +62,14 @@ def test_a_node_without_enroot_injects_nothing(tmp_path: Path) -> None:
     assert fp["containers"]["net_plugin"] is None and fp["containers"]["plugins"] == []
 
 
-@pytest.fixture
-def cluster(tmp_path: Path, nccl_lib) -> dict[str, Path]:
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory, nccl_lib) -> dict[str, Path]:
     """n1, n2 inject a v6..v5 plugin (NCCL 2.18.3 speaks v6..v4); n3, n4 one of v10..v9;
     n5 injects nothing. The host libnccl is 2.21.5 on n1-n4, 2.18.3 on n5 (not what a
-    container loads). One image with NCCL 2.18.3 and no plugin of its own."""
+    container loads). One image with NCCL 2.18.3 and no plugin of its own. Built once for
+    the module (about 30 s: five cold fingerprints, two images of real libnccl); no test
+    writes the inventory or the images."""
+    tmp_path = tmp_path_factory.mktemp("containers")
     old = build_plugin(tmp_path / "p6", [6, 5], name="IBext_v6")
     new = build_plugin(tmp_path / "p10", [10, 9], name="IBext_v10")
     host_lib = nccl_lib("2.21.5")
@@ -90,9 +93,15 @@ def cluster(tmp_path: Path, nccl_lib) -> dict[str, Path]:
         except PartUnavailable as e:
             unavailable(str(e))
         update_index(inv, ImagesConfig(roots=(str(roots),)))
+    return {"db": db, "images": roots}
+
+
+@pytest.fixture
+def cluster(built: dict[str, Path], tmp_path: Path) -> dict[str, Path]:
+    """The module's nodes and images, with a config of this test's own (empty)."""
     cfg = tmp_path / "config.toml"
     cfg.write_text("")
-    return {"db": db, "cfg": cfg, "images": roots}
+    return {**built, "cfg": cfg}
 
 
 def _check(cluster: dict[str, Path], *args: str) -> tuple[int, dict]:
