@@ -15,7 +15,9 @@ import contextlib
 import itertools
 import json
 import os
+import shutil
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -749,3 +751,107 @@ def test_the_periodic_check_reads_groups_and_syncs_only_on_a_difference(sc: DevC
         c.stop_features_daemon()
         c.write_gate_config(text)
         c.start_features_daemon()
+
+
+_SLURM_COMMANDS = ("sacct", "sacctmgr", "salloc", "sattach", "sbatch", "sbcast", "scancel",
+                   "scrontab", "sdiag", "sinfo", "sprio", "squeue", "sreport", "srun",
+                   "sshare", "sstat", "strigger")
+
+
+def _refusing_scontrol(c: DevCluster, refused: str) -> tuple[Path, Path, Path]:
+    """``(bin dir, flag, calls)``: Slurm's commands, with an ``scontrol`` that answers as
+    Slurm answers an update of a node it does not know (``Invalid node name specified``,
+    exit 1) for every update naming ``refused`` while ``flag`` exists, and logs each such
+    update (``refused NodeName=...`` or ``passed NodeName=...``, with the time) to
+    ``calls``. Everything else goes to the real scontrol."""
+    bindir = c.root / "refusing-bin"
+    bindir.mkdir(exist_ok=True)
+    real = shutil.which("scontrol", path=c.env.get("PATH"))
+    assert real, "scontrol"
+    for name in _SLURM_COMMANDS:
+        if (found := shutil.which(name, path=c.env.get("PATH"))) and not (bindir / name).exists():
+            (bindir / name).symlink_to(found)
+    flag, calls = c.root / "refuse-n4", c.root / "refused-calls"
+    wrapper = bindir / "scontrol"
+    wrapper.write_text(f"""#!{sys.executable} -I
+import os, subprocess, sys, time
+real, flag, calls, refused = {real!r}, {str(flag)!r}, {str(calls)!r}, {refused!r}
+args = sys.argv[1:]
+names = [a.split("=", 1)[1] for a in args if a.startswith("NodeName=")]
+if args[:1] == ["update"] and names:
+    hosts = subprocess.run([real, "show", "hostnames", names[0]], capture_output=True,
+                           text=True).stdout.split()
+    refuse = refused in hosts and os.path.exists(flag)
+    with open(calls, "a") as f:
+        f.write(f"{{time.time()}} {{'refused' if refuse else 'passed'}} NodeName={{names[0]}}\\n")
+    if refuse:
+        sys.stderr.write("slurm_update error: Invalid node name specified\\n")
+        sys.exit(1)
+os.execv(real, [real, *args])
+""")
+    wrapper.chmod(0o755)
+    return bindir, flag, calls
+
+
+def test_a_node_slurm_keeps_refusing_backs_off_alone_and_holds_no_other_back(
+    sc: DevCluster,
+) -> None:
+    """n2 and n4 move to class B in one pass, so their updates share one ``scontrol
+    update NodeName=n[2,4]``, and Slurm refuses every update of n4: n2 still gets its
+    class (its node tried alone at the first retry), n4 is logged once, retried with
+    back-off (2, 4, 8 s ... at most ``retry_max_s``) and listed by ``features check``
+    (exit 1); once Slurm takes n4's update again it gets its class and the log says so.
+    Before, n2 shared n4's back-off and never got its class. About 40 s."""
+    c = sc
+    cls = _classes(c)
+    text = c.config_path.read_text()
+    bindir, flag, calls = _refusing_scontrol(c, "n4")
+    log = c.root / "log" / "features.out"
+    with _hands_off(c):
+        flag.touch()
+        c.write_gate_config(text.replace("[gate]\n", f'[gate]\nslurm_bin_dir = "{bindir}"\n')
+                            .replace("[features]\n", "[features]\nretry_max_s = 8\n"))
+        try:
+            c.start_features_daemon()
+            wait_until(lambda: _features_in_place(c), 30, "the daemon's first pass")
+            mark = log.stat().st_size
+            for host in ("n2", "n4"):
+                c.publish_fingerprint(host, fingerprint(host, nccl="2.18.3"))
+            c.collect()
+            wait_until(lambda: _classes(c)["n2"] == cls["n5"], 20, "n2 in class B",
+                       detail=lambda: calls.read_text() if calls.exists() else "no call")
+            t0 = time.time()
+            assert _classes(c)["n4"] == cls["n1"]  # n4: still what Slurm last took
+            r = c.features("check", "--json", check=False)
+            assert r.returncode == 1, r.stdout + r.stderr
+            doc = json.loads(r.stdout)
+            assert [f["host"] for f in doc["failing"]] == ["n4"], doc["failing"]
+            assert "Invalid node name specified" in doc["failing"][0]["error"]
+            time.sleep(max(0.0, t0 + 20 - time.time()))
+            refused = [float(ln.split()[0]) for ln in calls.read_text().splitlines()
+                       if " refused " in ln]
+            gaps = [b - a for a, b in itertools.pairwise(refused)]
+            # a pass each 0.5 s would have tried it about 40 times; back-off: 2, 4, 8, 8 s
+            assert 3 <= len(refused) <= 6, gaps
+            assert gaps[0] < 4 and max(gaps) >= 6, gaps
+            lines = log.read_bytes()[mark:].decode(errors="replace").splitlines()
+            said = [ln for ln in lines if "Slurm refused the class feature update of" in ln]
+            # once, for the call that named both; n4's own refusals read the same
+            assert len(said) == 1 and "n[2,4]" in said[0] and "Invalid node name" in said[0], said
+            assert any("class feature updates of n2 work again" in ln for ln in lines), lines
+            flag.unlink()  # Slurm takes n4's update again
+            wait_until(lambda: _classes(c)["n4"] == cls["n5"], 15, "n4 in class B")
+            wait_until(lambda: "class feature updates of n4 work again"
+                       in log.read_bytes()[mark:].decode(errors="replace"), 10,
+                       "the daemon's line for n4")
+            wait_until(lambda: c.features("check", check=False).returncode == 0, 10,
+                       "features check clean")
+        finally:
+            c.stop_features_daemon()
+            flag.unlink(missing_ok=True)
+            c.write_gate_config(text)
+            for host in ("n2", "n4"):
+                c.publish_fingerprint(host, fingerprint(host, nccl=_versions(host)))
+            c.collect()
+    c.start_features_daemon()
+    wait_until(lambda: _classes(c) == cls, 60, "the classes as before")

@@ -23,10 +23,12 @@ Each ``[features] interval_s`` (2 s):
    that cannot be read is written again by a full sync.
 
 One node cannot stop or drive the sync: an update Slurm refuses (its own features, a node
-gone) fails alone, is logged once, retried with back-off and shown in the status file
-(``ncclguard features check``, the collector's metrics) while the other nodes' updates go
-on; a node whose class changes again within ``settle_s`` of its last change is held
-without a class until it has kept one stack that long, so 15 flips cost three updates.
+gone) is logged once, and its nodes are then each tried alone, with back-off, and shown in
+the status file (``ncclguard features check``, the collector's metrics) while the other
+nodes' updates go on (a node refused in a call with others holds them back until its
+first retry, 2 s later, no longer); a node whose class changes again within ``settle_s``
+of its last change is held without a class until it has kept one stack that long, so 15
+flips cost three updates.
 
 A full sync also moves pending jobs whose group names a class that is gone
 (:func:`~ncclguard.sched.sync.regroup_pending`).
@@ -61,7 +63,7 @@ from ncclguard.hostlist import compress, expand
 from ncclguard.policy import load_config
 from ncclguard.policy.schedule import is_class_feature
 from ncclguard.sched import classfile, status
-from ncclguard.sched.sync import SyncResult, desired, mark_verified, sync
+from ncclguard.sched.sync import NOT_TRIED, SyncResult, desired, mark_verified, sync
 from ncclguard.slurm import Slurm, SlurmError
 from ncclguard.store import InventoryError
 
@@ -136,8 +138,8 @@ class Backoff:
         new: dict[str, str] = {}
         for host, why in failed.items():
             f = self.failing.get(host)
-            if f is not None and f.next_try > now:
-                continue  # skipped: still backing off
+            if f is not None and (f.next_try > now or why == NOT_TRIED):
+                continue  # not tried: still backing off, or past the pass's cap
             attempts = f.attempts + 1 if f else 1
             delay = min(self.max_s, self.first_s * 2 ** (attempts - 1))
             if f is None or f.error != why:
@@ -269,7 +271,7 @@ class FeatureKeeper:
     def _sync(self, why: str, now: float) -> str:
         res = sync(self.cfg, self.slurm, now=now,
                    classes=lambda names: self.classes(names, now),
-                   skip=self.backoff.waiting(now))
+                   skip=self.backoff.waiting(now), alone=self.backoff.failing.keys())
         self.syncs += 1
         self.applied, self.last_full = dict(res.plan.classes), now
         self.expected = {(part, n.name): res.plan.classes.get(n.name)

@@ -41,7 +41,7 @@ from ncclguard.sched.submit import choose, constraints
 from ncclguard.slurm import NodeInfo, Slurm, SlurmError
 from ncclguard.store import Inventory
 
-__all__ = ["Plan", "SyncResult", "Update", "class_table", "desired", "plan", "sync"]
+__all__ = ["NOT_TRIED", "Plan", "SyncResult", "Update", "class_table", "desired", "plan", "sync"]
 
 
 @dataclass(frozen=True)
@@ -176,17 +176,49 @@ def _locked(path: Path, wait_s: float = 30.0) -> Iterator[None]:
         os.close(fd)
 
 
+NOT_TRIED = "not tried again yet (backing off)"
+ALONE_MAX = 32  # calls of one refused node each, in one pass (each is one scontrol)
+
+
+def _calls(updates: Sequence[Update], skip: Collection[str],
+           alone: Collection[str]) -> tuple[list[Update], list[Update]]:
+    """``(the scontrol update calls for updates, the updates not tried now)``: each group
+    without its ``skip`` and ``alone`` nodes, then each ``alone`` node in a call of its
+    own (the first :data:`ALONE_MAX`); not tried: the ``skip`` nodes and the ``alone``
+    ones past the cap, by group."""
+    calls: list[Update] = []
+    single: list[Update] = []
+    later: list[Update] = []
+    for u in updates:
+        rest = tuple(h for h in u.hosts if h not in skip and h not in alone)
+        if rest:
+            calls.append(Update(rest, u.available, u.active))
+        wait: list[str] = []
+        for h in u.hosts:
+            if h in alone and h not in skip and len(single) < ALONE_MAX:
+                single.append(Update((h,), u.available, u.active))
+            elif h in skip or h in alone:
+                wait.append(h)
+        if wait:
+            later.append(Update(tuple(wait), u.available, u.active))
+    return calls + single, later
+
+
 def sync(config: Config, slurm: Slurm, *, dry_run: bool = False, now: float | None = None,
          inventory: Inventory | None = None,
          classes: Callable[[Sequence[str]], Mapping[str, str | None]] | None = None,
-         skip: Collection[str] = ()) -> SyncResult:
+         skip: Collection[str] = (), alone: Collection[str] = ()) -> SyncResult:
     """Read Slurm's nodes and the inventory, apply the updates (unless ``dry_run``), and
     write the file of classes when Slurm holds every feature it names.
 
     ``inventory``: an open one to read (the CLI's), else the configured one. ``classes``:
     each node's class from the names of Slurm's nodes, instead of :func:`desired` (the
     daemon's, with flapping nodes held). ``skip``: nodes whose update is not tried now
-    (the daemon backs off from updates Slurm refused); they count as failed.
+    (the daemon backs off from updates Slurm refused); they count as failed
+    (:data:`NOT_TRIED`), and the other nodes of their group are updated without them.
+    ``alone``: nodes Slurm refused before, each tried in a call of its own (at most
+    :data:`ALONE_MAX` a pass; the rest count as not tried), so that a node Slurm keeps
+    refusing never holds back another node whose update was in the same call.
     ``SlurmError`` from reading the nodes, ``ClassFileError`` or ``InventoryError``
     propagate. While features move, the file names only classes Slurm has before and
     after; a failed update is reported in ``errors``, and the file then names only what
@@ -211,15 +243,16 @@ def sync(config: Config, slurm: Slurm, *, dry_run: bool = False, now: float | No
             classfile.write(path, class_table(config, nodes, {h: (c if c in kept else None)
                                                      for h, c in p.classes.items()}, now,
                                      default))
-        for u in p.updates:
-            if skip and any(h in skip for h in u.hosts):
-                result.failed.append((u, "not tried again yet (backing off)"))
-                continue
+        calls, later = _calls(p.updates, skip, alone)
+        result.failed += [(u, NOT_TRIED) for u in later]
+        for u in calls:
             try:
                 slurm.set_features(u.hosts, u.available, u.active)
                 result.applied.append(u)
             except SlurmError as e:
-                result.failed.append((u, str(e)))
+                # what Slurm said, not the command line: the same refusal of a node reads
+                # the same in a call with others and in its own (the back-off logs a new one)
+                result.failed.append((u, e.stderr[:500] or str(e)))
         result.errors += [f"{compress(u.hosts)}: {why}" for u, why in result.failed]
         if result.errors:
             # some updates failed: the file names what Slurm reports it has, nothing else
