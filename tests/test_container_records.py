@@ -219,6 +219,31 @@ def test_no_first_n_window_the_scan_is_bounded_and_fair(env: Any) -> None:
     assert all(int(n[1:6]) % 2 for n in expired) and len(slurm.asked) <= 2
 
 
+def test_fresh_names_that_sort_first_before_every_scan_hold_no_record_back(env: Any) -> None:
+    """Another user writes 5,000 new garbage files before each scan, named to sort before
+    every record (more than a scan looks at): a good record is kept within three scans
+    (before: never, since new names were looked at in name order from the first)."""
+    ms, d, db = env
+    slurm = Slurm({"7": job(7, "n1")})
+    put(ms, d, "n1", "7", "0")
+    c = collector(ms, d, db, slurm)
+    results = []
+    try:
+        for scan in range(3):
+            for i in range(5000):
+                p = d / "containers" / f"{9 - scan}{i:05d}+{i}+0.rec"  # "9..", "8..", "7.."
+                p.write_bytes(b"garbage")
+                os.chown(p, OTHER, OTHER)
+            results.append(c.containers.scan(c.inv, lambda: False, writable=True))
+            if kept(db, "7"):
+                break
+    finally:
+        c.close()
+    assert kept(db, "7") == [("0", "n1")], [len(r.rejected) for r in results]
+    for r in results:
+        assert len(r.rejected) <= container_records.READS_PER_SCAN
+
+
 def test_a_munged_outage_defers_the_records(env: Any) -> None:
     """The collector's munged stops mid-way: nothing is judged (nor remembered as
     judged); once it is back, the record is kept (before: dropped for good)."""

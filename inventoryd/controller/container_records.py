@@ -10,7 +10,8 @@ list of the job its file names). Anything else is rejected alone, under a named 
 
 The directory is the users' (mode 1733): the scan is bounded and fair. Per scan at most
 :data:`STATS_PER_SCAN` files are looked at (new names first, then the others in turn
-from where the last scan stopped), a file whose mtime is past any credential's time to
+from where the last scan stopped: the new ones too, so that names a user makes to sort
+first hold nothing back), a file whose mtime is past any credential's time to
 live is not read, at most :data:`READS_PER_SCAN` files are read and decoded, taken one
 file owner at a time in turn (a user who writes thousands of files waits behind
 everyone else's), and at most :data:`JOBS_PER_SCAN` jobs are asked of Slurm. When
@@ -20,6 +21,7 @@ on an outage). Rows older than ``inventory.container_days`` are pruned.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import os
 import time
@@ -95,6 +97,7 @@ class ContainerRecords:
         self.clock = clock
         self.states: dict[str, str] = {}  # file -> the state last judged
         self.cursor = ""  # the known files are looked at in turn from here
+        self.new_cursor = ""  # and the new ones from here
         self.counts: dict[str, int] = dict.fromkeys(CAUSES, 0)
         self.accepted = 0
         self.logged: dict[str, str] = {}  # file -> the cause last logged
@@ -177,16 +180,21 @@ class ContainerRecords:
 
     def _changed(self, names: list[str], inv: Inventory,
                  res: ContainerScan) -> list[tuple[str, os.stat_result]]:
-        """The files to read this scan: stat at most STATS_PER_SCAN, new names first,
-        then the known ones in turn from the cursor; those unchanged, already stored,
-        or older than any credential (not read, rejected as expired) left out."""
-        new = [n for n in names if n not in self.states]
-        known = [n for n in names if n in self.states]
-        turn = [n for n in known if n > self.cursor] + [n for n in known if n <= self.cursor]
-        look = (new + turn)[:STATS_PER_SCAN]
-        res.left += len(new) + len(turn) - len(look)
-        if turn and len(look) > len(new):
-            self.cursor = look[-1] if look[-1] in self.states else self.cursor
+        """The files to read this scan: stat at most STATS_PER_SCAN, new names first
+        (at least three quarters of them when there are known ones), each kind in turn
+        from where the last scan stopped; those unchanged, already stored, or older than
+        any credential (not read, rejected as expired) left out. New names are taken in
+        turn, not in name order: names that sort first, however many a user writes
+        before each scan, do not keep the others from being looked at."""
+        new = _from([n for n in names if n not in self.states], self.new_cursor)
+        known = _from([n for n in names if n in self.states], self.cursor)
+        take = min(len(new), STATS_PER_SCAN - min(len(known), STATS_PER_SCAN // 4))
+        look = new[:take] + known[:STATS_PER_SCAN - take]
+        res.left += len(new) + len(known) - len(look)
+        if take:
+            self.new_cursor = new[take - 1]
+        if len(look) > take:
+            self.cursor = look[-1]
         stored = inv.container_states()
         too_old = time.time() - max(self.cfg.spool.record_ttl_s, MUNGE_MAX_TTL_S) \
             - verify.FUTURE_SKEW_S
@@ -289,6 +297,12 @@ def spool_name(name: str) -> str:
 
 def _state(st: os.stat_result) -> str:
     return f"{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
+
+
+def _from(names: list[str], cursor: str) -> list[str]:
+    """``names`` (sorted) from the first one after ``cursor``, then from the start."""
+    i = bisect.bisect_right(names, cursor)
+    return names[i:] + names[:i]
 
 
 def _fair(files: list[tuple[str, os.stat_result]]) -> list[tuple[str, os.stat_result]]:

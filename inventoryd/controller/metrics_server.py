@@ -11,9 +11,10 @@ One thread of its own, apart from the scan loop, serves every connection from on
 - **time is bounded**: a request must arrive whole within ``timeout_s`` of the
   connection, and its answer must be taken within ``timeout_s`` of the first byte sent;
   then the connection is closed. A request is at most :data:`MAX_REQUEST` bytes;
-- **the scan loop never waits for a client**: the loop thread only reads sockets that
-  are ready, writes what the kernel takes, and renders the metrics (the exporter reads
-  the inventory at most every ``metrics_cache_s``).
+- **the scan loop never waits for a client**: the server's thread only reads sockets
+  that are ready, writes what the kernel takes, and renders the metrics (the exporter
+  reads the inventory at most every ``metrics_cache_s``; the scan loop, writing the
+  textfile, may wait for that read to end, never for a socket).
 
 ``GET /metrics`` (and ``GET /``) answers the Prometheus text format, ``HEAD`` the same
 headers, anything else 404 or 405; every answer closes the connection.
