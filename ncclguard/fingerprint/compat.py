@@ -1,8 +1,10 @@
 """The refuse-level fields of a fingerprint, and a short key that groups identical nodes.
 
 Two nodes with the same :func:`compat_key` agree on everything that the refuse-by-default
-rules (``nccl-version``, ``net-plugin``, ``env-plugin``, ``transport``) look at, so the
-store keeps one class per key and the policy compares classes, not nodes.
+rules (``nccl-version``, ``net-plugin``, ``env-plugin``, ``transport``) look at. The key is
+not the class: the class follows the configured refuse-level rules
+(:func:`ncclguard.policy.schedule.class_key`, the store's ``gate_nodes.class_key``);
+``compat_values`` is what ``ncclguard classes`` shows of a class's stack.
 
 :func:`compat_values` returns (``None`` always means *unknown*, never *absent*)::
 

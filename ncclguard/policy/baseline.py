@@ -61,8 +61,8 @@ def _largest(keys: list[str], counts: Mapping[str, int]) -> str:
 def choose_baseline(
     counts: Mapping[str, int], values: Mapping[str, Mapping[str, Any]], config: Config
 ) -> Baseline:
-    """The baseline among classes with ``counts[compat_key]`` counted nodes each (classes
-    with none are not candidates) and defining ``values[compat_key]``."""
+    """The baseline among classes with ``counts[class]`` counted nodes each (classes
+    with none are not candidates) and defining ``values[class]``."""
     candidates = [k for k, n in counts.items() if n > 0]
     total = sum(counts[k] for k in candidates)
     pin = dict(config.baseline)
