@@ -689,10 +689,11 @@ class DevCluster:
         """``ncclguard features ARGS`` against this cluster (``sync``, ``check``...)."""
         return self.ncclguard("features", *args, check=check)
 
-    def start_features_daemon(self) -> None:
-        """``ncclguard-inventoryd features``, the controller's service, until stop()."""
+    def start_features_daemon(self, env: Mapping[str, str] | None = None) -> None:
+        """``ncclguard-inventoryd features``, the controller's service, until stop();
+        ``env``: more of its environment (``NOTIFY_SOCKET``, say)."""
         env = {**self.env, "NCCLGUARD_CONFIG": str(self.config_path),
-               "NCCLGUARD_DB": str(self.db)}
+               "NCCLGUARD_DB": str(self.db), **(env or {})}
         saved, self.env = self.env, env
         try:
             self._spawn("features", [self.python, "-m", "inventoryd.main", "features",

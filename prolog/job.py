@@ -79,6 +79,8 @@ class Job(NamedTuple):
     def class_group(self) -> bool:
         """Whether the job carries a matching-OR group of class features (``[nc_..|..]``,
         docs/scheduling.md): Slurm then gave it nodes of one class."""
+        if "nc_" not in self.constraints:  # no class feature: no group (and no import)
+            return False
         from ncclguard.sched.group import is_class_group  # standard library only
 
         return is_class_group(self.constraints)

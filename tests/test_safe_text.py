@@ -22,6 +22,8 @@ import pytest
 from helpers.cli import run_cli
 from helpers.fingerprints import fingerprint
 from helpers.gate import run_gate
+from hypothesis import given
+from hypothesis import strategies as st
 
 from inventoryd.loop import SafeFormatter
 from ncclguard import audit
@@ -89,6 +91,16 @@ COMMANDS = [
     ["decisions", "--job", "7"], ["decisions"], ["drain-recommend", "--nodes", "n[1-3]"],
     ["rejections"],
 ]
+
+
+@given(st.text(), st.booleans())
+def test_the_fast_path_for_plain_text_agrees_with_the_patterns(text: str, block: bool) -> None:
+    """Printable ASCII is returned without a regex (the gate's usual line): it must be
+    exactly what the patterns would give, for every text."""
+    from ncclguard import text as textmod
+
+    pattern = textmod._pattern(block)
+    assert safe(text, keep_newlines=block) == pattern.sub(textmod._escape, text)
 
 
 @pytest.mark.parametrize("args", COMMANDS, ids=lambda a: " ".join(a))
@@ -159,6 +171,26 @@ def test_the_daemons_log_lines_cannot_be_forged() -> None:
     lines = SafeFormatter("%(levelname)s %(message)s").format(record).splitlines()
     assert lines[0].startswith("ERROR n2: record ") and "\\n" in lines[0]
     assert all(line.startswith("  | ") for line in lines[1:]) and len(lines) > 2
+
+
+def test_the_features_hooks_log_lines_cannot_be_forged(tmp_path: Path) -> None:
+    """The hook Slurm runs logs to its own file (or syslog), escaped as the daemons' are:
+    what Slurm said of a node cannot start a line of its own (before: a plain
+    formatter)."""
+    from inventoryd.controller import features
+
+    path = tmp_path / "hook.log"
+    handlers = list(features.log.handlers)
+    features._hook_log(str(path))
+    try:
+        features.log.error("hook: %s", f"Slurm said n1\nERROR {FORGED}\x1b]0;x\x07")
+    finally:
+        for h in features.log.handlers[len(handlers):]:
+            features.log.removeHandler(h)
+            h.close()
+    lines = path.read_text().splitlines()
+    assert len(lines) == 1 and "ERROR hook: Slurm said n1\\n" in lines[0], lines
+    assert not _RAW.search(lines[0])
 
 
 def test_the_collectors_log_is_escaped_end_to_end(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ import itertools
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -25,6 +26,7 @@ from pathlib import Path
 
 import pytest
 from helpers.fingerprints import fingerprint
+from helpers.notify import Listener
 from helpers.slurm import class_features as _classes
 from helpers.slurm import require_slurm
 from helpers.wait import wait_until
@@ -853,5 +855,58 @@ def test_a_node_slurm_keeps_refusing_backs_off_alone_and_holds_no_other_back(
             for host in ("n2", "n4"):
                 c.publish_fingerprint(host, fingerprint(host, nccl=_versions(host)))
             c.collect()
+    c.start_features_daemon()
+    wait_until(lambda: _classes(c) == cls, 60, "the classes as before")
+
+
+def test_sighup_reloads_the_features_daemon_as_systemd_sees_it(
+    sc: DevCluster, tmp_path: Path,
+) -> None:
+    """The features daemon runs the services' one loop (inventoryd/loop.py): SIGHUP with a
+    new config sends systemd ``RELOADING=1`` then ``READY=1``, logs the reload, and the
+    new config is in force (its ``max_alternatives`` in the file of classes); a config
+    that cannot be loaded is logged, the running one kept, and a node's new class still
+    applied. Before issue 27 the features daemon had its own loop and sent neither."""
+    c = sc
+    cls = _classes(c)
+    text = c.config_path.read_text()
+    log = c.root / "log" / "features.out"
+    listener = Listener(str(tmp_path / "notify.sock"))
+
+    def readies() -> int:
+        return sum("READY=1" in m.split("\n") for m in list(listener.messages))
+
+    def said(line: str) -> bool:
+        return line in log.read_bytes()[mark:].decode(errors="replace")
+
+    c.stop_features_daemon()
+    mark = log.stat().st_size if log.exists() else 0
+    c.start_features_daemon({"NOTIFY_SOCKET": listener.addr})
+    try:
+        listener.wait_for("READY=1", 30)
+        pid = c._procs["features"].pid
+        c.write_gate_config(text.replace("[features]\n", "[features]\nmax_alternatives = 7\n"))
+        os.kill(pid, signal.SIGHUP)
+        listener.wait_for("RELOADING=1")
+        wait_until(lambda: readies() >= 2 and said("features config reloaded from"), 10,
+                   "READY=1 again and the reload in the log")
+        wait_until(lambda: classfile.read(c.classes_file).max_alternatives == 7, 15,
+                   "the reloaded config's max_alternatives in the file of classes")
+        c.write_gate_config(text.replace("[features]\n", '[features]\nsettle_s = "soon"\n'))
+        os.kill(pid, signal.SIGHUP)
+        wait_until(lambda: readies() >= 3 and said("config not reloaded, keeping the previous"),
+                   10, "the refused reload in the log, and READY=1")
+        c.write_gate_config(text)  # for the collector (no SIGHUP: the daemon keeps its own)
+        c.publish_fingerprint("n4", fingerprint("n4", nccl="2.18.3"))
+        c.collect()
+        wait_until(lambda: _classes(c)["n4"] == cls["n5"], 20,
+                   "n4 in class B, by the daemon that kept its config")
+        assert c._procs["features"].poll() is None
+    finally:
+        c.stop_features_daemon()
+        listener.close()
+        c.write_gate_config(text)
+        c.publish_fingerprint("n4", fingerprint("n4", nccl=_versions("n4")))
+        c.collect()
     c.start_features_daemon()
     wait_until(lambda: _classes(c) == cls, 60, "the classes as before")

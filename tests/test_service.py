@@ -10,7 +10,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 from helpers.fingerprints import fingerprint
 from helpers.munge import MungeSet
+from helpers.notify import Listener
 from helpers.wait import wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -43,37 +43,6 @@ def collect(root, hostname, conf):
         return json.load(f)
 sys.exit(service.run("/", None, sys.argv[2], cfg, collector=collect))
 """
-
-
-class Listener:
-    """A real AF_UNIX datagram socket, drained by a thread as systemd's manager would."""
-
-    def __init__(self, addr: str) -> None:
-        self.addr = addr
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.bind(addr)
-        self.sock.settimeout(0.1)
-        self.messages: list[str] = []
-        self.closed = False
-        self.thread = threading.Thread(target=self._drain, daemon=True)
-        self.thread.start()
-
-    def _drain(self) -> None:
-        while not self.closed:
-            try:
-                self.messages.append(self.sock.recv(4096).decode())
-            except (TimeoutError, OSError):
-                continue
-
-    def wait_for(self, line: str, timeout: float = 10) -> None:
-        wait_until(lambda: any(line in m.split("\n") for m in list(self.messages)), timeout,
-                   f"{line!r} on the notify socket", interval=0.02,
-                   detail=lambda: f"got {self.messages[-20:]!r}")
-
-    def close(self) -> None:
-        self.closed = True
-        self.thread.join(2)
-        self.sock.close()
 
 
 @pytest.fixture

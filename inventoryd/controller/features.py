@@ -56,7 +56,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
-from inventoryd.loop import Outcome, log_to_stderr, serve
+from inventoryd.loop import Outcome, SafeFormatter, log_to_stderr, serve
 from inventoryd.sdnotify import Notifier
 from ncclguard import config as configmod
 from ncclguard.hostlist import compress, expand
@@ -376,10 +376,10 @@ def _hook_log(path: str | None) -> None:
     handler: logging.Handler
     if path:
         handler = logging.FileHandler(path)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        handler.setFormatter(SafeFormatter("%(asctime)s %(levelname)s %(message)s"))
     elif os.path.exists("/dev/log"):
         handler = logging.handlers.SysLogHandler(address="/dev/log")
-        handler.setFormatter(logging.Formatter("ncclguard-features-hook: %(message)s"))
+        handler.setFormatter(SafeFormatter("ncclguard-features-hook: %(message)s"))
     else:
         handler = logging.NullHandler()
     log.addHandler(handler)

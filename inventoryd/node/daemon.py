@@ -30,6 +30,7 @@ from inventoryd.sdnotify import Notifier
 from ncclguard import config as configmod
 from ncclguard.policy.schedule import class_values
 from ncclguard.store import Inventory, InventoryError
+from ncclguard.text import safe
 
 if TYPE_CHECKING:
     from inventoryd.loop import WriteLog
@@ -67,12 +68,12 @@ def store_once(fp: Mapping[str, Any], cfg: configmod.Config) -> int:
             status = inv.upsert(fp)
             where = inv.path
     except InventoryError as e:
-        print(f"ncclguard-inventoryd: {host}: {e}", file=sys.stderr)
+        print(f"ncclguard-inventoryd: {safe(host)}: {safe(str(e))}", file=sys.stderr)
         return 1
     except ValueError as e:
-        print(f"ncclguard-inventoryd: {host}: not stored: {e}", file=sys.stderr)
+        print(f"ncclguard-inventoryd: {safe(host)}: not stored: {safe(str(e))}", file=sys.stderr)
         return 1
-    print(f"ncclguard-inventoryd: {host}: {status} in {where}", file=sys.stderr)
+    print(f"ncclguard-inventoryd: {safe(host)}: {status} in {safe(str(where))}", file=sys.stderr)
     return 0
 
 
@@ -82,9 +83,9 @@ def publish_once(fp: Mapping[str, Any], cfg: configmod.Config) -> int:
     try:
         path = Publisher(cfg.spool, cfg.inventoryd.heartbeat_s).publish(fp)
     except (PublishError, ValueError) as e:
-        print(f"ncclguard-inventoryd: {host}: not published: {e}", file=sys.stderr)
+        print(f"ncclguard-inventoryd: {safe(host)}: not published: {safe(str(e))}", file=sys.stderr)
         return 1
-    print(f"ncclguard-inventoryd: {host}: published {path}", file=sys.stderr)
+    print(f"ncclguard-inventoryd: {safe(host)}: published {safe(str(path))}", file=sys.stderr)
     return 0
 
 
