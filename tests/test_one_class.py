@@ -1,6 +1,7 @@
 """One class everywhere (issue 27): with a severity other than the default, ``ncclguard
-classes``, ``drain-recommend``, the collector's metrics and Slurm's features name the same
-classes, and a severity change derives every node's class again, once.
+classes``, ``drain-recommend``, the collector's metrics, Slurm's features, the lua's file of
+classes and the gate name the same classes, and a severity change derives every node's
+class again, once.
 
 A real slurmctld with n1..n4 (the session cluster): n1..n3 on one driver, n4 on another,
 the same NCCL stack otherwise. ``gpu-driver`` warns by default, so all four are one class;
@@ -14,10 +15,13 @@ import sqlite3
 
 import pytest
 from helpers.fingerprints import fingerprint
+from helpers.wait import wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from devtools.devcluster import DevCluster
+from ncclguard import audit
 from ncclguard.hostlist import expand
+from ncclguard.sched import classfile
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -88,6 +92,18 @@ def test_a_severity_change_moves_every_view_of_the_classes_together(
         c.features("sync")
         feats = {h: [f for f in fs if f.startswith("nc_")] for h, fs in c.node_features().items()}
         assert feats == {"n1": [big], "n2": [big], "n3": [big], "n4": [odd]}
+        # the lua's file of classes names them too
+        cf = classfile.read(c.classes_file)
+        assert cf.members == {big: "n[1-3]", odd: "n4"}, cf.members
+        # and the gate (PrologSlurmctld) judges by them: four nodes span two classes
+        r = c.run(["sbatch", "-N4", "--wrap", "true"], check=False)
+        assert r.returncode == 0, r.stderr
+        job = int(r.stdout.split()[-1])
+        wait_until(lambda: audit.read(c.audit_path, job=job), 60, "the gate's record")
+        rec = audit.read(c.audit_path, job=job)[0]
+        assert rec["decision"] == "refuse" and "gpu-driver" in json.dumps(rec), rec
+        assert "n4" in json.dumps(rec.get("odd_nodes") or rec), rec
+        c.run(["scancel", str(job)], check=False)
         # nodes --where class=NAME finds them, and show names the class
         doc = json.loads(c.ncclguard("nodes", "--where", f"class={odd}", "--json").stdout)
         assert [n["host"] for n in doc["nodes"]] == ["n4"]
@@ -96,6 +112,10 @@ def test_a_severity_change_moves_every_view_of_the_classes_together(
         c.collect()
         assert _stored_policy(c) == default_policy
         assert list(_classes(c).values()) == [["n1", "n2", "n3", "n4"]]
+        # at the default a driver difference only warns: the same job runs
+        job = int(c.run(["sbatch", "-N4", "--wrap", "true"]).stdout.split()[-1])
+        assert c.wait_job(job, {"COMPLETED", "FAILED"}, 90) == "COMPLETED"
+        assert audit.read(c.audit_path, job=job)[-1]["decision"] in ("accept", "warn")
     finally:  # the next test of this cluster starts with the nodes' features as they were
         for host, (available, active) in before.items():
             c.slurm().set_features(host, available, active)
