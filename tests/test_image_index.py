@@ -248,6 +248,8 @@ def test_the_starving_image_costs_what_its_size_allows_and_a_good_one_goes_in(
     assert len(libs) == SPARSE and all(lib["version"] is None for lib in libs)
     assert all("read budget" in lib["version_error"] for lib in libs)
     assert slices and all(s <= cfg.scan_budget_s for s in slices), slices
+    # each pass as measured: its budget, and what a child takes to be stopped at its limit
+    assert all(p.seconds <= cfg.scan_budget_s + 1.0 for p in passes), [p.seconds for p in passes]
 
 
 def test_an_image_that_fails_waits_behind_images_never_tried(tmp_path: Path, nccl_lib) -> None:
