@@ -71,8 +71,8 @@ def put(ms: MungeSet, d: Path, host: str, job: str, step: str, rec: Any = None, 
 
 
 class Slurm:
-    """Slurm's answer about jobs (what ``squeue --json -j J`` says), and how often it
-    was asked."""
+    """Slurm's answer about jobs (what ``Slurm.job_owner`` reads: the job's uid and
+    nodes), and how often it was asked."""
 
     def __init__(self, jobs: dict[str, JobInfo]) -> None:
         self.jobs = jobs

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from devtools.devcluster import DevCluster
+from ncclguard.hostlist import expand
 from ncclguard.slurm import (
     Release,
     Slurm,
@@ -83,9 +84,20 @@ def test_the_narrow_reads_say_what_the_whole_records_say(cluster: DevCluster) ->
         cluster.run(["scontrol", "update", f"jobid={job}", "AdminComment="])
         cleared = s.job_brief(job)
         assert cleared is not None and cleared.admin_comment == ""
+        # the collector's read for a container record: the owner and nodes, as json says
+        owner = s.job_owner(job)
+        assert owner is not None and (owner.state, owner.user_id, owner.nodes) == (
+            whole.state, whole.user_id, whole.nodes) and owner.nodes == ""
+        ran = cluster.sbatch(["-N2", "--wrap", "sleep 30"])
+        cluster.wait_job(ran, {"RUNNING"}, 60)
+        owner, whole = s.job_owner(ran), s.job(ran)
+        assert owner is not None and whole is not None
+        assert (owner.user_id, owner.nodes) == (whole.user_id, whole.nodes) == (
+            os.getuid(), whole.nodes) and len(expand(owner.nodes)) == 2
+        cluster.run(["scancel", str(ran)], check=False)
     finally:
         cluster.run(["scancel", str(job)], check=False)
-    assert s.job_brief(99999999) is None
+    assert s.job_brief(99999999) is None and s.job_owner(99999999) is None
     nodes = s.nodes()
     assert s.partitions() == {"debug": "n[1-4]"}
     assert s.partition_nodes("debug") == sorted(n.name for n in nodes if "debug" in n.partitions)

@@ -109,7 +109,7 @@ class ContainerRecords:
     def _slurm_job(self, job: str) -> Any:
         from ncclguard.slurm import Slurm
 
-        return Slurm.from_config(self.cfg.gate, timeout=SLURM_TIMEOUT_S).job(job)
+        return Slurm.from_config(self.cfg.gate, timeout=SLURM_TIMEOUT_S).job_owner(job)
 
     # ------------------------------------------------------------------ one scan
 
