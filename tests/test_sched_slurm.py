@@ -158,6 +158,19 @@ def _records(c: DevCluster, job: int) -> list[dict]:
     return audit.read(c.audit_path, job=job)
 
 
+def _put_back(c: DevCluster, config: str, hosts: tuple[str, ...],
+              cls: dict[str, str]) -> None:
+    """After a test that ran its own features daemon: the daemon stopped, the config and
+    ``hosts``' stacks as at the start, the daemon started again and the classes back."""
+    c.stop_features_daemon()
+    c.write_gate_config(config)
+    for host in hosts:
+        c.publish_fingerprint(host, fingerprint(host, nccl=_versions(host)))
+    c.collect()
+    c.start_features_daemon()
+    wait_until(lambda: _classes(c) == cls, 60, "the classes as before")
+
+
 # ------------------------------------------------------------------- the sync
 def test_sync_gives_each_class_one_feature_keeps_own_features_and_is_idempotent(
     sc: DevCluster,
@@ -705,12 +718,7 @@ def test_fifteen_flips_of_one_node_cost_a_bounded_number_of_updates(sc: DevClust
         calls = sum(int(ln.split(" nodes updated in ")[1].split()[0]) for ln in updated)
         assert 1 <= calls <= 3, updated
     finally:
-        c.stop_features_daemon()
-        c.write_gate_config(text)
-        c.publish_fingerprint("n3", fingerprint("n3", nccl=_versions("n3")))
-        c.collect()
-        c.start_features_daemon()
-        wait_until(lambda: _classes(c) == cls, 60, "the classes as before")
+        _put_back(c, text, ("n3",), cls)
     assert start <= mark
 
 
@@ -849,14 +857,8 @@ def test_a_node_slurm_keeps_refusing_backs_off_alone_and_holds_no_other_back(
             wait_until(lambda: c.features("check", check=False).returncode == 0, 10,
                        "features check clean")
         finally:
-            c.stop_features_daemon()
             flag.unlink(missing_ok=True)
-            c.write_gate_config(text)
-            for host in ("n2", "n4"):
-                c.publish_fingerprint(host, fingerprint(host, nccl=_versions(host)))
-            c.collect()
-    c.start_features_daemon()
-    wait_until(lambda: _classes(c) == cls, 60, "the classes as before")
+            _put_back(c, text, ("n2", "n4"), cls)
 
 
 def test_sighup_reloads_the_features_daemon_as_systemd_sees_it(
@@ -903,10 +905,5 @@ def test_sighup_reloads_the_features_daemon_as_systemd_sees_it(
                    "n4 in class B, by the daemon that kept its config")
         assert c._procs["features"].poll() is None
     finally:
-        c.stop_features_daemon()
         listener.close()
-        c.write_gate_config(text)
-        c.publish_fingerprint("n4", fingerprint("n4", nccl=_versions("n4")))
-        c.collect()
-    c.start_features_daemon()
-    wait_until(lambda: _classes(c) == cls, 60, "the classes as before")
+        _put_back(c, text, ("n4",), cls)
