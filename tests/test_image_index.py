@@ -158,6 +158,36 @@ def test_the_scan_budget_leaves_the_rest_for_the_next_pass(tmp_path: Path) -> No
         assert len(res.scanned) == 2 and res.left == 0
 
 
+def test_a_root_filled_by_one_user_keeps_the_others_images_indexed(tmp_path: Path) -> None:
+    """Another user writes 40 files into a root, named to come first in the walk, past
+    ``max_images`` (8): the admin's new image is still indexed, one owner at a time in
+    turn, and the images indexed before the flood are not dropped as gone (before: the
+    walk stopped at the first 8 it met, and forgot every image after them)."""
+    root = tmp_path / "r"
+    root.mkdir()
+    try:
+        for name in ("zz-one", "zz-two"):
+            images.build_image(root / f"{name}.sqsh", {"/etc/rc": f"{name}\n"})
+    except PartUnavailable as e:
+        unavailable(str(e))
+    cfg = ImagesConfig(roots=(str(root),), max_images=8)
+    with Inventory(tmp_path / "inv.db", values=GATE_VALUES) as inv:
+        first = update_index(inv, cfg)
+        assert sorted(Path(p).name for p in first.scanned) == ["zz-one.sqsh", "zz-two.sqsh"]
+        for i in range(40):  # junk of another user, before the admin's in name order
+            junk = root / f"zzzz-{i:03d}.sqsh"  # the walk meets a directory's last first
+            junk.write_bytes(b"not squashfs")
+            os.chown(junk, 65534, 65534)
+        (root / "zz-three.sqsh").write_bytes((root / "zz-one.sqsh").read_bytes())
+        res = update_index(inv, cfg)
+        assert str(root / "zz-three.sqsh") in res.scanned, res.scanned
+        assert res.gone == [], res.gone
+        assert all(inv.image(str(root / f"{n}.sqsh")) is not None
+                   for n in ("zz-one", "zz-two", "zz-three"))
+        junk_scanned = [p for p in res.scanned if "/zzzz-" in p]
+        assert len(junk_scanned) <= 8 - 1, junk_scanned  # the flood had only its turns
+
+
 def test_a_bug_on_one_image_is_stored_as_its_error(tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     from inventoryd.controller.images import index

@@ -15,7 +15,6 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,13 +39,25 @@ class IndexResult:
     seconds: float = 0.0
 
 
-def find_images(cfg: ImagesConfig) -> Iterator[tuple[str, os.stat_result]]:
-    """(path, stat) of every regular ``*.sqsh`` file under the roots, without following
-    symlinks, at most ``max_depth`` levels down and ``max_images`` in all."""
-    count = 0
+#: files looked at under the roots in one walk, per image that may be indexed
+SEEN_PER_IMAGE = 10
+
+
+def find_images(cfg: ImagesConfig) -> tuple[list[tuple[str, os.stat_result]], set[str], bool]:
+    """``(images, seen, complete)``: every regular ``*.sqsh`` file under the roots,
+    without following symlinks, at most ``max_depth`` levels down, at most
+    ``SEEN_PER_IMAGE * max_images`` looked at (``complete``: the walk reached the end).
+    Of those, at most ``max_images`` are ``images`` to index: all of them when they fit,
+    else one file owner's at a time in turn (by path within an owner), so that a user
+    who writes thousands of files into a root, named to sort first, takes no more than
+    their turn; ``seen``: every path found, indexed or not (an image not indexed now is
+    not gone)."""
+    found: list[tuple[str, os.stat_result]] = []
+    limit = SEEN_PER_IMAGE * cfg.max_images
+    complete = True
     for root in cfg.roots:
         stack: list[tuple[str, int]] = [(root, 0)]
-        while stack:
+        while stack and complete:
             d, depth = stack.pop()
             try:
                 with os.scandir(d) as it:
@@ -63,12 +74,26 @@ def find_images(cfg: ImagesConfig) -> Iterator[tuple[str, os.stat_result]]:
                     if depth < cfg.max_depth:
                         stack.append((ent.path, depth + 1))
                 elif stat.S_ISREG(st.st_mode) and ent.name.endswith(SUFFIXES):
-                    count += 1
-                    if count > cfg.max_images:
-                        log.warning("images: more than %d images under the roots; the rest "
-                                    "are not indexed", cfg.max_images)
-                        return
-                    yield ent.path, st
+                    found.append((ent.path, st))
+                    if len(found) >= limit:
+                        complete = False
+                        break
+    seen = {path for path, _ in found}
+    if len(found) <= cfg.max_images:
+        return found, seen, complete
+    log.warning("images: %s%d images under the roots, more than max_images (%d): %d are "
+                "indexed, one file owner's at a time in turn", "at least " if not complete
+                else "", len(found), cfg.max_images, cfg.max_images)
+    by_owner: dict[int, list[tuple[str, os.stat_result]]] = {}
+    for item in sorted(found, key=lambda t: t[0]):
+        by_owner.setdefault(item[1].st_uid, []).append(item)
+    queues = [q for _, q in sorted(by_owner.items())]
+    chosen: list[tuple[str, os.stat_result]] = []
+    turn = 0
+    while len(chosen) < cfg.max_images:
+        chosen += [q[turn] for q in queues if turn < len(q)][: cfg.max_images - len(chosen)]
+        turn += 1
+    return chosen, seen, complete
 
 
 def _passing(cause: str) -> bool:
@@ -115,10 +140,9 @@ def update_index(inv: Inventory, cfg: ImagesConfig, budget_s: float | None = Non
     budget = cfg.scan_budget_s if budget_s is None else budget_s
     res = IndexResult()
     known = inv.image_states()
-    present: set[str] = set()
     todo: list[tuple[str, os.stat_result, int]] = []
-    for path, st in find_images(cfg):
-        present.add(path)
+    found, present, complete = find_images(cfg)
+    for path, st in found:
         # the later of mtime and ctime: a user who can write the roots can set an image's
         # mtime back after changing it (touch -d), never its ctime
         ident = (st.st_ino, st.st_size, max(st.st_mtime_ns, st.st_ctime_ns))
@@ -143,7 +167,9 @@ def update_index(inv: Inventory, cfg: ImagesConfig, budget_s: float | None = Non
         if row.get("error") is not None and row["retry_at"] is not None:
             row["retry_at"] = wall + backoff_s(row["attempts"], cfg)
         rows.append(row)
-    res.gone = sorted(set(known) - present)
+    # gone: not found; when the walk stopped short, only what is really no longer there
+    res.gone = sorted(p for p in set(known) - present
+                      if complete or not os.path.lexists(p))
     if rows or res.gone:
         inv.write_images(rows, res.gone)
     res.seconds = time.monotonic() - t0
