@@ -26,9 +26,9 @@ from ncclguard.policy.schedule import (
     rank_classes,
     scheduling_classes,
 )
-from ncclguard.sched import classfile, group
-from ncclguard.sched.sync import class_table, plan
-from ncclguard.slurm import NodeInfo
+from ncclguard.sched import classfile, group, sync
+from ncclguard.sched.sync import Plan, SyncResult, Update, class_table, plan
+from ncclguard.slurm import NodeInfo, SlurmError, SlurmTimeout
 from prolog.job import Job
 
 
@@ -260,3 +260,50 @@ def test_a_fifo_at_the_sync_lock_is_refused_at_once(tmp_path: Path) -> None:
     cfg = Config(features=FeaturesConfig(classes_file=str(classes)))
     with pytest.raises(classfile.ClassFileError, match="lock: not a regular file"):
         mark_verified(cfg)
+
+
+class _Refusing:
+    """``set_features`` as Slurm answers it: refused for a call naming a bad node (what
+    slurmctld says of a node it does not know), or timed out; every call recorded."""
+
+    def __init__(self, bad: set[str], timeout: bool = False) -> None:
+        self.bad, self.timeout = bad, timeout
+        self.calls: list[tuple[str, ...]] = []
+
+    def set_features(self, hosts: tuple[str, ...], available: tuple[str, ...],
+                     active: tuple[str, ...]) -> None:
+        self.calls.append(tuple(hosts))
+        if self.timeout:
+            raise SlurmTimeout("scontrol update NodeName=...: timed out after 10.0s")
+        if self.bad & set(hosts):
+            raise SlurmError("scontrol update NodeName=...: exit 1: ...", [], 1,
+                             "slurm_update error: Invalid node name specified")
+
+
+def _narrowed(bad: set[str], hosts: tuple[str, ...], timeout: bool = False
+              ) -> tuple[_Refusing, SyncResult]:
+    s = _Refusing(bad, timeout)
+    res = SyncResult(Plan({}, [], []))
+    sync._apply(s, Update(hosts, ("nc_1",), ("nc_1",)), res,  # type: ignore[arg-type]
+                [sync.SPLIT_CALLS])
+    return s, res
+
+
+def test_a_refused_call_is_narrowed_down_in_halves_within_its_budget() -> None:
+    """One node Slurm refuses among 16,384 of one call: found within the pass in 2 calls
+    per halving (29 in all), every other node applied, the refusal in Slurm's words. A
+    time-out is not narrowed down (one call). Many refused nodes: the calls stay within
+    the pass's budget, and no refused node is counted as applied."""
+    hosts = tuple(f"gpu{i:05d}" for i in range(1, 16385))
+    s, res = _narrowed({"gpu07777"}, hosts)
+    assert [(u.hosts, why) for u, why in res.failed] == [
+        (("gpu07777",), "slurm_update error: Invalid node name specified")]
+    assert sorted(h for u in res.applied for h in u.hosts) == [h for h in hosts if h != "gpu07777"]
+    assert len(s.calls) == 1 + 2 * 14
+    s, res = _narrowed(set(), hosts, timeout=True)
+    assert len(s.calls) == 1 and [u.hosts for u, _ in res.failed] == [hosts]
+    bad = set(hosts[::100])
+    s, res = _narrowed(bad, hosts)
+    assert len(s.calls) <= 1 + sync.SPLIT_CALLS
+    assert bad <= {h for u, _ in res.failed for h in u.hosts}
+    assert not bad & {h for u in res.applied for h in u.hosts}

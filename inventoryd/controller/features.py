@@ -23,10 +23,10 @@ Each ``[features] interval_s`` (2 s):
    that cannot be read is written again by a full sync.
 
 One node cannot stop or drive the sync: an update Slurm refuses (its own features, a node
-gone) is logged once, and its nodes are then each tried alone, with back-off, and shown in
+gone) is narrowed down in halves within the pass, so that the other nodes of the same
+call are updated; a node still refused is logged once, retried with back-off and shown in
 the status file (``ncclguard features check``, the collector's metrics) while the other
-nodes' updates go on (a node refused in a call with others holds them back until its
-first retry, 2 s later, no longer); a node whose class changes again within ``settle_s``
+nodes' updates go on; a node whose class changes again within ``settle_s``
 of its last change is held without a class until it has kept one stack that long, so 15
 flips cost three updates.
 
@@ -271,7 +271,7 @@ class FeatureKeeper:
     def _sync(self, why: str, now: float) -> str:
         res = sync(self.cfg, self.slurm, now=now,
                    classes=lambda names: self.classes(names, now),
-                   skip=self.backoff.waiting(now), alone=self.backoff.failing.keys())
+                   skip=self.backoff.waiting(now))
         self.syncs += 1
         self.applied, self.last_full = dict(res.plan.classes), now
         self.expected = {(part, n.name): res.plan.classes.get(n.name)

@@ -38,7 +38,7 @@ from ncclguard.policy.schedule import (
 )
 from ncclguard.sched import classfile, group
 from ncclguard.sched.submit import choose, constraints
-from ncclguard.slurm import NodeInfo, Slurm, SlurmError
+from ncclguard.slurm import NodeInfo, Slurm, SlurmError, SlurmTimeout
 from ncclguard.store import Inventory
 
 __all__ = ["NOT_TRIED", "Plan", "SyncResult", "Update", "class_table", "desired", "plan", "sync"]
@@ -177,37 +177,52 @@ def _locked(path: Path, wait_s: float = 30.0) -> Iterator[None]:
 
 
 NOT_TRIED = "not tried again yet (backing off)"
-ALONE_MAX = 32  # calls of one refused node each, in one pass (each is one scontrol)
+SPLIT_CALLS = 64  # scontrol update calls one pass may spend narrowing refused calls down
 
 
-def _calls(updates: Sequence[Update], skip: Collection[str],
-           alone: Collection[str]) -> tuple[list[Update], list[Update]]:
-    """``(the scontrol update calls for updates, the updates not tried now)``: each group
-    without its ``skip`` and ``alone`` nodes, then each ``alone`` node in a call of its
-    own (the first :data:`ALONE_MAX`); not tried: the ``skip`` nodes and the ``alone``
-    ones past the cap, by group."""
+def _without(updates: Sequence[Update], skip: Collection[str]) -> tuple[list[Update],
+                                                                         list[Update]]:
+    """``(updates without the skip nodes, the updates of the skip nodes)``, by group."""
     calls: list[Update] = []
-    single: list[Update] = []
     later: list[Update] = []
     for u in updates:
-        rest = tuple(h for h in u.hosts if h not in skip and h not in alone)
+        rest = tuple(h for h in u.hosts if h not in skip)
+        wait = tuple(h for h in u.hosts if h in skip)
         if rest:
             calls.append(Update(rest, u.available, u.active))
-        wait: list[str] = []
-        for h in u.hosts:
-            if h in alone and h not in skip and len(single) < ALONE_MAX:
-                single.append(Update((h,), u.available, u.active))
-            elif h in skip or h in alone:
-                wait.append(h)
         if wait:
-            later.append(Update(tuple(wait), u.available, u.active))
-    return calls + single, later
+            later.append(Update(wait, u.available, u.active))
+    return calls, later
+
+
+def _apply(slurm: Slurm, u: Update, result: SyncResult, budget: list[int]) -> None:
+    """One update; when Slurm refuses a call of several nodes, its two halves are tried
+    in turn, and so on down (a refused node among 16,384 costs 2 calls per halving, 28
+    in all), while ``budget`` (calls) lasts. A time-out is not narrowed down: the
+    controller is slow, and more calls would only add to it. What stays refused is in
+    ``result.failed`` with what Slurm said (the same words whichever call it was)."""
+    try:
+        slurm.set_features(u.hosts, u.available, u.active)
+        result.applied.append(u)
+        return
+    except SlurmTimeout as e:
+        result.failed.append((u, str(e)))
+        return
+    except SlurmError as e:
+        why = e.stderr[:500] or str(e)
+    if len(u.hosts) == 1 or budget[0] < 2:
+        result.failed.append((u, why))
+        return
+    budget[0] -= 2
+    mid = len(u.hosts) // 2
+    for part in (u.hosts[:mid], u.hosts[mid:]):
+        _apply(slurm, Update(part, u.available, u.active), result, budget)
 
 
 def sync(config: Config, slurm: Slurm, *, dry_run: bool = False, now: float | None = None,
          inventory: Inventory | None = None,
          classes: Callable[[Sequence[str]], Mapping[str, str | None]] | None = None,
-         skip: Collection[str] = (), alone: Collection[str] = ()) -> SyncResult:
+         skip: Collection[str] = ()) -> SyncResult:
     """Read Slurm's nodes and the inventory, apply the updates (unless ``dry_run``), and
     write the file of classes when Slurm holds every feature it names.
 
@@ -216,9 +231,8 @@ def sync(config: Config, slurm: Slurm, *, dry_run: bool = False, now: float | No
     daemon's, with flapping nodes held). ``skip``: nodes whose update is not tried now
     (the daemon backs off from updates Slurm refused); they count as failed
     (:data:`NOT_TRIED`), and the other nodes of their group are updated without them.
-    ``alone``: nodes Slurm refused before, each tried in a call of its own (at most
-    :data:`ALONE_MAX` a pass; the rest count as not tried), so that a node Slurm keeps
-    refusing never holds back another node whose update was in the same call.
+    A call that Slurm refuses is narrowed down in halves (:func:`_apply`), so that a node
+    Slurm keeps refusing never holds back another node of the same call.
     ``SlurmError`` from reading the nodes, ``ClassFileError`` or ``InventoryError``
     propagate. While features move, the file names only classes Slurm has before and
     after; a failed update is reported in ``errors``, and the file then names only what
@@ -243,16 +257,11 @@ def sync(config: Config, slurm: Slurm, *, dry_run: bool = False, now: float | No
             classfile.write(path, class_table(config, nodes, {h: (c if c in kept else None)
                                                      for h, c in p.classes.items()}, now,
                                      default))
-        calls, later = _calls(p.updates, skip, alone)
+        calls, later = _without(p.updates, skip)
         result.failed += [(u, NOT_TRIED) for u in later]
+        budget = [SPLIT_CALLS]
         for u in calls:
-            try:
-                slurm.set_features(u.hosts, u.available, u.active)
-                result.applied.append(u)
-            except SlurmError as e:
-                # what Slurm said, not the command line: the same refusal of a node reads
-                # the same in a call with others and in its own (the back-off logs a new one)
-                result.failed.append((u, e.stderr[:500] or str(e)))
+            _apply(slurm, u, result, budget)
         result.errors += [f"{compress(u.hosts)}: {why}" for u, why in result.failed]
         if result.errors:
             # some updates failed: the file names what Slurm reports it has, nothing else
