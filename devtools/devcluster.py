@@ -193,6 +193,9 @@ class DevCluster:
     ``job_submit``: prevention at scheduling time (docs/scheduling.md): the project's
     ``slurm/job_submit.lua`` (``JobSubmitPlugins=lua``) reading this cluster's file of
     classes, and ``SlurmctldPrimaryOnProg`` running the features hook.
+    ``job_submit_lua``: instead, this Lua file as the cluster's ``job_submit.lua``
+    (``JobSubmitPlugins=lua``, copied as it is, no features hook): a probe of what Slurm's
+    lua API shows (tests/test_lua_container_image.py).
     ``extra_nodes``: more node names defined in slurm.conf, in the first partition, for
     which no slurmd runs (they stay ``down*``): a large cluster's controller at the cost
     of a small one (tests/test_scale_slurm.py, tests/test_controller_safety.py,
@@ -214,7 +217,10 @@ class DevCluster:
         extra_conf: str = "",
         job_submit: bool = False,
         extra_nodes: Sequence[str] = (),
+        job_submit_lua: Path | None = None,
     ) -> None:
+        if job_submit and job_submit_lua is not None:
+            raise ValueError("job_submit (the shipped lua) or job_submit_lua, not both")
         missing = missing_programs()
         if missing:
             raise ClusterError(
@@ -238,6 +244,7 @@ class DevCluster:
         self.prolog_timeout_s = prolog_timeout_s
         self.extra_conf = extra_conf
         self.job_submit = job_submit
+        self.job_submit_lua = Path(job_submit_lua) if job_submit_lua is not None else None
         self.classes_file = self.root / "features" / "classes"
         self.features_hook = self.root / "ncclguard-features.sh"
         self.conf = self.root / "slurm.conf"
@@ -329,6 +336,9 @@ class DevCluster:
         if self.job_submit:
             lines += ["JobSubmitPlugins=lua", f"SlurmctldPrimaryOnProg={self.features_hook}"]
             self._write_job_submit()
+        elif self.job_submit_lua is not None:
+            lines.append("JobSubmitPlugins=lua")
+            shutil.copyfile(self.job_submit_lua, self.root / "job_submit.lua")
         for port, name in enumerate(self.node_names, start=first):
             lines.append(
                 f"NodeName={name} NodeHostname={name} NodeAddr={self.node_addrs[name]} "
