@@ -6,7 +6,7 @@ registering pyxis's options, compiled against libslurm-dev's ``spank.h``:
 devtools/images.py) and whose ``job_submit.lua`` is a probe: for each submission it writes
 one JSON line of what Slurm's lua API shows (``job_desc.spank_job_env`` read both by index
 from 0 and with ``ipairs``, ``spank_job_env_size``, ``environment`` looked up by name, the
-script's lines naming a container image, ``argv``, ``comment``, ``admin_comment``, Slurm's
+script's lines that contain "container", ``argv``, ``comment``, ``admin_comment``, Slurm's
 own ``container``). The tests assert what each release does, so that a release that does
 otherwise fails here, naming itself.
 """
@@ -233,7 +233,7 @@ def test_sbatch_directive_quoted_is_in_spank_job_env(probe: tuple[DevCluster, Pa
 def test_sbatch_directive_unquoted_registry_ref_is_cut_at_its_hash(
         probe: tuple[DevCluster, Path]) -> None:
     """sbatch reads an unescaped ``#`` in an ``#SBATCH`` line as the start of a comment
-    (src/sbatch/opt.c ``_get_argument``): pyxis gets ``nvcr.io``, the script says more."""
+    (``get_argument()``, src/sbatch/opt.c): pyxis gets ``nvcr.io``, the script says more."""
     c, out = probe
     line = f"#SBATCH --container-image={IMG}"
     c.sbatch(["-J", "p-hash", str(_script(c, "hash", f"#!/bin/sh\n{line}\ntrue\n"))])
@@ -252,9 +252,9 @@ def test_an_image_set_per_step_is_only_in_the_script(probe: tuple[DevCluster, Pa
 
 def test_the_option_set_from_the_environment(probe: tuple[DevCluster, Path]) -> None:
     """``SLURM_SPANK_<option's variable>`` sets a SPANK option
-    (``spank_process_env_options()``, src/common/plugstack.c) - and sbatch puts that very
-    variable in a batch job's environment, so an sbatch inside a container job inherits
-    its image."""
+    (``spank_process_env_options()``, src/common/plugstack.c, spank.c from 24.11), and
+    sbatch puts that very variable in a batch job's environment (``_set_spank_env()``,
+    src/sbatch/sbatch.c): an sbatch inside a container job inherits its image (below)."""
     c, out = probe
     c.run(["sbatch", "-J", "p-env", "--wrap", "true"], env={f"SLURM_SPANK_{OPT}": IMG})
     _check(c, out, "p-env", {**_image_only(IMG), "environment": _batch_env(IMG)})
