@@ -33,11 +33,13 @@ from helpers.wait import wait_until
 
 from devtools.devcluster import DevCluster
 from ncclguard import audit
-from ncclguard.sched import classfile
+from ncclguard.policy import load_config
+from ncclguard.sched import classfile, status
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 A, B = "n[1-4]", "n[5-6]"
+SETTLE_S = 3
 
 
 def _versions(host: str) -> str:
@@ -54,9 +56,12 @@ def _inventory(c: DevCluster) -> None:
 
 
 def _gate_config(c: DevCluster) -> None:
+    # settle_s: a node a test moves twice is held without a class this long, which the
+    # next tests (each waiting for every class in place) should not have to sit out
     c.write_gate_config(f'[gate]\naudit_log = "{c.audit_path}"\nsteer_wait_s = 30\n'
                         "[features]\n"
-                        f'classes_file = "{c.classes_file}"\ninterval_s = 0.5\n')
+                        f'classes_file = "{c.classes_file}"\ninterval_s = 0.5\n'
+                        f"settle_s = {SETTLE_S}\n")
 
 
 def _features_in_place(c: DevCluster) -> bool:
@@ -667,9 +672,9 @@ def test_a_nodes_own_odd_features_never_block_its_class(sc: DevCluster) -> None:
         def clean() -> bool:
             checks.append(json.loads(c.features("check", "--json", check=False).stdout))
             return checks[-1]["failing"] == [] and checks[-1]["differ"] == []
-        # nodes an earlier test moved twice within settle_s (60 s) are held without a
-        # class until then (seen on 26.05: n5 and n6, after the class-gone test)
-        wait_until(clean, 75, "features check without failing or differing nodes",
+        # nodes an earlier test moved twice within settle_s are held without a class
+        # until then (seen on 26.05: n5 and n6, after the class-gone test)
+        wait_until(clean, 30, "features check without failing or differing nodes",
                    detail=lambda: f"the last: {checks[-1]}")
     finally:
         c.publish_fingerprint("n4", fingerprint("n4", nccl=_versions("n4")))
@@ -689,7 +694,8 @@ def test_fifteen_flips_of_one_node_cost_a_bounded_number_of_updates(sc: DevClust
     # settle_s well above one flip's time (a publish, a collect, 0.6 s and a check: up to
     # ~5 s on a machine loaded by other tests, where a gap longer than settle_s let n3
     # settle between two flips and cost a 4th update)
-    c.write_gate_config(text.replace("[features]\n", "[features]\nsettle_s = 12\n"))
+    assert f"settle_s = {SETTLE_S}\n" in text
+    c.write_gate_config(text.replace(f"settle_s = {SETTLE_S}\n", "settle_s = 12\n"))
     log = c.root / "log" / "features.out"
     start = log.stat().st_size if log.exists() else 0
     c.start_features_daemon()
@@ -896,7 +902,7 @@ def test_sighup_reloads_the_features_daemon_as_systemd_sees_it(
                    "READY=1 again and the reload in the log")
         wait_until(lambda: classfile.read(c.classes_file).max_alternatives == 7, 15,
                    "the reloaded config's max_alternatives in the file of classes")
-        c.write_gate_config(text.replace("[features]\n", '[features]\nsettle_s = "soon"\n'))
+        c.write_gate_config(text.replace(f"settle_s = {SETTLE_S}\n", 'settle_s = "soon"\n'))
         os.kill(pid, signal.SIGHUP)
         wait_until(lambda: readies() >= 3 and said("config not reloaded, keeping the previous"),
                    10, "the refused reload in the log, and READY=1")
@@ -909,3 +915,44 @@ def test_sighup_reloads_the_features_daemon_as_systemd_sees_it(
     finally:
         listener.close()
         _put_back(c, text, ("n4",), cls)
+
+
+def test_the_hook_keeps_the_daemons_held_nodes_and_refused_updates(sc: DevCluster) -> None:
+    """The hooks' sync goes on from the daemon's status file: a node the daemon holds
+    without a class (its stack kept changing) stays without one, a node whose update
+    Slurm refused keeps its back-off, and the status file still says both, for
+    ``features check``. Before, the hook's fresh sync gave the held node its class (the
+    daemon took it away at its next check: classes moved for 16 s after a reconfigure
+    on 26.05 in CI) and wrote a status file without either."""
+    c = sc
+    cls = _classes(c)
+    hook_log = c.root / "log" / "features-hook.log"
+    now = time.time()
+    held = {"host": "n4", "until": now + 120}
+    failing = {"host": "n5", "error": "slurm_update error: Invalid node name specified",
+               "since": now - 10, "attempts": 3, "next_try": now + 120}
+    config = load_config(str(c.config_path))
+    hook = c.features_hook.read_text()
+    with _hands_off(c):
+        c.features_hook.write_text(hook)  # no daemon, and the real hook
+        try:
+            for host in ("n4", "n5"):
+                c.run(["scontrol", "update", f"NodeName={host}", "AvailableFeatures=",
+                       "ActiveFeatures="])
+            status.write(config, {"time": now, "held": [held], "failing": [failing]})
+            runs = hook_log.read_text().count("hook: ") if hook_log.exists() else 0
+            subprocess.run([str(c.features_hook)], check=True, timeout=30)
+            wait_until(lambda: hook_log.read_text().count("hook: ") > runs, 60,
+                       "the hook's sync", detail=hook_log.read_text)
+            got = _classes(c)
+            assert got["n4"] == "" and got["n5"] == "", got  # held; backing off
+            assert {h: got[h] for h in ("n1", "n2", "n3", "n6")} == {
+                h: cls[h] for h in ("n1", "n2", "n3", "n6")}
+            doc = json.loads(c.features("check", "--json", check=False).stdout)
+            assert [h["host"] for h in doc["held"]] == ["n4"], doc
+            assert [f["host"] for f in doc["failing"]] == ["n5"], doc
+        finally:
+            status.path(config).unlink(missing_ok=True)
+    c.stop_features_daemon()  # its first pass puts n4's and n5's classes back
+    c.start_features_daemon()
+    wait_until(lambda: _classes(c) == cls, 60, "the classes as before")

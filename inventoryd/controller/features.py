@@ -175,6 +175,28 @@ class FeatureKeeper:
         self.backoff = Backoff(config.features.retry_max_s)
         self._status: str | None = None
 
+    @classmethod
+    def resumed(cls, config: configmod.Config, slurm: Slurm | None = None) -> FeatureKeeper:
+        """A keeper that goes on from the daemon's status file (:mod:`ncclguard.sched.status`):
+        the nodes it holds stay held until their time, and its refused updates keep their
+        back-off. The hooks' sync is one: a fresh keeper gave held nodes their class back
+        (the daemon took it away again at its next check: a reconfigure on 26.05 then left
+        classes moving for 16 s) and wrote a status file without what ``features check``
+        shows. Entries of the wrong types are left out."""
+        keeper = cls(config, slurm)
+        doc = status.read(config) or {"held": [], "failing": []}
+        for e in doc["held"]:
+            if isinstance(e.get("until"), (int, float)):
+                keeper.flaps.hold_until[e["host"]] = float(e["until"])
+        for e in doc["failing"]:
+            try:
+                keeper.backoff.failing[e["host"]] = Failure(
+                    str(e["error"]), float(e["since"]), int(e["attempts"]),
+                    float(e["next_try"]))
+            except (KeyError, TypeError, ValueError):
+                continue
+        return keeper
+
     def _sentinel(self) -> tuple[str, str] | None:
         """A node of the largest class, and its feature (None when no node has one)."""
         if not self.applied:
@@ -400,7 +422,7 @@ def _hook_sync(config_path: str | None, wait_s: float) -> None:
             return
         time.sleep(0.5)
     try:
-        did = FeatureKeeper(cfg, Slurm.from_config(cfg.gate)).apply()
+        did = FeatureKeeper.resumed(cfg, Slurm.from_config(cfg.gate)).apply()
         log.info("hook: %s", did)
     except (SlurmError, InventoryError, classfile.ClassFileError) as e:
         log.error("hook: cannot put the class features back: %s", e)
