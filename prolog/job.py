@@ -79,7 +79,9 @@ class Job(NamedTuple):
     def class_group(self) -> bool:
         """Whether the job carries a matching-OR group of class features (``[nc_..|..]``,
         docs/scheduling.md): Slurm then gave it nodes of one class."""
-        if "nc_" not in self.constraints:  # no class feature: no group (and no import)
+        # no class feature (ncclguard.policy.schedule.FEATURE_PREFIX): no group, and no
+        # import of the parser on the accept path
+        if "nc_" not in self.constraints:
             return False
         from ncclguard.sched.group import is_class_group  # standard library only
 

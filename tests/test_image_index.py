@@ -175,7 +175,7 @@ def test_a_root_filled_by_one_user_keeps_the_others_images_indexed(tmp_path: Pat
         first = update_index(inv, cfg)
         assert sorted(Path(p).name for p in first.scanned) == ["zz-one.sqsh", "zz-two.sqsh"]
         for i in range(40):  # junk of another user, before the admin's in name order
-            junk = root / f"zzzz-{i:03d}.sqsh"  # the walk meets a directory's last first
+            junk = root / f"zzzz-{i:03d}.sqsh"
             junk.write_bytes(b"not squashfs")
             os.chown(junk, 65534, 65534)
         (root / "zz-three.sqsh").write_bytes((root / "zz-one.sqsh").read_bytes())
@@ -186,6 +186,25 @@ def test_a_root_filled_by_one_user_keeps_the_others_images_indexed(tmp_path: Pat
                    for n in ("zz-one", "zz-two", "zz-three"))
         junk_scanned = [p for p in res.scanned if "/zzzz-" in p]
         assert len(junk_scanned) <= 8 - 1, junk_scanned  # the flood had only its turns
+
+
+def test_a_walk_cut_short_drops_no_image(tmp_path: Path) -> None:
+    """Past ten entries per image of ``max_images`` (here 2: 20 entries) the walk stops:
+    an image it did not reach this time stays in the index, since it is still there."""
+    root = tmp_path / "r"
+    root.mkdir()
+    try:
+        images.build_image(root / "a-admin.sqsh", {"/etc/rc": "a\n"})
+    except PartUnavailable as e:
+        unavailable(str(e))
+    cfg = ImagesConfig(roots=(str(root),), max_images=2)
+    with Inventory(tmp_path / "inv.db", values=GATE_VALUES) as inv:
+        assert [Path(p).name for p in update_index(inv, cfg).scanned] == ["a-admin.sqsh"]
+        for i in range(30):  # met before it: the walk takes a directory's last name first
+            (root / f"zzzz-{i:03d}.sqsh").write_bytes(b"junk")
+        res = update_index(inv, cfg)
+        assert res.gone == [] and inv.image(str(root / "a-admin.sqsh")) is not None
+        assert str(root / "a-admin.sqsh") not in res.scanned
 
 
 def test_a_bug_on_one_image_is_stored_as_its_error(tmp_path: Path,

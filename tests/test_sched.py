@@ -251,6 +251,15 @@ def test_the_gate_knows_a_class_group(constraint: str, group: bool) -> None:
     assert Job.from_env(env).class_group is group
 
 
+def test_the_gates_shortcut_knows_the_feature_prefix() -> None:
+    """``Job.class_group`` skips the group's parser when no class feature is named (the
+    gate's accept path): built from FEATURE_PREFIX, a group is still seen."""
+    names = [f"{FEATURE_PREFIX}{h}" for h in ("0123abcd", "99aa00bb")]
+    env = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]",
+           "SLURM_JOB_CONSTRAINTS": f"[{'|'.join(names)}]"}
+    assert Job.from_env(env).class_group is True
+
+
 def test_a_fifo_at_the_sync_lock_is_refused_at_once(tmp_path: Path) -> None:
     from ncclguard.sched.sync import mark_verified
 

@@ -39,25 +39,21 @@ class IndexResult:
     seconds: float = 0.0
 
 
-#: files looked at under the roots in one walk, per image that may be indexed
+#: entries (files, directories, anything) looked at under the roots in one walk, per
+#: image that may be indexed
 SEEN_PER_IMAGE = 10
 
 
-def find_images(cfg: ImagesConfig) -> tuple[list[tuple[str, os.stat_result]], set[str], bool]:
-    """``(images, seen, complete)``: every regular ``*.sqsh`` file under the roots,
-    without following symlinks, at most ``max_depth`` levels down, at most
-    ``SEEN_PER_IMAGE * max_images`` looked at (``complete``: the walk reached the end).
-    Of those, at most ``max_images`` are ``images`` to index: all of them when they fit,
-    else one file owner's at a time in turn (by path within an owner), so that a user
-    who writes thousands of files into a root, named to sort first, takes no more than
-    their turn; ``seen``: every path found, indexed or not (an image not indexed now is
-    not gone)."""
+def find_images(cfg: ImagesConfig) -> tuple[list[tuple[str, os.stat_result]], bool]:
+    """``(images, complete)``: (path, stat) of every regular ``*.sqsh`` file under the
+    roots, without following symlinks, at most ``max_depth`` levels down, looking at no
+    more than ``SEEN_PER_IMAGE * max_images`` directory entries of any kind
+    (``complete``: the walk reached its end within that)."""
     found: list[tuple[str, os.stat_result]] = []
-    limit = SEEN_PER_IMAGE * cfg.max_images
-    complete = True
+    left = SEEN_PER_IMAGE * cfg.max_images
     for root in cfg.roots:
         stack: list[tuple[str, int]] = [(root, 0)]
-        while stack and complete:
+        while stack:
             d, depth = stack.pop()
             try:
                 with os.scandir(d) as it:
@@ -66,6 +62,11 @@ def find_images(cfg: ImagesConfig) -> tuple[list[tuple[str, os.stat_result]], se
                 log.warning("images: cannot list %s: %s", d, err.strerror or err)
                 continue
             for ent in reversed(entries):
+                if left <= 0:
+                    log.warning("images: more than %d entries under the roots: the walk "
+                                "stopped there", SEEN_PER_IMAGE * cfg.max_images)
+                    return found, False
+                left -= 1
                 try:
                     st = ent.stat(follow_symlinks=False)
                 except OSError:
@@ -75,25 +76,20 @@ def find_images(cfg: ImagesConfig) -> tuple[list[tuple[str, os.stat_result]], se
                         stack.append((ent.path, depth + 1))
                 elif stat.S_ISREG(st.st_mode) and ent.name.endswith(SUFFIXES):
                     found.append((ent.path, st))
-                    if len(found) >= limit:
-                        complete = False
-                        break
-    seen = {path for path, _ in found}
-    if len(found) <= cfg.max_images:
-        return found, seen, complete
-    log.warning("images: %s%d images under the roots, more than max_images (%d): %d are "
-                "indexed, one file owner's at a time in turn", "at least " if not complete
-                else "", len(found), cfg.max_images, cfg.max_images)
-    by_owner: dict[int, list[tuple[str, os.stat_result]]] = {}
-    for item in sorted(found, key=lambda t: t[0]):
-        by_owner.setdefault(item[1].st_uid, []).append(item)
-    queues = [q for _, q in sorted(by_owner.items())]
-    chosen: list[tuple[str, os.stat_result]] = []
-    turn = 0
-    while len(chosen) < cfg.max_images:
-        chosen += [q[turn] for q in queues if turn < len(q)][: cfg.max_images - len(chosen)]
-        turn += 1
-    return chosen, seen, complete
+    return found, True
+
+
+def _fair_share(items: list[tuple[str, os.stat_result]], room: int
+                ) -> list[tuple[str, os.stat_result]]:
+    """The first ``room`` of ``items`` taking one file owner's at a time in turn (by path
+    within an owner): a user with thousands of files gets only their turns."""
+    rank: dict[int, int] = {}
+    keyed = []
+    for path, st in sorted(items, key=lambda t: t[0]):
+        n = rank.get(st.st_uid, 0)
+        rank[st.st_uid] = n + 1
+        keyed.append(((n, st.st_uid, path), (path, st)))
+    return [item for _, item in sorted(keyed, key=lambda kv: kv[0])[:max(room, 0)]]
 
 
 def _passing(cause: str) -> bool:
@@ -141,7 +137,18 @@ def update_index(inv: Inventory, cfg: ImagesConfig, budget_s: float | None = Non
     res = IndexResult()
     known = inv.image_states()
     todo: list[tuple[str, os.stat_result, int]] = []
-    found, present, complete = find_images(cfg)
+    found, complete = find_images(cfg)
+    present = {path for path, _ in found}
+    # at most max_images in the index: images already in it are kept (and read again
+    # when they change); new ones fill the room left, one file owner's at a time
+    new = [(p, st) for p, st in found if p not in known]
+    room = cfg.max_images - len(present & set(known))
+    if len(new) > room:
+        log.warning("images: %d new images and room for %d under max_images (%d): one file "
+                    "owner's at a time in turn, the rest not indexed", len(new), max(room, 0),
+                    cfg.max_images)
+        admitted = {p for p, _ in _fair_share(new, room)}
+        found = [(p, st) for p, st in found if p in known or p in admitted]
     for path, st in found:
         # the later of mtime and ctime: a user who can write the roots can set an image's
         # mtime back after changing it (touch -d), never its ctime
