@@ -63,7 +63,7 @@ from ncclguard.hostlist import compress, expand
 from ncclguard.policy import load_config
 from ncclguard.policy.schedule import is_class_feature
 from ncclguard.sched import classfile, status
-from ncclguard.sched.sync import NOT_TRIED, SyncResult, desired, mark_verified, sync
+from ncclguard.sched.sync import SyncResult, desired, mark_verified, sync
 from ncclguard.slurm import Slurm, SlurmError
 from ncclguard.store import InventoryError
 
@@ -138,8 +138,8 @@ class Backoff:
         new: dict[str, str] = {}
         for host, why in failed.items():
             f = self.failing.get(host)
-            if f is not None and (f.next_try > now or why == NOT_TRIED):
-                continue  # not tried: still backing off, or past the pass's cap
+            if f is not None and f.next_try > now:
+                continue  # skipped: still backing off
             attempts = f.attempts + 1 if f else 1
             delay = min(self.max_s, self.first_s * 2 ** (attempts - 1))
             if f is None or f.error != why:

@@ -41,7 +41,7 @@ from ncclguard.sched.submit import choose, constraints
 from ncclguard.slurm import NodeInfo, Slurm, SlurmError, SlurmTimeout
 from ncclguard.store import Inventory
 
-__all__ = ["NOT_TRIED", "Plan", "SyncResult", "Update", "class_table", "desired", "plan", "sync"]
+__all__ = ["Plan", "SyncResult", "Update", "class_table", "desired", "plan", "sync"]
 
 
 @dataclass(frozen=True)

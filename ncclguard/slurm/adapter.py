@@ -92,6 +92,11 @@ def _job_id(job_id: int | str) -> str:
     return s
 
 
+def _unknown_job(e: SlurmError) -> bool:
+    """Whether squeue said it does not know the job (not a time-out or another failure)."""
+    return type(e) is SlurmError and "Invalid job id" in f"{e} {e.stderr}"
+
+
 class Slurm:
     """Slurm through its commands. ``bin_dir``: where they live (default: PATH, then /usr/bin)."""
 
@@ -353,7 +358,7 @@ class Slurm:
         try:
             data = self._json("squeue", ["-j", jid, "-t", "all"], self._json_args())
         except SlurmError as e:
-            if type(e) is SlurmError and "Invalid job id" in f"{e} {e.stderr}":
+            if _unknown_job(e):
                 return None
             raise
         for j in parse_jobs(data, "squeue --json"):
@@ -384,7 +389,7 @@ class Slurm:
         try:
             outs = self.run_all(calls)
         except SlurmError as e:
-            if type(e) is SlurmError and "Invalid job id" in f"{e} {e.stderr}":
+            if _unknown_job(e):
                 return None
             raise
         placed = None
@@ -418,7 +423,7 @@ class Slurm:
         try:
             out = self.run("squeue", ["-h", "-t", "all", "-j", jid, "-o", "%A|%T|%U|%N"])
         except SlurmError as e:
-            if type(e) is SlurmError and "Invalid job id" in f"{e} {e.stderr}":
+            if _unknown_job(e):
                 return None
             raise
         for line in out.splitlines():

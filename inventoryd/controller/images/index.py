@@ -79,19 +79,6 @@ def find_images(cfg: ImagesConfig) -> tuple[list[tuple[str, os.stat_result]], bo
     return found, True
 
 
-def _fair_share(items: list[tuple[str, os.stat_result]], room: int
-                ) -> list[tuple[str, os.stat_result]]:
-    """The first ``room`` of ``items`` taking one file owner's at a time in turn (by path
-    within an owner): a user with thousands of files gets only their turns."""
-    rank: dict[int, int] = {}
-    keyed = []
-    for path, st in sorted(items, key=lambda t: t[0]):
-        n = rank.get(st.st_uid, 0)
-        rank[st.st_uid] = n + 1
-        keyed.append(((n, st.st_uid, path), (path, st)))
-    return [item for _, item in sorted(keyed, key=lambda kv: kv[0])[:max(room, 0)]]
-
-
 def _passing(cause: str) -> bool:
     """A failure that says nothing about the image's content (unsquashfs missing, a time
     limit on a loaded machine, a signal): the image is tried again after a back-off
@@ -142,12 +129,12 @@ def update_index(inv: Inventory, cfg: ImagesConfig, budget_s: float | None = Non
     # at most max_images in the index: images already in it are kept (and read again
     # when they change); new ones fill the room left, one file owner's at a time
     new = [(p, st) for p, st in found if p not in known]
-    room = cfg.max_images - len(present & set(known))
+    room = cfg.max_images - len(present & known.keys())
     if len(new) > room:
         log.warning("images: %d new images and room for %d under max_images (%d): one file "
                     "owner's at a time in turn, the rest not indexed", len(new), max(room, 0),
                     cfg.max_images)
-        admitted = {p for p, _ in _fair_share(new, room)}
+        admitted = {p for p, _, _ in _order([(p, st, 0) for p, st in new])[:max(room, 0)]}
         found = [(p, st) for p, st in found if p in known or p in admitted]
     for path, st in found:
         # the later of mtime and ctime: a user who can write the roots can set an image's
