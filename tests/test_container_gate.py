@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers.parts import build_plugin, extract_nccl, unavailable
+from helpers.parts import build_plugin, extract_nccl, pyxis_plugstack, unavailable
 from helpers.slurm import require_slurm
 
 from devtools import images
@@ -37,16 +37,14 @@ FSTAB = b"/opt/site/libnccl-net.so /usr/lib/x86_64-linux-gnu/libnccl-net.so none
 def pyxis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DevCluster, Path]]:
     require_slurm()
     root = tmp_path_factory.mktemp("pyxis")
+    plugstack = pyxis_plugstack(root)
     try:
-        stub = images.build_pyxis_stub(root / "spank")
         img_dir = root / "images"
         img_dir.mkdir()
         image = images.nccl_image(img_dir / "pytorch-nccl2.18.sqsh", extract_nccl("2.18.3"),
                                   version="2.18.3", comp="zstd")
     except PartUnavailable as e:
         unavailable(str(e))
-    plugstack = root / "plugstack.conf"
-    plugstack.write_text(f"required {stub}\n")
     with DevCluster(root / "cluster", nodes=4, prolog=True,
                     extra_conf=f"PlugStackConfig={plugstack}") as c:
         old = build_plugin(root / "p6", [6, 5], name="IBext_v6")

@@ -20,12 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers.parts import unavailable
+from helpers.parts import pyxis_plugstack
 from helpers.slurm import require_slurm
 
-from devtools import images
 from devtools.devcluster import DevCluster
-from devtools.ncclwheels import PartUnavailable
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -133,12 +131,7 @@ def _lua_list(names: tuple[str, ...]) -> str:
 def probe(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DevCluster, Path]]:
     require_slurm()
     root = tmp_path_factory.mktemp("luaprobe")
-    try:
-        stub = images.build_pyxis_stub(root / "spank")
-    except PartUnavailable as e:
-        unavailable(str(e))
-    plugstack = root / "plugstack.conf"
-    plugstack.write_text(f"required {stub}\n")
+    plugstack = pyxis_plugstack(root)
     out = root / "probe.jsonl"
     lua = root / "probe.lua"
     lua.write_text(PROBE_LUA.replace("@OUT@", json.dumps(str(out)))

@@ -25,7 +25,7 @@ from typing import Any, NoReturn
 
 import pytest
 
-from devtools import ncclwheels
+from devtools import images, ncclwheels
 from devtools.ncclwheels import PartUnavailable
 from helpers import REPO
 
@@ -83,6 +83,19 @@ def build_plugin(out_dir: Path, net_abis: Sequence[int] = (), name: str = "testn
         return ncclwheels.build_plugin(out_dir, net_abis, name, **options)
     except PartUnavailable as e:
         unavailable(str(e))
+
+
+def pyxis_plugstack(root: Path) -> Path:
+    """A ``plugstack.conf`` under ``root`` that loads the pyxis stub
+    (:func:`devtools.images.build_pyxis_stub`, compiled with gcc): slurm.conf's
+    ``PlugStackConfig=`` for a cluster whose jobs take pyxis's options."""
+    try:
+        stub = images.build_pyxis_stub(root / "spank")
+    except PartUnavailable as e:
+        unavailable(str(e))
+    plugstack = root / "plugstack.conf"
+    plugstack.write_text(f"required {stub}\n")
+    return plugstack
 
 
 @pytest.fixture
