@@ -34,9 +34,11 @@ trixie | forky) ;;
 esac
 root=$(realpath -m -- "${NCCLGUARD_SLURM_ROOT:-${NCCLGUARD_SLURM_CACHE:-/var/cache/ncclguard}/$suite-slurm}")
 # everything scripts/test.sh and the tests need inside, so that the cached root is complete
-# (prometheus: promtool and the server for the alert-rule tests)
+# (prometheus: promtool and the server for the alert-rule tests; docker-registry and
+# skopeo: the real OCI registry of the image client's tests)
 packages=(slurm-wlm munge python3 python3-venv gcc libc6-dev systemd make git
-          ca-certificates procps iproute2 prometheus squashfs-tools libslurm-dev lua5.1)
+          ca-certificates procps iproute2 prometheus squashfs-tools libslurm-dev lua5.1
+          docker-registry skopeo)
 root_version=v1 # a new tag rebuilds the root; a new package is only installed into it
 stamp_want="$suite ${packages[*]} $root_version"
 
