@@ -249,6 +249,26 @@ class ImagesConfig(_Settings):
     tmp_dir: str = ""  # where files are streamed out of an image; empty: the system's
 
 
+class RegistryConfig(_Settings):
+    """Registry images read by the collector (docs/containers.md, "Registry images")."""
+
+    enabled: bool = False  # resolve and read the registry references jobs use
+    refs: tuple[str, ...] = ()  # references read whether or not a job used them yet
+    platform: str = ""  # os/arch picked from an index; empty: this machine's (linux/amd64)
+    credentials: str = ""  # enroot's .credentials (netrc) file; empty: anonymous only
+    insecure: tuple[str, ...] = ()  # host:port reached over plain HTTP (loopback tests)
+    ca_file: str = ""  # a CA bundle for the registries' TLS; empty: the system's
+    resolve_interval_s: float = 300.0  # how often each reference is resolved again
+    max_age_s: float = 3600.0  # the gate judges a tag by a resolution at most this old
+    keep_unused_s: float = 30 * 86400.0  # a reference no job used for this long is dropped
+    max_refs: int = 1000  # references in the index at most (config ones first)
+    timeout_s: float = 1800.0  # one image: resolving, its config and every new layer
+    max_layer_bytes: int = 17179869184  # one compressed layer at most (16 GiB)
+    max_unpacked_bytes: int = 68719476736  # one layer unpacked at most (and 64x its size)
+    max_read_bytes: int = 3221225472  # analysed out of one layer at most (its libnccl first)
+    tmp_dir: str = ""  # where a libnccl is streamed to be analysed; empty: the system's
+
+
 class Config(_Settings):
     inventory: InventoryConfig = InventoryConfig()
     inventoryd: InventorydConfig = InventorydConfig()
@@ -260,6 +280,7 @@ class Config(_Settings):
     drain: DrainConfig = DrainConfig()
     diagnose: DiagnoseConfig = DiagnoseConfig()
     images: ImagesConfig = ImagesConfig()
+    registry: RegistryConfig = RegistryConfig()
     baseline: dict[str, str] = {}  # noqa: RUF012 - copied per instance; pinned baseline, e.g. nccl
     source: str = "<defaults>"  # the file this came from
 
@@ -274,6 +295,7 @@ _SECTIONS: dict[str, type] = {
     "gate": GateConfig,
     "drain": DrainConfig,
     "diagnose": DiagnoseConfig,
+    "registry": RegistryConfig,
     "images": ImagesConfig,
 }
 

@@ -269,11 +269,20 @@ def decide(run: Run, job: Job) -> int:
     assert cfg is not None
     image = job.image_path
     image_values = None
+    registry_row = None
     try:
         with _inventory(run) as inv:
             records = inv.load_values(job.nodes)
             if image.startswith("/"):
                 image_values = inv.load_image_values(image)
+            elif image and not image.startswith("."):
+                from ncclguard.fingerprint.imageref import RefError, parse
+
+                try:
+                    run.record["image_ref"] = key = parse(image).key
+                    registry_row = inv.load_registry_values(key)
+                except RefError as e:
+                    run.record["image_ref_error"] = str(e)
             written_at, pressure = inv.writer_state()
     except InventoryError as e:
         return run.fail("inventory", e)
@@ -286,6 +295,12 @@ def decide(run: Run, job: Job) -> int:
     stale = stale_hosts({h: r[1] for h, r in records.items() if r is not None},
                         time.time(), cfg.inventory.stale_after_s)
     values = {h: (r[0] if r is not None else None) for h, r in records.items()}
+    if registry_row is not None:
+        from ncclguard.policy.rules.container import registry_image
+
+        image_values = registry_image(registry_row, time.time(), cfg.registry.max_age_s)
+        run.record["image_digest"] = registry_row.get("digest")
+        run.record["image_resolved_at"] = registry_row.get("resolved_at")
     if image:
         run.record["image"] = image
         verdict = evaluate_image(values, cfg.policy, image, image_values, stale,

@@ -160,9 +160,12 @@ def test_too_many_entries_and_time_are_bounded(tmp_path: Path) -> None:
 
 
 def test_environment_parsing() -> None:
+    """A later line wins, as it does in the container: enroot v4.1.2 sets each line of
+    /etc/environment in order with setenv(name, value, 1) (``bin/common.h``,
+    ``load_environment``). Before, the first one was kept."""
     assert parse_environment(b'# c\nNCCL_A=1\nNCCL_A=2\nexport NCCL_B="x y"\nFOO=1\n'
                              b"LD_LIBRARY_PATH='/a:/b'\nbroken\n") == {
-        "NCCL_A": "1", "NCCL_B": "x y", "LD_LIBRARY_PATH": "/a:/b"}
+        "NCCL_A": "2", "NCCL_B": "x y", "LD_LIBRARY_PATH": "/a:/b"}
 
 
 def test_reads_where_setrlimit_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -109,10 +109,12 @@ class AuditTail:
     line is skipped, as :func:`ncclguard.audit.iter_records` does."""
 
     def __init__(self, path: Path | str, *, backlog_bytes: int = AUDIT_BACKLOG_BYTES,
-                 read_max: int = AUDIT_READ_MAX) -> None:
+                 read_max: int = AUDIT_READ_MAX,
+                 sink: Callable[[Mapping[str, Any]], None] | None = None) -> None:
         from ncclguard.policy.rules import RULES
 
         self.path = Path(path)
+        self.sink = sink  # also handed each record (the registry index: the images jobs use)
         self.backlog_bytes = backlog_bytes
         self.read_max = read_max
         self.counts = AuditCounts()
@@ -175,6 +177,8 @@ class AuditTail:
                 continue
             if isinstance(rec, dict):
                 self.counts.add(rec, self.rules)
+                if self.sink is not None:
+                    self.sink(rec)
                 n += 1
         return n
 

@@ -123,6 +123,13 @@ class Collector:
         self.disk = DiskPressure(self.inv.path, config.collector.min_free_bytes)
         self._unknown_cursor = ""  # files of unknown nodes are judged in turn from here
         self._load_state()
+        # registry images: read in a thread of their own, written here (the one writer)
+        self.registry = None
+        if config.registry.enabled:
+            from inventoryd.controller.images.registry_index import RegistryIndex
+
+            self.registry = RegistryIndex(config)
+            self.registry.start()
 
     def _slurm_nodes(self) -> list[tuple[str, str, str]]:
         from ncclguard.slurm import Slurm
@@ -152,6 +159,8 @@ class Collector:
         journal first, so that readers without write access can open it while no
         collector runs. Best effort: a reader holding the file keeps the -wal and -shm
         files in place, which readers can use."""
+        if self.registry is not None:
+            self.registry.stop()
         if not leave_wal:
             try:
                 self.inv.set_journal_mode("delete", wait_s=2.0)
@@ -256,6 +265,7 @@ class Collector:
         self.disk.guarded(lambda: self._prune(t0))
         if self.pressure is None:  # neither grows the inventory under disk pressure
             self._extra(lambda: self._images(t0, should_stop))
+            self._extra(self._registry)
         self._extra(lambda: self._container_records(should_stop))
         self.disk.stamp(self.inv, t0, result.written)
         result.seconds = time.monotonic() - t0
@@ -289,6 +299,16 @@ class Collector:
             raise
         except Exception:
             log.exception("images or container records: failed, retried at the next scan")
+
+    def _registry(self) -> None:
+        """Write what the registry worker found since the last scan."""
+        if self.registry is None:
+            return
+        from inventoryd.controller.images.registry_index import write_batches
+
+        n = write_batches(self.inv, self.registry.drain())
+        if n:
+            log.info("registry: %d references written", n)
 
     def _container_records(self, should_stop: Callable[[], bool]) -> None:
         res = self.containers.scan(self.inv, should_stop, writable=self.pressure is None)

@@ -66,7 +66,18 @@ def check(hostlist: str, partition: str | None, image: str | None, as_json: bool
             import os
 
             image = os.path.abspath(image)
-        found = c.inv("load_image_values", image) if image.startswith("/") else None
+        if image.startswith("/"):
+            found = c.inv("load_image_values", image)
+        else:  # a registry reference: judged as the gate judges it
+            from ncclguard.fingerprint.imageref import RefError, parse
+            from ncclguard.policy.rules.container import registry_image
+
+            try:
+                key = parse(image).key
+            except RefError as e:
+                fail(f"--image {safe(image)}: {e}")
+            found = registry_image(c.inv("load_registry_values", key), c.now,
+                                   c.config.registry.max_age_s)
         verdict = evaluate_image(values, policy, image, found, stale, partition)
         tie_break = None
     else:

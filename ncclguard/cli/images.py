@@ -1,7 +1,9 @@
 """``ncclguard images``: the container image index (docs/containers.md).
 
-``images`` lists the indexed images; ``images show PATH`` prints one image's NCCL stack;
-``images diff A B`` the facts in which two images differ.
+``images`` lists the indexed images, squashfs files and registry references;
+``images show IMAGE`` prints one image's NCCL stack; ``images diff A B`` the facts in
+which two images differ. IMAGE is a path (``/`` or ``.``) or a registry reference as
+pyxis takes it (``nvcr.io#nvidia/pytorch:25.01-py3``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from ncclguard.cli.errors import fail
 
 COLUMNS: list[out.Column] = [
     ("path", "IMAGE"), ("nccl_version", "NCCL"), ("net_plugin", "NET PLUGIN"),
-    ("size", "SIZE"), ("scanned", "SCANNED"), ("error", "ERROR"),
+    ("size", "SIZE"), ("scanned", "SCANNED"), ("digest12", "DIGEST"), ("error", "ERROR"),
 ]
 
 
@@ -24,8 +26,8 @@ COLUMNS: list[out.Column] = [
 @format_options
 @click.pass_context
 def images(ctx: click.Context, as_json: bool, as_csv: bool) -> None:
-    """Squashfs images under [images] roots, as the collector indexed them: the NCCL
-    each holds, or why it could not be read."""
+    """Squashfs images under [images] roots and the registry references the collector
+    resolved ([registry]): the NCCL each holds, or why it could not be read."""
     if ctx.invoked_subcommand is not None:
         return
     c = get_ctx(as_json, as_csv)
@@ -35,6 +37,13 @@ def images(ctx: click.Context, as_json: bool, as_csv: bool) -> None:
         rec = (c.inv("image", r["path"]) or {}).get("record") or {}
         r["net_plugin"] = _plugin_text(rec)
         r["error"] = r["error"] or ""
+        r["digest12"] = ""
+    for t in c.inv("registry_images"):
+        row = _registry_row(c.inv("registry_image", t["ref"]))
+        row["net_plugin"] = _plugin_text(row.get("record") or {})
+        row["digest12"] = (row.get("digest") or "")[:19]
+        row.pop("record", None)
+        rows.append(row)
     text = None
     if c.fmt == "table":
         text = out.table(rows, COLUMNS) + f"{len(rows)} images\n"
@@ -51,13 +60,36 @@ def _plugin_text(rec: dict[str, Any]) -> str:
     return "none" if rec else ""
 
 
-def _get(c: Any, path: str) -> dict[str, Any]:
-    row = c.inv("image", path)
-    if row is None:
-        fail(f"{path}: not in the image index (is it under [images] roots, and has the "
-             "collector scanned it?)")
-    assert isinstance(row, dict)
-    return row
+def _registry_row(t: dict[str, Any]) -> dict[str, Any]:
+    """A registry reference's row in the shape of a squashfs image's."""
+    error = t.get("image_error") or (None if t.get("state") == "ok" else
+                                     f"{t.get('state')}: {t.get('error')}")
+    return {"path": t["ref"], "size": t.get("size"), "scanned_at": t.get("scanned_at"),
+            "scanned": out.iso(t["resolved_at"]) if t.get("resolved_at") else "",
+            "nccl_version": t.get("nccl_version"), "error": error or "",
+            "digest": t.get("digest"), "resolved_at": t.get("resolved_at"),
+            "moved_at": t.get("moved_at"), "record": t.get("record")}
+
+
+def _get(c: Any, name: str) -> dict[str, Any]:
+    if name.startswith(("/", ".")):
+        row = c.inv("image", name)
+        if row is None:
+            fail(f"{out.cell(name)}: not in the image index (is it under [images] roots, "
+                 "and has the collector scanned it?)")
+        assert isinstance(row, dict)
+        return row
+    from ncclguard.fingerprint.imageref import RefError, parse
+
+    try:
+        key = parse(name).key
+    except RefError as e:
+        fail(f"{out.cell(name)}: {e}")
+    t = c.inv("registry_image", key)
+    if t is None:
+        fail(f"{out.cell(key)}: not in the registry index ([registry] enabled, and refs or "
+             "a job that used it; resolved at the collector's next pass)")
+    return _registry_row(t)
 
 
 def facts(row: dict[str, Any]) -> dict[str, Any]:
@@ -92,8 +124,11 @@ def show(path: str, as_json: bool, as_csv: bool) -> None:
     row = _get(c, path)
     rec = row.get("record") or {}
     v = out.cell  # every value from the image, escaped
-    lines = [f"image {v(row['path'])} ({row['size']} bytes, scanned "
-             f"{out.iso(row['scanned_at'])})"]
+    when = out.iso(row["scanned_at"]) if row.get("scanned_at") else "not yet"
+    lines = [f"image {v(row['path'])} ({row['size']} bytes, scanned {when})"]
+    if row.get("digest"):
+        lines.append(f"  digest {v(row['digest'])}, resolved {out.iso(row['resolved_at'])}, "
+                     f"last moved {out.iso(row['moved_at'])}")
     if row.get("error"):
         lines.append(f"  not readable: {v(row['error'])}")
     for lib in _dicts(rec.get("libnccl")):
@@ -112,7 +147,7 @@ def show(path: str, as_json: bool, as_csv: bool) -> None:
     if conf.get("present"):
         lines.append(f"  /etc/nccl.conf: {v(str(conf.get('settings')))}")
     if rec.get("env"):
-        lines.append(f"  /etc/environment: {v(str(rec['env']))}")
+        lines.append(f"  environment: {v(str(rec['env']))}")
     for e in _dicts(rec.get("errors")):
         lines.append(f"  error {v(e.get('field'))} {v(e.get('path') or '')}: "
                      f"{v(e.get('error'))}")

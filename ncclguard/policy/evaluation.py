@@ -363,17 +363,17 @@ def evaluate_image(
     unknown_sev = severity_of(config, container.UNKNOWN)
     stack_sev = severity_of(config, container.STACK)
     why = None
-    if not container.is_path_image(ref):
-        why = ("a registry reference, imported on each node for each step (its content is "
-               "not known before the job runs, and a tag can move): use a squashfs file")
-    elif ref.startswith("./"):
+    path = container.is_path_image(ref)
+    if path and ref.startswith("."):
         why = ("a path relative to the step's working directory, where pyxis reads it when "
                "the step starts: the gate cannot know which file that is; give an "
                "absolute path")
     elif image is None:
-        why = "not in the image index (not under [images] roots, or not scanned yet)"
+        why = ("not in the image index (not under [images] roots, or not scanned yet)" if path
+               else "a registry reference the collector has not resolved yet ([registry] "
+               "enabled, and refs or a job that used it: it is resolved at the next pass)")
     elif image[0] is None:
-        why = f"unreadable: {image[1]}"
+        why = f"unreadable: {image[1]}" if path else str(image[1])
     elif not image[0].get("nccl_version") or not image[0].get("net_abis"):
         why = "no libnccl the job would load was found in it (static, or off its paths)"
     sev = {r.name: severity_of(config, r.name) for r in COMPARISONS}

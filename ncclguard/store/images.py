@@ -194,3 +194,164 @@ class ImageTables(Database):
         for r in out:
             r["record"] = _decoded(r["record"], None)  # None: unreadable (its shape: spool)
         return out
+
+
+class RegistryTag(NamedTuple):
+    """What the registry index knows of one reference (``registry_tags``)."""
+
+    ref: str
+    digest: str | None  # the manifest digest it last resolved to (None: never)
+    resolved_at: float | None  # when it last resolved
+    moved_at: float | None  # when that digest last changed
+    checked_at: float  # the last attempt
+    state: str  # of the last attempt (registry.STATES)
+    error: str | None
+    attempts: int  # failures in a row
+    retry_at: float | None
+    source: str  # "config" (registry.refs) or "audit" (a job used it)
+    used_at: float | None  # when the gate last saw a job use it
+
+
+class RegistryTables(Database):
+    """The registry index of an :class:`~ncclguard.store.Inventory` (v8,
+    docs/containers.md, "Registry images")."""
+
+    def write_registry(self, tags: Sequence[dict[str, Any]],
+                       images: Sequence[dict[str, Any]] = (),
+                       layers: Sequence[dict[str, Any]] = (), now: float | None = None) -> None:
+        """One transaction: ``tags`` (``{"ref", "digest", "index_digest", "state",
+        "error", "attempts", "retry_at", "source", "used_at"}``; a tag whose digest changed gets
+        ``moved_at`` now, an ``ok`` one ``resolved_at`` now, a failed one keeps what it
+        had resolved to), ``images`` (``{"digest", "platform", "record"}`` or with
+        ``"error"``), ``layers`` (summaries of :mod:`inventoryd.controller.images.layers`)."""
+        import hashlib
+
+        from ncclguard.fingerprint.canonical import canonical_json
+        from ncclguard.fingerprint.image import image_values
+
+        self._require_rw()
+        now = time.time() if now is None else float(now)
+        image_rows: list[tuple[Any, ...]] = []
+        for item in images:
+            record = item.get("record")
+            size = ((record or {}).get("image") or {}).get("size")
+            if record is not None:
+                text = canonical_json(record)
+                values = image_values(record)
+                image_rows.append((item["digest"], item["platform"], now, size, text,
+                                   hashlib.sha256(text.encode()).hexdigest(),
+                                   canonical_json(values), values["nccl_version"], None))
+            else:
+                image_rows.append((item["digest"], item["platform"], now, None, None, None,
+                                   None, None, str(item.get("error") or "unreadable")))
+        layer_rows = [(s["digest"], int(s["size"]), canonical_json(s), now) for s in layers]
+
+        def body(conn: sqlite3.Connection) -> None:
+            for t in tags:
+                ok = t["state"] == "ok"
+                old = conn.execute("SELECT digest, resolved_at, moved_at FROM registry_tags "
+                                   "WHERE ref = ?", (t["ref"],)).fetchone()
+                digest, resolved, moved = old if old else (None, None, None)
+                index_digest = t.get("index_digest")
+                if ok:
+                    if t["digest"] != digest:
+                        moved = now
+                    digest, resolved = t["digest"], now
+                conn.execute(
+                    "INSERT INTO registry_tags (ref, digest, index_digest, resolved_at, "
+                    "moved_at, checked_at, state, error, attempts, retry_at, source, used_at) "
+                    "VALUES (?,?,?,?,?,?,?,?,?,?,?,?) ON CONFLICT (ref) DO UPDATE SET "
+                    "digest = excluded.digest, index_digest = coalesce(excluded.index_digest,"
+                    " CASE WHEN excluded.state = 'ok' THEN NULL ELSE index_digest END), "
+                    "resolved_at = excluded.resolved_at, moved_at = excluded.moved_at, "
+                    "checked_at = excluded.checked_at, state = excluded.state, "
+                    "error = excluded.error, attempts = excluded.attempts, "
+                    "retry_at = excluded.retry_at, source = excluded.source, "
+                    "used_at = max(coalesce(used_at, 0), coalesce(excluded.used_at, 0))",
+                    (t["ref"], digest, index_digest, resolved, moved, now, t["state"],
+                     t.get("error"), int(t.get("attempts") or 0), t.get("retry_at"),
+                     str(t.get("source") or "audit"), t.get("used_at")))
+            conn.executemany("INSERT OR REPLACE INTO registry_images VALUES (?,?,?,?,?,?,?,?,?)",
+                             image_rows)
+            conn.executemany("INSERT OR REPLACE INTO registry_layers VALUES (?,?,?,?)",
+                             layer_rows)
+
+        self._retrying(self._conn, body, f"write {len(tags)} registry tags")
+
+    def forget_registry(self, refs: Sequence[str]) -> None:
+        """Drop tags no job used for long and that the config no longer lists, then the
+        images and layers no tag reaches any longer."""
+        self._require_rw()
+
+        def body(conn: sqlite3.Connection) -> None:
+            for chunk in chunks(list(refs)):
+                conn.execute("DELETE FROM registry_tags WHERE ref IN "
+                             "(SELECT value FROM json_each(?))", (json.dumps(chunk),))
+            conn.execute("DELETE FROM registry_images WHERE digest NOT IN "
+                         "(SELECT digest FROM registry_tags WHERE digest IS NOT NULL)")
+
+        self._retrying(self._conn, body, f"forget {len(refs)} registry tags")
+
+    def registry_tags(self) -> dict[str, RegistryTag]:
+        rows = self._reading("read registry tags", lambda c: c.execute(
+            "SELECT ref, digest, resolved_at, moved_at, checked_at, state, error, attempts, "
+            "retry_at, source, used_at FROM registry_tags ORDER BY ref").fetchall())
+        return {r[0]: RegistryTag(*r) for r in rows}
+
+    def registry_layer(self, digest: str) -> dict[str, Any] | None:
+        """A layer's stored summary (None: not read yet, or unreadable as stored)."""
+        row = self._reading("read registry layer", lambda c: c.execute(
+            "SELECT summary FROM registry_layers WHERE digest = ?", (digest,)).fetchone())
+        return _decoded(row[0], None) if row else None
+
+    def registry_images(self) -> list[dict[str, Any]]:
+        """Every tag with its image: ref, digest, resolved_at, moved_at, state, error
+        (the tag's), nccl_version, image_error, size."""
+        rows = self._reading("read registry images", lambda c: c.execute(
+            "SELECT t.ref, t.digest, t.resolved_at, t.moved_at, t.checked_at, t.state, "
+            "t.error, i.nccl_version, i.error, i.size, i.record_hash FROM registry_tags t "
+            "LEFT JOIN registry_images i ON i.digest = t.digest ORDER BY t.ref").fetchall())
+        keys = ("ref", "digest", "resolved_at", "moved_at", "checked_at", "state", "error",
+                "nccl_version", "image_error", "size", "record_hash")
+        return [dict(zip(keys, r, strict=True)) for r in rows]
+
+    def registry_image(self, ref: str) -> dict[str, Any] | None:
+        """One tag's row with its image's full ``record`` (None: not in the index)."""
+        row = self._reading("read registry image", lambda c: c.execute(
+            "SELECT t.ref, t.digest, t.resolved_at, t.moved_at, t.checked_at, t.state, "
+            "t.error, i.nccl_version, i.error, i.size, i.scanned_at, i.record "
+            "FROM registry_tags t LEFT JOIN registry_images i ON i.digest = t.digest "
+            "WHERE t.ref = ?", (ref,)).fetchone())
+        if row is None:
+            return None
+        keys = ("ref", "digest", "resolved_at", "moved_at", "checked_at", "state", "error",
+                "nccl_version", "image_error", "size", "scanned_at", "record")
+        out = dict(zip(keys, row, strict=True))
+        out["record"] = _decoded(out["record"], None) if out["record"] else None
+        return out
+
+    def load_registry_values(self, ref: str) -> dict[str, Any] | None:
+        """The gate's read of one reference: None when the index does not know it, else
+        ``{"digest", "resolved_at", "moved_at", "state", "error", "values",
+        "image_error", "read"}`` (``read``: whether its image was read, well or not)."""
+        from ncclguard.fingerprint.image import valid_image_values
+
+        row = self._reading("read registry image", lambda c: c.execute(
+            "SELECT t.digest, t.resolved_at, t.moved_at, t.state, t.error, i.image_values, "
+            "i.error, i.digest IS NOT NULL FROM registry_tags t LEFT JOIN registry_images i "
+            "ON i.digest = t.digest WHERE t.ref = ?", (ref,)).fetchone())
+        if row is None:
+            return None
+        values = None
+        if row[5]:
+            try:
+                v = json.loads(row[5])
+                values = v if valid_image_values(v) else None
+            except (TypeError, ValueError, RecursionError):
+                values = None
+        image_error = row[6] if values is None and row[7] else None
+        if row[7] and values is None and image_error is None:
+            image_error = "the stored record cannot be read"
+        return {"digest": row[0], "resolved_at": row[1], "moved_at": row[2], "state": row[3],
+                "error": row[4], "values": values, "image_error": image_error,
+                "read": bool(row[7])}

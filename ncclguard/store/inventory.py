@@ -23,18 +23,18 @@ from pathlib import Path
 
 from ncclguard.config import InventoryConfig
 from ncclguard.store.classes import ClassTables, NodeClass
-from ncclguard.store.images import ImageState, ImageTables
+from ncclguard.store.images import ImageState, ImageTables, RegistryTables, RegistryTag
 from ncclguard.store.nodes import DEFAULT_HEARTBEAT_S, NodeRecord, NodeTables, NodeWrite
 from ncclguard.store.records import REFUSED, Published, Quota, RecordTables, Rejected
 from ncclguard.store.schema import GateValues
 
 __all__ = [
     "DEFAULT_HEARTBEAT_S", "REFUSED", "ImageState", "Inventory", "NodeClass", "NodeRecord",
-    "NodeTables", "NodeWrite", "Published", "Quota", "Rejected",
+    "NodeTables", "NodeWrite", "Published", "Quota", "RegistryTag", "Rejected",
 ]
 
 
-class Inventory(ClassTables, RecordTables, ImageTables):
+class Inventory(ClassTables, RecordTables, ImageTables, RegistryTables):
     """The node inventory in one SQLite file (:class:`~ncclguard.store.connection.Database`
     says how it is opened, locked and migrated).
 

@@ -289,6 +289,28 @@ def _migrate_6_to_7(conn: sqlite3.Connection, values: GateValues) -> None:
     conn.execute("ALTER TABLE gate_nodes ADD COLUMN class_key TEXT")
 
 
+def _migrate_7_to_8(conn: sqlite3.Connection, values: GateValues) -> None:
+    """Registry images (issue 30, docs/containers.md): ``registry_tags``, each reference
+    jobs use (``registry/repository:tag``) with the manifest digest it last resolved to,
+    when (``resolved_at``), when that digest last changed (``moved_at``), the state of
+    the last attempt and its error, and when a job last used it (``used_at``);
+    ``registry_images``, one row per image manifest
+    digest with its record and the gate's ``image_values``; ``registry_layers``, each
+    layer's summary by its digest (a new tag reads only the layers it does not share)."""
+    conn.execute(
+        "CREATE TABLE registry_tags (ref TEXT PRIMARY KEY, digest TEXT, index_digest TEXT, "
+        "resolved_at REAL, moved_at REAL, checked_at REAL NOT NULL, state TEXT NOT NULL, "
+        "error TEXT, attempts INTEGER NOT NULL DEFAULT 0, retry_at REAL, "
+        "source TEXT NOT NULL, used_at REAL) WITHOUT ROWID")
+    conn.execute(
+        "CREATE TABLE registry_images (digest TEXT PRIMARY KEY, platform TEXT NOT NULL, "
+        "scanned_at REAL NOT NULL, size INTEGER, record TEXT, record_hash TEXT, "
+        "image_values TEXT, nccl_version TEXT, error TEXT) WITHOUT ROWID")
+    conn.execute(
+        "CREATE TABLE registry_layers (digest TEXT PRIMARY KEY, size INTEGER NOT NULL, "
+        "summary TEXT NOT NULL, read_at REAL NOT NULL) WITHOUT ROWID")
+
+
 MIGRATIONS: tuple[Callable[[sqlite3.Connection, GateValues], None], ...] = (
     _migrate_0_to_1,
     _migrate_1_to_2,
@@ -297,5 +319,6 @@ MIGRATIONS: tuple[Callable[[sqlite3.Connection, GateValues], None], ...] = (
     _migrate_4_to_5,
     _migrate_5_to_6,
     _migrate_6_to_7,
+    _migrate_7_to_8,
 )
 SCHEMA_VERSION = len(MIGRATIONS)

@@ -30,7 +30,8 @@ import tempfile
 import time
 from typing import Any
 
-from inventoryd.controller.images.squashfs import ImageError, SquashImage
+from inventoryd.controller.images.squashfs import SquashImage
+from inventoryd.controller.images.tree import ImageError, ImageTree
 from inventoryd.probes import nccl as nccl_probe
 from inventoryd.probes import ncclconf
 from inventoryd.probes import plugins as plugin_probe
@@ -52,7 +53,8 @@ PLUGIN_PREFIX = "libnccl-"
 def parse_environment(data: bytes) -> dict[str, str]:
     """``NAME=value`` lines of enroot's ``/etc/environment`` (pam_env's plain form; an
     ``export`` prefix and one pair of surrounding quotes are removed). Only ``NCCL_*`` and
-    ``LD_LIBRARY_PATH`` are kept; the first occurrence wins."""
+    ``LD_LIBRARY_PATH`` are kept; a later line wins, as in the container (enroot v4.1.2
+    ``bin/common.h``, ``load_environment``: ``setenv(name, value, 1)`` line by line)."""
     out: dict[str, str] = {}
     for raw in data.decode("utf-8", "replace").splitlines():
         line = raw.strip()
@@ -64,11 +66,11 @@ def parse_environment(data: bytes) -> dict[str, str]:
             continue
         if len(value) >= 2 and value[0] == value[-1] and value[0] in "\"'":
             value = value[1:-1]
-        out.setdefault(name, value[:4096])
+        out[name] = value[:4096]
     return out
 
 
-def _conf_dirs(image: SquashImage, errors: list[dict[str, Any]]) -> list[str]:
+def _conf_dirs(image: ImageTree, errors: list[dict[str, Any]]) -> list[str]:
     """Directories of the image's ``/etc/ld.so.conf`` (one ``include`` level of globs
     in ``/etc/ld.so.conf.d``, as Debian and RHEL ship it)."""
     files = ["/etc/ld.so.conf"]
@@ -94,46 +96,23 @@ def _error(field: str, path: str | None, cause: str) -> dict[str, Any]:
     return {"probe": "image", "field": field, "path": path, "error": cause}
 
 
-def _analyze(image: SquashImage, path: str, analyze: Any, tmpdir: str) -> tuple[str, Any]:
-    """(real path, facts) of one file; each real file is streamed and read once."""
-    memo = image.memo
-    real = image.resolve(path)
-    if (real, analyze) in memo:
-        return real, memo[real, analyze]
-    with tempfile.TemporaryFile(dir=tmpdir) as f:
-        real, _ = image.copy_file(path, f)
-        f.seek(0)
-        memo[real, analyze] = facts = analyze(f, f"{image.path}:{real}")
-        return real, facts
-
-
-def scan_image(
-    path: str, *, unsquashfs: str = "", timeout_s: float = 30.0, tmpdir: str | None = None,
-    max_file_bytes: int | None = None, max_read_bytes: int | None = None,
-) -> dict[str, Any]:
-    """The image record of the squashfs file at ``path``. Raises ImageError when the image
-    as a whole cannot be read (the cause names it); one unreadable file inside costs its
-    own entry and an ``errors`` item.
-
-    What the gate uses is read first: the libnccl a job loads (:func:`_default_lib`'s
-    candidates, in its order), then the net plugins; the other libraries and plugins
-    only while the image's read budget lasts (``max_read_bytes``, and at most
-    ``MAX_EXPANSION`` times the image's own size: a sparse member is never read whole);
-    those past it are listed with the reason."""
-    st = os.stat(path)
-    t0 = time.monotonic()
-    kw: dict[str, Any] = {}
-    if max_file_bytes is not None:
-        kw["max_file_bytes"] = max_file_bytes
-    if max_read_bytes is not None:
-        kw["max_read_bytes"] = max_read_bytes
-    image = SquashImage(path, deadline=t0 + timeout_s, unsquashfs=unsquashfs, **kw)
+def read_tree(image: ImageTree, *, tmpdir: str | None = None,
+              config_env: dict[str, str] | None = None) -> dict[str, Any]:
+    """The NCCL stack in an image's file tree (the module docstring): ``libnccl``,
+    ``plugins``, ``net_plugin``, ``nccl_conf``, ``env``, ``rc``, ``errors``.
+    ``config_env``: a registry image's config ``Env`` (``NCCL_*``, ``LD_LIBRARY_PATH``),
+    which takes the place of its ``/etc/environment`` (docs/containers.md, "Registry
+    images")."""
     errors: list[dict[str, Any]] = []
     if image.odd_names:
         errors.append(_error("names", None, f"{image.odd_names} entries with control "
                               "characters or overlong names were skipped"))
     env: dict[str, str] = {}
-    if image.entry(ENV_FILE) is not None:
+    if config_env is not None:
+        # enroot writes the config's Env as the container's /etc/environment, in a layer
+        # of its own above the image's (v4.1.2 src/docker.sh, docker::configure)
+        env = dict(config_env)
+    elif image.entry(ENV_FILE) is not None:
         try:
             env = parse_environment(image.read_small(ENV_FILE, MAX_SMALL))
         except ImageError as e:
@@ -183,13 +162,7 @@ def scan_image(
         net = _net_plugin(image, env, conf, default_lib, plugins, search)
         for prec in plugins:
             prec["default"] = prec["path"] == net
-    st2 = os.stat(path)
-    if (st.st_ino, st.st_size, st.st_mtime_ns) != (st2.st_ino, st2.st_size, st2.st_mtime_ns):
-        raise ImageError(path, "changed while it was read; read again at the next scan")
     return {
-        "schema": SCHEMA,
-        "image": {"path": path, "inode": st.st_ino, "size": st.st_size,
-                  "mtime_ns": st.st_mtime_ns, "entries": image.listed},
         "libnccl": sorted(out_libs, key=lambda r: r["path"]),
         "plugins": sorted(plugins, key=lambda r: (r["kind"], r["path"])),
         "net_plugin": net,
@@ -197,6 +170,39 @@ def scan_image(
         "env": env,
         "rc": rc,
         "errors": errors,
+    }
+
+
+def scan_image(
+    path: str, *, unsquashfs: str = "", timeout_s: float = 30.0, tmpdir: str | None = None,
+    max_file_bytes: int | None = None, max_read_bytes: int | None = None,
+) -> dict[str, Any]:
+    """The image record of the squashfs file at ``path``. Raises ImageError when the image
+    as a whole cannot be read (the cause names it); one unreadable file inside costs its
+    own entry and an ``errors`` item.
+
+    What the gate uses is read first: the libnccl a job loads (:func:`_default_lib`'s
+    candidates, in its order), then the net plugins; the other libraries and plugins
+    only while the image's read budget lasts (``max_read_bytes``, and at most
+    ``MAX_EXPANSION`` times the image's own size: a sparse member is never read whole);
+    those past it are listed with the reason."""
+    st = os.stat(path)
+    t0 = time.monotonic()
+    kw: dict[str, Any] = {}
+    if max_file_bytes is not None:
+        kw["max_file_bytes"] = max_file_bytes
+    if max_read_bytes is not None:
+        kw["max_read_bytes"] = max_read_bytes
+    image = SquashImage(path, deadline=t0 + timeout_s, unsquashfs=unsquashfs, **kw)
+    facts = read_tree(image, tmpdir=tmpdir)
+    st2 = os.stat(path)
+    if (st.st_ino, st.st_size, st.st_mtime_ns) != (st2.st_ino, st2.st_size, st2.st_mtime_ns):
+        raise ImageError(path, "changed while it was read; read again at the next scan")
+    return {
+        "schema": SCHEMA,
+        "image": {"path": path, "inode": st.st_ino, "size": st.st_size,
+                  "mtime_ns": st.st_mtime_ns, "entries": image.listed},
+        **facts,
         "scan_seconds": round(time.monotonic() - t0, 3),
     }
 
@@ -210,7 +216,7 @@ def _unique(items: list[str]) -> list[str]:
     return out
 
 
-def _nccl_conf(image: SquashImage, errors: list[dict[str, Any]]) -> dict[str, Any]:
+def _nccl_conf(image: ImageTree, errors: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {"present": False, "sha256": None, "raw": None,
                            "settings": {}, "comment_settings": {}}
     if image.entry(ncclconf.PATH) is None:
@@ -228,11 +234,11 @@ def _nccl_conf(image: SquashImage, errors: list[dict[str, Any]]) -> dict[str, An
     return out
 
 
-def _library(image: SquashImage, rec: dict[str, Any], tmp: str,
+def _library(image: ImageTree, rec: dict[str, Any], tmp: str,
              errors: list[dict[str, Any]]) -> dict[str, Any] | None:
     p = rec["path"]
     try:
-        real, facts = _analyze(image, p, nccl_probe.analyze, tmp)
+        real, facts = image.analyze(p, nccl_probe.analyze, tmp)
     except ImageError as e:
         if "no such file" in e.cause:
             return None  # a dangling link: not loadable
@@ -246,10 +252,10 @@ def _library(image: SquashImage, rec: dict[str, Any], tmp: str,
     return {"path": p, "realpath": real, **facts, "origin": rec["origin"]}
 
 
-def _plugin(image: SquashImage, kind: str, p: str, tmp: str,
+def _plugin(image: ImageTree, kind: str, p: str, tmp: str,
             errors: list[dict[str, Any]]) -> dict[str, Any] | None:
     try:
-        real, facts = _analyze(image, p, plugin_probe.analyze, tmp)
+        real, facts = image.analyze(p, plugin_probe.analyze, tmp)
     except ImageError as e:
         if "no such file" in e.cause:
             return None
@@ -282,7 +288,7 @@ def _default_lib(libs: list[dict[str, Any]], pip_dirs: list[str]) -> str | None:
     return None
 
 
-def _net_plugin(image: SquashImage, env: dict[str, str], conf: dict[str, Any],
+def _net_plugin(image: ImageTree, env: dict[str, str], conf: dict[str, Any],
                 lib: dict[str, Any] | None, plugins: list[dict[str, Any]],
                 search: list[str]) -> str | None:
     """The path of the net plugin NCCL loads inside the image (no injection), or None."""

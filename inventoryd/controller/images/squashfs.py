@@ -33,11 +33,19 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import IO, Any
+from collections.abc import Callable
+from typing import IO
 
-MAX_HOPS = 40  # as the kernel's ELOOP limit
+from inventoryd.controller.images.tree import (
+    MAX_HOPS,
+    Entry,
+    ImageError,
+    ImagePathError,
+    ImageTree,
+)
+
+__all__ = ["MAX_HOPS", "Entry", "ImageError", "ImagePathError", "SquashImage", "wanted"]
+
 MAX_ENTRIES = 500_000  # entries listed (all of them, kept or not)
 MAX_LISTING_BYTES = 128 << 20  # what unsquashfs -lln may print
 MAX_DEPTH = 64  # directories below the image's root
@@ -58,27 +66,6 @@ MAX_EXPANSION = 64
 STDERR_KEEP = 4096
 
 _ALLOWED_NAME = re.compile(r"[\x20-\x7e]+")
-
-
-class ImageError(Exception):
-    """An image that cannot be read within the bounds: the message names the image and
-    the cause."""
-
-    def __init__(self, image: str, cause: str) -> None:
-        super().__init__(f"{image}: {cause}")
-        self.image = image
-        self.cause = cause
-
-
-class ImagePathError(ImageError):
-    """One path inside a readable image is missing, not a file, or loops."""
-
-
-@dataclass(frozen=True, slots=True)
-class Entry:
-    kind: str  # "d" directory, "l" symlink, "-" regular file, others as ls prints them
-    size: int
-    target: str | None = None  # a symlink's target
 
 
 def wanted(name: str) -> bool:
@@ -106,8 +93,8 @@ def _limit_child(memory: int) -> Callable[[], None]:
     return apply
 
 
-class SquashImage:
-    """One image, listed once; ``resolve``, ``children``, ``open_file`` read inside it."""
+class SquashImage(ImageTree):
+    """One image, listed once; ``resolve``, ``children``, ``copy_file`` read inside it."""
 
     def __init__(
         self,
@@ -123,7 +110,6 @@ class SquashImage:
         timeout_s: float = TIMEOUT_S,
         max_read_bytes: int = MAX_READ_BYTES,
     ) -> None:
-        self.path = path
         # what may still be streamed out of this image (copy_file): the work one image
         # may cost is bounded by its own size, not by what its listing claims
         self.read_left = min(max_read_bytes, MAX_EXPANSION * os.stat(path).st_size + (1 << 20))
@@ -134,12 +120,10 @@ class SquashImage:
         self.max_depth = max_depth
         self.max_file_bytes = max_file_bytes
         self.child_memory = child_memory
-        self.entries: dict[str, Entry] = {}
-        self.dirs: dict[str, list[str]] = {}  # directory -> names kept in it
+        super().__init__(path)
         self.listed = 0  # every entry of the image, kept or not
         self.odd_names = 0  # names with control characters or over MAX_NAME: skipped
         self.deepest = 0
-        self.memo: dict[tuple[str, Any], Any] = {}  # (real path, reader) -> its result
         self._list()
 
     # ---- running unsquashfs ----------------------------------------------------------
@@ -266,60 +250,6 @@ class SquashImage:
                 self.dirs.setdefault(path.rsplit("/", 1)[0] or "/", []).append(name)
 
     # ---- reading inside the image ----------------------------------------------------
-
-    def resolve(self, path: str) -> str:
-        """The path inside the image that ``path`` names, with every symlink followed
-        inside the image. Raises ImagePathError (missing, not a directory, a loop)."""
-        todo = [p for p in reversed(path.split("/")) if p]
-        done: list[str] = []
-        hops = 0
-        while todo:
-            part = todo.pop()
-            if part == ".":
-                continue
-            if part == "..":
-                if done:
-                    done.pop()  # never above the image's root
-                continue
-            here = "/" + "/".join([*done, part])
-            e = self.entries.get(here)
-            if e is None:
-                raise ImagePathError(self.path, f"{path}: no such file in the image")
-            if e.kind == "l":
-                hops += 1
-                if hops > MAX_HOPS:
-                    raise ImagePathError(self.path, f"{path}: more than {MAX_HOPS} symlinks "
-                                                    "(a loop?)")
-                assert e.target is not None
-                if e.target.startswith("/"):
-                    done = []
-                todo.extend(p for p in reversed(e.target.split("/")) if p)
-                continue
-            if todo and e.kind != "d":
-                raise ImagePathError(self.path, f"{path}: {here} is not a directory")
-            done.append(part)
-        return "/" + "/".join(done)
-
-    def entry(self, path: str) -> Entry | None:
-        try:
-            return self.entries.get(self.resolve(path))
-        except ImagePathError:
-            return None
-
-    def is_dir(self, path: str) -> bool:
-        e = self.entry(path)
-        return e is not None and e.kind == "d"
-
-    def children(self, directory: str) -> list[str]:
-        """The kept names in a directory (after resolving it), sorted."""
-        try:
-            real = self.resolve(directory)
-        except ImagePathError:
-            return []
-        return sorted(self.dirs.get(real, []))
-
-    def directories(self) -> Iterator[str]:
-        return iter(self.dirs)
 
     def copy_file(self, path: str, out: IO[bytes], limit: int | None = None) -> tuple[str, int]:
         """Stream one regular file (symlinks resolved here) into ``out``; returns its real

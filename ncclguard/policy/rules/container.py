@@ -45,9 +45,34 @@ UNKNOWN_RULE = Rule(UNKNOWN, _none, lambda _: "the job's container image cannot 
 
 
 def is_path_image(ref: str) -> bool:
-    """pyxis reads an image that starts with ``/`` or ``./`` as a squashfs file; anything
-    else is a registry reference (pyxis's ``pyxis_container.c``; issue 15)."""
-    return ref.startswith(("/", "./"))
+    """pyxis reads an image whose first character is ``/`` or ``.`` as a squashfs file;
+    anything else is a registry reference (pyxis v0.24.0 ``pyxis_slurmstepd.c``:
+    ``strspn(image, "./") > 0``)."""
+    return ref.startswith(("/", "."))
+
+
+def registry_image(row: Mapping[str, object] | None, now: float, max_age_s: float
+                   ) -> tuple[dict | None, str | None] | None:
+    """What the gate judges a registry reference by: the inventory's row
+    (``Inventory.load_registry_values``) as :func:`ncclguard.policy.evaluate_image`'s
+    ``image``: None (not in the index), ``(values, None)`` (the image of the digest the
+    tag resolved to, resolved at most ``max_age_s`` ago), or ``(None, why)``."""
+    if row is None:
+        return None
+    digest, resolved = row.get("digest"), row.get("resolved_at")
+    if not digest or not isinstance(resolved, int | float):
+        return None, f"not resolved yet: {row.get('state')}: {row.get('error')}"
+    age = now - float(resolved)
+    if age > max_age_s:
+        last = f"; the last attempt: {row.get('state')}: {row.get('error')}" if row.get(
+            "state") != "ok" else ""
+        return None, (f"resolved {age:.0f}s ago, more than [registry] max_age_s "
+                      f"({max_age_s:.0f}s): the tag may have moved{last}")
+    if not row.get("read"):
+        return None, f"its digest {digest} is not read yet (the collector reads it next)"
+    if row.get("values") is None:
+        return None, f"{digest} unreadable: {row.get('image_error')}"
+    return row["values"], None  # type: ignore[return-value]
 
 
 def _injected(text: str | None) -> dict | None:

@@ -1,0 +1,383 @@
+"""A registry image's layers, read as a stream, once each, and their union.
+
+:func:`read_layer` reads one layer blob (gzip, zstd or plain tar) member by member
+(:mod:`.tar`) and keeps its **summary**: the entries the fingerprint can use
+(directories, symlinks, hard links, whiteouts, and the files whose names
+:func:`~.squashfs.wanted` accepts), the small configuration files it reads
+(``/etc/environment``, ``/etc/rc``, ``/etc/nccl.conf``, the linker's ``ld.so.conf``
+files), and the facts of every ``libnccl*`` file, analysed as it streams past by the node
+probe's own code, one file at a time in an unlinked temporary file. Nothing else of a
+layer touches the disk, and nothing in it is run. A summary is keyed by the layer's
+digest and cached in the inventory: a new tag that shares layers reads only the new ones.
+
+:class:`LayeredImage` is the union of the summaries, lowest layer first, with the OCI
+whiteouts applied (``.wh.NAME`` removes ``NAME`` of the layers below, ``.wh..wh..opq``
+every entry below in its directory; image-spec ``layer.md``), read by the same
+fingerprint as a squashfs image (:func:`.fingerprint.read_tree`).
+
+Bounds, each an :class:`~.tree.ImageError` naming the layer and the cause: the compressed
+bytes (what the manifest says, and the configured maximum), the unpacked bytes (64 times
+the compressed size, and the maximum), the entries, one file's size, the bytes analysed,
+and the image's deadline; the blob's sha256 must be the digest it was asked by.
+"""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import hashlib
+import posixpath
+import re
+import tempfile
+import time
+import zlib
+from collections.abc import Callable
+from typing import IO, Any, cast
+
+from inventoryd.controller.images.squashfs import MAX_EXPANSION, MAX_FILE_BYTES, wanted
+from inventoryd.controller.images.tar import (
+    DIRECTORY,
+    HARDLINK,
+    REGULAR,
+    SYMLINK,
+    TarError,
+    TarReader,
+)
+from inventoryd.controller.images.tree import Analyzer, Entry, ImageError, ImagePathError, ImageTree
+from inventoryd.probes import nccl as nccl_probe
+from inventoryd.probes import plugins as plugin_probe
+
+SUMMARY_VERSION = 1
+MAX_ENTRIES = 500_000  # members of one layer (all of them, kept or not)
+MAX_KEPT = 200_000  # entries of one layer kept in its summary
+MAX_SMALL = 64 * 1024
+#: the configuration files whose content the fingerprint reads (fingerprint.py)
+SMALL_FILES = ("/etc/environment", "/etc/rc", "/etc/nccl.conf", "/etc/ld.so.conf")
+SMALL_DIRS = ("/etc/ld.so.conf.d",)
+WHITEOUT = ".wh."
+OPAQUE = ".wh..wh..opq"
+
+GZIP = ("application/vnd.oci.image.layer.v1.tar+gzip",
+        "application/vnd.docker.image.rootfs.diff.tar.gzip")
+ZSTD = ("application/vnd.oci.image.layer.v1.tar+zstd",)
+PLAIN = ("application/vnd.oci.image.layer.v1.tar",
+         "application/vnd.docker.image.rootfs.diff.tar")
+LAYER_TYPES = GZIP + ZSTD + PLAIN
+
+_ALLOWED = re.compile(r"[\x20-\x7e]+")
+
+#: analyzer name -> function; a summary stores facts under the name
+ANALYZERS: dict[str, Analyzer] = {"nccl": nccl_probe.analyze, "plugin": plugin_probe.analyze}
+
+
+def analyzer_for(name: str) -> str | None:
+    """Which analysis the fingerprint asks of a file of this name (fingerprint.py):
+    ``libnccl.so*`` is a libnccl, ``libnccl-*.so*`` a plugin."""
+    if name == "libnccl.so" or name.startswith("libnccl.so."):
+        return "nccl"
+    if name.startswith("libnccl-") and ".so" in name:
+        return "plugin"
+    return None
+
+
+class _Bounded:
+    """A file-like read of ``source`` that stops at ``limit`` bytes (``what`` names the
+    bound in the error) and at the deadline, hashing what passes when asked."""
+
+    def __init__(self, source: Any, limit: int, deadline: float, label: str, what: str,
+                 hasher: Any = None) -> None:
+        self.source, self.limit, self.deadline = source, limit, deadline
+        self.label, self.what, self.hasher = label, what, hasher
+        self.count = 0
+
+    def read(self, n: int = -1) -> bytes:
+        if time.monotonic() > self.deadline:
+            raise ImageError(self.label, "time limit reached")
+        n = 1 << 20 if n is None or n < 0 else min(n, 1 << 20)
+        chunk: bytes = self.source.read(n)
+        self.count += len(chunk)
+        if self.count > self.limit:
+            raise ImageError(self.label, f"{self.what}: more than {self.limit} bytes")
+        if self.hasher is not None:
+            self.hasher.update(chunk)
+        return chunk
+
+    def readable(self) -> bool:
+        return True
+
+
+def _decompressed(raw: _Bounded, media_type: str, label: str) -> Any:
+    if media_type in GZIP:
+        return gzip.GzipFile(fileobj=cast(Any, raw), mode="rb")
+    if media_type in ZSTD:
+        import zstandard
+
+        return zstandard.ZstdDecompressor().stream_reader(cast(Any, raw),
+                                                          read_across_frames=True)
+    if media_type in PLAIN:
+        return raw
+    raise ImageError(label, f"layer media type {media_type!r} is not one this reader takes "
+                            f"({', '.join(LAYER_TYPES)})")
+
+
+def _normal(name: str) -> str | None:
+    """The member's path from the image's root, or None for a name that climbs above it
+    or that holds characters the fingerprint never needs."""
+    if not name or not _ALLOWED.fullmatch(name):
+        return None
+    parts: list[str] = []
+    for part in name.split("/"):
+        if part in ("", "."):
+            continue
+        if part == "..":
+            return None
+        parts.append(part)
+    return "/" + "/".join(parts)
+
+
+def _small(path: str) -> bool:
+    parent = posixpath.dirname(path)
+    return path in SMALL_FILES or (parent in SMALL_DIRS and path.endswith(".conf"))
+
+
+def read_layer(
+    blob: Any, *, digest: str, size: int, media_type: str, deadline: float,
+    max_bytes: int, max_unpacked: int, max_read_bytes: int, tmpdir: str | None = None,
+    label: str | None = None,
+) -> dict[str, Any]:
+    """The summary of one layer (module docstring), read from ``blob`` (a file-like
+    ``read(n)`` of the blob's bytes, which must bound its own time per call). Raises
+    ImageError naming the layer and the cause, also when its sha256 is not ``digest``."""
+    label = label or f"layer {digest}"
+    if not re.fullmatch(r"sha256:[0-9a-f]{64}", digest):
+        raise ImageError(label, "the layer's digest is not sha256")
+    if size > max_bytes:
+        raise ImageError(label, f"{size} bytes compressed, more than registry.max_layer_bytes "
+                                f"({max_bytes})")
+    hasher = hashlib.sha256()
+    raw = _Bounded(blob, size, deadline, label, "the blob is longer than its descriptor says",
+                   hasher)
+    unpacked_limit = min(max_unpacked, MAX_EXPANSION * size + (1 << 20))
+    stream = _Bounded(_decompressed(raw, media_type, label), unpacked_limit, deadline, label,
+                      f"unpacked (at most {MAX_EXPANSION}x the layer, "
+                      "registry.max_unpacked_bytes)")
+    out: dict[str, Any] = {"v": SUMMARY_VERSION, "digest": digest, "size": size,
+                           "media_type": media_type, "listed": 0, "odd": 0, "dirs": [],
+                           "links": {}, "hard": {}, "files": {}, "whiteouts": [],
+                           "opaque": [], "small": {}, "facts": {}, "notes": []}
+    read_left = min(max_read_bytes, unpacked_limit)
+    kept = 0
+    t0 = time.monotonic()
+    try:
+        tar = TarReader(stream)  # type: ignore[arg-type]
+        for m in tar:
+            out["listed"] += 1
+            if out["listed"] > MAX_ENTRIES:
+                raise ImageError(label, f"more than {MAX_ENTRIES} entries")
+            path = _normal(m.name)
+            if path is None or (m.link and not _ALLOWED.fullmatch(m.link)):
+                out["odd"] += 1
+                continue
+            name = posixpath.basename(path)
+            if name.startswith(WHITEOUT):
+                parent = posixpath.dirname(path)
+                if name == OPAQUE:
+                    out["opaque"].append(parent)
+                else:
+                    out["whiteouts"].append(posixpath.join(parent, name[len(WHITEOUT):]))
+                kept += 1
+            elif m.kind == DIRECTORY:
+                out["dirs"].append(path)
+                kept += 1
+            elif m.kind == SYMLINK:
+                out["links"][path] = m.link
+                kept += 1
+            elif m.kind == HARDLINK:
+                target = _normal(m.link)
+                if target is None:
+                    out["odd"] += 1
+                    continue
+                out["hard"][path] = target
+                kept += 1
+            elif m.kind == REGULAR and wanted(name):
+                out["files"][path] = m.size
+                kept += 1
+                if _small(path) and m.size <= MAX_SMALL:
+                    out["small"][path] = base64.b64encode(_read_all(tar, m.size)).decode()
+                kind = analyzer_for(name)
+                if kind is not None:
+                    out["facts"][path] = _analyze_member(tar, m.size, kind, path, read_left,
+                                                         tmpdir, label)
+                    read_left -= min(m.size, max(read_left, 0))
+            if kept > MAX_KEPT:
+                raise ImageError(label, f"more than {MAX_KEPT} entries the fingerprint keeps")
+        # the rest of the blob (tar padding, the compressor's end), for its digest
+        while stream.read(1 << 20):
+            pass
+        while raw.read(1 << 20):
+            pass
+    except TarError as e:
+        raise ImageError(label, f"not a tar archive this reader takes: {e}") from None
+    except (OSError, EOFError, zlib.error) as e:  # gzip's and zstandard's errors
+        if isinstance(e, ImageError):
+            raise
+        raise ImageError(label, f"cannot be decompressed ({media_type}): "
+                                f"{type(e).__name__}: {e}") from None
+    except Exception as e:
+        if type(e).__name__ == "ZstdError":
+            raise ImageError(label, f"cannot be decompressed (zstd): {e}") from None
+        raise
+    if raw.count != size:
+        raise ImageError(label, f"{raw.count} of {size} bytes (the blob ended early)")
+    if f"sha256:{hasher.hexdigest()}" != digest:
+        raise ImageError(label, "the blob's content does not match its digest")
+    out["unpacked"] = stream.count
+    out["seconds"] = round(time.monotonic() - t0, 3)
+    return out
+
+
+def _read_all(tar: TarReader, size: int) -> bytes:
+    parts = []
+    while chunk := tar.read(1 << 16):
+        parts.append(chunk)
+    return b"".join(parts)[:size]
+
+
+def _analyze_member(tar: TarReader, size: int, kind: str, path: str, read_left: int,
+                    tmpdir: str | None, label: str) -> dict[str, Any]:
+    """{kind: facts} of the member being read, or {"error": cause}."""
+    if size > MAX_FILE_BYTES:
+        return {"error": f"{path}: {size} bytes, more than {MAX_FILE_BYTES}; not read"}
+    if size > read_left:
+        return {"error": f"{path}: {size} bytes, more than the {max(read_left, 0)} left of "
+                         f"this layer's read budget (at most {MAX_EXPANSION}x its size, "
+                         "registry.max_read_bytes); not read"}
+    with tempfile.TemporaryFile(dir=tmpdir) as f:
+        while chunk := tar.read(1 << 20):
+            f.write(chunk)
+        if f.tell() != size:
+            return {"error": f"{path}: {f.tell()} of {size} bytes in the layer"}
+        f.seek(0)
+        return {kind: ANALYZERS[kind](cast(Any, f), f"{label}:{path}")}
+
+
+def summary_ok(s: Any) -> bool:
+    """A cached summary this code can use (its version, its shape)."""
+    return (isinstance(s, dict) and s.get("v") == SUMMARY_VERSION
+            and all(isinstance(s.get(k), dict) for k in ("links", "hard", "files", "small",
+                                                          "facts"))
+            and all(isinstance(s.get(k), list) for k in ("dirs", "whiteouts", "opaque")))
+
+
+class LayeredImage(ImageTree):
+    """The union of layer summaries, lowest first (module docstring)."""
+
+    def __init__(self, label: str, summaries: list[dict[str, Any]]) -> None:
+        super().__init__(label)
+        self.kids: dict[str, set[str]] = {"/": set()}
+        self.entries["/"] = Entry("d", 0)
+        #: real path -> (layer index, path in that layer) of each regular file
+        self.source: dict[str, tuple[int, str]] = {}
+        self.summaries = summaries
+        self.listed = sum(int(s.get("listed") or 0) for s in summaries)
+        self.odd_names = sum(int(s.get("odd") or 0) for s in summaries)
+        for i, s in enumerate(summaries):
+            self._apply(i, s)
+        self.dirs = {d: sorted(names) for d, names in self.kids.items()}
+
+    # ---- the union -------------------------------------------------------------------
+
+    def _remove(self, path: str) -> None:
+        if path == "/" or path not in self.entries:
+            return
+        e = self.entries.pop(path)
+        self.source.pop(path, None)
+        if e.kind == "d":
+            for name in list(self.kids.pop(path, ())):
+                self._remove(f"{path}/{name}")
+        parent, name = posixpath.split(path)
+        self.kids.get(parent, set()).discard(name)
+
+    def _dir(self, path: str) -> None:
+        if path == "/":
+            return
+        e = self.entries.get(path)
+        if e is not None and e.kind == "d":
+            return
+        parent = posixpath.dirname(path)
+        self._dir(parent)
+        if e is not None:
+            self._remove(path)
+        self.entries[path] = Entry("d", 0)
+        self.kids.setdefault(path, set())
+        self.kids[parent].add(posixpath.basename(path))
+
+    def _put(self, path: str, entry: Entry) -> None:
+        if path == "/":
+            return
+        parent = posixpath.dirname(path)
+        self._dir(parent)
+        self._remove(path)
+        self.entries[path] = entry
+        self.kids[parent].add(posixpath.basename(path))
+
+    def _apply(self, i: int, s: dict[str, Any]) -> None:
+        for d in s["opaque"]:  # the layers below, in that directory
+            for name in list(self.kids.get(d, ())):
+                self._remove(f"{d.rstrip('/')}/{name}")
+        for p in s["whiteouts"]:
+            self._remove(p)
+        for d in s["dirs"]:
+            self._dir(d)
+        for p, size in s["files"].items():
+            self._put(p, Entry("-", int(size)))
+            self.source[p] = (i, p)
+        for p, target in s["links"].items():
+            self._put(p, Entry("l", len(target), str(target)))
+        for p, target in s["hard"].items():
+            src = self.source.get(target)
+            e = self.entries.get(target)
+            if src is not None and e is not None and e.kind == "-":
+                self._put(p, e)
+                self.source[p] = src
+            # a hard link to a file the summary did not keep: not one the fingerprint reads
+
+    # ---- reading inside it -----------------------------------------------------------
+
+    def _file(self, path: str) -> tuple[str, dict[str, Any], str]:
+        real = self.resolve(path)
+        e = self.entries.get(real)
+        if e is None or e.kind != "-" or real not in self.source:
+            raise ImagePathError(self.path, f"{path}: not a regular file")
+        i, inner = self.source[real]
+        return real, self.summaries[i], inner
+
+    def read_small(self, path: str, limit: int = MAX_SMALL) -> bytes:
+        real, s, inner = self._file(path)
+        text = s["small"].get(inner)
+        if text is None:
+            raise ImagePathError(self.path, f"{real}: over {MAX_SMALL} bytes or not a "
+                                            "configuration file the layer reader keeps")
+        data = base64.b64decode(text)
+        if len(data) > limit:
+            raise ImagePathError(self.path, f"{real}: {len(data)} bytes, more than {limit}")
+        return data
+
+    def copy_file(self, path: str, out: IO[bytes], limit: int | None = None) -> tuple[str, int]:
+        data = self.read_small(path, MAX_SMALL if limit is None else limit)
+        out.write(data)
+        return self.resolve(path), len(data)
+
+    def analyze(self, path: str, analyze: Callable[..., Any], tmpdir: str) -> tuple[str, Any]:
+        real, s, inner = self._file(path)
+        kind = next((k for k, f in ANALYZERS.items() if f is analyze), None)
+        facts = s["facts"].get(inner)
+        if facts is None or kind is None:
+            raise ImagePathError(self.path, f"{real}: not a file the layer reader analyses "
+                                            "(its name is not libnccl.so* or libnccl-*.so)")
+        if "error" in facts:
+            raise ImagePathError(self.path, str(facts["error"]))
+        if kind not in facts:
+            raise ImagePathError(self.path, f"{real}: read as a {next(iter(facts))}, not "
+                                            f"as a {kind}")
+        return real, facts[kind]

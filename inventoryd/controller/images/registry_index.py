@@ -1,0 +1,271 @@
+"""The registry index: which references to resolve and read, in a thread of the collector
+(docs/containers.md, "Registry images").
+
+The references are those ``[registry] refs`` lists and those the gate saw jobs use (the
+``image`` of its audit records that is not a path). One worker thread resolves each every
+``resolve_interval_s``, and reads the image a reference resolves to when that digest
+was never read (or failed for a cause not about its content). Reading a multi-GiB image
+takes minutes: it never runs in the collector's loop, and the node records never wait
+for it. The worker only reads the inventory (its own read-only connection); what it
+finds is handed to the loop (:meth:`RegistryIndex.drain`), which writes it, the
+inventory's one writer.
+
+Fair and bounded: references never resolved first, then the longest unchecked; one image
+at a time, each within ``timeout_s``; a reference failing again and again backs off
+(doubling from ``resolve_interval_s``, at most a day); at most ``max_refs`` references
+(the configured ones first, then by last use); one no job used for ``keep_unused_s`` and
+not configured is dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from inventoryd.controller.audit_tail import AuditTail
+from inventoryd.controller.images.registry import (
+    Client,
+    Credentials,
+    RegistryError,
+    RegistryLimits,
+    default_platform,
+    load_credentials,
+    read_image,
+    resolve,
+)
+from inventoryd.controller.images.tree import ImageError
+from ncclguard import config as configmod
+from ncclguard.fingerprint.imageref import RefError, parse
+from ncclguard.policy.rules.container import is_path_image
+
+log = logging.getLogger("ncclguard.collector.registry")  # the collector's log, escaped
+
+MAX_BACKOFF_S = 86400.0
+CACHE_LAYERS = 256  # layer summaries kept in memory between the worker's read and the write
+
+
+@dataclass
+class Batch:
+    """What the worker found, for the writer."""
+
+    tags: list[dict[str, Any]] = field(default_factory=list)
+    images: list[dict[str, Any]] = field(default_factory=list)
+    layers: list[dict[str, Any]] = field(default_factory=list)
+    forget: list[str] = field(default_factory=list)
+
+
+def backoff_s(attempts: int, interval: float) -> float:
+    return 0.0 if attempts <= 0 else min(interval * 2.0 ** (attempts - 1), MAX_BACKOFF_S)
+
+
+class RegistryIndex:
+    """The worker thread and what it hands the writer (module docstring)."""
+
+    def __init__(self, config: configmod.Config) -> None:
+        self.cfg = config
+        self.rcfg = config.registry
+        self.platform = self.rcfg.platform or default_platform()
+        self.limits = RegistryLimits(
+            timeout_s=self.rcfg.timeout_s, max_layer_bytes=self.rcfg.max_layer_bytes,
+            max_unpacked_bytes=self.rcfg.max_unpacked_bytes,
+            max_read_bytes=self.rcfg.max_read_bytes, tmp_dir=self.rcfg.tmp_dir)
+        self.out: queue.Queue[Batch] = queue.Queue()
+        self.used: dict[str, float] = {}  # ref key -> when a job last used it (audit)
+        self._layers: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._tail = AuditTail(config.gate.audit_path(config.inventory), sink=self._seen)
+        self._thread: threading.Thread | None = None
+        self.passes = 0
+
+    # ---- the loop's side ------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="ncclguard-registry",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def drain(self) -> list[Batch]:
+        out = []
+        while True:
+            try:
+                out.append(self.out.get_nowait())
+            except queue.Empty:
+                return out
+
+    # ---- the worker -----------------------------------------------------------------
+
+    def _seen(self, rec: Mapping[str, Any]) -> None:
+        image, ts = rec.get("image"), rec.get("ts")
+        if not isinstance(image, str) or not image or is_path_image(image):
+            return
+        try:
+            key = parse(image).key
+        except RefError:
+            return
+        when = float(ts) if isinstance(ts, int | float) and not isinstance(ts, bool) \
+            else time.time()
+        self.used[key] = max(self.used.get(key, 0.0), when)
+        if len(self.used) > 4 * self.rcfg.max_refs:  # the least recently used go first
+            for k in sorted(self.used, key=self.used.__getitem__)[:len(self.used) // 2]:
+                del self.used[k]
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.run_pass()
+            except Exception:  # a bug must not end the thread: the next pass tries again
+                log.exception("registry: the pass failed; tried again")
+            self._wake.wait(min(5.0, self.rcfg.resolve_interval_s))
+            self._wake.clear()
+
+    def _credentials(self) -> Credentials:
+        try:
+            return load_credentials(self.rcfg.credentials)
+        except ValueError as e:
+            log.error("registry: credentials not used: %s", e)
+            return Credentials()
+
+    def run_pass(self, now: float | None = None) -> Batch:
+        """One pass: the references due, each resolved and (when new) read; the batch is
+        also handed to the writer. Called by the thread, or by a test."""
+        from ncclguard.store import Inventory, InventoryError
+
+        self.passes += 1
+        self._tail.poll()
+        now = time.time() if now is None else now
+        batch = Batch()
+        try:
+            with Inventory(readonly=True, config=self.cfg.inventory) as inv:
+                known = inv.registry_tags()
+                read = {r["digest"] for r in inv.registry_images() if r["digest"]
+                        and (r["nccl_version"] is not None or r["image_error"] is not None
+                             or r["record_hash"] is not None)}
+                configured = []
+                for text in self.rcfg.refs:
+                    try:
+                        configured.append(parse(text).key)
+                    except RefError as e:
+                        log.error("registry: refs: %r: %s", text[:200], e)
+                wanted = self._wanted(configured, known, now, batch)
+                creds = self._credentials()
+                for key in wanted:
+                    if self._stop.is_set():
+                        break
+                    old = known.get(key)
+                    if old is not None and old.checked_at + self._interval(old) > now:
+                        continue
+                    self._one(key, old, key in configured, read, creds, inv, batch)
+        except InventoryError as e:
+            log.warning("registry: the inventory cannot be read: %s", e)
+            return batch
+        if batch.tags or batch.forget:
+            self.out.put(batch)
+        return batch
+
+    def _interval(self, old: Any) -> float:
+        if old.state == "ok":
+            return self.rcfg.resolve_interval_s
+        return backoff_s(old.attempts, self.rcfg.resolve_interval_s)
+
+    def _wanted(self, configured: list[str], known: Mapping[str, Any], now: float,
+                batch: Batch) -> list[str]:
+        used = dict(self.used)
+        for key, t in known.items():
+            if t.used_at:
+                used[key] = max(used.get(key, 0.0), t.used_at)
+        keep = self.rcfg.keep_unused_s
+        batch.forget = sorted(k for k, t in known.items() if k not in configured
+                              and now - (used.get(k) or t.checked_at) > keep)
+        others = sorted((k for k in used if k not in configured and k not in batch.forget
+                         and now - used[k] <= keep), key=lambda k: -used[k])
+        chosen = list(dict.fromkeys([*configured, *others]))[:self.rcfg.max_refs]
+        self._used_now = used
+
+        def order(k: str) -> tuple[int, float]:
+            t = known.get(k)
+            return (0, 0.0) if t is None else (1, t.checked_at)
+        return sorted(chosen, key=order)
+
+    def _cached(self, inv: Any, digest: str) -> dict[str, Any] | None:
+        s = self._layers.get(digest)
+        if s is not None:
+            self._layers.move_to_end(digest)
+            return s
+        return inv.registry_layer(digest)
+
+    def _keep(self, s: dict[str, Any], batch: Batch) -> None:
+        batch.layers.append(s)
+        self._layers[s["digest"]] = s
+        while len(self._layers) > CACHE_LAYERS:
+            self._layers.popitem(last=False)
+
+    def _one(self, key: str, old: Any, configured: bool, read: set[str], creds: Credentials,
+             inv: Any, batch: Batch) -> None:
+        ref = parse(key)
+        tag: dict[str, Any] = {"ref": key, "source": "config" if configured else "audit",
+                               "used_at": self._used_now.get(key), "attempts": 0,
+                               "retry_at": None}
+        client = Client(ref, deadline=time.monotonic() + self.rcfg.timeout_s,
+                        credentials=creds, insecure=self.rcfg.insecure,
+                        ca_file=self.rcfg.ca_file)
+        try:
+            res = resolve(client, self.platform)
+        except RegistryError as e:
+            tag.update(state=e.state, error=e.cause, digest=None,
+                       attempts=(old.attempts if old else 0) + 1)
+            log.warning("registry: %s not resolved (%s): %s", key, e.state, e.cause)
+            batch.tags.append(tag)
+            return
+        tag.update(state="ok", error=None, digest=res.digest, index_digest=res.index_digest)
+        batch.tags.append(tag)
+        if res.digest in read:
+            return
+        t0 = time.monotonic()
+        try:
+            record = read_image(client, self.platform, self.limits,
+                                cached=lambda d: self._cached(inv, d),
+                                store=lambda s: self._keep(s, batch), resolved=res)
+        except RegistryError as e:  # the registry, not the image: tried again later
+            tag.update(state=e.state, error=f"reading {res.digest}: {e.cause}",
+                       attempts=(old.attempts if old else 0) + 1)
+            log.warning("registry: %s (%s) not read (%s): %s", key, res.digest, e.state,
+                        e.cause)
+            return
+        except ImageError as e:  # its content: stored with the cause, read again if it moves
+            batch.images.append({"digest": res.digest, "platform": self.platform,
+                                 "error": e.cause})
+            read.add(res.digest)
+            log.warning("registry: %s (%s) unreadable: %s", key, res.digest, e.cause)
+            return
+        batch.images.append({"digest": res.digest, "platform": self.platform,
+                             "record": record})
+        read.add(res.digest)
+        log.info("registry: %s read as %s in %.1fs (%d layers, %d new)", key, res.digest,
+                 time.monotonic() - t0, len(record["image"]["layers"]),
+                 sum(not x["cached"] for x in record["image"]["layers"]))
+
+
+def write_batches(inv: Any, batches: list[Batch]) -> int:
+    """Write what the worker found (the collector's loop: the one writer); returns the
+    tags written."""
+    n = 0
+    for b in batches:
+        if b.tags or b.images or b.layers:
+            inv.write_registry(b.tags, b.images, b.layers)
+            n += len(b.tags)
+        if b.forget:
+            inv.forget_registry(b.forget)
+    return n

@@ -1,0 +1,126 @@
+"""The file tree of an image as the fingerprint reads it (:mod:`.fingerprint`): the
+entries kept (directories, symlinks, the files it can use), symlinks resolved inside the
+image, and each file analysed once. A squashfs file (:mod:`.squashfs`) and a registry
+image's layers (:mod:`.layers`) are both read through it.
+
+Symlinks are resolved here, inside the image: an absolute target restarts at the image's
+root, ``..`` never climbs above it, and at most :data:`MAX_HOPS` links are followed.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import IO, Any, BinaryIO
+
+MAX_HOPS = 40  # as the kernel's ELOOP limit
+
+#: an analysis of one file: (open file, label) -> facts (the node probes' analyze())
+Analyzer = Callable[[BinaryIO, str], Any]
+
+
+class ImageError(Exception):
+    """An image that cannot be read within the bounds: the message names the image and
+    the cause."""
+
+    def __init__(self, image: str, cause: str) -> None:
+        super().__init__(f"{image}: {cause}")
+        self.image = image
+        self.cause = cause
+
+
+class ImagePathError(ImageError):
+    """One path inside a readable image is missing, not a file, or loops."""
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    kind: str  # "d" directory, "l" symlink, "-" regular file, others as ls prints them
+    size: int
+    target: str | None = None  # a symlink's target
+
+
+class ImageTree:
+    """``entries`` (path -> Entry) and ``dirs`` (directory -> the names kept in it), filled
+    by the subclass; ``copy_file`` and ``read_small`` are the subclass's."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path  # what the image is called in messages
+        self.entries: dict[str, Entry] = {}
+        self.dirs: dict[str, list[str]] = {}
+        self.listed = 0  # every entry of the image, kept or not
+        self.odd_names = 0  # names with control characters or over the bounds: skipped
+        self.memo: dict[tuple[str, Any], Any] = {}  # (real path, analyzer) -> its result
+
+    def resolve(self, path: str) -> str:
+        """The path inside the image that ``path`` names, with every symlink followed
+        inside the image. Raises ImagePathError (missing, not a directory, a loop)."""
+        todo = [p for p in reversed(path.split("/")) if p]
+        done: list[str] = []
+        hops = 0
+        while todo:
+            part = todo.pop()
+            if part == ".":
+                continue
+            if part == "..":
+                if done:
+                    done.pop()  # never above the image's root
+                continue
+            here = "/" + "/".join([*done, part])
+            e = self.entries.get(here)
+            if e is None:
+                raise ImagePathError(self.path, f"{path}: no such file in the image")
+            if e.kind == "l":
+                hops += 1
+                if hops > MAX_HOPS:
+                    raise ImagePathError(self.path, f"{path}: more than {MAX_HOPS} symlinks "
+                                                    "(a loop?)")
+                assert e.target is not None
+                if e.target.startswith("/"):
+                    done = []
+                todo.extend(p for p in reversed(e.target.split("/")) if p)
+                continue
+            if todo and e.kind != "d":
+                raise ImagePathError(self.path, f"{path}: {here} is not a directory")
+            done.append(part)
+        return "/" + "/".join(done)
+
+    def entry(self, path: str) -> Entry | None:
+        try:
+            return self.entries.get(self.resolve(path))
+        except ImagePathError:
+            return None
+
+    def is_dir(self, path: str) -> bool:
+        e = self.entry(path)
+        return e is not None and e.kind == "d"
+
+    def children(self, directory: str) -> list[str]:
+        """The kept names in a directory (after resolving it), sorted."""
+        try:
+            real = self.resolve(directory)
+        except ImagePathError:
+            return []
+        return sorted(self.dirs.get(real, []))
+
+    def directories(self) -> Iterator[str]:
+        return iter(self.dirs)
+
+    def copy_file(self, path: str, out: IO[bytes], limit: int | None = None) -> tuple[str, int]:
+        raise NotImplementedError
+
+    def read_small(self, path: str, limit: int = 64 * 1024) -> bytes:
+        raise NotImplementedError
+
+    def analyze(self, path: str, analyze: Analyzer, tmpdir: str) -> tuple[str, Any]:
+        """(real path, facts) of one file, each real file analysed once: streamed out
+        into an unlinked temporary file and read there."""
+        real = self.resolve(path)
+        if (real, analyze) in self.memo:
+            return real, self.memo[real, analyze]
+        with tempfile.TemporaryFile(dir=tmpdir) as f:
+            real, _ = self.copy_file(path, f)
+            f.seek(0)
+            self.memo[real, analyze] = facts = analyze(f, f"{self.path}:{real}")
+            return real, facts
