@@ -362,6 +362,7 @@ class ContainerView(NamedTuple):
     libnccl: str | None
     net_name: str | None
     net_abi: int | None
+    sha256: str | None = None  # of that libnccl
 
 
 def _typed(d: Any, spec: dict[str, tuple[type, ...]]) -> bool:
@@ -383,7 +384,7 @@ def container_view(rec: Any) -> ContainerView | None:
     lib = next((x for x in libs if x.get("default")), None)
     assert isinstance(net, dict)
     return ContainerView(lib.get("version") if lib else None, lib.get("path") if lib else None,
-                         net.get("name"), net.get("abi"))
+                         net.get("name"), net.get("abi"), lib.get("sha256") if lib else None)
 
 
 def parse_container_record(data: bytes, *, host: str, job: str, step: str,

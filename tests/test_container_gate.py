@@ -12,12 +12,13 @@ asks for v6..v4: it cannot use n3's plugin.
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers.parts import build_plugin, extract_nccl, pyxis_plugstack, unavailable
+from helpers.parts import build_plugin, extract_nccl, place, pyxis_plugstack, unavailable
 from helpers.slurm import require_slurm
 
 from devtools import images
@@ -180,3 +181,89 @@ def test_the_hook_command_never_fails(tmp_path: Path) -> None:
                            text=True, timeout=60)
         assert r.returncode == 0
         assert "nothing done" in r.stderr or "not published" in r.stderr
+
+
+def _registry_layer(version: str) -> bytes:
+    from helpers.registry import File, layer_tar
+
+    lib = extract_nccl(version)
+    return layer_tar([File("/usr/local/lib/python3.10/dist-packages/nvidia/nccl/lib/"
+                           "libnccl.so.2", lib)], "zstd", level=1)
+
+
+def test_a_registry_image_is_judged_by_the_digest_its_tag_resolved_to(
+        pyxis_cluster: tuple[DevCluster, Path], tmp_path: Path) -> None:
+    """A real registry on loopback (tests/helpers/registry.py): ``ml/train:v1`` holds NCCL
+    2.18.3 (it asks for net v6..v4, n3 injects v10..v9), ``ml/train:ok`` 2.26.2. The
+    collector resolves and reads both; ``sbatch -N3 --container-image=HOST#ml/train:v1``
+    is refused naming n3, requeued and completes on n[1-2,4]; the compatible tag runs;
+    after v1 is moved to the 2.26.2 image the next job is judged by the new digest."""
+    from helpers.registry import Registry, push_image
+
+    c, image = pyxis_cluster
+    c.cancel_all()
+    with Registry(tmp_path / "registry") as reg:
+        v1 = push_image(reg, "ml/train", "v1", [_registry_layer("2.18.3")])
+        ok = push_image(reg, "ml/train", "ok", [_registry_layer("2.26.2")])
+        ref, ok_ref = f"{reg.host}#ml/train:v1", f"{reg.host}#ml/train:ok"
+        c.write_gate_config(
+            f'[gate]\naudit_log = "{c.audit_path}"\nsteer_wait_s = 30\n'
+            f'[images]\nroots = ["{image.parent}"]\n'
+            f'[registry]\nenabled = true\ninsecure = ["{reg.host}"]\nplatform = "linux/amd64"\n'
+            f'refs = ["{ref}", "{ok_ref}"]\nresolve_interval_s = 0.0\n')
+        r = c.collect()  # (a registry reference an earlier test's job used is tried too)
+        assert f"registry: {reg.host}/ml/train:v1 read as {v1}" in r.stderr, r.stderr
+        assert f"registry: {reg.host}/ml/train:ok read as {ok}" in r.stderr, r.stderr
+
+        job = c.sbatch(["-N3", f"--container-image={ref}", "--wrap", "hostname"])
+        assert c.wait_job(job, {"COMPLETED", "FAILED"}, 120) == "COMPLETED"
+        recs = audit.read(c.audit_path, job=job)
+        refusal = next(x for x in recs if x.get("decision") == "refuse")
+        assert refusal["image"] == ref and refusal["image_digest"] == v1
+        assert refusal["nodes"] == "n[1-3]" and refusal["odd_nodes"] == ["n3"]
+        (f,) = [f for f in refusal["findings"] if f["rule"] == "image-stack"]
+        assert "cannot use the net plugin" in f["message"]
+        assert recs[-1]["decision"] == "accept" and recs[-1]["nodes"] == "n[1-2,4]"
+
+        job = c.sbatch(["-N2", "-w", "n[1-2]", f"--container-image={ok_ref}", "--wrap", "true"])
+        assert c.wait_job(job, {"COMPLETED", "FAILED"}, 60) == "COMPLETED"
+        (rec,) = audit.read(c.audit_path, job=job)
+        assert rec["decision"] == "accept" and rec["image_digest"] == ok
+        assert not rec["findings"], rec["findings"]
+
+        moved = push_image(reg, "ml/train", "v1", [_registry_layer("2.26.2")])
+        assert moved == ok != v1  # the same image under the moved tag
+        r = c.collect()
+        job = c.sbatch(["-N3", f"--container-image={ref}", "--wrap", "true"])
+        assert c.wait_job(job, {"COMPLETED", "FAILED"}, 120) == "COMPLETED"
+        first = audit.read(c.audit_path, job=job)[0]
+        assert first["image_digest"] == moved and first["nodes"] == "n[1-3]"
+        # 2.26.2 can use n3's v10 and the others' v6: no longer "cannot use"; the two
+        # plugins still differ, so the job is held to one transport
+        messages = " ".join(f["message"] for f in first["findings"])
+        assert "cannot use the net plugin" not in messages, messages
+        assert audit.read(c.audit_path, job=job)[-1]["nodes"] == "n[1-2,4]"
+
+    # what each node's container really had, against the digest the gate judged: n2
+    # imported the tag before it moved (its container had 2.18.3)
+    import subprocess
+
+    from helpers.cli import run_cli
+
+    (c.records / "containers").mkdir(mode=0o1733, exist_ok=True)
+    # (the hook reads the linker's libnccl, not pip's: the same file, its sha256 compared)
+    for host, version in (("n1", "2.26.2"), ("n2", "2.18.3")):
+        rootfs = tmp_path / f"rootfs-{host}"
+        place(rootfs, "/usr/lib/x86_64-linux-gnu/libnccl.so.2", extract_nccl(version))
+        env = {"PATH": "/usr/bin:/bin", "ENROOT_ROOTFS": str(rootfs), "SLURM_JOB_ID": str(job),
+               "SLURM_STEP_ID": "0", "SLURMD_NODENAME": host,
+               "NCCLGUARD_CONFIG": str(c.node_config(host))}
+        r = subprocess.run([sys.executable, "-m", "inventoryd.main", "container-record"],
+                           env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and "containers/" in r.stderr, r.stderr
+    r = c.collect()
+    assert "container records: 2 kept" in r.stderr, r.stderr
+    out = run_cli("decisions", "--job", str(job), "--json", db=c.db, config=c.config_path)
+    rows = {x["host"]: x for x in json.loads(out.output)["containers"]}
+    assert rows["n1"]["judged"] == f"the libnccl of {moved[:19]}", rows
+    assert rows["n2"]["judged"].startswith("another libnccl than"), rows

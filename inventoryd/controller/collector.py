@@ -101,6 +101,7 @@ class Collector:
         db: Path | None = None,
         spool_dir: Path | None = None,
         addresses: Addresses | None = None,
+        registry_thread: bool = True,
     ) -> None:
         self.cfg = config
         self.spool = spool_dir or config.spool.spool_path()
@@ -128,8 +129,9 @@ class Collector:
         if config.registry.enabled:
             from inventoryd.controller.images.registry_index import RegistryIndex
 
-            self.registry = RegistryIndex(config)
-            self.registry.start()
+            self.registry = RegistryIndex(config, db=self.inv.path)
+            if registry_thread:  # else the caller runs its passes (collect --once)
+                self.registry.start()
 
     def _slurm_nodes(self) -> list[tuple[str, str, str]]:
         from ncclguard.slurm import Slurm

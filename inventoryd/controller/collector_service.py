@@ -29,8 +29,10 @@ log = logging.getLogger("ncclguard.collector")
 def collect_once(config: configmod.Config, db: Path | None = None) -> ScanResult:
     """One scan (``collect --once``): the demo, tests, a cron-style deployment."""
     log_to_stderr(log)
-    c = Collector(config, db=db)
+    c = Collector(config, db=db, registry_thread=False)
     try:
+        if c.registry is not None:  # one pass of the registry index, written by the scan
+            c.registry.run_pass()
         return c.scan()
     finally:
         c.close()

@@ -50,16 +50,31 @@ def _decision_row(rec: Mapping[str, Any]) -> dict[str, Any]:
 
 CONTAINER_COLUMNS: list[out.Column] = [
     ("step", "STEP"), ("host", "NODE"), ("nccl_version", "NCCL"), ("net_plugin", "NET PLUGIN"),
-    ("libnccl", "LIBNCCL"), ("at", "STARTED"), ("uid", "UID"),
+    ("libnccl", "LIBNCCL"), ("judged", "AS JUDGED"), ("at", "STARTED"), ("uid", "UID"),
 ]
 
 
-def container_rows(c: Any, job: str) -> list[dict[str, Any]]:
-    """The container records of ``job`` (docs/containers.md); [] without an inventory."""
+def _judged_sha(c: Any, digest: Any) -> str | None:
+    """The sha256 of the libnccl the registry image ``digest`` loads (None: unknown)."""
+    if not isinstance(digest, str):
+        return None
+    rec = c.inventory.registry_record(digest) or {}
+    lib = next((x for x in rec.get("libnccl") or [] if isinstance(x, dict) and x.get("default")),
+               None)
+    sha = lib.get("sha256") if lib else None
+    return sha if isinstance(sha, str) else None
+
+
+def container_rows(c: Any, job: str, digest: Any = None) -> list[dict[str, Any]]:
+    """The container records of ``job`` (docs/containers.md); [] without an inventory.
+    ``digest``: the registry image the gate judged the job by; each row says whether the
+    node's container loaded that image's libnccl (a tag that moved between the gate's
+    resolution and a node's import shows as another)."""
     from ncclguard.store import InventoryError
 
     try:
         runs = c.inventory.container_runs(job)
+        judged = _judged_sha(c, digest)
     except (InventoryError, SystemExit):
         return []
     from ncclguard.spool import container_view
@@ -74,6 +89,9 @@ def container_rows(c: Any, job: str) -> list[dict[str, Any]]:
                 "unknown" if view else "unreadable record"),
             "net_plugin": f"{view.net_name or 'none'} v{view.net_abi or 0}" if view else None,
             "libnccl": view.libnccl if view else None,
+            "judged": "" if judged is None or not view else (
+                f"the libnccl of {digest[:19]}" if view.sha256 == judged
+                else f"another libnccl than {digest[:19]}'s: the tag moved?"),
             "at": out.iso(at) if isinstance(at, int | float) else None, "uid": r["uid"]})
     return out_rows
 
@@ -105,7 +123,9 @@ def decisions(job: str | None, since: float | None, refused: bool, audit_log: st
         fail(f"{path}: cannot read the audit trail: {e}")
     rows = [_decision_row(r) for r in records]
     doc: dict[str, Any] = {"audit_log": path, "count": len(records), "decisions": records}
-    ran = container_rows(c, job) if job is not None else []
+    digest = next((r.get("image_digest") for r in reversed(records)
+                   if r.get("image_digest")), None)
+    ran = container_rows(c, job, digest) if job is not None else []
     if job is not None:
         doc["containers"] = ran
     text = None

@@ -330,6 +330,12 @@ class RegistryTables(Database):
         out["record"] = _decoded(out["record"], None) if out["record"] else None
         return out
 
+    def registry_record(self, digest: str) -> dict[str, Any] | None:
+        """The image record of one manifest digest (None: not read, or unreadable)."""
+        row = self._reading("read registry image", lambda c: c.execute(
+            "SELECT record FROM registry_images WHERE digest = ?", (digest,)).fetchone())
+        return _decoded(row[0], None) if row and row[0] else None
+
     def load_registry_values(self, ref: str) -> dict[str, Any] | None:
         """The gate's read of one reference: None when the index does not know it, else
         ``{"digest", "resolved_at", "moved_at", "state", "error", "values",

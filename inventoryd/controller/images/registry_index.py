@@ -26,6 +26,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from inventoryd.controller.audit_tail import AuditTail
@@ -67,8 +68,9 @@ def backoff_s(attempts: int, interval: float) -> float:
 class RegistryIndex:
     """The worker thread and what it hands the writer (module docstring)."""
 
-    def __init__(self, config: configmod.Config) -> None:
+    def __init__(self, config: configmod.Config, db: Path | None = None) -> None:
         self.cfg = config
+        self.db = db  # the inventory (None: the config's)
         self.rcfg = config.registry
         self.platform = self.rcfg.platform or default_platform()
         self.limits = RegistryLimits(
@@ -148,7 +150,7 @@ class RegistryIndex:
         now = time.time() if now is None else now
         batch = Batch()
         try:
-            with Inventory(readonly=True, config=self.cfg.inventory) as inv:
+            with Inventory(self.db, readonly=True, config=self.cfg.inventory) as inv:
                 known = inv.registry_tags()
                 read = {r["digest"] for r in inv.registry_images() if r["digest"]
                         and (r["nccl_version"] is not None or r["image_error"] is not None
