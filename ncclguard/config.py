@@ -254,6 +254,10 @@ class RegistryConfig(_Settings):
 
     enabled: bool = False  # resolve and read the registry references jobs use
     refs: tuple[str, ...] = ()  # references read whether or not a job used them yet
+    #: the registries (host[:port]) whose references a job may make the collector read;
+    #: with refs' own registries. A user names any host in --container-image: the
+    #: controller contacts only these (docs/containers.md, "Registry images")
+    registries: tuple[str, ...] = ()
     platform: str = ""  # os/arch picked from an index; empty: this machine's (linux/amd64)
     credentials: str = ""  # enroot's .credentials (netrc) file; empty: anonymous only
     insecure: tuple[str, ...] = ()  # host:port reached over plain HTTP (loopback tests)
@@ -267,6 +271,11 @@ class RegistryConfig(_Settings):
     max_unpacked_bytes: int = 68719476736  # one layer unpacked at most (and 64x its size)
     max_read_bytes: int = 3221225472  # analysed out of one layer at most (its libnccl first)
     tmp_dir: str = ""  # where a libnccl is streamed to be analysed; empty: the system's
+
+    def allows(self, registry: str, configured: tuple[str, ...] = ()) -> bool:
+        """Whether a job's reference on ``registry`` is read: it is in ``registries``, or
+        it is the registry of one of ``configured`` (the refs' registries, parsed)."""
+        return registry in self.registries or registry in configured
 
 
 class Config(_Settings):

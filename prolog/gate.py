@@ -269,7 +269,8 @@ def decide(run: Run, job: Job) -> int:
     assert cfg is not None
     image = job.image_path
     image_values = None
-    registry_row = None
+    registry_row: dict | None = None
+    registry_host: str | None = None  # a registry reference's registry
     try:
         with _inventory(run) as inv:
             records = inv.load_values(job.nodes)
@@ -279,8 +280,10 @@ def decide(run: Run, job: Job) -> int:
                 from ncclguard.fingerprint.imageref import RefError, parse
 
                 try:
-                    run.record["image_ref"] = key = parse(image).key
-                    registry_row = inv.load_registry_values(key)
+                    ref = parse(image)
+                    run.record["image_ref"] = ref.key
+                    registry_row = inv.load_registry_values(ref.key)
+                    registry_host = ref.registry
                 except RefError as e:
                     run.record["image_ref_error"] = str(e)
             written_at, pressure = inv.writer_state()
@@ -295,12 +298,13 @@ def decide(run: Run, job: Job) -> int:
     stale = stale_hosts({h: r[1] for h, r in records.items() if r is not None},
                         time.time(), cfg.inventory.stale_after_s)
     values = {h: (r[0] if r is not None else None) for h, r in records.items()}
-    if registry_row is not None:
+    if registry_host is not None:
         from ncclguard.policy.rules.container import registry_image
 
-        image_values = registry_image(registry_row, time.time(), cfg.registry.max_age_s)
-        run.record["image_digest"] = registry_row.get("digest")
-        run.record["image_resolved_at"] = registry_row.get("resolved_at")
+        image_values = registry_image(registry_row, time.time(), cfg.registry, registry_host)
+        if registry_row is not None:
+            run.record["image_digest"] = registry_row.get("digest")
+            run.record["image_resolved_at"] = registry_row.get("resolved_at")
     if image:
         run.record["image"] = image
         verdict = evaluate_image(values, cfg.policy, image, image_values, stale,

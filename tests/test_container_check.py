@@ -144,7 +144,7 @@ def test_an_image_whose_nccl_uses_every_plugin_runs_everywhere(cluster) -> None:
 
 
 @pytest.mark.parametrize("ref,why", [
-    ("nvcr.io#nvidia/pytorch:24.01-py3", "a registry reference"),
+    ("nvcr.io#nvidia/pytorch:24.01-py3", "registry images are not read"),
     ("/nowhere/x.sqsh", "not in the image index"),
 ])
 def test_an_image_that_cannot_be_checked_is_unknown(cluster, ref: str, why: str) -> None:

@@ -165,12 +165,12 @@ def test_a_moved_tag_is_judged_by_its_new_digest_and_shared_layers_are_not_read_
         write_batches(inv, index.drain())
         row = inv.load_registry_values(f"{registry.host}/ml/train:v1")
         assert row is not None and row["digest"] == first
-        values, why = registry_image(row, time.time(), cfg.registry.max_age_s) or (None, "")
+        values, why = registry_image(row, time.time(), cfg.registry, registry.host) or (None, "")
         assert why is None and values is not None and values["nccl_version"] == "2.21.5"
         moved_first = row["moved_at"]
 
         second = push_image(registry, "ml/train", "v1", [base, _pip_layer(nccl_lib("2.23.4"))])
-        batch = index.run_pass(now=time.time() + cfg.registry.resolve_interval_s + 1)
+        batch = index.run_pass(now=time.time() + cfg.registry.resolve_interval_s + 1, keep=True)
         write_batches(inv, index.drain())
         (img,) = batch.images
         assert [x["cached"] for x in img["record"]["image"]["layers"]] == [True, False]
@@ -179,11 +179,12 @@ def test_a_moved_tag_is_judged_by_its_new_digest_and_shared_layers_are_not_read_
         row = inv.load_registry_values(f"{registry.host}/ml/train:v1")
         assert row is not None and row["digest"] == second != first
         assert row["moved_at"] > moved_first
-        values, why = registry_image(row, time.time(), cfg.registry.max_age_s) or (None, "")
+        values, why = registry_image(row, time.time(), cfg.registry, registry.host) or (None, "")
         assert why is None and values is not None and values["nccl_version"] == "2.23.4"
         # resolved too long ago: unknown, and the reason says so
         later = time.time() + cfg.registry.max_age_s + 60
-        assert "more than [registry] max_age_s" in str(registry_image(row, later, 3600.0))
+        assert "more than [registry] max_age_s" in str(
+            registry_image(row, later, cfg.registry, registry.host))
 
 
 def _config(tmp_path: Path, registry: Registry, **kw: object) -> configmod.Config:
@@ -351,3 +352,198 @@ def test_the_cli_lists_shows_and_diffs_registry_images(tmp_path: Path, registry:
     assert diffed.exit_code == 1 and "2.23.4" in diffed.stdout
     missing = run_cli("images", "show", f"{registry.host}#ml/other:v1", db=db)
     assert missing.exit_code != 0 and "not in the registry index" in missing.output
+
+
+def test_only_the_registries_an_admin_named_are_contacted(tmp_path: Path, registry: Registry,
+                                                          nccl_lib) -> None:
+    """A user names any host in --container-image: the references the gate saw jobs use
+    are read only on [registry] registries (and refs' own); another host is never
+    contacted, and the gate's reason says why."""
+    push_image(registry, "ml/train", "v1", [_pip_layer(nccl_lib("2.21.5"))])
+    with HangingServer("accept-and-silence") as other:
+        audit_log = tmp_path / "audit.jsonl"
+        lines = [{"ts": time.time(), "job": 1, "image": f"{registry.host}#ml/train:v1"},
+                 {"ts": time.time(), "job": 2, "image": f"{other.host}#internal/thing:1"},
+                 {"ts": time.time(), "job": 3, "image": "/shared/a.sqsh"}]
+        audit_log.write_text("".join(json.dumps(x) + "\n" for x in lines))
+        cfg = _config(tmp_path, registry, registries=(registry.host,))
+        index = RegistryIndex(cfg)
+        with Inventory(tmp_path / "inv.db", config=cfg.inventory, values=GATE_VALUES) as inv:
+            batch = index.run_pass(keep=True)
+            write_batches(inv, index.drain())
+            assert [t["ref"] for t in batch.tags] == [f"{registry.host}/ml/train:v1"]
+            assert other.connections == 0
+            got = registry_image(inv.load_registry_values(f"{other.host}/internal/thing:1"),
+                                 time.time(), cfg.registry, other.host)
+        assert got is not None and got[0] is None
+        assert f"registry {other.host} is neither in [registry] registries" in str(got[1])
+
+
+# ---- found by the hostile review of 2026-12-03: each failed before its fix
+
+
+def _header(name: str, flag: bytes, size: int = 0, link: str = "") -> bytes:
+    """One ustar header as a hostile layer would write it (any type, any size field)."""
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname = tarfile.REGTYPE, link
+    block = bytearray(info.tobuf(tarfile.USTAR_FORMAT))
+    block[156:157] = flag
+    block[124:136] = b"%011o\0" % size
+    block[148:156] = b" " * 8
+    block[148:156] = b"%06o\0 " % sum(block)
+    return bytes(block)
+
+
+def _summary(blob: bytes) -> dict:
+    import hashlib
+
+    from inventoryd.controller.images.layers import read_layer
+
+    return read_layer(io.BytesIO(blob), digest="sha256:" + hashlib.sha256(blob).hexdigest(),
+                      size=len(blob), media_type=TAR, deadline=time.monotonic() + 30,
+                      max_bytes=1 << 30, max_unpacked=1 << 30, max_read_bytes=1 << 30)
+
+
+def _union(*blobs: bytes):
+    from inventoryd.controller.images.layers import LayeredImage
+
+    return LayeredImage("test", [_summary(b) for b in blobs])
+
+
+def test_a_fifo_with_a_size_hides_nothing_behind_it() -> None:
+    """A FIFO (or device) carries no data in tar, whatever its size field says: what
+    follows it is the next member, as GNU tar (enroot's extractor) reads it."""
+    hidden = _header(f"{LIB[1:]}/libnccl.so.2", b"2", link="libnccl.so.2.18.3")
+    blob = _header("tmp/fifo", b"6", size=len(hidden)) + hidden + b"\0" * 1024
+    image = _union(blob)
+    assert image.entries[f"{LIB}/libnccl.so.2"].target == "libnccl.so.2.18.3"
+
+
+def test_a_later_member_wins_and_hard_links_are_read_as_tar_reads_them() -> None:
+    """In one layer a symlink, then a file at the same path: the file is what is there.
+    A hard link to a file the reader did not keep is an error on that path, not nothing."""
+    link = tarfile.TarInfo("etc/nccl.conf")
+    link.type, link.linkname = tarfile.SYMTYPE, "/etc/elsewhere.conf"
+    conf = tarfile.TarInfo("etc/nccl.conf")
+    conf.size = 17
+    blob = tarfile.TarInfo("opt/blob.bin")
+    blob.size = 4
+    hard = tarfile.TarInfo(f"{LIB[1:]}/libnccl.so.2")
+    hard.type, hard.linkname = tarfile.LNKTYPE, "opt/blob.bin"
+    image = _union(_tar([(link, None), (conf, b"NCCL_PROTO=Simple"), (blob, b"abcd"),
+                         (hard, None)]))
+    assert image.read_small("/etc/nccl.conf") == b"NCCL_PROTO=Simple"
+    from inventoryd.controller.images.layers import ANALYZERS
+    from inventoryd.controller.images.tree import ImagePathError
+
+    with pytest.raises(ImagePathError, match=r"a hard link to opt/blob\.bin"):
+        image.analyze(f"{LIB}/libnccl.so.2", ANALYZERS["nccl"], "/tmp")
+
+
+def test_a_member_makes_its_directories_over_a_lower_symlink() -> None:
+    """Layer 1: /opt/new -> /usr/lib; layer 2 holds opt/new/README and no directory
+    entry: tar makes /opt/new a directory, which hides the symlink."""
+    sym = tarfile.TarInfo("opt/new")
+    sym.type, sym.linkname = tarfile.SYMTYPE, "/usr/lib"
+    readme = tarfile.TarInfo("opt/new/README")
+    readme.size = 2
+    image = _union(_tar([(sym, None)]), _tar([(readme, b"hi")], tarfile.USTAR_FORMAT))
+    assert image.entries["/opt/new"].kind == "d"
+
+
+def test_gnu_sparse_members_are_refused() -> None:
+    blob = _header(f"{LIB[1:]}/libnccl.so.2", b"S", size=512) + b"\0" * 2048
+    with pytest.raises(ImageError, match="GNU sparse"):
+        _summary(blob)
+
+
+def test_a_layer_cut_short_by_the_network_is_tried_again_not_stored() -> None:
+    """A blob that ends before its descriptor's size: the connection, not the layer."""
+    import hashlib
+
+    from inventoryd.controller.images.layers import read_layer
+    from inventoryd.controller.images.tree import ImageTransient
+
+    whole = gzip.compress(_tar([(tarfile.TarInfo("etc/x"), b"")]) + b"\0" * 100_000)
+    with pytest.raises(ImageTransient, match="ended after"):
+        read_layer(io.BytesIO(whole[: len(whole) // 2]),
+                   digest="sha256:" + hashlib.sha256(whole).hexdigest(), size=len(whole),
+                   media_type=GZ, deadline=time.monotonic() + 30, max_bytes=1 << 30,
+                   max_unpacked=1 << 30, max_read_bytes=1 << 30)
+
+
+def test_a_registry_cannot_have_the_collector_log_in_to_another_token_service(
+        tmp_path: Path, nccl_lib) -> None:
+    """The realm is what the registry says: credentials go to a realm only for an image
+    whose own registry has a line (enroot's rule). Here the registry is addressed as
+    localhost, which has no line; the token service (127.0.0.1) has one: no login."""
+    with Registry(tmp_path / "reg", auth="token", users={"bob": "pw"}) as reg:
+        push_image(reg, "ml/train", "v1", [_pip_layer(nccl_lib("2.21.5"))], creds=reg.admin)
+        assert reg.token_service is not None
+        realm = urllib.parse.urlsplit(reg.token_service.url).netloc
+        host = reg.host.replace("127.0.0.1", "localhost")
+        creds = Credentials({"127.0.0.1": ("bob", "pw")})
+        with pytest.raises(RegistryError) as e:
+            resolve(_client(host, "ml/train", "v1", creds=creds, also=(realm,)), "linux/amd64")
+        assert e.value.state == "refused"
+        assert reg.token_requests and all(r.user is None for r in reg.token_requests)
+
+
+def test_headers_a_byte_at_a_time_cannot_outlast_the_deadline() -> None:
+    import socket
+    import threading
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+    stop = threading.Event()
+
+    def drip() -> None:
+        conn, _ = srv.accept()
+        with conn:
+            conn.sendall(b"HTTP/1.1 200 OK\r\n")
+            while not stop.wait(0.3):
+                try:
+                    conn.sendall(b"X")
+                except OSError:
+                    return
+
+    t = threading.Thread(target=drip, daemon=True)
+    t.start()
+    host = f"127.0.0.1:{srv.getsockname()[1]}"
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(RegistryError) as e:
+            resolve(_client(host, "ml/train", "v1", timeout=2.0), "linux/amd64")
+    finally:
+        stop.set()
+        srv.close()
+    assert e.value.state == "timeout" and time.monotonic() - t0 < 4.0
+
+
+def test_one_reference_that_breaks_the_reader_holds_no_other_back(
+        tmp_path: Path, registry: Registry, nccl_lib, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shape nobody foresaw (here: the reader raising AttributeError on one reference)
+    is that reference's ``invalid`` state with a back-off; the others are read in the same
+    pass. Before, the exception left the pass, which lost every tag it had found."""
+    import inventoryd.controller.images.registry_index as ri
+
+    push_image(registry, "ml/train", "v1", [_pip_layer(nccl_lib("2.21.5"))])
+    bad, good = f"{registry.host}#ml/bad:v1", f"{registry.host}#ml/train:v1"
+    real = ri.resolve
+
+    def resolve(client, platform):  # type: ignore[no-untyped-def]
+        if client.ref.repository == "ml/bad":
+            raise AttributeError("'str' object has no attribute 'get'")
+        return real(client, platform)
+
+    monkeypatch.setattr(ri, "resolve", resolve)
+    cfg = _config(tmp_path, registry, refs=[bad, good])
+    index = RegistryIndex(cfg)
+    with Inventory(tmp_path / "inv.db", config=cfg.inventory, values=GATE_VALUES):
+        batch = index.run_pass(keep=True)
+    states = {t["ref"]: t["state"] for t in batch.tags}
+    assert states == {f"{registry.host}/ml/bad:v1": "invalid",
+                      f"{registry.host}/ml/train:v1": "ok"}
+    assert [i["record"]["image"]["ref"] for i in batch.images] == [
+        f"{registry.host}/ml/train:v1"]

@@ -73,11 +73,11 @@ def check(hostlist: str, partition: str | None, image: str | None, as_json: bool
             from ncclguard.policy.rules.container import registry_image
 
             try:
-                key = parse(image).key
+                ref = parse(image)
             except RefError as e:
                 fail(f"--image {safe(image)}: {e}")
-            found = registry_image(c.inv("load_registry_values", key), c.now,
-                                   c.config.registry.max_age_s)
+            found = registry_image(c.inv("load_registry_values", ref.key), c.now,
+                                   c.config.registry, ref.registry)
         verdict = evaluate_image(values, policy, image, found, stale, partition)
         tie_break = None
     else:

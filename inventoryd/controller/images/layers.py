@@ -43,13 +43,21 @@ from inventoryd.controller.images.tar import (
     TarError,
     TarReader,
 )
-from inventoryd.controller.images.tree import Analyzer, Entry, ImageError, ImagePathError, ImageTree
+from inventoryd.controller.images.tree import (
+    Analyzer,
+    Entry,
+    ImageError,
+    ImagePathError,
+    ImageTransient,
+    ImageTree,
+)
 from inventoryd.probes import nccl as nccl_probe
 from inventoryd.probes import plugins as plugin_probe
 
-SUMMARY_VERSION = 1
+SUMMARY_VERSION = 2  # 2: the entries in tar order (ops)
 MAX_ENTRIES = 500_000  # members of one layer (all of them, kept or not)
 MAX_KEPT = 200_000  # entries of one layer kept in its summary
+MAX_NAME_BYTES = 16 << 20  # bytes of paths one layer's summary keeps
 MAX_SMALL = 64 * 1024
 #: the configuration files whose content the fingerprint reads (fingerprint.py)
 SMALL_FILES = ("/etc/environment", "/etc/rc", "/etc/nccl.conf", "/etc/ld.so.conf")
@@ -89,12 +97,15 @@ class _Bounded:
         self.source, self.limit, self.deadline = source, limit, deadline
         self.label, self.what, self.hasher = label, what, hasher
         self.count = 0
+        self.eof = False  # the source has ended
 
     def read(self, n: int = -1) -> bytes:
         if time.monotonic() > self.deadline:
-            raise ImageError(self.label, "time limit reached")
+            raise ImageTransient(self.label, "time limit reached")
         n = 1 << 20 if n is None or n < 0 else min(n, 1 << 20)
         chunk: bytes = self.source.read(n)
+        if not chunk:
+            self.eof = True
         self.count += len(chunk)
         if self.count > self.limit:
             raise ImageError(self.label, f"{self.what}: more than {self.limit} bytes")
@@ -162,12 +173,23 @@ def read_layer(
                       f"unpacked (at most {MAX_EXPANSION}x the layer, "
                       "registry.max_unpacked_bytes)")
     out: dict[str, Any] = {"v": SUMMARY_VERSION, "digest": digest, "size": size,
-                           "media_type": media_type, "listed": 0, "odd": 0, "dirs": [],
-                           "links": {}, "hard": {}, "files": {}, "whiteouts": [],
-                           "opaque": [], "small": {}, "facts": {}, "notes": []}
+                           "media_type": media_type, "listed": 0, "odd": 0, "ops": [],
+                           "files": {}, "whiteouts": [], "opaque": [], "small": {},
+                           "facts": {}}
     read_left = min(max_read_bytes, unpacked_limit)
     kept = 0
     t0 = time.monotonic()
+    ops: list[list[Any]] = out["ops"]
+    made: set[str] = set()  # directories this layer makes (named, or implied by a member)
+    names = 0  # bytes of the paths kept
+
+    def implied(path: str) -> None:
+        parent = posixpath.dirname(path)
+        if parent != "/" and parent not in made:
+            implied(parent)
+            made.add(parent)
+            ops.append(["d", parent])
+
     try:
         tar = TarReader(stream)  # type: ignore[arg-type]
         for m in tar:
@@ -178,30 +200,45 @@ def read_layer(
             if path is None or (m.link and not _ALLOWED.fullmatch(m.link)):
                 out["odd"] += 1
                 continue
+            # tar makes a member's directories as it extracts it, kept or not
+            implied(path)
             name = posixpath.basename(path)
+            kept += 1
+            names += len(path) + len(m.link)
             if name.startswith(WHITEOUT):
                 parent = posixpath.dirname(path)
                 if name == OPAQUE:
                     out["opaque"].append(parent)
                 else:
                     out["whiteouts"].append(posixpath.join(parent, name[len(WHITEOUT):]))
-                kept += 1
             elif m.kind == DIRECTORY:
-                out["dirs"].append(path)
-                kept += 1
+                if path not in made:
+                    made.add(path)
+                    ops.append(["d", path])
             elif m.kind == SYMLINK:
-                out["links"][path] = m.link
-                kept += 1
+                made.discard(path)
+                ops.append(["l", path, m.link])
             elif m.kind == HARDLINK:
+                made.discard(path)
                 target = _normal(m.link)
-                if target is None:
-                    out["odd"] += 1
-                    continue
-                out["hard"][path] = target
-                kept += 1
+                if target is not None and target in out["files"]:  # an earlier member
+                    out["files"][path] = out["files"][target]
+                    for part in ("facts", "small"):
+                        if target in out[part]:
+                            out[part][path] = out[part][target]
+                    ops.append(["f", path])
+                elif wanted(name):  # tar fails on it, or it is a file not kept: not read
+                    out["files"][path] = 0
+                    out["facts"][path] = {"error": f"{path}: a hard link to {m.link[:200]}, "
+                                                   "which is not a file the reader kept "
+                                                   "earlier in the layer; not read"}
+                    ops.append(["f", path])
+                else:
+                    kept -= 1
             elif m.kind == REGULAR and wanted(name):
+                made.discard(path)
                 out["files"][path] = m.size
-                kept += 1
+                ops.append(["f", path])
                 if _small(path) and m.size <= MAX_SMALL:
                     out["small"][path] = base64.b64encode(_read_all(tar, m.size)).decode()
                 kind = analyzer_for(name)
@@ -209,29 +246,41 @@ def read_layer(
                     out["facts"][path] = _analyze_member(tar, m.size, kind, path, read_left,
                                                          tmpdir, label)
                     read_left -= min(m.size, max(read_left, 0))
+            elif wanted(name):  # a device or FIFO of a name the fingerprint reads
+                made.discard(path)
+                out["files"].pop(path, None)
+                ops.append(["o", path])
+            else:
+                kept -= 1
+                names -= len(path) + len(m.link)
             if kept > MAX_KEPT:
                 raise ImageError(label, f"more than {MAX_KEPT} entries the fingerprint keeps")
+            if names > MAX_NAME_BYTES:
+                raise ImageError(label, f"more than {MAX_NAME_BYTES} bytes of paths the "
+                                        "fingerprint keeps")
         # the rest of the blob (tar padding, the compressor's end), for its digest
         while stream.read(1 << 20):
             pass
         while raw.read(1 << 20):
             pass
-    except TarError as e:
-        raise ImageError(label, f"not a tar archive this reader takes: {e}") from None
-    except (OSError, EOFError, zlib.error) as e:  # gzip's and zstandard's errors
-        if isinstance(e, ImageError):
-            raise
-        raise ImageError(label, f"cannot be decompressed ({media_type}): "
-                                f"{type(e).__name__}: {e}") from None
-    except Exception as e:
-        if type(e).__name__ == "ZstdError":
-            raise ImageError(label, f"cannot be decompressed (zstd): {e}") from None
+    except ImageError:
+        raise
+    except Exception as e:  # the tar reader's, gzip's (OSError, EOFError, zlib) and zstd's
+        if raw.eof and raw.count < size:  # the blob ended early: the connection
+            raise ImageTransient(label, f"the blob ended after {raw.count} of {size} bytes "
+                                        f"({type(e).__name__}: {e})") from None
+        if isinstance(e, TarError):
+            raise ImageError(label, f"not a tar archive this reader takes: {e}") from None
+        if isinstance(e, OSError | EOFError | zlib.error) or type(e).__name__ == "ZstdError":
+            raise ImageError(label, f"cannot be decompressed ({media_type}): "
+                                    f"{type(e).__name__}: {e}") from None
         raise
     if raw.count != size:
-        raise ImageError(label, f"{raw.count} of {size} bytes (the blob ended early)")
+        raise ImageTransient(label, f"{raw.count} of {size} bytes (the blob ended early)")
     if f"sha256:{hasher.hexdigest()}" != digest:
         raise ImageError(label, "the blob's content does not match its digest")
     out["unpacked"] = stream.count
+    out["kept_bytes"] = names
     out["seconds"] = round(time.monotonic() - t0, 3)
     return out
 
@@ -264,9 +313,8 @@ def _analyze_member(tar: TarReader, size: int, kind: str, path: str, read_left: 
 def summary_ok(s: Any) -> bool:
     """A cached summary this code can use (its version, its shape)."""
     return (isinstance(s, dict) and s.get("v") == SUMMARY_VERSION
-            and all(isinstance(s.get(k), dict) for k in ("links", "hard", "files", "small",
-                                                          "facts"))
-            and all(isinstance(s.get(k), list) for k in ("dirs", "whiteouts", "opaque")))
+            and all(isinstance(s.get(k), dict) for k in ("files", "small", "facts"))
+            and all(isinstance(s.get(k), list) for k in ("ops", "whiteouts", "opaque")))
 
 
 class LayeredImage(ImageTree):
@@ -322,25 +370,24 @@ class LayeredImage(ImageTree):
         self.kids[parent].add(posixpath.basename(path))
 
     def _apply(self, i: int, s: dict[str, Any]) -> None:
-        for d in s["opaque"]:  # the layers below, in that directory
+        # whiteouts remove what the layers below hold, before this layer's own entries
+        # (image-spec layer.md); then the entries in tar order: a later one wins
+        for d in s["opaque"]:
             for name in list(self.kids.get(d, ())):
                 self._remove(f"{d.rstrip('/')}/{name}")
         for p in s["whiteouts"]:
             self._remove(p)
-        for d in s["dirs"]:
-            self._dir(d)
-        for p, size in s["files"].items():
-            self._put(p, Entry("-", int(size)))
-            self.source[p] = (i, p)
-        for p, target in s["links"].items():
-            self._put(p, Entry("l", len(target), str(target)))
-        for p, target in s["hard"].items():
-            src = self.source.get(target)
-            e = self.entries.get(target)
-            if src is not None and e is not None and e.kind == "-":
-                self._put(p, e)
-                self.source[p] = src
-            # a hard link to a file the summary did not keep: not one the fingerprint reads
+        for op in s["ops"]:
+            kind, path = op[0], op[1]
+            if kind == "d":
+                self._dir(path)
+            elif kind == "l":
+                self._put(path, Entry("l", len(op[2]), str(op[2])))
+            elif kind == "f":
+                self._put(path, Entry("-", int(s["files"].get(path, 0))))
+                self.source[path] = (i, path)
+            else:  # a device or FIFO: what was there is gone, and nothing is read
+                self._put(path, Entry("?", 0))
 
     # ---- reading inside it -----------------------------------------------------------
 

@@ -20,15 +20,17 @@ be reached, refuses, or answers with something else is a :class:`RegistryError` 
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import http.client
 import json
-import netrc
 import os
 import platform as platform_mod
 import re
+import socket
 import ssl
 import stat
+import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Mapping
@@ -37,7 +39,7 @@ from typing import Any
 
 from inventoryd.controller.images.fingerprint import SCHEMA, read_tree
 from inventoryd.controller.images.layers import LAYER_TYPES, LayeredImage, read_layer, summary_ok
-from inventoryd.controller.images.tree import ImageError
+from inventoryd.controller.images.tree import ImageError, ImageTransient
 from ncclguard.fingerprint.imageref import Reference
 
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
@@ -50,6 +52,7 @@ MAX_MANIFEST = 4 << 20  # bytes of one manifest or index (the distribution spec'
 MAX_CONFIG = 8 << 20  # bytes of an image config
 MAX_TOKEN = 1 << 20
 MAX_LAYERS = 256
+MAX_IMAGE_KEPT_BYTES = 64 << 20  # bytes of paths the summaries of one image keep, in all
 MAX_REDIRECTS = 5
 USER_AGENT = "ncclguard-collector"
 
@@ -93,6 +96,44 @@ def _has_port(host: str) -> bool:
     return bool(re.fullmatch(r".+:[0-9]+", host)) and not host.startswith("[")
 
 
+MAX_CREDENTIALS = 1 << 20
+
+
+def _netrc(text: str) -> dict[str, tuple[str, str]]:
+    """host -> (login, password) of netrc text (``machine``, ``login``, ``password``,
+    ``account``, ``default``, ``macdef``); the first entry of a host wins, as curl's."""
+    tokens = text.split()
+    out: dict[str, tuple[str, str]] = {}
+    i, host, login, password = 0, None, "", ""
+
+    def done() -> None:
+        if host is not None and host not in out:
+            out[host] = (login, password)
+    while i < len(tokens):
+        t = tokens[i]
+        if t in ("machine", "default"):
+            done()
+            host, login, password = (tokens[i + 1] if t == "machine" and i + 1 < len(tokens)
+                                     else None if t == "default" else ""), "", ""
+            if t == "machine" and i + 1 >= len(tokens):
+                raise ValueError("machine without a host")
+            i += 2 if t == "machine" else 1
+        elif t in ("login", "password", "account"):
+            if i + 1 >= len(tokens):
+                raise ValueError(f"{t} without a value")
+            if t == "login":
+                login = tokens[i + 1]
+            elif t == "password":
+                password = tokens[i + 1]
+            i += 2
+        elif t == "macdef":
+            raise ValueError("macdef is not read")
+        else:
+            raise ValueError(f"unexpected token {t[:40]!r}")
+    done()
+    return out
+
+
 def load_credentials(path: str, env: Mapping[str, str] | None = None) -> Credentials:
     """The credentials file at ``path`` ("": none). A password written ``$NAME`` or
     ``${NAME}`` is taken from ``env`` (the collector's environment), as enroot's shell
@@ -102,20 +143,26 @@ def load_credentials(path: str, env: Mapping[str, str] | None = None) -> Credent
     if not path:
         return Credentials()
     env = os.environ if env is None else env
-    try:
-        st = os.stat(path)
+    try:  # one open, no symlink followed: what is checked is what is read
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as e:
-        raise ValueError(f"{path}: {e.strerror or e}") from None
-    if st.st_uid not in (0, os.geteuid()) or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise ValueError(f"{path}: must be owned by root or uid {os.geteuid()} and writable "
-                         "by no one else (it holds the registries' secrets)")
+        raise ValueError(f"{path}: {e.strerror or e} (a symlink is not followed)") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{path}: not a regular file")
+        if st.st_uid not in (0, os.geteuid()) or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise ValueError(f"{path}: must be owned by root or uid {os.geteuid()} and "
+                             "writable by no one else (it holds the registries' secrets)")
+        data = f.read(MAX_CREDENTIALS + 1)
+    if len(data) > MAX_CREDENTIALS:
+        raise ValueError(f"{path}: more than {MAX_CREDENTIALS} bytes")
     try:
-        parsed = netrc.netrc(path)
-    except (netrc.NetrcParseError, OSError, UnicodeDecodeError) as e:
+        hosts = _netrc(data.decode())
+    except (ValueError, UnicodeDecodeError) as e:
         raise ValueError(f"{path}: not a netrc file: {e}") from None
     out = Credentials(source=path)
-    for host, (login, _account, password) in parsed.hosts.items():
-        password = password or ""
+    for host, (login, password) in hosts.items():
         if password.startswith("$"):
             m = re.fullmatch(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*))",
                              password)
@@ -155,19 +202,24 @@ class _Body:
     def read(self, n: int = -1) -> bytes:
         left = self.deadline - time.monotonic()
         if left <= 0:
-            raise ImageError(self.label, "time limit reached")
+            raise ImageTransient(self.label, "time limit reached")
         sock = self.r.conn.sock
         if sock is not None:
             sock.settimeout(max(left, 0.05))
         try:
             # read1: one recv at most; read(n) would wait for n bytes whatever the deadline
-            return self.r.resp.read1(n if n and n > 0 else 1 << 20)
+            chunk = self.r.resp.read1(n if n and n > 0 else 1 << 20)
+            if not chunk and time.monotonic() >= self.deadline:  # the watchdog shut it
+                raise ImageTransient(self.label, "time limit reached")
+            return chunk
         except TimeoutError:
-            raise ImageError(self.label, "time limit reached (the registry stopped sending)") \
-                from None
-        except (OSError, http.client.HTTPException) as e:
-            raise ImageError(self.label, f"the connection failed: {type(e).__name__}: {e}") \
-                from None
+            raise ImageTransient(self.label, "time limit reached (the registry stopped "
+                                             "sending)") from None
+        except (OSError, http.client.HTTPException, ValueError) as e:
+            if time.monotonic() >= self.deadline:  # the watchdog shut it
+                raise ImageTransient(self.label, "time limit reached") from None
+            raise ImageTransient(self.label, f"the connection failed: {type(e).__name__}: "
+                                             f"{e}") from None
 
 
 class Client:
@@ -181,6 +233,26 @@ class Client:
         self.ssl = ssl.create_default_context(cafile=ca_file or None)
         self.auth: str | None = None  # the Authorization header that worked
         self.requests = 0
+        # the deadline in wall-clock time, whatever a server sends and how slowly (a
+        # header or a chunk-size line a byte a minute): a timer shuts the open sockets
+        self._open_conns: list[http.client.HTTPConnection] = []
+        self._watchdog = threading.Timer(max(deadline - time.monotonic(), 0.0), self._expire)
+        self._watchdog.daemon = True
+        self._watchdog.start()
+
+    def _expire(self) -> None:
+        for conn in list(self._open_conns):
+            sock = conn.sock
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        """Stop the watchdog and close what is still open."""
+        self._watchdog.cancel()
+        for conn in self._open_conns:
+            conn.close()
+        self._open_conns.clear()
 
     def _fail(self, state: str, cause: str) -> RegistryError:
         return RegistryError(self.ref.key, state, cause)
@@ -203,29 +275,32 @@ class Client:
                 raise self._fail("invalid", f"plain HTTP to {parts.netloc}, which is not in "
                                             "registry.insecure")
             timeout = min(self._left(), 60.0)
-            conn: http.client.HTTPConnection
-            if parts.scheme == "https":
-                conn = http.client.HTTPSConnection(parts.netloc, timeout=timeout,
-                                                   context=self.ssl)
-            else:
-                conn = http.client.HTTPConnection(parts.netloc, timeout=timeout)
+            conn: http.client.HTTPConnection | None = None
             path = parts.path + (f"?{parts.query}" if parts.query else "")
             hdrs = {"User-Agent": USER_AGENT, **headers}
             if parts.netloc != origin:
                 hdrs.pop("Authorization", None)
             self.requests += 1
             try:
+                if parts.scheme == "https":
+                    conn = http.client.HTTPSConnection(parts.netloc, timeout=timeout,
+                                                       context=self.ssl)
+                else:
+                    conn = http.client.HTTPConnection(parts.netloc, timeout=timeout)
+                self._open_conns.append(conn)
                 conn.request(method, path or "/", headers=hdrs)
                 resp = conn.getresponse()
             except TimeoutError:
-                conn.close()
+                _close(conn)
                 raise self._fail("timeout", f"{parts.netloc}: no answer within the time "
                                             "limit") from None
             except ssl.SSLError as e:
-                conn.close()
+                _close(conn)
                 raise self._fail("unreachable", f"{parts.netloc}: TLS: {e.reason or e}") from None
-            except (OSError, http.client.HTTPException) as e:
-                conn.close()
+            except (OSError, http.client.HTTPException, ValueError) as e:  # InvalidURL too
+                _close(conn)
+                if time.monotonic() >= self.deadline:  # the watchdog shut it
+                    raise self._fail("timeout", f"{parts.netloc}: time limit reached") from None
                 raise self._fail("unreachable", f"{parts.netloc}: {type(e).__name__}: "
                                                 f"{getattr(e, 'strerror', None) or e}") from None
             r = Response(resp.status, resp.headers, conn, resp, url)
@@ -265,7 +340,10 @@ class Client:
         query = {k: v for k, v in challenge.items() if k in ("service", "scope")}
         url = realm + ("&" if parts.query else "?") + urllib.parse.urlencode(query)
         headers = {}
-        creds = self.creds.get(parts.netloc)
+        # as enroot: credentials only for an image whose own registry has a line, and
+        # then the realm host's own line (a registry cannot have the collector log in to
+        # another registry's token service: the realm is what the registry says)
+        creds = self.creds.get(parts.netloc) if self.creds.get(self.ref.registry) else None
         if creds is not None:
             headers["Authorization"] = _basic(creds)
         r = self._open("GET", url, headers)
@@ -278,7 +356,7 @@ class Client:
         try:
             data = json.loads(self._body(r, MAX_TOKEN, "token"))
             token = data.get("token") or data.get("access_token")
-        except (ValueError, AttributeError):
+        except (ValueError, AttributeError, RecursionError):
             token = None
         if not isinstance(token, str) or not token or not token.isprintable():
             raise self._fail("refused", f"the token service {parts.netloc} gave no token")
@@ -340,8 +418,8 @@ class Client:
                                         f"Docker-Content-Digest {header[:80]}")
         try:
             doc = json.loads(body)
-        except ValueError:
-            raise self._fail("invalid", f"{what}: not JSON") from None
+        except (ValueError, RecursionError):
+            raise self._fail("invalid", f"{what}: not JSON (or nested too deep)") from None
         if not isinstance(doc, dict):
             raise self._fail("invalid", f"{what}: not a JSON object")
         media = str(doc.get("mediaType") or media)
@@ -361,6 +439,11 @@ class Client:
     def blob_stream(self, digest: str, what: str) -> tuple[_Body, Response]:
         r = self._checked(self.get(f"blobs/{digest}"), what)
         return _Body(r, self.deadline, f"{self.ref.key} {what}"), r
+
+
+def _close(conn: http.client.HTTPConnection | None) -> None:
+    if conn is not None:
+        conn.close()
 
 
 def _basic(creds: tuple[str, str]) -> str:
@@ -407,9 +490,9 @@ def resolve(client: Client, platform: str) -> Resolved:
                 chosen = str(m["digest"])
                 break
         if chosen is None:
-            have = sorted({f"{(m.get('platform') or {}).get('os')}/"
-                           f"{(m.get('platform') or {}).get('architecture')}"
-                           for m in entries if isinstance(m, dict)})[:16]
+            plats = [m.get("platform") for m in entries if isinstance(m, dict)]
+            have = sorted({f"{p.get('os')}/{p.get('architecture')}" for p in plats
+                           if isinstance(p, dict)})[:16]
             raise client._fail("not-found", f"no {platform} image in the index (it has "
                                             f"{', '.join(have) or 'none'}; registry.platform)")
         digest, media, doc = client.manifest(chosen)
@@ -430,7 +513,8 @@ def config_env(config: dict[str, Any]) -> dict[str, str]:
     """The ``NCCL_*`` and ``LD_LIBRARY_PATH`` of an image config's ``Env``: what enroot
     writes as the container's ``/etc/environment`` (a later entry wins, as it does in
     the container)."""
-    env = (config.get("config") or {}).get("Env") if isinstance(config, dict) else None
+    inner = config.get("config") if isinstance(config, dict) else None
+    env = inner.get("Env") if isinstance(inner, dict) else None
     out: dict[str, str] = {}
     for item in env if isinstance(env, list) else []:
         if not isinstance(item, str):
@@ -468,14 +552,16 @@ def read_image(
         raise client._fail("invalid", f"an image config of {cfg_size} bytes")
     try:
         config = json.loads(client.blob(cfg_digest, MAX_CONFIG, "config"))
-    except ValueError:
-        raise client._fail("invalid", "the image config is not JSON") from None
+    except (ValueError, RecursionError):
+        raise client._fail("invalid", "the image config is not JSON (or nested too "
+                                      "deep)") from None
     layers = m.get("layers")
     if not isinstance(layers, list) or len(layers) > MAX_LAYERS:
         raise client._fail("invalid", f"the manifest has no layers list of at most "
                                       f"{MAX_LAYERS}")
     summaries: list[dict[str, Any]] = []
     layer_info: list[dict[str, Any]] = []
+    kept = 0
     for i, d in enumerate(layers):
         digest, size, media = _descriptor(d, f"layer {i}", client)
         if media not in LAYER_TYPES:
@@ -496,6 +582,10 @@ def read_image(
                 r.close()
             store(s)
         assert s is not None
+        kept += int(s.get("kept_bytes") or 0)
+        if kept > MAX_IMAGE_KEPT_BYTES:
+            raise ImageError(client.ref.key, f"its layers keep more than {MAX_IMAGE_KEPT_BYTES} "
+                                             "bytes of paths the fingerprint reads")
         summaries.append(s)
         layer_info.append({"digest": digest, "size": size, "media_type": media,
                            "cached": hit})

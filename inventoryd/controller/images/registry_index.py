@@ -40,15 +40,15 @@ from inventoryd.controller.images.registry import (
     read_image,
     resolve,
 )
-from inventoryd.controller.images.tree import ImageError
+from inventoryd.controller.images.tree import ImageError, ImageTransient
 from ncclguard import config as configmod
 from ncclguard.fingerprint.imageref import RefError, parse
-from ncclguard.policy.rules.container import is_path_image
+from ncclguard.policy.rules.container import configured_registries, is_path_image
 
 log = logging.getLogger("ncclguard.collector.registry")  # the collector's log, escaped
 
 MAX_BACKOFF_S = 86400.0
-CACHE_LAYERS = 256  # layer summaries kept in memory between the worker's read and the write
+CACHE_LAYERS = 16  # layer summaries kept in memory between the worker's read and the write
 
 
 @dataclass
@@ -84,6 +84,7 @@ class RegistryIndex:
         self._wake = threading.Event()
         self._tail = AuditTail(config.gate.audit_path(config.inventory), sink=self._seen)
         self._thread: threading.Thread | None = None
+        self._hosts: tuple[str, ...] = configured_registries(self.rcfg.refs)
         self.passes = 0
 
     # ---- the loop's side ------------------------------------------------------------
@@ -114,9 +115,12 @@ class RegistryIndex:
         if not isinstance(image, str) or not image or is_path_image(image):
             return
         try:
-            key = parse(image).key
+            ref = parse(image)
         except RefError:
             return
+        if not self.rcfg.allows(ref.registry, self._hosts):
+            return  # a host no admin named: the controller does not contact it
+        key = ref.key
         when = float(ts) if isinstance(ts, int | float) and not isinstance(ts, bool) \
             else time.time()
         self.used[key] = max(self.used.get(key, 0.0), when)
@@ -140,9 +144,11 @@ class RegistryIndex:
             log.error("registry: credentials not used: %s", e)
             return Credentials()
 
-    def run_pass(self, now: float | None = None) -> Batch:
-        """One pass: the references due, each resolved and (when new) read; the batch is
-        also handed to the writer. Called by the thread, or by a test."""
+    def run_pass(self, now: float | None = None, *, keep: bool = False) -> Batch:
+        """One pass: the references due, each resolved and (when new) read; what each
+        found is handed to the writer as soon as it is done (one image's summaries in
+        memory at a time). Called by the thread, or by a test: ``keep`` returns all of it
+        (else an empty batch)."""
         from ncclguard.store import Inventory, InventoryError
 
         self.passes += 1
@@ -156,25 +162,35 @@ class RegistryIndex:
                         and (r["nccl_version"] is not None or r["image_error"] is not None
                              or r["record_hash"] is not None)}
                 configured = []
+                hosts = []
                 for text in self.rcfg.refs:
                     try:
-                        configured.append(parse(text).key)
+                        ref = parse(text)
                     except RefError as e:
                         log.error("registry: refs: %r: %s", text[:200], e)
+                        continue
+                    configured.append(ref.key)
+                    hosts.append(ref.registry)
+                self._hosts = tuple(hosts)
                 wanted = self._wanted(configured, known, now, batch)
                 creds = self._credentials()
+                if batch.forget:
+                    self.out.put(Batch(forget=batch.forget))
                 for key in wanted:
                     if self._stop.is_set():
                         break
                     old = known.get(key)
                     if old is not None and old.checked_at + self._interval(old) > now:
                         continue
-                    self._one(key, old, key in configured, read, creds, inv, batch)
+                    one = Batch()
+                    self._one(key, old, key in configured, read, creds, inv, one)
+                    self.out.put(one)
+                    if keep:
+                        batch.tags += one.tags
+                        batch.images += one.images
+                        batch.layers += one.layers
         except InventoryError as e:
             log.warning("registry: the inventory cannot be read: %s", e)
-            return batch
-        if batch.tags or batch.forget:
-            self.out.put(batch)
         return batch
 
     def _interval(self, old: Any) -> float:
@@ -189,8 +205,11 @@ class RegistryIndex:
             if t.used_at:
                 used[key] = max(used.get(key, 0.0), t.used_at)
         keep = self.rcfg.keep_unused_s
-        batch.forget = sorted(k for k, t in known.items() if k not in configured
-                              and now - (used.get(k) or t.checked_at) > keep)
+
+        def allowed(k: str) -> bool:
+            return self.rcfg.allows(parse(k).registry, self._hosts)
+        batch.forget = sorted(k for k, t in known.items() if k not in configured and (
+            now - (used.get(k) or t.checked_at) > keep or not allowed(k)))
         others = sorted((k for k in used if k not in configured and k not in batch.forget
                          and now - used[k] <= keep), key=lambda k: -used[k])
         chosen = list(dict.fromkeys([*configured, *others]))[:self.rcfg.max_refs]
@@ -224,6 +243,20 @@ class RegistryIndex:
                         credentials=creds, insecure=self.rcfg.insecure,
                         ca_file=self.rcfg.ca_file)
         try:
+            self._resolve_and_read(key, tag, old, client, read, inv, batch)
+        except Exception as e:  # a bug, or a shape nobody foresaw: this reference only
+            tag.update(state="invalid", error=f"internal error: {type(e).__name__}: "
+                                              f"{str(e)[:300]}", digest=None,
+                       attempts=(old.attempts if old else 0) + 1)
+            if tag not in batch.tags:
+                batch.tags.append(tag)
+            log.exception("registry: %s: internal error; tried again after a back-off", key)
+        finally:
+            client.close()
+
+    def _resolve_and_read(self, key: str, tag: dict[str, Any], old: Any, client: Client,
+                          read: set[str], inv: Any, batch: Batch) -> None:
+        try:
             res = resolve(client, self.platform)
         except RegistryError as e:
             tag.update(state=e.state, error=e.cause, digest=None,
@@ -240,10 +273,15 @@ class RegistryIndex:
             record = read_image(client, self.platform, self.limits,
                                 cached=lambda d: self._cached(inv, d),
                                 store=lambda s: self._keep(s, batch), resolved=res)
-        except RegistryError as e:  # the registry, not the image: tried again later
-            tag.update(state=e.state, error=f"reading {res.digest}: {e.cause}",
+        except (RegistryError, ImageTransient) as e:
+            # the registry or the network, not the image: the tag has moved to this digest
+            # (the gate calls it not read yet, never judges it by the old image), and it is
+            # read again after a back-off
+            state = e.state if isinstance(e, RegistryError) else (
+                "timeout" if "time limit" in e.cause else "unreachable")
+            tag.update(error=f"reading {res.digest} ({state}): {e.cause}",
                        attempts=(old.attempts if old else 0) + 1)
-            log.warning("registry: %s (%s) not read (%s): %s", key, res.digest, e.state,
+            log.warning("registry: %s (%s) not read (%s): %s", key, res.digest, state,
                         e.cause)
             return
         except ImageError as e:  # its content: stored with the cause, read again if it moves

@@ -28,6 +28,12 @@ OTHER = "?"
 
 _KINDS = {b"0": REGULAR, b"\0": REGULAR, b"7": REGULAR, b"5": DIRECTORY, b"2": SYMLINK,
           b"1": HARDLINK}
+#: devices and FIFOs: no data follows them, whatever their size field says (as GNU tar,
+#: which enroot extracts layers with, and tarfile read them)
+_NO_DATA = (b"3", b"4", b"6")
+#: GNU sparse members and multi-volume parts: a file whose content this reader would
+#: misread; the layer is refused rather than read another way than tar reads it
+_REFUSED = (b"S", b"M", b"V")
 
 
 class TarError(Exception):
@@ -179,6 +185,9 @@ class TarReader:
             link = _text(block[157:257])
             name = pax.get("path", long_name if long_name is not None else name)
             link = pax.get("linkpath", long_link if long_link is not None else link)
+            if flag in _REFUSED or any(k.startswith("GNU.sparse.") for k in pax):
+                raise TarError(f"a GNU sparse or multi-volume member ({name[:200]!r}), which "
+                               "this reader does not read")
             if "size" in pax:
                 try:
                     size = int(pax["size"])
@@ -187,11 +196,13 @@ class TarReader:
             pax, long_name, long_link = {}, None, None
             if len(name) > MAX_NAME or len(link) > MAX_NAME:
                 raise TarError(f"a member name or link over {MAX_NAME} bytes")
-            kind = _KINDS.get(flag, OTHER)
+            # an unknown type is extracted as a regular file (POSIX; GNU tar does so)
+            kind = _KINDS.get(flag, OTHER if flag in _NO_DATA else REGULAR)
             if kind == REGULAR and flag == b"\0" and name.endswith("/"):
                 kind = DIRECTORY  # an old-style directory
-            # as tarfile reads them: only regular and unknown members carry data
-            data = size if kind in (REGULAR, OTHER) else 0
+            # as GNU tar reads them: regular files carry data; links, directories,
+            # devices and FIFOs do not
+            data = size if kind == REGULAR else 0
             member = Member(name, kind, size if kind == REGULAR else 0, link,
                             _number(block[100:108]) & 0o7777)
             self._left, self._pad = data, -data % BLOCK

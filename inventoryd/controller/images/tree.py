@@ -30,6 +30,12 @@ class ImageError(Exception):
         self.cause = cause
 
 
+class ImageTransient(ImageError):
+    """A read cut short by the network or the clock, not by the image's content (a
+    registry layer's connection failed, the time limit): tried again, never stored as
+    what the image is."""
+
+
 class ImagePathError(ImageError):
     """One path inside a readable image is missing, not a file, or loops."""
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from ncclguard.config import RegistryConfig
 from ncclguard.fingerprint.image import effective_stack
 from ncclguard.policy.rules.base import Rule, Values
 from ncclguard.policy.verdict import Finding
@@ -51,12 +52,40 @@ def is_path_image(ref: str) -> bool:
     return ref.startswith(("/", "."))
 
 
-def registry_image(row: Mapping[str, object] | None, now: float, max_age_s: float
-                   ) -> tuple[dict | None, str | None] | None:
-    """What the gate judges a registry reference by: the inventory's row
-    (``Inventory.load_registry_values``) as :func:`ncclguard.policy.evaluate_image`'s
-    ``image``: None (not in the index), ``(values, None)`` (the image of the digest the
-    tag resolved to, resolved at most ``max_age_s`` ago), or ``(None, why)``."""
+def configured_registries(refs: tuple[str, ...]) -> tuple[str, ...]:
+    """The registries of ``[registry] refs`` (those that parse)."""
+    from ncclguard.fingerprint.imageref import RefError, parse
+
+    out = []
+    for text in refs:
+        try:
+            out.append(parse(text).registry)
+        except RefError:
+            continue
+    return tuple(out)
+
+
+def registry_reason(cfg: RegistryConfig, registry: str) -> str | None:
+    """Why the collector does not read references on ``registry`` (None: it does)."""
+    if not cfg.enabled:
+        return "[registry] enabled is false: registry images are not read"
+    if not cfg.allows(registry, configured_registries(cfg.refs)):
+        return (f"registry {registry} is neither in [registry] registries nor a refs entry's: "
+                "the collector does not contact it")
+    return None
+
+
+def registry_image(row: Mapping[str, object] | None, now: float, cfg: RegistryConfig,
+                   registry: str) -> tuple[dict | None, str | None] | None:
+    """What the gate (and ``check --image``) judges a registry reference by: the
+    inventory's row (``Inventory.load_registry_values``) as
+    :func:`ncclguard.policy.evaluate_image`'s ``image``: None (not in the index),
+    ``(values, None)`` (the image of the digest the tag resolved to, resolved at most
+    ``max_age_s`` ago), or ``(None, why)``."""
+    why = registry_reason(cfg, registry)
+    if why is not None:
+        return None, why
+    max_age_s = cfg.max_age_s
     if row is None:
         return None
     digest, resolved = row.get("digest"), row.get("resolved_at")
