@@ -21,6 +21,10 @@ the test itself (no network, no mocks).
 A test that starts a registry (or pushes with skopeo) fails under
 ``NCCLGUARD_REQUIRE_PARTS=1`` when ``docker-registry`` or ``skopeo`` is not installed,
 and is skipped with the reason otherwise (:func:`helpers.parts.unavailable`).
+
+Over 500 lines: the registry, its token service, the image builders and the pushers are
+one harness: each test asks for an image on a registry with some auth, and the parts
+share the registry's admin and its directory.
 """
 
 from __future__ import annotations

@@ -121,10 +121,18 @@ def _decompressed(raw: _Bounded, media_type: str, label: str) -> Any:
     if media_type in GZIP:
         return gzip.GzipFile(fileobj=cast(Any, raw), mode="rb")
     if media_type in ZSTD:
-        import zstandard
+        # the standard library's from Python 3.14 (compression.zstd), else zstandard: a
+        # compiled module, whose wheels are per Python release; both keep libzstd's
+        # default window limit (128 MiB) on what a frame may ask for
+        try:
+            from compression import zstd  # type: ignore[import-not-found,unused-ignore]
 
-        return zstandard.ZstdDecompressor().stream_reader(cast(Any, raw),
-                                                          read_across_frames=True)
+            return zstd.ZstdFile(cast(Any, raw), mode="rb")
+        except ImportError:
+            import zstandard
+
+            return zstandard.ZstdDecompressor().stream_reader(cast(Any, raw),
+                                                              read_across_frames=True)
     if media_type in PLAIN:
         return raw
     raise ImageError(label, f"layer media type {media_type!r} is not one this reader takes "

@@ -15,6 +15,10 @@ PASS``), never run through a shell. Every request has the image's deadline; ever
 its bound; every manifest and blob is checked against its digest. A registry that cannot
 be reached, refuses, or answers with something else is a :class:`RegistryError` whose
 ``state`` names which, never a hang.
+
+Over 500 lines: the credentials, the HTTP client with its auth flows and deadline, and
+the reading of one image share one Client and its bounds; each part alone is the
+distribution API only half.
 """
 
 from __future__ import annotations
