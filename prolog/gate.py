@@ -263,6 +263,7 @@ def _inventory(run: Run, values: GateValues | None = None) -> Inventory:
 
 def decide(run: Run, job: Job) -> int:
     from ncclguard.policy import evaluate_image, evaluate_values, stale_hosts
+    from ncclguard.policy.rules.container import is_path_image  # loaded with the policy
     from ncclguard.store import InventoryError
 
     cfg = run.config
@@ -276,7 +277,7 @@ def decide(run: Run, job: Job) -> int:
             records = inv.load_values(job.nodes)
             if image.startswith("/"):
                 image_values = inv.load_image_values(image)
-            elif image and not image.startswith("."):
+            elif image and not is_path_image(image):  # a registry reference
                 from ncclguard.fingerprint.imageref import RefError, parse
 
                 try:

@@ -72,7 +72,9 @@ def _registry_row(t: dict[str, Any]) -> dict[str, Any]:
 
 
 def _get(c: Any, name: str) -> dict[str, Any]:
-    if name.startswith(("/", ".")):
+    from ncclguard.policy.rules.container import is_path_image
+
+    if is_path_image(name):
         row = c.inv("image", name)
         if row is None:
             fail(f"{out.cell(name)}: not in the image index (is it under [images] roots, "
