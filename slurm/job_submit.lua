@@ -64,7 +64,14 @@ ncclguard.MAX_STRING = 1024     -- Slurm's cap (_test_job_desc_fields, job_mgr.c
 ncclguard.MAX_FILE = 1048576    -- ncclguard/sched/classfile.py MAX_BYTES
 ncclguard.MAX_MEMBERS = 262144  -- classfile.py MAX_MEMBERS
 ncclguard.MAX_REQ_NODES = 65536 -- the longest -w list read
-ncclguard.MAGIC = "ncclguard-classes 2"
+ncclguard.MAGIC = "ncclguard-classes 3"
+ncclguard.MAX_IMAGES = 256      -- classfile.py MAX_IMAGES: image lines in the file
+ncclguard.MAX_REF = 1024        -- an image key's length (ncclguard/fingerprint/imageref.py)
+ncclguard.MAX_IMAGE_VALUE = 4096 -- submit.py MAX_IMAGE_VALUE: the longest --container-image read
+ncclguard.MAX_SPANK_ENV = 256   -- submit.py MAX_SPANK_ENV: spank_job_env entries looked at
+-- pyxis's --container-image in spank_job_env (docs/slurm.md)
+ncclguard.IMAGE_OPTION = "_SLURM_SPANK_OPTION_pyxis_container_image="
+ncclguard.DOCKER_HUB = "registry-1.docker.io"
 -- the fields Slurm caps at MAX_STRING after this plugin ran
 ncclguard.CAPPED = { "features", "prefer", "comment", "extra", "partition", "tres_per_job" }
 
@@ -136,7 +143,7 @@ end
 -- The file's lines after line 2 -> a table, or nil and why. The same rules as
 -- ncclguard/sched/classfile.py's parse(): anything unexpected makes the file unusable.
 function ncclguard.parse_body(body, where)
-  local cf = { partitions = {}, members = {}, sizes = {}, nodes = 0 }
+  local cf = { partitions = {}, members = {}, sizes = {}, nodes = 0, images = {}, nimages = 0 }
   local n, ended, seen = 2, false, {}
   for line in string.gmatch(body, "([^\n]*)\n") do
     n = n + 1
@@ -189,6 +196,19 @@ function ncclguard.parse_body(body, where)
         end
         cf.sizes[f] = #hosts
         cf.nodes = cf.nodes + #hosts
+      elseif key == "image" and #w >= 3 then
+        local name, expires = w[2], w[3]
+        if #name > ncclguard.MAX_REF or string.find(name, "[^!-~]") or cf.images[name]
+           or not is_digits(expires) or cf.nimages >= ncclguard.MAX_IMAGES then
+          return nil, where .. ": line " .. n .. ": bad image"
+        end
+        local set = {}
+        for i = 4, #w do
+          if not valid_feature(w[i]) then return nil, where .. ": line " .. n .. ": bad class" end
+          set[w[i]] = true
+        end
+        cf.images[name] = { expires = tonumber(expires), classes = set, count = #w - 3 }
+        cf.nimages = cf.nimages + 1
       else
         return nil, where .. ": line " .. n .. ": not understood"
       end
@@ -273,6 +293,118 @@ function ncclguard.classes(now)
 end
 
 local function is_set(v, none) return v ~= nil and v ~= none end
+
+-- The job's --container-image as written: its one spank_job_env entry (a table keyed 0 to
+-- size-1, docs/slurm.md); nil for none, more than one, or more than MAX_SPANK_ENV entries.
+function ncclguard.container_image(job_desc)
+  local env, size = job_desc.spank_job_env, job_desc.spank_job_env_size
+  if type(env) ~= "table" or type(size) ~= "number" or size > ncclguard.MAX_SPANK_ENV then
+    return nil
+  end
+  local opt, found = ncclguard.IMAGE_OPTION, nil
+  for i = 0, size - 1 do
+    local e = env[i]
+    if type(e) == "string" and string.sub(e, 1, #opt) == opt then
+      if found ~= nil then return nil end
+      found = string.sub(e, #opt + 1)
+    end
+  end
+  return found
+end
+
+-- The checks of ncclguard/fingerprint/imageref.py, without regular expressions.
+local function valid_component(c)  -- [a-z0-9]+ joined by ".", "_", "__" or dashes
+  if not string.find(c, "^[a-z0-9][a-z0-9._%-]*$") or string.find(c, "[._%-]$") then
+    return false
+  end
+  for sep in string.gmatch(c, "[._%-]+") do
+    if not (sep == "." or sep == "_" or sep == "__" or string.find(sep, "^%-+$")) then
+      return false
+    end
+  end
+  return true
+end
+
+local function valid_repo(name)
+  for comp in string.gmatch(name .. "/", "([^/]*)/") do
+    if not valid_component(comp) then return false end
+  end
+  return true
+end
+
+local function valid_host(h)  -- labels of letters, digits and inner dashes; :port
+  local name, port = string.match(h, "^([^:]*):(%d+)$")
+  if name == nil then name = h elseif #port > 5 then return false end
+  for label in string.gmatch(name .. ".", "([^.]*)%.") do
+    if not string.find(label, "^%w$") and not string.find(label, "^%w[%w%-]*%w$") then
+      return false
+    end
+  end
+  return true
+end
+
+-- A registry reference's key as enroot reads it (imageref.parse(...).key), or nil.
+local function registry_key(raw)
+  if string.sub(raw, 1, 9) == "docker://" then raw = string.sub(raw, 10) end
+  if string.find(raw, "://", 1, true) then return nil end
+  local user, registry, image, hub
+  local hash = string.find(raw, "#", 1, true)
+  if hash then  -- [USER@]REGISTRY#IMAGE
+    local head = string.sub(raw, 1, hash - 1)
+    image = string.sub(raw, hash + 1)
+    local u, rest = string.match(head, "^(.*)@([^@]*)$")
+    if u then user, head = u, rest end
+    registry, hub = head, false
+    if registry == "" then return nil end
+  else
+    local at = string.find(raw, "@", 1, true)
+    if at and string.sub(raw, at + 1, at + 7) ~= "sha256:" then
+      user, raw = string.sub(raw, 1, at - 1), string.sub(raw, at + 1)
+    end
+    local slash = string.find(raw, "/", 1, true)
+    local first = slash and string.sub(raw, 1, slash - 1)
+    if first and string.find(first, "[.:]") then
+      registry, image, hub = first, string.sub(raw, slash + 1), false
+    else
+      registry, image, hub = ncclguard.DOCKER_HUB, raw, true
+    end
+  end
+  if user ~= nil and (#user < 1 or #user > 128 or not string.find(user, "^[%w._%$%-]+$")) then
+    return nil
+  end
+  if not valid_host(registry) then return nil end
+  local name, digest, tag = image, nil, nil
+  local at = string.find(image, "@", 1, true)
+  if at then
+    name, digest = string.sub(image, 1, at - 1), string.sub(image, at + 1)
+    if #digest ~= 71 or not string.find(digest, "^sha256:[0-9a-f]+$") then return nil end
+  end
+  if string.find(string.match(name, "[^/]*$"), ":", 1, true) then
+    name, tag = string.match(name, "^(.*):([^:]*)$")
+    if #tag < 1 or #tag > 128 or not string.find(tag, "^[%w_][%w._%-]*$") then return nil end
+  end
+  if not valid_repo(name) then return nil end
+  if hub and not string.find(name, "/", 1, true) then name = "library/" .. name end
+  if digest then return registry .. "/" .. name .. "@" .. digest end
+  return registry .. "/" .. name .. ":" .. (tag or "latest")
+end
+
+local function is_space(b) return b == 32 or (b >= 9 and b <= 13) end
+
+-- The key the gate looks the image up by (submit.py image_key): an absolute path as
+-- given, or a registry reference's key; nil for anything else.
+function ncclguard.image_key(value)
+  if type(value) ~= "string" or #value > ncclguard.MAX_IMAGE_VALUE then return nil end
+  local i, j = 1, #value
+  while i <= j and is_space(string.byte(value, i)) do i = i + 1 end
+  while j >= i and is_space(string.byte(value, j)) do j = j - 1 end
+  local v = string.sub(value, i, j)
+  if #v < 1 or #v > ncclguard.MAX_REF or string.find(v, "[^!-~]") then return nil end
+  local first = string.sub(v, 1, 1)
+  if first == "." then return nil end
+  if first == "/" then return v end
+  return registry_key(v)
+end
 
 -- The number of terms in a constraint's bracket groups (matching OR), the terms
 -- slurmctld gives a position each in its 64-bit maps (_valid_features() in
@@ -473,6 +605,27 @@ function ncclguard.submit(job_desc)
   if #list == 0 then return slurm.SUCCESS end
   local need = 1
   if is_set(job_desc.min_nodes, NO_VAL) and job_desc.min_nodes > 1 then need = job_desc.min_nodes end
+  -- a job in a container image the file names: only the classes that run that image
+  local stack, see = "with one NCCL stack", "`ncclguard classes`"
+  local key = ncclguard.image_key(ncclguard.container_image(job_desc))
+  local g = key and cf.images[key]
+  if g and (g.expires == 0 or now <= g.expires) then
+    if g.count == 0 then
+      return reject(slurm.ERROR, string.format("ncclguard: container image %s runs on no "
+        .. "class of nodes: its NCCL cannot use the net plugin the nodes give containers, "
+        .. "and would fall back to another transport (see `ncclguard check --image %s`)",
+        key, key))
+    end
+    local runnable = {}
+    for _, c in ipairs(list) do
+      if g.classes[c.feature] then runnable[#runnable + 1] = c end
+    end
+    if #runnable > 0 then  -- else none of the partition's listed classes: the gate decides
+      list = runnable
+      stack = "that run image " .. key .. " with one NCCL stack"
+      see = "`ncclguard check --image " .. key .. "`"
+    end
+  end
   if has_req then
     if hosts == nil then return slurm.SUCCESS end  -- a -w list the lua cannot read
     if #hosts > need then need = #hosts end
@@ -490,9 +643,9 @@ function ncclguard.submit(job_desc)
   end
   if #chosen == 0 then
     return reject(slurm.ESLURM_INVALID_NODE_COUNT, string.format(
-      "ncclguard: this job needs %d nodes with one NCCL stack, but the largest such set in "
-      .. "%s has %d nodes (ask for at most %d, or see `ncclguard classes`)",
-      need, pname, largest, largest))
+      "ncclguard: this job needs %d nodes %s, but the largest such set in "
+      .. "%s has %d nodes (ask for at most %d, or see %s)",
+      need, stack, pname, largest, largest, see))
   end
   local has_prefer = prefer ~= nil and prefer ~= ""
   if not ncclguard.joinable(user) or (has_prefer and not ncclguard.joinable(prefer)) then

@@ -183,14 +183,6 @@ def test_the_hook_command_never_fails(tmp_path: Path) -> None:
         assert "nothing done" in r.stderr or "not published" in r.stderr
 
 
-def _registry_layer(version: str) -> bytes:
-    from helpers.registry import File, layer_tar
-
-    lib = extract_nccl(version)
-    return layer_tar([File("/usr/local/lib/python3.10/dist-packages/nvidia/nccl/lib/"
-                           "libnccl.so.2", lib)], "zstd", level=1)
-
-
 def test_a_registry_image_is_judged_by_the_digest_its_tag_resolved_to(
         pyxis_cluster: tuple[DevCluster, Path], tmp_path: Path) -> None:
     """A real registry on loopback (tests/helpers/registry.py): ``ml/train:v1`` holds NCCL
@@ -198,13 +190,13 @@ def test_a_registry_image_is_judged_by_the_digest_its_tag_resolved_to(
     collector resolves and reads both; ``sbatch -N3 --container-image=HOST#ml/train:v1``
     is refused naming n3, requeued and completes on n[1-2,4]; the compatible tag runs;
     after v1 is moved to the 2.26.2 image the next job is judged by the new digest."""
-    from helpers.registry import Registry, push_image
+    from helpers.registry import Registry, nccl_layer, push_image
 
     c, image = pyxis_cluster
     c.cancel_all()
     with Registry(tmp_path / "registry") as reg:
-        v1 = push_image(reg, "ml/train", "v1", [_registry_layer("2.18.3")])
-        ok = push_image(reg, "ml/train", "ok", [_registry_layer("2.26.2")])
+        v1 = push_image(reg, "ml/train", "v1", [nccl_layer("2.18.3")])
+        ok = push_image(reg, "ml/train", "ok", [nccl_layer("2.26.2")])
         ref, ok_ref = f"{reg.host}#ml/train:v1", f"{reg.host}#ml/train:ok"
         c.write_gate_config(
             f'[gate]\naudit_log = "{c.audit_path}"\nsteer_wait_s = 30\n'
@@ -231,7 +223,7 @@ def test_a_registry_image_is_judged_by_the_digest_its_tag_resolved_to(
         assert rec["decision"] == "accept" and rec["image_digest"] == ok
         assert not rec["findings"], rec["findings"]
 
-        moved = push_image(reg, "ml/train", "v1", [_registry_layer("2.26.2")])
+        moved = push_image(reg, "ml/train", "v1", [nccl_layer("2.26.2")])
         assert moved == ok != v1  # the same image under the moved tag
         r = c.collect()
         job = c.sbatch(["-N3", f"--container-image={ref}", "--wrap", "true"])

@@ -223,7 +223,7 @@ def broken(rng: random.Random, text: str) -> str | bytes:
     if pick == 0:
         return text[:-1]  # no final newline
     if pick == 1:
-        return text.replace("ncclguard-classes 2", "ncclguard-classes 1")
+        return text.replace("ncclguard-classes 3", "ncclguard-classes 2")
     if pick == 2:
         return "\n".join([lines[0], *lines[2:3], lines[1], *lines[3:]])  # verified moved
     if pick == 3:
@@ -449,7 +449,7 @@ CLOCK = CLOCK + 1
 write({lua_string(t3)})
 print(job(), parses)
 CLOCK = CLOCK + 1
-write("ncclguard-classes 2\\nverified " .. CLOCK - 1 .. "\\nnonsense\\n")
+write("ncclguard-classes 3\\nverified " .. CLOCK - 1 .. "\\nnonsense\\n")
 print(job(), parses)
 """)
     r = subprocess.run([lua5_1(), str(script)], capture_output=True, text=True, timeout=30,

@@ -18,7 +18,11 @@ Each ``[features] interval_s`` (2 s):
    Slurm; a difference (an admin's ``scontrol update`` of some nodes' features, a node
    added or gone, a node moved between partitions, another default partition) runs a
    full sync, which reads every node;
-5. then the file's ``verified`` is set to now, so that job_submit.lua keeps trusting it
+5. else, when the image index changed (a squashfs file scanned, a registry tag resolved:
+   one cheap query, :meth:`~ncclguard.store.Inventory.image_mark`) or ``verify_s`` passed,
+   the file's ``image`` lines are judged again (:func:`~ncclguard.sched.sync.image_groups`,
+   the classes as last applied) and, when they differ, rewritten in place: no Slurm call;
+6. then the file's ``verified`` is set to now, so that job_submit.lua keeps trusting it
    (it trusts a file verified since its own slurmctld started, and recently); a file
    that cannot be read is written again by a full sync.
 
@@ -60,12 +64,19 @@ from inventoryd.loop import Outcome, SafeFormatter, log_to_stderr, serve
 from inventoryd.sdnotify import Notifier
 from ncclguard import config as configmod
 from ncclguard.hostlist import compress, expand
-from ncclguard.policy import load_config
+from ncclguard.policy import GATE_VALUES, load_config
 from ncclguard.policy.schedule import is_class_feature
 from ncclguard.sched import classfile, status
-from ncclguard.sched.sync import SyncResult, desired, mark_verified, sync
+from ncclguard.sched.sync import (
+    SyncResult,
+    desired,
+    image_groups,
+    mark_verified,
+    sync,
+    write_images,
+)
 from ncclguard.slurm import Slurm, SlurmError
-from ncclguard.store import InventoryError
+from ncclguard.store import Inventory, InventoryError
 
 log = logging.getLogger("ncclguard.features")
 
@@ -174,6 +185,11 @@ class FeatureKeeper:
         self.flaps = Flaps(config.features.settle_s)
         self.backoff = Backoff(config.features.retry_max_s)
         self._status: str | None = None
+        # the file's image lines as last written, the index's mark and when they were read
+        self.images: dict[str, classfile.ImageGroup] = {}
+        self.image_mark: str | None = None
+        self.images_at = 0.0
+        self._image_error: str | None = None
 
     @classmethod
     def resumed(cls, config: configmod.Config, slurm: Slurm | None = None) -> FeatureKeeper:
@@ -284,11 +300,47 @@ class FeatureKeeper:
                 self.last_full = now
         if why:
             return self._sync(why, now)
+        note = self._refresh_images(now)
+        if note is not None:
+            if note:
+                return note
+            self.last_full = 0.0  # the file is gone or damaged: write it again
+            return self._sync("the file of classes is missing or damaged", now)
         if not mark_verified(self.cfg, now):  # the file is gone or damaged: write it again
             self.last_full = 0.0
             return self._sync("the file of classes is missing or damaged", now)
         self._write_status(now)
         return ""
+
+    def _refresh_images(self, now: float) -> str | None:
+        """The file's image lines judged again when the image index changed or
+        ``verify_s`` passed, and rewritten when they differ: what was done ("" when the
+        file could not be changed), or None when nothing was due or nothing changed. An
+        inventory that cannot be read is logged once and leaves the lines as they are."""
+        if self.applied is None:
+            return None
+        try:
+            with Inventory(readonly=True, values=GATE_VALUES, config=self.cfg.inventory) as inv:
+                mark = inv.image_mark()
+                if mark == self.image_mark and now - self.images_at < self.cfg.features.verify_s:
+                    return None
+                images = image_groups(self.cfg, inv, self.applied, now)
+        except InventoryError as e:
+            if str(e) != self._image_error:
+                log.error("image groups not judged again, the file keeps its lines: %s", e)
+            self._image_error = str(e)
+            return None
+        self._image_error = None
+        self.image_mark, self.images_at = mark, now
+        if images == self.images:
+            return None
+        if not write_images(self.cfg, images, now):
+            return ""
+        changed = sorted(k for k in images.keys() | self.images.keys()
+                         if images.get(k) != self.images.get(k))
+        self.images = images
+        return (f"image groups: {len(images)} images some class cannot run; changed: "
+                f"{', '.join(changed[:4])}{' and more' if len(changed) > 4 else ''}")
 
     def _sync(self, why: str, now: float) -> str:
         res = sync(self.cfg, self.slurm, now=now,
@@ -296,6 +348,10 @@ class FeatureKeeper:
                    skip=self.backoff.waiting(now))
         self.syncs += 1
         self.applied, self.last_full = dict(res.plan.classes), now
+        self.images, self.image_mark, self.images_at = res.images, res.image_mark, now
+        if res.image_error is not None and res.image_error != self._image_error:
+            log.error("%s; the file has no image lines until it can be read", res.image_error)
+        self._image_error = res.image_error
         self.expected = {(part, n.name): res.plan.classes.get(n.name)
                          for n in res.plan.nodes for part in n.partitions}
         self.default = None

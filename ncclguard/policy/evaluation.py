@@ -374,7 +374,7 @@ def evaluate_image(
                "enabled, and refs or a job that used it: it is resolved at the next pass)")
     elif image[0] is None:
         why = f"unreadable: {image[1]}" if path else str(image[1])
-    elif not image[0].get("nccl_version") or not image[0].get("net_abis"):
+    elif not container.checkable(image[0]):
         why = "no libnccl the job would load was found in it (static, or off its paths)"
     sev = {r.name: severity_of(config, r.name) for r in COMPARISONS}
     if why is None:

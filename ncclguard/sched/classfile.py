@@ -5,7 +5,7 @@ One line per fact, words split by spaces; the lua parses it with the same strict
 then adds no constraint: the gate stays the check; ``tests/test_lua_submit.py`` runs one
 corpus of files through both)::
 
-    ncclguard-classes 2
+    ncclguard-classes 3
     verified 1764523456          # Slurm was seen holding these features at this time
     min_nodes 2                  # [policy] min_nodes: smaller jobs are not checked
     max_alternatives 64          # [features] max_alternatives
@@ -17,6 +17,8 @@ corpus of files through both)::
     partition gpu nc_1a2b3c4d:8 nc_99aa00bb:4
     members nc_1a2b3c4d n[1-12]                  # each class's nodes (all classes)
     members nc_99aa00bb gpu[01-04]
+    image nvcr.io/nvidia/pytorch:25.01-py3 1764527000 nc_1a2b3c4d   # runs on these only
+    image /images/old.sqsh 0                                         # runs on no class
     end
 
 Line 1 and line 2 are fixed: the sync rewrites ``verified`` every few seconds, and the
@@ -30,6 +32,15 @@ at most. They let the lua refuse, at submit, a job whose required nodes (``-w``)
 classes (Slurm gives a job its required nodes whatever its constraint). Where they
 would make the file larger than :data:`MAX_BYTES`, they are left out and
 ``required_nodes`` says ``gate``.
+
+``image`` lines (version 3) name a container image by the key the gate looks it up by (a
+path as given, or a registry reference's :attr:`~ncclguard.fingerprint.imageref.Reference.key`),
+the time after which the line no longer holds (a registry tag's resolution plus
+``[registry] max_age_s``; 0: none), and the classes whose nodes run it without an
+``image-stack`` finding (:func:`ncclguard.policy.rules.container.runnable_classes`); a
+job in that image is offered only those (none: it runs on no class, and is refused at
+submit). Only images that some class cannot run are listed, at most
+:data:`MAX_IMAGES`, and only as many as keep the file within :data:`MAX_BYTES`.
 """
 
 from __future__ import annotations
@@ -38,8 +49,10 @@ import contextlib
 import os
 import re
 import stat
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from ncclguard.audit import check_dir
 from ncclguard.policy.schedule import MAX_ALTERNATIVES, ClassCount
@@ -51,7 +64,9 @@ __all__ = [
     "REQUIRED_NODES",
     "ClassFile",
     "ClassFileError",
+    "ImageGroup",
     "expand_members",
+    "image_lines",
     "parse",
     "read",
     "read_bytes",
@@ -60,7 +75,7 @@ __all__ = [
     "write_bytes",
 ]
 
-MAGIC = "ncclguard-classes 2"
+MAGIC = "ncclguard-classes 3"
 FILE_MODE = 0o644  # slurmctld (SlurmUser) reads it; the sync (SlurmUser) writes it
 MAX_BYTES = 1 << 20  # job_submit.lua's MAX_FILE
 #: job_submit.lua's FRESH_S: it ignores a file verified longer ago than this
@@ -72,6 +87,11 @@ ALL = "*"  # the partition entry for every node, and "every partition is guarded
 REQUIRED_NODES = ("refuse", "gate")
 #: The most hosts the members lines may name (the lua expands them).
 MAX_MEMBERS = 1 << 18
+#: The most ``image`` lines the file holds (the lua reads each one when the body changes).
+MAX_IMAGES = 256
+#: An image key: printable ASCII without spaces, as long as a reference may be
+#: (ncclguard/fingerprint/imageref.py MAX_REF); the lua checks the same.
+IMAGE_KEY = re.compile(r"[!-~]{1,1024}")
 
 _PARTITION = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _DIGITS = re.compile(r"[0-9]{1,18}")
@@ -93,6 +113,13 @@ class ClassFileError(ValueError):
     """The file cannot be read or written (the message names it and the cause)."""
 
 
+class ImageGroup(NamedTuple):
+    """The classes that run one container image, and until when that holds (0: no end)."""
+
+    until: int
+    classes: tuple[str, ...]
+
+
 @dataclass(frozen=True)
 class ClassFile:
     verified: int
@@ -104,6 +131,7 @@ class ClassFile:
     default: str | None = None  # Slurm's default partition: for jobs that name none
     partitions: dict[str, tuple[ClassCount, ...]] = field(default_factory=dict)
     members: dict[str, str] = field(default_factory=dict)  # class -> compressed hostlist
+    images: dict[str, ImageGroup] = field(default_factory=dict)  # image key -> its classes
 
 
 def render(cf: ClassFile) -> bytes:
@@ -131,8 +159,27 @@ def render(cf: ClassFile) -> bytes:
     if size > MAX_BYTES or sum(len(expand_members(h)) for h in cf.members.values()) \
             > MAX_MEMBERS:
         members, required = [], "gate"  # too many nodes for the lua: -w is the gate's
-    lines = [*head, f"required_nodes {required}", *rest, *members, "end"]
-    return ("\n".join(lines) + "\n").encode()
+    lines = [*head, f"required_nodes {required}", *rest, *members]
+    room = MAX_BYTES - sum(len(line) + 1 for line in lines) - 4  # "end\n"
+    return ("\n".join([*lines, *image_lines(cf.images, room), "end"]) + "\n").encode()
+
+
+def image_lines(images: Mapping[str, ImageGroup], room: int) -> list[str]:
+    """The ``image`` lines of ``images``, by key, at most :data:`MAX_IMAGES` and as many as
+    fit in ``room`` bytes; an image whose key the lua could not match is left out (the
+    gate judges it)."""
+    out: list[str] = []
+    for key, g in sorted(images.items()):
+        if len(out) == MAX_IMAGES:
+            break
+        if not IMAGE_KEY.fullmatch(key) or not all(FEATURE.fullmatch(f) for f in g.classes):
+            continue
+        line = " ".join(["image", key, str(int(g.until)), *g.classes])
+        room -= len(line) + 1
+        if room < 0:
+            break  # the rest stay the gate's
+        out.append(line)
+    return out
 
 
 def parse(text: str, where: str = "classes file") -> ClassFile:
@@ -148,6 +195,7 @@ def parse(text: str, where: str = "classes file") -> ClassFile:
     values: dict[str, str] = {"verified": m[1]}
     partitions: dict[str, tuple[ClassCount, ...]] = {}
     members: dict[str, str] = {}
+    images: dict[str, ImageGroup] = {}
     seen: set[str] = set()
     ended = False
     for n, line in enumerate(lines[2:], start=3):
@@ -186,6 +234,15 @@ def parse(text: str, where: str = "classes file") -> ClassFile:
                 raise ClassFileError(f"{where}: line {n}: a host in two classes")
             seen.update(names)
             members[feature] = hosts
+        elif key == "image" and len(words) >= 3:
+            name, until = words[1], words[2]
+            if not IMAGE_KEY.fullmatch(name) or name in images \
+                    or not _DIGITS.fullmatch(until) or len(images) >= MAX_IMAGES:
+                raise ClassFileError(f"{where}: line {n}: image {name[:80]!r}")
+            bad = [w for w in words[3:] if not FEATURE.fullmatch(w)]
+            if bad:
+                raise ClassFileError(f"{where}: line {n}: not a class: {bad[0][:80]!r}")
+            images[name] = ImageGroup(int(until), tuple(words[3:]))
         else:
             raise ClassFileError(f"{where}: line {n}: not understood: {line[:80]!r}")
     if not ended:
@@ -207,6 +264,7 @@ def parse(text: str, where: str = "classes file") -> ClassFile:
         default=values.get("default"),
         partitions=partitions,
         members=members,
+        images=images,
     )
 
 

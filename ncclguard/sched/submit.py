@@ -15,16 +15,28 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from ncclguard.fingerprint.imageref import RefError
+from ncclguard.fingerprint.imageref import parse as parse_ref
 from ncclguard.policy.schedule import ClassCount
 from ncclguard.sched import classfile, group
 
-__all__ = ["CAPPED", "Decision", "JobDesc", "choose", "constraints", "decide", "trusted"]
+__all__ = ["CAPPED", "Decision", "JobDesc", "choose", "constraints", "container_image", "decide",
+           "image_key", "trusted"]
 
 NO_VAL = 4294967294
 NO_VAL16 = 65534
 MAX_REQ_NODES = 65536  # job_submit.lua's MAX_REQ_NODES: the longest -w list read
 #: The job fields Slurm caps at 1024 characters after the plugin ran (the lua's CAPPED).
 CAPPED = ("features", "prefer", "comment", "extra", "partition", "tres_per_job")
+#: How pyxis's ``--container-image`` reaches job_submit: an entry of ``spank_job_env``
+#: (docs/slurm.md, "What job_submit.lua sees of a SPANK option at submit").
+IMAGE_OPTION = "_SLURM_SPANK_OPTION_pyxis_container_image="
+#: The most ``spank_job_env`` entries looked at (the lua's MAX_SPANK_ENV); a job with more
+#: is left as one without an image (the gate judges its image).
+MAX_SPANK_ENV = 256
+#: The longest ``--container-image`` value read (the lua's MAX_IMAGE_VALUE): its
+#: white space is stripped byte by byte, inside slurmctld.
+MAX_IMAGE_VALUE = 4096
 
 
 @dataclass(frozen=True)
@@ -43,6 +55,7 @@ class JobDesc:
     num_tasks: int | None = None
     ntasks_per_node: int | None = None
     het_job_offset: int | None = None
+    spank_job_env: tuple[str, ...] | None = None  # the lua's 0-based table, and its size
 
 
 Action = Literal["keep", "set", "cap", "reject"]
@@ -74,6 +87,45 @@ def trusted(cf: classfile.ClassFile, now: int, loaded_at: int) -> str | None:
     if cf.verified > now + 2:
         return "the classes were verified in the future"
     return None
+
+
+def container_image(job: JobDesc) -> str | None:
+    """The job's ``--container-image`` as written: the one ``spank_job_env`` entry of
+    :data:`IMAGE_OPTION` (None: none, more than one, or more than :data:`MAX_SPANK_ENV`
+    entries)."""
+    env = job.spank_job_env
+    if env is None or len(env) > MAX_SPANK_ENV:
+        return None
+    found = [e[len(IMAGE_OPTION):] for e in env if e.startswith(IMAGE_OPTION)]
+    return found[0] if len(found) == 1 else None
+
+
+def image_key(value: str | None) -> str | None:
+    """The key the gate looks an image up by (prolog/gate.py ``decide``): an absolute path
+    as given, or a registry reference's :attr:`~ncclguard.fingerprint.imageref.Reference.key`;
+    None for anything else (a relative path, a reference enroot would not take, anything
+    outside printable ASCII, which the lua does not read)."""
+    if value is None or len(value.encode()) > MAX_IMAGE_VALUE:
+        return None
+    v = value.strip(" \t\n\r\v\f")
+    if classfile.IMAGE_KEY.fullmatch(v) is None or v.startswith("."):
+        return None
+    if v.startswith("/"):
+        return v
+    try:
+        return parse_ref(v).key
+    except RefError:
+        return None
+
+
+def _image(cf: classfile.ClassFile, job: JobDesc, now: int
+           ) -> tuple[str, classfile.ImageGroup] | None:
+    """The job's image and its line in the file, while that holds."""
+    key = image_key(container_image(job))
+    g = cf.images.get(key) if key is not None else None
+    if key is None or g is None or (g.until and now > g.until):
+        return None
+    return key, g
 
 
 def _set(v: int | None, none: int) -> bool:
@@ -223,9 +275,10 @@ def _crash_check(job: JobDesc) -> Decision | None:
     return None
 
 
-def decide(cf: classfile.ClassFile | None, job: JobDesc) -> Decision:
+def decide(cf: classfile.ClassFile | None, job: JobDesc, now: int = 0) -> Decision:
     """The lua's ``ncclguard.submit(job_desc)``; ``cf``: the file as the lua would use it
-    (None: missing, malformed or not trusted, see :func:`trusted`)."""
+    (None: missing, malformed or not trusted, see :func:`trusted`); ``now``: the lua's
+    clock, for the file's image lines."""
     capped = _oversized(job)
     if capped:
         return capped  # Slurm refuses it next
@@ -258,6 +311,20 @@ def decide(cf: classfile.ClassFile | None, job: JobDesc) -> Decision:
     need = 1
     if job.min_nodes is not None and job.min_nodes != NO_VAL and job.min_nodes > 1:
         need = job.min_nodes
+    stack, see = "with one NCCL stack", "`ncclguard classes`"
+    image = _image(cf, job, now)
+    if image is not None:
+        key, g = image
+        if not g.classes:
+            return Decision("reject", code="ERROR", message=(
+                f"ncclguard: container image {key} runs on no class of nodes: its NCCL "
+                "cannot use the net plugin the nodes give containers, and would fall back "
+                f"to another transport (see `ncclguard check --image {key}`)"))
+        runnable = tuple(c for c in classes if c.feature in g.classes)
+        if runnable:  # else none of the partition's listed classes: the gate decides
+            classes = runnable
+            stack = f"that run image {key} with one NCCL stack"
+            see = f"`ncclguard check --image {key}`"
     if has_req:
         if hosts is None:
             return KEEP
@@ -270,9 +337,9 @@ def decide(cf: classfile.ClassFile | None, job: JobDesc) -> Decision:
     if not chosen:
         largest = max(c.nodes for c in classes)
         return Decision("reject", code="ESLURM_INVALID_NODE_COUNT", message=(
-            f"ncclguard: this job needs {need} nodes with one NCCL stack, but the largest "
+            f"ncclguard: this job needs {need} nodes {stack}, but the largest "
             f"such set in {pname} has {largest} nodes (ask for at most {largest}, or see "
-            "`ncclguard classes`)"))
+            f"{see})"))
     joined = constraints(chosen, user, prefer)
     if joined is None:
         return KEEP

@@ -27,7 +27,8 @@ from pathlib import Path
 from ncclguard.audit import AuditError, lock
 from ncclguard.config import Config
 from ncclguard.hostlist import compress
-from ncclguard.policy import stale_hosts
+from ncclguard.policy import GATE_VALUES, stale_hosts
+from ncclguard.policy.rules import container
 from ncclguard.policy.schedule import (
     ClassCount,
     class_features,
@@ -39,9 +40,10 @@ from ncclguard.policy.schedule import (
 from ncclguard.sched import classfile, group
 from ncclguard.sched.submit import choose, constraints
 from ncclguard.slurm import NodeInfo, Slurm, SlurmError, SlurmTimeout
-from ncclguard.store import Inventory
+from ncclguard.store import Inventory, InventoryError
 
-__all__ = ["Plan", "SyncResult", "Update", "class_table", "desired", "plan", "sync"]
+__all__ = ["Plan", "SyncResult", "Update", "class_table", "desired", "image_groups", "plan",
+           "sync", "write_images"]
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,9 @@ class SyncResult:
     written: Path | None = None
     regrouped: list[tuple[str, str, str]] = field(default_factory=list)  # (job, old, new)
     dry_run: bool = False
+    images: dict[str, classfile.ImageGroup] = field(default_factory=dict)  # as written
+    image_mark: str | None = None  # the image index's mark they were read at
+    image_error: str | None = None  # why they could not be read (the file has none)
 
 
 def desired(config: Config, hosts: Sequence[str], now: float | None = None,
@@ -100,6 +105,94 @@ def desired(config: Config, hosts: Sequence[str], now: float | None = None,
     return class_features(keys, config.policy, stale, names=names)
 
 
+def image_groups(config: Config, inventory: Inventory, classes: Mapping[str, str | None],
+                 now: float) -> dict[str, classfile.ImageGroup]:
+    """The file's ``image`` lines: each image the gate can judge (a squashfs file of the
+    index; a registry tag resolved within ``[registry] max_age_s``, until then) that some
+    class cannot run, with the classes that can
+    (:func:`~ncclguard.policy.rules.container.runnable_classes`). None while ``image-stack``
+    does not refuse: the gate would let such a job run anywhere, and so does Slurm.
+    Registry tags that jobs used last come first; at most ``2 * MAX_IMAGES`` are judged.
+    ``inventory``: opened with the gate's values (:data:`GATE_VALUES` or the classes')."""
+    from ncclguard.fingerprint.imageref import RefError, parse
+    from ncclguard.policy.settings import severity_of
+
+    if severity_of(config.policy, container.STACK) != "refuse":
+        return {}
+    limit = 2 * classfile.MAX_IMAGES
+    found: list[tuple[str, dict, int]] = []
+    if config.registry.enabled:
+        tags = sorted(inventory.registry_tags().values(), key=lambda t: -(t.used_at or 0))
+        for tag in tags[:limit]:
+            try:
+                registry = parse(tag.ref).registry
+            except RefError:
+                continue
+            row = inventory.load_registry_values(tag.ref)
+            got = container.registry_image(row, now, config.registry, registry)
+            if got is not None and container.checkable(got[0]) and row is not None:
+                until = int(float(row["resolved_at"]) + config.registry.max_age_s)
+                found.append((tag.ref, got[0], until))  # type: ignore[arg-type]
+    for img in inventory.images()[:limit]:
+        if img["error"] is None and len(found) < limit:
+            got = inventory.load_image_values(img["path"])
+            if got is not None and container.checkable(got[0]):
+                found.append((img["path"], got[0], 0))  # type: ignore[arg-type]
+    if not found:
+        return {}
+    loaded = inventory.load_values([h for h, c in classes.items() if c is not None])
+    samples = container.class_samples({h: r[0] if r else None for h, r in loaded.items()},
+                                      classes)
+    out = {}
+    for key, values, until in found:
+        able = container.runnable_classes(values, samples)
+        if able is not None and len(able) < len(samples):  # some class cannot run it
+            out[key] = classfile.ImageGroup(until, able)
+    return out
+
+
+def _image_groups(config: Config, classes: Mapping[str, str | None], now: float,
+                  result: SyncResult) -> dict[str, classfile.ImageGroup]:
+    """:func:`image_groups` from the configured inventory, into ``result``; an inventory
+    that cannot be read gives none (the lua then offers image jobs every class, and the
+    gate judges them), and says why."""
+    try:
+        with Inventory(readonly=True, values=GATE_VALUES, config=config.inventory) as inv:
+            result.image_mark = inv.image_mark()
+            result.images = image_groups(config, inv, classes, now)
+    except InventoryError as e:
+        result.image_error = f"image groups: {e}"
+    return result.images
+
+
+def write_images(config: Config, images: Mapping[str, classfile.ImageGroup],
+                 now: float | None = None) -> bool:
+    """Replace the file's ``image`` lines (and set ``verified``), the rest as the last sync
+    wrote it: the image index changed, the classes did not. False when there is no file
+    of ours to change (a full sync writes it)."""
+    path = Path(config.features.classes_file)
+    with _locked(path):
+        try:
+            data = classfile.read_bytes(path)
+        except classfile.ClassFileError:
+            return False
+        head, _, rest = data.partition(b"\n")
+        _line2, _, body = rest.partition(b"\n")
+        if head != classfile.MAGIC.encode() or not body.endswith(b"\nend\n"):
+            return False
+        kept = [ln for ln in body[:-len(b"end\n")].split(b"\n")[:-1]
+                if not ln.startswith(b"image ")]
+        stamp = int(time.time() if now is None else now)
+        top = [head, b"verified %d" % stamp, *kept]
+        room = classfile.MAX_BYTES - sum(len(ln) + 1 for ln in top) - 4
+        lines = [*top, *(ln.encode() for ln in classfile.image_lines(images, room)), b"end"]
+        try:
+            classfile.write_bytes(path, b"\n".join(lines) + b"\n")
+        except classfile.ClassFileError:
+            return False
+        return True
+
+
 def plan(nodes: Sequence[NodeInfo], classes: Mapping[str, str | None]) -> Plan:
     """The updates that give each node its own features plus its class feature (any
     other ``nc_`` feature removed), grouped by the new lists: one call per group."""
@@ -119,9 +212,12 @@ def plan(nodes: Sequence[NodeInfo], classes: Mapping[str, str | None]) -> Plan:
 
 
 def class_table(config: Config, nodes: Sequence[NodeInfo], classes: Mapping[str, str | None],
-                verified: float, default: str | None = None) -> classfile.ClassFile:
+                verified: float, default: str | None = None,
+                images: Mapping[str, classfile.ImageGroup] | None = None
+                ) -> classfile.ClassFile:
     """The lua's file: for every node and for each partition, the classes in preference
-    order (largest first), those of at least two nodes, at most ``max_alternatives``."""
+    order (largest first), those of at least two nodes, at most ``max_alternatives``;
+    ``images``: the image lines (:func:`image_groups`)."""
     limit = config.features.max_alternatives
     members: dict[str, list[str]] = {classfile.ALL: [n.name for n in nodes]}
     for n in nodes:
@@ -144,6 +240,7 @@ def class_table(config: Config, nodes: Sequence[NodeInfo], classes: Mapping[str,
         default=default,
         partitions=table,
         members={f: compress(hosts) for f, hosts in by_class.items()},
+        images=dict(images or {}),
     )
 
 
@@ -250,13 +347,14 @@ def sync(config: Config, slurm: Slurm, *, dry_run: bool = False, now: float | No
         if dry_run:
             return result
         default = slurm.default_partition()
+        images = _image_groups(config, p.classes, now, result)
         before = in_slurm(nodes)
         if any(before.get(h) != c for h, c in p.classes.items()):
             # while features move, the lua may only name classes Slurm has before and after
             kept = {f for f in before.values() if f} & {f for f in p.classes.values() if f}
             classfile.write(path, class_table(config, nodes, {h: (c if c in kept else None)
                                                      for h, c in p.classes.items()}, now,
-                                     default))
+                                     default, images))
         calls, later = _without(p.updates, skip)
         result.failed += [(u, NOT_TRIED) for u in later]
         budget = [SPLIT_CALLS]
@@ -271,9 +369,10 @@ def sync(config: Config, slurm: Slurm, *, dry_run: bool = False, now: float | No
                 result.errors.append(f"reading the nodes again: {e}")
                 path.unlink(missing_ok=True)  # no file: the lua adds nothing, the gate checks
                 return result
-            classfile.write(path, class_table(config, nodes, in_slurm(nodes), now, default))
+            classfile.write(path, class_table(config, nodes, in_slurm(nodes), now, default,
+                                              images))
             return result
-        cf = class_table(config, nodes, p.classes, now, default)
+        cf = class_table(config, nodes, p.classes, now, default, images)
         classfile.write(path, cf)
         result.written = path
         result.regrouped = regroup_pending(slurm, cf, result.errors)

@@ -292,6 +292,18 @@ class RegistryTables(Database):
 
         self._retrying(self._conn, body, f"forget {len(refs)} registry tags")
 
+    def image_mark(self) -> str:
+        """A cheap mark of the image and registry index: it changes whenever an image is
+        scanned or a tag resolved or tried, so that the features daemon reads the images
+        again only then (its ``image`` lines, docs/scheduling.md)."""
+        row = self._reading("read the image index's mark", lambda c: c.execute(
+            "SELECT (SELECT count(*) || ':' || coalesce(max(scanned_at), 0) FROM images), "
+            "(SELECT count(*) || ':' || coalesce(max(checked_at), 0) || ':' || "
+            "coalesce(max(resolved_at), 0) FROM registry_tags), "
+            "(SELECT count(*) || ':' || coalesce(max(scanned_at), 0) FROM registry_images)"
+        ).fetchone())
+        return "|".join(str(x) for x in row)
+
     def registry_tags(self) -> dict[str, RegistryTag]:
         rows = self._reading("read registry tags", lambda c: c.execute(
             "SELECT ref, digest, resolved_at, moved_at, checked_at, state, error, attempts, "

@@ -55,7 +55,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import IO, Any, Literal
 
-from helpers.parts import unavailable
+from helpers.parts import extract_nccl, unavailable
 
 REGISTRY_PROGRAM = "docker-registry"
 SKOPEO_PROGRAM = "skopeo"
@@ -925,6 +925,12 @@ def skopeo_copy(registry: Registry, layout: Path, tag: str, repo: str, *,
         raise RegistryError(f"skopeo copy to {registry.host}/{repo}:{tag} failed "
                             f"({r.returncode}): {r.stderr.strip()}\nregistry log:\n"
                             f"{registry.log_tail(15)}")
+
+
+def nccl_layer(version: str) -> Layer:
+    """A zstd layer holding a real libnccl of ``version`` where pip puts it."""
+    return layer_tar([File("/usr/local/lib/python3.10/dist-packages/nvidia/nccl/lib/"
+                           "libnccl.so.2", extract_nccl(version))], "zstd", level=1)
 
 
 def push_image(registry: Registry, repo: str, tag: str, layers: Sequence[bytes],

@@ -104,6 +104,53 @@ def registry_image(row: Mapping[str, object] | None, now: float, cfg: RegistryCo
     return row["values"], None  # type: ignore[return-value]
 
 
+def checkable(values: Mapping | None) -> bool:
+    """Whether the gate judges a job by these image values (``image-stack``): the image
+    holds a libnccl the job would load, with its net ABIs; otherwise ``image-unknown``."""
+    return bool(values and values.get("nccl_version") and values.get("net_abis"))
+
+
+def class_samples(records: Mapping[str, dict | None], classes: Mapping[str, str | None]
+                  ) -> dict[str, list[dict]]:
+    """class feature -> one gate record for each distinct container value among its nodes
+    (``records``: by host; ``classes``: host -> its class). :func:`runnable_classes` judges
+    these, so that its cost follows the distinct records, not the nodes."""
+    distinct: dict[str, dict[str, dict]] = {}
+    for host, cls in classes.items():
+        if cls is None:
+            continue
+        by_value = distinct.setdefault(cls, {})
+        rec = records.get(host)
+        if rec is not None:
+            c = rec.get("container")
+            by_value.setdefault(repr(sorted(c.items())) if isinstance(c, dict) else "", rec)
+    return {cls: list(by_value.values()) for cls, by_value in distinct.items()}
+
+
+def runnable_classes(image: Mapping, samples: Mapping[str, list[dict]]) -> tuple[str, ...] | None:
+    """The classes (of :func:`class_samples`) on whose nodes a job in ``image`` meets no
+    ``image-stack`` finding (:func:`check_stack`, the gate's own comparison), for
+    job_submit.lua to offer an image job only those (docs/containers.md, "Prevention at
+    submit").
+
+    A class runs the image when no node of it falls back and all use one transport, or
+    when its nodes' records do not say what they inject (the gate then warns, and
+    decides); it does not when every node of it falls back. None when the answer is not
+    the same for all nodes of some class (some fall back, others not, or two transports):
+    one class feature cannot say that, so the caller offers no image group and the gate
+    decides, as before.
+    """
+    able = []
+    for cls, recs in sorted(samples.items()):
+        sample = {str(i): rec for i, rec in enumerate(recs)}
+        found, odd, _unsaid = check_stack("", image, sample, "refuse")
+        if not found:
+            able.append(cls)
+        elif set(odd) != set(sample):
+            return None  # some of the class would run it, some not
+    return tuple(able)
+
+
 def _injected(text: str | None) -> dict | None:
     if not text:
         return None
