@@ -29,7 +29,11 @@ from ncclguard.sched.submit import JobDesc
 ROOT = Path(__file__).resolve().parents[1]
 LUA = ROOT / "slurm" / "job_submit.lua"
 DRIVER = ROOT / "tests" / "lua" / "driver.lua"
+KEYS_DRIVER = ROOT / "tests" / "lua" / "image_keys.lua"
 NOW = 1_800_000_000
+#: --container-image values from public threads (their provenance is in the file)
+REAL_REFS = [ln for ln in (ROOT / "tests" / "data" / "image_refs.txt").read_text().splitlines()
+             if ln and not ln.startswith("#")]
 
 
 def lua5_1() -> str:
@@ -62,6 +66,8 @@ def lua_value(v: Any) -> str:
         return str(v)
     if isinstance(v, str):
         return lua_string(v)
+    if isinstance(v, tuple):  # Slurm's 0-based arrays (spank_job_env)
+        return "{" + ", ".join(f"[{i}] = {lua_value(x)}" for i, x in enumerate(v)) + "}"
     if isinstance(v, Mapping):
         return "{" + ", ".join(f"[{lua_string(k)}] = {lua_value(x)}" for k, x in v.items()
                                if x is not None) + "}"
@@ -101,6 +107,8 @@ def run_lua(tmp_path: Path, cases: list[Case], timeout: float = 120) -> list[Out
             if c.text is not None:
                 c.path.write_bytes(c.text if isinstance(c.text, bytes) else c.text.encode())
         job = {f.name: getattr(c.job, f.name) for f in fields(c.job)}
+        if c.job.spank_job_env is not None:
+            job["spank_job_env_size"] = len(c.job.spank_job_env)
         listing.append("{" + f"file = {lua_string(str(c.path))}, now = {c.now}, "
                        f"loaded = {c.loaded}, modify = {lua_value(c.modify)}, "
                        f"inject = {lua_value(c.inject)}, job = {lua_value(job)}" + "}")
@@ -131,7 +139,8 @@ def python_outcome(c: Case) -> Outcome:
         except (classfile.ClassFileError, UnicodeDecodeError):
             cf = None
     usable = cf is not None and submit.trusted(cf, c.now, c.loaded) is None
-    d = submit.decide_modify(c.job) if c.modify else submit.decide(cf if usable else None, c.job)
+    d = submit.decide_modify(c.job) if c.modify else submit.decide(cf if usable else None, c.job,
+                                                                   c.now)
     rc = {"keep": "SUCCESS", "set": "SUCCESS", "cap": "SUCCESS"}.get(d.action, d.code)
     if d.action == "cap":
         return Outcome(rc, d.features, d.prefer, None, None, usable)
@@ -162,6 +171,13 @@ def a_file(rng: random.Random, *, verified: int = NOW - 1) -> classfile.ClassFil
     half = nodes[: len(nodes) // 2]
     part = sorted((ClassCount(f, n) for f in by if (n := sum(h in half for h in by[f])) >= 2),
                   key=lambda c: (-c.nodes, c.feature))
+    images = {}
+    if rng.random() < 0.7:
+        every = list(by)
+        for key in rng.sample(IMAGE_KEYS, rng.randrange(2, 6)):
+            chosen = tuple(f for f in every if rng.random() < 0.4)
+            until = rng.choice([0, 0, NOW + 100, NOW - 10])
+            images[key] = classfile.ImageGroup(until, chosen if rng.random() < 0.85 else ())
     return classfile.ClassFile(
         verified=verified,
         min_nodes=rng.choice([2, 2, 3]),
@@ -173,7 +189,33 @@ def a_file(rng: random.Random, *, verified: int = NOW - 1) -> classfile.ClassFil
         partitions={"*": tuple(ranked[:limit]), "debug": tuple(part[:limit]),
                     **({"gpu": tuple(ranked[:1])} if rng.random() < 0.5 else {})},
         members={f: compress(hs) for f, hs in by.items()},
+        images=images,
     )
+
+
+#: keys a file names, and values that name them (or not) as users write them
+IMAGE_KEYS = ["nvcr.io/nvidia/pytorch:25.01-py3", "registry-1.docker.io/library/centos:latest",
+              "/images/train.sqsh", "127.0.0.1:5000/ml/train:v1",
+              "nvcr.io/nvidia/pytorch@sha256:" + "ab" * 32]
+MATCHING = ["nvcr.io#nvidia/pytorch:25.01-py3", "nvcr.io/nvidia/pytorch:25.01-py3",
+            " docker://nvcr.io#nvidia/pytorch:25.01-py3\n", "centos", "centos:latest",
+            "/images/train.sqsh", "127.0.0.1:5000#ml/train:v1", "127.0.0.1:5000/ml/train:v1",
+            "nvcr.io#nvidia/pytorch:25.01-py3@sha256:" + "ab" * 32]
+IMAGE_VALUES = [*MATCHING, *REAL_REFS]
+IMAGE_ODD = ["./images/train.sqsh", "nvcr.io#nvidia/PyTorch:25.01", "nvcr.io", "",
+             "/images/train.sqsh ", "/images/t rain.sqsh", "u@nvcr.io#nvidia/pytorch:25.01-py3",
+             "nvcr.io#nvidia/pytorch:25.01-py3\u00a0", "x" * 5000, " " * 4000 + "centos"]
+OTHER_SPANK = "_SLURM_SPANK_OPTION_pyxis_container_mounts=/scratch:/scratch"
+
+
+def spank_env(rng: random.Random) -> tuple[str, ...] | None:
+    if rng.random() < 0.5:
+        return None
+    value = pick(rng, MATCHING, [*REAL_REFS, *IMAGE_ODD], 0.3)
+    entry = submit.IMAGE_OPTION + value
+    return pick(rng, [(entry,), (OTHER_SPANK, entry), (OTHER_SPANK,)], [
+        (entry, entry), (entry, submit.IMAGE_OPTION + "centos"), (OTHER_SPANK,) * 300 + (entry,),
+        (OTHER_SPANK,) * 255 + (entry,), ("_SLURM_SPANK_OPTION_pyxis_container_image" + value,)])
 
 
 def pick(rng: random.Random, usual: list[Any], odd: list[Any], odds: float = 0.25) -> Any:
@@ -214,6 +256,7 @@ def a_job(rng: random.Random) -> JobDesc:
         num_tasks=pick(rng, [None], [1, 4, 16]),
         ntasks_per_node=pick(rng, [None], [1, 16, submit.NO_VAL16]),
         het_job_offset=pick(rng, [None], [submit.NO_VAL, 0, 1], 0.1),
+        spank_job_env=spank_env(rng),
     )
 
 
@@ -268,23 +311,88 @@ def compare(tmp_path: Path, cases: list[Case]) -> None:
 
 
 def test_lua_and_python_decide_the_same_on_a_random_corpus(tmp_path: Path) -> None:
-    compare(tmp_path, corpus(seed=24, count=1500))
+    compare(tmp_path, corpus(seed=24, count=3000))
 
 
 def test_every_kind_of_outcome_occurs_in_the_corpus() -> None:
     """The corpus exercises what it must: each action, each refusal, bad files."""
     seen = {}
-    for c in corpus(seed=24, count=1500):
+    for c in corpus(seed=24, count=3000):
         o = python_outcome(c)
         kind = ("set" if o.features != c.job.features else o.rc if o.rc != "SUCCESS"
                 else "keep") + ("" if o.usable else "-unusable")
         seen[kind] = seen.get(kind, 0) + 1
         if o.user:
             seen[o.user.split(",")[0][:40]] = 1
+            if "nodes that run image" in o.user:
+                seen["too many nodes for the image"] = 1
     for kind in ("set", "keep", "ERROR", "ESLURM_INVALID_NODE_COUNT", "keep-unusable"):
         assert seen.get(kind, 0) >= 5, (kind, seen)
     assert any(k.startswith("ncclguard: the required nodes (-w) have") for k in seen), seen
     assert any(k.startswith("ncclguard: a bracket group") for k in seen), seen
+    assert any(k.startswith("ncclguard: container image") for k in seen), seen
+    assert "too many nodes for the image" in seen, seen
+
+
+def test_the_corpus_offers_image_jobs_only_the_classes_that_run_their_image() -> None:
+    """Where the job's image has a line, the group the mirror sets names only its classes
+    (the lua is compared with the mirror above); it happens often enough to count."""
+    narrowed = 0
+    for c in corpus(seed=24, count=3000):
+        o = python_outcome(c)
+        if not o.usable or o.features == c.job.features:
+            continue
+        cf = classfile.parse(c.text)  # type: ignore[arg-type]
+        key = submit.image_key(submit.container_image(c.job))
+        if key not in cf.images:
+            continue
+        g = cf.images[key]
+        if g.until and c.now > g.until:
+            continue
+        group = set(o.features.rsplit("[", 1)[1].rstrip("]").split("|"))  # type: ignore[union-attr]
+        offered = {k.feature for k in submit._classes_for(cf, c.job.partition)[0]}
+        if offered & set(g.classes):
+            assert group <= set(g.classes), (key, g, o.features)
+            narrowed += 1
+    assert narrowed >= 3, narrowed
+
+
+def test_the_lua_keys_every_image_as_the_gate_does(tmp_path: Path) -> None:
+    """Real --container-image values (tests/data/image_refs.txt) and odd ones, through
+    job_submit.lua's ncclguard.image_key and ncclguard.sched.submit.image_key: the same
+    key or none, and for real ones the key the gate looks the image up by
+    (imageref.parse, as enroot v4.1.2 reads a reference)."""
+    from ncclguard.fingerprint.imageref import parse
+
+    odd = [*IMAGE_ODD, "docker://", "docker:///x", "oci://x/y", "@nvcr.io#a/b", "a@b@c/d:e",
+           "nvcr.io#a/b@sha256:" + "AB" * 32, "nvcr.io#a/b:" + "t" * 129, "h:123456/a:b",
+           "-h.io/a:b", "h-.io/a:b", "h..io/a:b", "nvcr.io#a__b/c", "nvcr.io#a___b/c",
+           "nvcr.io#a._b/c", "nvcr.io#a--b/c:t", "nvcr.io#a/b/", "localhost:5000/a/b:c",
+           "user.name$x@nvcr.io#nvidia/pytorch:1", "u@sha256:x/y", "a:b:c", "\t/a.sqsh\t",
+           "nvcr.io#a/b:t@sha256:" + "0" * 64, "x" * 1024, "nvcr.io#" + "a" * 1020]
+    values = [*REAL_REFS, *IMAGE_VALUES, *odd]
+    listing = tmp_path / "values"
+    listing.write_text("".join(v.encode().hex() + "\n" for v in values))
+    r = subprocess.run([lua5_1(), str(KEYS_DRIVER), str(LUA), str(listing)], capture_output=True,
+                       text=True, timeout=60, check=False)
+    assert r.returncode == 0, r.stderr
+    got = [None if ln == "-" else bytes.fromhex(ln).decode() for ln in r.stdout.splitlines()]
+    assert len(got) == len(values)
+    diffs = [(v, g, submit.image_key(v)) for v, g in zip(values, got, strict=True)
+             if g != submit.image_key(v)]
+    assert not diffs, diffs[:5]
+    keyed = dict(zip(values, got, strict=True))
+    assert keyed["centos"] == "registry-1.docker.io/library/centos:latest"
+    assert keyed["hello-world.sqsh"] == "registry-1.docker.io/library/hello-world.sqsh:latest"
+    assert keyed["./hello-world.sqsh"] is None  # relative: the gate cannot know the file
+    assert keyed["192.168.61.4:5000#/cosmoflow-nvidia:0.4"] is None
+    assert keyed["evuedsoacr.azurecr.io/dc-ecosys-appl-eng/mlperf-nvidia:stable_diffusion-pyt"] \
+        == "evuedsoacr.azurecr.io/dc-ecosys-appl-eng/mlperf-nvidia:stable_diffusion-pyt"
+    assert keyed["nvcr.io#nvidia/pytorch:20.02-py3"] == "nvcr.io/nvidia/pytorch:20.02-py3"
+    for v in REAL_REFS:  # every real one as the gate keys it (paths as given)
+        if keyed[v] is not None and not v.startswith("/"):
+            assert keyed[v] == parse(v).key, v
+    assert sum(k is not None for k in keyed.values()) >= 20
 
 
 # --------------------------------------------------------- chosen cases, by name
@@ -368,6 +476,60 @@ def test_required_nodes_in_one_class_get_that_class_alone(tmp_path: Path) -> Non
     assert (got.rc, got.features) == ("SUCCESS", f"[{A}]")
     got = one(tmp_path, cf_ab(), JobDesc(req_nodes="n5", min_nodes=3))
     assert got.rc == "ERROR" and got.user is not None and "which has 2 nodes" in got.user
+
+
+def _in(image: str) -> tuple[str, ...]:
+    return (OTHER_SPANK, submit.IMAGE_OPTION + image)
+
+
+def test_an_image_job_gets_only_the_classes_that_run_its_image(tmp_path: Path) -> None:
+    ref, key = "nvcr.io#nvidia/pytorch:25.01-py3", "nvcr.io/nvidia/pytorch:25.01-py3"
+    cf = cf_ab(images={key: classfile.ImageGroup(0, (B,))})
+    got = one(tmp_path, cf, JobDesc(min_nodes=2, spank_job_env=_in(ref)))
+    assert (got.rc, got.features) == ("SUCCESS", f"[{B}]")
+    # the same image written as enroot also reads it; another image: every class
+    got = one(tmp_path, cf, JobDesc(min_nodes=2, spank_job_env=_in(f"docker://{key}")))
+    assert got.features == f"[{B}]"
+    got = one(tmp_path, cf, JobDesc(min_nodes=2, spank_job_env=_in("nvcr.io#nvidia/x:1")))
+    assert got.features == f"[{A}|{B}]"
+    # more nodes than the classes that run it hold
+    got = one(tmp_path, cf, JobDesc(min_nodes=3, spank_job_env=_in(ref)))
+    assert got.rc == "ESLURM_INVALID_NODE_COUNT" and got.user == (
+        f"ncclguard: this job needs 3 nodes that run image {key} with one NCCL stack, but the "
+        f"largest such set in the cluster has 2 nodes (ask for at most 2, or see `ncclguard "
+        f"check --image {key}`)")
+    # the line has passed its time (the tag's resolution is too old): every class
+    cf = cf_ab(images={key: classfile.ImageGroup(NOW - 1, (B,))})
+    got = one(tmp_path, cf, JobDesc(min_nodes=2, spank_job_env=_in(ref)))
+    assert got.features == f"[{A}|{B}]"
+
+
+def test_an_image_no_class_runs_is_refused_and_an_unreadable_one_left_alone(
+        tmp_path: Path) -> None:
+    cf = cf_ab(images={"/images/old.sqsh": classfile.ImageGroup(0, ())})
+    got = one(tmp_path, cf, JobDesc(min_nodes=2, spank_job_env=_in(" /images/old.sqsh")))
+    assert got.rc == "ERROR" and got.user is not None
+    assert got.user.startswith("ncclguard: container image /images/old.sqsh runs on no class")
+    # single-node jobs, two images, more entries than read, a relative path: as before
+    for job in (JobDesc(min_nodes=1, max_nodes=1, spank_job_env=_in("/images/old.sqsh")),
+                JobDesc(min_nodes=2, spank_job_env=_in("/images/old.sqsh") * 2),
+                JobDesc(min_nodes=2, spank_job_env=(OTHER_SPANK,) * 256 + _in("/images/old.sqsh")),
+                JobDesc(min_nodes=2, spank_job_env=_in("./images/old.sqsh"))):
+        got = one(tmp_path, cf, job)
+        assert got.rc == "SUCCESS", job
+
+
+def test_a_bad_image_line_makes_the_file_unusable(tmp_path: Path) -> None:
+    good = classfile.render(cf_ab(images={"/a.sqsh": classfile.ImageGroup(0, (A,))})).decode()
+    for bad in ("image /a.sqsh 0 nc_zz", "image /a.sqsh x", "image /a.sqsh", "image a\x01 0"):
+        got = one(tmp_path, good.replace("image /a.sqsh 0 " + A, bad),
+                  JobDesc(min_nodes=2))
+        assert not got.usable, bad
+    twice = good.replace("image /a.sqsh 0 " + A, f"image /a.sqsh 0 {A}\nimage /a.sqsh 0")
+    assert not one(tmp_path, twice, JobDesc(min_nodes=2)).usable
+    many = "\n".join(f"image /{i}.sqsh 0" for i in range(classfile.MAX_IMAGES + 1))
+    assert not one(tmp_path, good.replace("image /a.sqsh 0 " + A, many),
+                   JobDesc(min_nodes=2)).usable
 
 
 @pytest.mark.parametrize("req", ["n[1-2]x", "n1 n5", "zz9", "n[1-99999999]"])

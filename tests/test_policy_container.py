@@ -101,3 +101,52 @@ def test_an_image_without_a_libnccl_is_not_refused_on_every_node() -> None:
     v = evaluate_image(recs, PolicyConfig(), REF, (no_nccl, None))
     assert v.decision == "warn" and v.odd_nodes == []
     assert "no libnccl the job would load" in v.findings[0].message
+
+
+def _stack_findings(recs: dict, image: dict) -> list[str]:
+    v = evaluate_image(recs, PolicyConfig(), REF, (image, None))
+    return [f.severity for f in v.findings if f.rule == "image-stack"]
+
+
+def test_the_classes_that_run_an_image_are_those_the_gate_accepts_it_on() -> None:
+    """runnable_classes (what job_submit.lua offers an image job) against the gate's own
+    evaluate_image, on random classes of nodes injecting random plugins: a class said to
+    run the image gets no image-stack finding on any two or more of its nodes, a class
+    said not to run it is refused on every such set, and None comes only where a class
+    holds both."""
+    import random
+
+    from ncclguard.policy.rules.container import class_samples, runnable_classes, stacks
+
+    rng = random.Random(30)
+    plugins = [None, ("A", [6, 5]), ("B", [10, 9]), ("C", [8, 7])]
+    images = [IMAGE, {**IMAGE, "nccl_version": "2.26.2", "net_abis": [10, 9, 8, 7, 6]},
+              {**IMAGE, "nccl_version": "2.21.5", "net_abis": [8, 7, 6, 5]}]
+    seen = {"runs": 0, "not": 0, "none": 0}
+    for _ in range(150):
+        hosts = [f"n{i}" for i in range(rng.randrange(2, 9))]
+        classes = {h: f"nc_{rng.randrange(3):08x}" for h in hosts}
+        recs = {h: _node(h, rng.choice(plugins[:rng.choice([2, 4])])) for h in hosts}
+        image = rng.choice(images)
+        able = runnable_classes(image, class_samples(recs, classes))
+        for cls in set(classes.values()):
+            members = [h for h in hosts if classes[h] == cls]
+            subsets = [members] + [rng.sample(members, 2) for _ in range(3) if len(members) > 2]
+            verdicts = [_stack_findings({h: recs[h] for h in s}, image) for s in subsets
+                        if len(s) >= 2]
+            if able is None:
+                continue
+            if cls in able:
+                assert all(v == [] for v in verdicts), (cls, image, verdicts)
+                seen["runs"] += 1
+            else:
+                assert all(v == ["refuse"] for v in verdicts), (cls, image, verdicts)
+                seen["not"] += 1
+        if able is None:
+            seen["none"] += 1
+            mixed = []
+            for cls in set(classes.values()):
+                st = stacks(image, {h: r for h, r in recs.items() if classes[h] == cls})
+                mixed.append(len({(x["fallback"], x["transport"]) for x in st.values() if x}) > 1)
+            assert any(mixed), recs
+    assert min(seen.values()) >= 10, seen

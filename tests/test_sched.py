@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import stat
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -316,3 +317,97 @@ def test_a_refused_call_is_narrowed_down_in_halves_within_its_budget() -> None:
     assert len(s.calls) <= 1 + sync.SPLIT_CALLS
     assert bad <= {h for u, _ in res.failed for h in u.hosts}
     assert not bad & {h for u in res.applied for h in u.hosts}
+
+
+def test_image_lines_round_trip_and_stay_within_the_files_bounds() -> None:
+    img = {"nvcr.io/nvidia/pytorch:25.01-py3": classfile.ImageGroup(1_700_003_600,
+                                                                     ("nc_0123abcd",)),
+           "/images/old.sqsh": classfile.ImageGroup(0, ())}
+    cf = _cf(images=img)
+    text = classfile.render(cf).decode()
+    assert "image /images/old.sqsh 0\n" in text
+    assert classfile.parse(text) == cf
+    # a key the lua could not match is left out, not written
+    odd = _cf(images={**img, "/a b.sqsh": classfile.ImageGroup(0, ()),
+                      "/x\x01": classfile.ImageGroup(0, ())})
+    assert classfile.parse(classfile.render(odd).decode()).images == img
+    # at most MAX_IMAGES lines, and never past MAX_BYTES: the rest stay the gate's
+    many = {f"/i/{n:04d}.sqsh": classfile.ImageGroup(0, ()) for n in range(400)}
+    assert len(classfile.parse(classfile.render(_cf(images=many)).decode()).images) == \
+        classfile.MAX_IMAGES
+    wide = {f"/i/{n:04d}/" + "x" * 1000: classfile.ImageGroup(0, ("nc_0123abcd",) * 400)
+            for n in range(256)}
+    data = classfile.render(_cf(images=wide))
+    assert len(data) <= classfile.MAX_BYTES and data.endswith(b"\nend\n")
+    assert 0 < len(classfile.parse(data.decode()).images) < 256
+
+
+def test_write_images_replaces_only_the_image_lines(tmp_path: Path) -> None:
+    path = tmp_path / "features" / "classes"
+    cfg = Config(features=FeaturesConfig(classes_file=str(path)))
+    first = {"/a.sqsh": classfile.ImageGroup(0, ("nc_0123abcd",))}
+    assert not sync.write_images(cfg, first, now=1_700_000_100)  # no file: a full sync writes it
+    cf = _cf(members={"nc_0123abcd": "n[1-4]"}, images=first)
+    classfile.write(path, cf)
+    second = {"/b.sqsh": classfile.ImageGroup(0, ()),
+              "h:5000/ml/train:v1": classfile.ImageGroup(1_700_003_700, ("nc_unknown",))}
+    assert sync.write_images(cfg, second, now=1_700_000_100)
+    got = classfile.parse(path.read_text())
+    assert got == replace(cf, verified=1_700_000_100, images=second)
+    assert sync.write_images(cfg, {}, now=1_700_000_200)
+    assert classfile.parse(path.read_text()) == replace(cf, verified=1_700_000_200, images={})
+    path.write_text("ncclguard-classes 2\nverified 1\nend\n")  # not ours to change
+    assert not sync.write_images(cfg, second)
+
+
+def _image_record(version: str, abis: list[int]) -> dict:
+    return {"libnccl": [{"default": True, "version": version, "path": "/usr/lib/libnccl.so.2",
+                         "abis": {"net": abis}}], "plugins": [], "net_plugin": None}
+
+
+def test_image_groups_from_a_real_inventory(tmp_path: Path) -> None:
+    """The lines the sync writes, from a real Inventory: a squashfs image and a registry
+    tag holding NCCL 2.18.3 (net v6..v4) run on the class that injects v6 only; 2.26.2
+    runs on both (no line); a tag resolved too long ago, a class whose nodes inject
+    different plugins, and an image-stack that does not refuse give none."""
+    from helpers.inventory import NodeSpec, build
+
+    from ncclguard.config import RegistryConfig
+    from ncclguard.policy.schedule import class_values
+    from ncclguard.store import Inventory
+
+    def inject(abis: list[int], name: str) -> NodeSpec:
+        return NodeSpec(plugin=False, extra={"containers": {"net_plugin": {
+            "name": name, "abis": abis, "path": "/opt/p.so", "target": "/usr/lib/p.so"}}})
+
+    now = 1_800_000_000.0
+    specs = {"n1": inject([6, 5], "A"), "n2": inject([6, 5], "A"),
+             "n3": NodeSpec(nccl="2.18.3", plugin=False, extra=inject([10, 9], "B").extra),
+             "n4": NodeSpec(nccl="2.18.3", plugin=False, extra=inject([10, 9], "B").extra)}
+    db = build(tmp_path / "inv.db", specs, now=now)
+    cfg = Config(registry=RegistryConfig(enabled=True, registries=("h:5000",), max_age_s=600))
+    with Inventory(db, values=class_values(cfg.policy)) as inv:
+        inv.write_images([{"path": "/img/old.sqsh", "inode": 1, "size": 1, "mtime_ns": 1,
+                           "record": _image_record("2.18.3", [6, 5, 4])},
+                          {"path": "/img/new.sqsh", "inode": 2, "size": 1, "mtime_ns": 1,
+                           "record": _image_record("2.26.2", [10, 9, 8, 7, 6])}], now=now)
+        inv.write_registry([{"ref": "h:5000/ml/train:v1", "digest": "sha256:" + "1" * 64,
+                             "state": "ok", "source": "config"}],
+                           [{"digest": "sha256:" + "1" * 64, "platform": "linux/amd64",
+                             "record": _image_record("2.18.3", [6, 5, 4])}], now=now - 100)
+        classes = sync.desired(cfg, list(specs), now, inv)
+        a, b = classes["n1"], classes["n3"]
+        assert a != b and classes["n2"] == a and classes["n4"] == b
+        got = sync.image_groups(cfg, inv, classes, now)
+        assert got == {"/img/old.sqsh": classfile.ImageGroup(0, (a,)),
+                       "h:5000/ml/train:v1": classfile.ImageGroup(int(now + 500), (a,))}
+        # the tag's resolution too old for the gate: no line (the gate says image-unknown)
+        assert set(sync.image_groups(cfg, inv, classes, now + 601)) == {"/img/old.sqsh"}
+        # registry images not read: the squashfs file alone
+        off = cfg.replace(registry=RegistryConfig(enabled=False))
+        assert set(sync.image_groups(off, inv, classes, now)) == {"/img/old.sqsh"}
+        warn = cfg.replace(policy=PolicyConfig(severity={"image-stack": "warn"}))
+        assert sync.image_groups(warn, inv, classes, now) == {}
+        # one class whose nodes inject different plugins: no line for what tells them apart
+        one = dict.fromkeys(classes, a)
+        assert sync.image_groups(cfg, inv, one, now) == {}
