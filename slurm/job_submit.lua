@@ -389,16 +389,16 @@ local function registry_key(raw)
   return registry .. "/" .. name .. ":" .. (tag or "latest")
 end
 
-local function is_space(b) return b == 32 or (b >= 9 and b <= 13) end
+-- ASCII white space, spelled out: %s follows slurmctld's locale
+local NOT_SPACE = "[^ \t\n\v\f\r]"
 
 -- The key the gate looks the image up by (submit.py image_key): an absolute path as
 -- given, or a registry reference's key; nil for anything else.
 function ncclguard.image_key(value)
   if type(value) ~= "string" or #value > ncclguard.MAX_IMAGE_VALUE then return nil end
-  local i, j = 1, #value
-  while i <= j and is_space(string.byte(value, i)) do i = i + 1 end
-  while j >= i and is_space(string.byte(value, j)) do j = j - 1 end
-  local v = string.sub(value, i, j)
+  local i = string.find(value, NOT_SPACE)
+  if i == nil then return nil end
+  local v = string.sub(value, i, #value - string.find(string.reverse(value), NOT_SPACE) + 1)
   if #v < 1 or #v > ncclguard.MAX_REF or string.find(v, "[^!-~]") then return nil end
   local first = string.sub(v, 1, 1)
   if first == "." then return nil end

@@ -35,7 +35,7 @@ IMAGE_OPTION = "_SLURM_SPANK_OPTION_pyxis_container_image="
 #: is left as one without an image (the gate judges its image).
 MAX_SPANK_ENV = 256
 #: The longest ``--container-image`` value read (the lua's MAX_IMAGE_VALUE): its
-#: white space is stripped byte by byte, inside slurmctld.
+#: white space is stripped inside slurmctld (two scans, one of the reversed value).
 MAX_IMAGE_VALUE = 4096
 
 
