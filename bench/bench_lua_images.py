@@ -12,6 +12,8 @@ process, so that the VM's other work counts less):
   line names 32 classes (the group is narrowed to them);
 - ``unknown``: an image the file does not name;
 - ``long``: a hostile value of 4,096 bytes (the longest read: spaces around a reference);
+- ``slashes``: a valid reference of 1,024 characters whose last component is short
+  (``a`` x 1,022 + ``/b``: an unanchored ``[^/]*$`` tried every start, found by review);
 - ``many``: 256 ``spank_job_env`` entries (the most read), the image the last of them.
 
 Printed: the median time per call of each kind over the rounds, and its ratio to
@@ -36,7 +38,7 @@ sys.path[:0] = [str(REPO)]
 from ncclguard.policy.schedule import ClassCount  # noqa: E402
 from ncclguard.sched import classfile  # noqa: E402
 
-KINDS = ("plain", "image", "unknown", "long", "many")
+KINDS = ("plain", "image", "unknown", "long", "slashes", "many")
 
 DRIVER = r"""
 local script, classes = arg[1], arg[2]
@@ -68,9 +70,10 @@ local kinds = {
   image = { OPT .. "nvcr.io#nvidia/pytorch:25.01-py3" },
   unknown = { OPT .. "nvcr.io#nvidia/other:1" },
   long = { long },
+  slashes = { OPT .. string.rep("a", 1022) .. "/b" },
   many = many,
 }
-local names = { "plain", "image", "unknown", "long", "many" }
+local names = { "plain", "image", "unknown", "long", "slashes", "many" }
 local function job(kind)
   local j = { min_nodes = 2 }
   if #kinds[kind] > 0 then j.spank_job_env, j.spank_job_env_size = env(kinds[kind]) end

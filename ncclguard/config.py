@@ -13,6 +13,7 @@ This module is on the prolog's hot path: it imports only the standard library.
 
 from __future__ import annotations
 
+import math
 import os
 import tomllib
 from pathlib import Path
@@ -413,8 +414,9 @@ def _check(section: str, key: str, typ: Any, value: Any, where: str) -> Any:
             raise ConfigError(f"{where}: at most {2**31 - 1} (munged caps it at its --max-ttl)")
         return value
     if typ == "float":
-        if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
-            raise ConfigError(f"{where}: expected a non-negative number")
+        if not isinstance(value, int | float) or isinstance(value, bool) or value < 0 \
+                or not math.isfinite(value):
+            raise ConfigError(f"{where}: expected a non-negative number (finite)")
         if key in ("max_share", "majority", "jitter") and value > 1:
             raise ConfigError(f"{where}: expected a share between 0 and 1")
         if key in ("interval_s", "deadline_s", "scan_interval_s", "verify_s",

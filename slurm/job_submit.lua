@@ -297,10 +297,11 @@ local function is_set(v, none) return v ~= nil and v ~= none end
 -- The job's --container-image as written: its one spank_job_env entry (a table keyed 0 to
 -- size-1, docs/slurm.md); nil for none, more than one, or more than MAX_SPANK_ENV entries.
 function ncclguard.container_image(job_desc)
-  local env, size = job_desc.spank_job_env, job_desc.spank_job_env_size
-  if type(env) ~= "table" or type(size) ~= "number" or size > ncclguard.MAX_SPANK_ENV then
-    return nil
-  end
+  -- the size first: reading spank_job_env makes Slurm build the whole table
+  local size = job_desc.spank_job_env_size
+  if type(size) ~= "number" or size < 1 or size > ncclguard.MAX_SPANK_ENV then return nil end
+  local env = job_desc.spank_job_env
+  if type(env) ~= "table" then return nil end
   local opt, found = ncclguard.IMAGE_OPTION, nil
   for i = 0, size - 1 do
     local e = env[i]
@@ -379,7 +380,8 @@ local function registry_key(raw)
     name, digest = string.sub(image, 1, at - 1), string.sub(image, at + 1)
     if #digest ~= 71 or not string.find(digest, "^sha256:[0-9a-f]+$") then return nil end
   end
-  if string.find(string.match(name, "[^/]*$"), ":", 1, true) then
+  -- the last component (anchored: "[^/]*$" alone would try every start, quadratic)
+  if string.find(string.match(name, "^.*/(.*)$") or name, ":", 1, true) then
     name, tag = string.match(name, "^(.*):([^:]*)$")
     if #tag < 1 or #tag > 128 or not string.find(tag, "^[%w_][%w._%-]*$") then return nil end
   end
@@ -610,7 +612,10 @@ function ncclguard.submit(job_desc)
   local key = ncclguard.image_key(ncclguard.container_image(job_desc))
   local g = key and cf.images[key]
   if g and (g.expires == 0 or now <= g.expires) then
-    if g.count == 0 then
+    -- refused only when it must span nodes: one node loads no net plugin, and the gate
+    -- leaves a job on fewer than min_nodes alone
+    local must = need >= threshold or (hosts ~= nil and #hosts >= threshold)
+    if g.count == 0 and must then
       return reject(slurm.ERROR, string.format("ncclguard: container image %s runs on no "
         .. "class of nodes: its NCCL cannot use the net plugin the nodes give containers, "
         .. "and would fall back to another transport (see `ncclguard check --image %s`)",

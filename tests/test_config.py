@@ -128,3 +128,14 @@ def test_the_audit_trail_has_a_directory_of_its_own(tmp_path: Path,
     audit.append(new, {"job": 1})
     assert [r["job"] for r in audit.read(new)] == [1]
     assert configmod.GateConfig(audit_log="/x/a.jsonl").audit_path() == Path("/x/a.jsonl")
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "1e999"])
+def test_a_number_setting_must_be_finite(tmp_path: Path, value: str) -> None:
+    """Found by review: max_age_s = inf was taken, and the features daemon's image lines
+    then failed every sync (an OverflowError)."""
+    path = tmp_path / "config.toml"
+    path.write_text(f"[registry]\nmax_age_s = {value}\n")
+    with pytest.raises(configmod.ConfigError,
+                       match=r"registry.max_age_s = .*: expected a non-negative number \(finite\)"):
+        configmod.load(path)

@@ -510,8 +510,13 @@ def test_an_image_no_class_runs_is_refused_and_an_unreadable_one_left_alone(
     got = one(tmp_path, cf, JobDesc(min_nodes=2, spank_job_env=_in(" /images/old.sqsh")))
     assert got.rc == "ERROR" and got.user is not None
     assert got.user.startswith("ncclguard: container image /images/old.sqsh runs on no class")
-    # single-node jobs, two images, more entries than read, a relative path: as before
-    for job in (JobDesc(min_nodes=1, max_nodes=1, spank_job_env=_in("/images/old.sqsh")),
+    # jobs that may run on one node (the gate leaves them alone: found by review, they
+    # were refused), two images, more entries than read, a relative path: as before
+    old = _in("/images/old.sqsh")
+    for job in (JobDesc(min_nodes=1, max_nodes=1, spank_job_env=old),
+                JobDesc(tres_per_job="gres/gpu:4", spank_job_env=old),
+                JobDesc(num_tasks=4, spank_job_env=old),
+                JobDesc(min_nodes=1, max_nodes=4, spank_job_env=old),
                 JobDesc(min_nodes=2, spank_job_env=_in("/images/old.sqsh") * 2),
                 JobDesc(min_nodes=2, spank_job_env=(OTHER_SPANK,) * 256 + _in("/images/old.sqsh")),
                 JobDesc(min_nodes=2, spank_job_env=_in("./images/old.sqsh"))):

@@ -365,49 +365,101 @@ def _image_record(version: str, abis: list[int]) -> dict:
                          "abis": {"net": abis}}], "plugins": [], "net_plugin": None}
 
 
-def test_image_groups_from_a_real_inventory(tmp_path: Path) -> None:
-    """The lines the sync writes, from a real Inventory: a squashfs image and a registry
-    tag holding NCCL 2.18.3 (net v6..v4) run on the class that injects v6 only; 2.26.2
-    runs on both (no line); a tag resolved too long ago, a class whose nodes inject
-    different plugins, and an image-stack that does not refuse give none."""
+NOW = 1_800_000_000.0
+
+
+def _image_inventory(tmp_path: Path) -> tuple[Config, dict[str, str | None]]:
+    """A real Inventory: n[1-2] inject a v6..v5 plugin, n[3-4] (another host libnccl: a
+    class of their own) a v10..v9 one; squashfs images of NCCL 2.18.3 (net v6..v4) and
+    2.26.2 (v10..v6), and a registry tag of 2.18.3 resolved 100 s before NOW. The config
+    (registry on, max_age_s 600) and each host's class."""
     from helpers.inventory import NodeSpec, build
 
-    from ncclguard.config import RegistryConfig
+    from ncclguard.config import InventoryConfig, RegistryConfig
     from ncclguard.policy.schedule import class_values
     from ncclguard.store import Inventory
 
-    def inject(abis: list[int], name: str) -> NodeSpec:
-        return NodeSpec(plugin=False, extra={"containers": {"net_plugin": {
-            "name": name, "abis": abis, "path": "/opt/p.so", "target": "/usr/lib/p.so"}}})
+    def inject(abis: list[int], name: str, **kw: object) -> NodeSpec:
+        return NodeSpec(plugin=False, extra={"containers": {"net_plugin": {  # type: ignore[arg-type]
+            "name": name, "abis": abis, "path": "/opt/p.so", "target": "/usr/lib/p.so"}}}, **kw)
 
-    now = 1_800_000_000.0
     specs = {"n1": inject([6, 5], "A"), "n2": inject([6, 5], "A"),
-             "n3": NodeSpec(nccl="2.18.3", plugin=False, extra=inject([10, 9], "B").extra),
-             "n4": NodeSpec(nccl="2.18.3", plugin=False, extra=inject([10, 9], "B").extra)}
-    db = build(tmp_path / "inv.db", specs, now=now)
-    cfg = Config(registry=RegistryConfig(enabled=True, registries=("h:5000",), max_age_s=600))
+             "n3": inject([10, 9], "B", nccl="2.18.3"), "n4": inject([10, 9], "B", nccl="2.18.3")}
+    db = build(tmp_path / "inv.db", specs, now=NOW)
+    cfg = Config(inventory=InventoryConfig(db=str(db)),
+                 features=FeaturesConfig(classes_file=str(tmp_path / "features" / "classes")),
+                 registry=RegistryConfig(enabled=True, registries=("h:5000",), max_age_s=600))
     with Inventory(db, values=class_values(cfg.policy)) as inv:
         inv.write_images([{"path": "/img/old.sqsh", "inode": 1, "size": 1, "mtime_ns": 1,
                            "record": _image_record("2.18.3", [6, 5, 4])},
                           {"path": "/img/new.sqsh", "inode": 2, "size": 1, "mtime_ns": 1,
-                           "record": _image_record("2.26.2", [10, 9, 8, 7, 6])}], now=now)
+                           "record": _image_record("2.26.2", [10, 9, 8, 7, 6])}], now=NOW)
         inv.write_registry([{"ref": "h:5000/ml/train:v1", "digest": "sha256:" + "1" * 64,
                              "state": "ok", "source": "config"}],
                            [{"digest": "sha256:" + "1" * 64, "platform": "linux/amd64",
-                             "record": _image_record("2.18.3", [6, 5, 4])}], now=now - 100)
-        classes = sync.desired(cfg, list(specs), now, inv)
-        a, b = classes["n1"], classes["n3"]
-        assert a != b and classes["n2"] == a and classes["n4"] == b
-        got = sync.image_groups(cfg, inv, classes, now)
-        assert got == {"/img/old.sqsh": classfile.ImageGroup(0, (a,)),
-                       "h:5000/ml/train:v1": classfile.ImageGroup(int(now + 500), (a,))}
+                             "record": _image_record("2.18.3", [6, 5, 4])}], now=NOW - 100)
+        classes = sync.desired(cfg, list(specs), NOW, inv)
+    return cfg, classes
+
+
+def test_image_groups_from_a_real_inventory(tmp_path: Path) -> None:
+    """The lines the sync writes: a squashfs image and a registry tag holding NCCL 2.18.3
+    (net v6..v4) run on the class that injects v6 only; 2.26.2 runs on both (no line); a
+    tag resolved too long ago, a class whose nodes inject different plugins, and an
+    image-stack that does not refuse give none; a max_age_s past the file's digits gives
+    a line without an end."""
+    from ncclguard.config import RegistryConfig
+    from ncclguard.policy.schedule import class_values
+    from ncclguard.store import Inventory
+
+    cfg, classes = _image_inventory(tmp_path)
+    a, b = classes["n1"], classes["n3"]
+    assert a != b and classes["n2"] == a and classes["n4"] == b
+    with Inventory(cfg.inventory.db, values=class_values(cfg.policy), readonly=True) as inv:
+        got = sync.image_groups(cfg, inv, classes, NOW)
+        assert got == {"h:5000/ml/train:v1": classfile.ImageGroup(int(NOW + 500), (a,)),
+                       "/img/old.sqsh": classfile.ImageGroup(0, (a,))}
+        assert next(iter(got)) == "h:5000/ml/train:v1"  # tags first (by use), then files
         # the tag's resolution too old for the gate: no line (the gate says image-unknown)
-        assert set(sync.image_groups(cfg, inv, classes, now + 601)) == {"/img/old.sqsh"}
+        assert set(sync.image_groups(cfg, inv, classes, NOW + 601)) == {"/img/old.sqsh"}
         # registry images not read: the squashfs file alone
         off = cfg.replace(registry=RegistryConfig(enabled=False))
-        assert set(sync.image_groups(off, inv, classes, now)) == {"/img/old.sqsh"}
+        assert set(sync.image_groups(off, inv, classes, NOW)) == {"/img/old.sqsh"}
         warn = cfg.replace(policy=PolicyConfig(severity={"image-stack": "warn"}))
-        assert sync.image_groups(warn, inv, classes, now) == {}
+        assert sync.image_groups(warn, inv, classes, NOW) == {}
         # one class whose nodes inject different plugins: no line for what tells them apart
         one = dict.fromkeys(classes, a)
-        assert sync.image_groups(cfg, inv, one, now) == {}
+        assert sync.image_groups(cfg, inv, one, NOW) == {}
+        huge = cfg.replace(registry=cfg.registry.replace(max_age_s=1e30))
+        assert sync.image_groups(huge, inv, classes, NOW)["h:5000/ml/train:v1"].until == 0
+
+
+def test_the_daemon_keeps_the_files_image_lines(tmp_path: Path) -> None:
+    """FeatureKeeper's image pass (no Slurm call): the lines written when due, left when
+    the file has them, put back after another writer took them out, and taken out while
+    the inventory cannot be read (found by review: they stayed, and a path image's line
+    kept refusing jobs the gate, failing open, would have let run)."""
+    from inventoryd.controller.features import FeatureKeeper
+
+    cfg, classes = _image_inventory(tmp_path)
+    path = Path(cfg.features.classes_file)
+    cf = _cf(members={}, partitions={"*": ()})
+    classfile.write(path, cf)
+    keeper = FeatureKeeper(cfg, slurm=object())  # type: ignore[arg-type]
+    keeper.applied = dict(classes)
+    assert keeper._refresh_images(NOW) == ("image groups: 2 images some class cannot run; "
+                                           "changed: /img/old.sqsh, h:5000/ml/train:v1")
+    assert len(classfile.read(path).images) == 2
+    assert keeper._refresh_images(NOW + 1) is None  # not due: the index did not change
+    classfile.write(path, cf)  # a hook's sync that could not read the images
+    assert keeper._refresh_images(NOW + cfg.features.verify_s - 1) is None  # not due yet
+    assert classfile.read(path).images == {}
+    note = keeper._refresh_images(NOW + cfg.features.verify_s)
+    assert note is not None and "the file had others" in note, note
+    assert len(classfile.read(path).images) == 2
+    Path(cfg.inventory.db).write_bytes(b"not a database")
+    keeper.image_mark = None
+    keeper._refresh_images(NOW + 3 * cfg.features.verify_s)
+    assert classfile.read(path).images == {}
+    path.unlink()
+    assert keeper._refresh_images(NOW + 4 * cfg.features.verify_s) == ""  # a full sync next

@@ -314,9 +314,10 @@ class FeatureKeeper:
 
     def _refresh_images(self, now: float) -> str | None:
         """The file's image lines judged again when the image index changed or
-        ``verify_s`` passed, and rewritten when they differ: what was done ("" when the
-        file could not be changed), or None when nothing was due or nothing changed. An
-        inventory that cannot be read is logged once and leaves the lines as they are."""
+        ``verify_s`` passed, and written where the file's differ: what was done ("" when
+        there is no file to change), or None when nothing was due or nothing changed. An
+        inventory that cannot be read is logged once and takes the lines out (as a full
+        sync then writes none): the lua offers image jobs every class, the gate judges."""
         if self.applied is None:
             return None
         try:
@@ -327,20 +328,24 @@ class FeatureKeeper:
                 images = image_groups(self.cfg, inv, self.applied, now)
         except InventoryError as e:
             if str(e) != self._image_error:
-                log.error("image groups not judged again, the file keeps its lines: %s", e)
-            self._image_error = str(e)
-            return None
-        self._image_error = None
-        self.image_mark, self.images_at = mark, now
-        if images == self.images:
-            return None
-        if not write_images(self.cfg, images, now):
+                log.error("image groups cannot be judged, the file has none until they can: %s",
+                          e)
+            self._image_error, self.image_mark = str(e), None
+            images = {}
+        else:
+            self._image_error = None
+            self.image_mark, self.images_at = mark, now
+        written = write_images(self.cfg, images, now)
+        if written is None:
             return ""
         changed = sorted(k for k in images.keys() | self.images.keys()
                          if images.get(k) != self.images.get(k))
         self.images = images
+        if not written:
+            return None
         return (f"image groups: {len(images)} images some class cannot run; changed: "
-                f"{', '.join(changed[:4])}{' and more' if len(changed) > 4 else ''}")
+                f"{', '.join(changed[:4]) or 'none (the file had others)'}"
+                f"{' and more' if len(changed) > 4 else ''}")
 
     def _sync(self, why: str, now: float) -> str:
         res = sync(self.cfg, self.slurm, now=now,

@@ -165,14 +165,15 @@ def render(cf: ClassFile) -> bytes:
 
 
 def image_lines(images: Mapping[str, ImageGroup], room: int) -> list[str]:
-    """The ``image`` lines of ``images``, by key, at most :data:`MAX_IMAGES` and as many as
-    fit in ``room`` bytes; an image whose key the lua could not match is left out (the
-    gate judges it)."""
+    """The ``image`` lines of ``images``, in their order (the caller's: the images jobs
+    used last first), at most :data:`MAX_IMAGES` and as many as fit in ``room`` bytes;
+    an image whose key or time the lua could not read is left out (the gate judges it)."""
     out: list[str] = []
-    for key, g in sorted(images.items()):
+    for key, g in images.items():
         if len(out) == MAX_IMAGES:
             break
-        if not IMAGE_KEY.fullmatch(key) or not all(FEATURE.fullmatch(f) for f in g.classes):
+        if not IMAGE_KEY.fullmatch(key) or not all(FEATURE.fullmatch(f) for f in g.classes) \
+                or not 0 <= int(g.until) < 10**18:
             continue
         line = " ".join(["image", key, str(int(g.until)), *g.classes])
         room -= len(line) + 1
@@ -183,7 +184,8 @@ def image_lines(images: Mapping[str, ImageGroup], room: int) -> list[str]:
 
 
 def parse(text: str, where: str = "classes file") -> ClassFile:
-    """:class:`ClassFile` from the file's text; :class:`ClassFileError` naming the line."""
+    """:class:`ClassFile` from the file's text; :class:`ClassFileError` naming the line.
+    ``images`` keeps the file's order."""
     if not text.endswith("\n"):
         raise ClassFileError(f"{where}: cut short (no final newline)")
     lines = text.split("\n")

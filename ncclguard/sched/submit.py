@@ -94,7 +94,7 @@ def container_image(job: JobDesc) -> str | None:
     :data:`IMAGE_OPTION` (None: none, more than one, or more than :data:`MAX_SPANK_ENV`
     entries)."""
     env = job.spank_job_env
-    if env is None or len(env) > MAX_SPANK_ENV:
+    if env is None or not 1 <= len(env) <= MAX_SPANK_ENV:
         return None
     found = [e[len(IMAGE_OPTION):] for e in env if e.startswith(IMAGE_OPTION)]
     return found[0] if len(found) == 1 else None
@@ -315,7 +315,8 @@ def decide(cf: classfile.ClassFile | None, job: JobDesc, now: int = 0) -> Decisi
     image = _image(cf, job, now)
     if image is not None:
         key, g = image
-        if not g.classes:
+        must = need >= threshold or (hosts is not None and len(hosts) >= threshold)
+        if not g.classes and must:
             return Decision("reject", code="ERROR", message=(
                 f"ncclguard: container image {key} runs on no class of nodes: its NCCL "
                 "cannot use the net plugin the nodes give containers, and would fall back "

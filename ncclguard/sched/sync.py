@@ -131,8 +131,10 @@ def image_groups(config: Config, inventory: Inventory, classes: Mapping[str, str
             row = inventory.load_registry_values(tag.ref)
             got = container.registry_image(row, now, config.registry, registry)
             if got is not None and container.checkable(got[0]) and row is not None:
-                until = int(float(row["resolved_at"]) + config.registry.max_age_s)
-                found.append((tag.ref, got[0], until))  # type: ignore[arg-type]
+                until = float(row["resolved_at"]) + config.registry.max_age_s
+                # 0: no end, for a max_age_s the file's 18 digits cannot hold (nor the gate's)
+                stamp = int(until) if until < 10**18 else 0
+                found.append((tag.ref, got[0], stamp))  # type: ignore[arg-type]
     for img in inventory.images()[:limit]:
         if img["error"] is None and len(found) < limit:
             got = inventory.load_image_values(img["path"])
@@ -166,30 +168,35 @@ def _image_groups(config: Config, classes: Mapping[str, str | None], now: float,
 
 
 def write_images(config: Config, images: Mapping[str, classfile.ImageGroup],
-                 now: float | None = None) -> bool:
+                 now: float | None = None) -> bool | None:
     """Replace the file's ``image`` lines (and set ``verified``), the rest as the last sync
-    wrote it: the image index changed, the classes did not. False when there is no file
-    of ours to change (a full sync writes it)."""
+    wrote it: the image index changed, the classes did not. True when written, False when
+    the file already had these lines (nothing written), None when there is no file of
+    ours to change (a full sync writes it). The lines are compared with the file's, not
+    with what this process wrote last: a sync elsewhere (a hook, an admin) may have
+    written others."""
     path = Path(config.features.classes_file)
     with _locked(path):
         try:
             data = classfile.read_bytes(path)
         except classfile.ClassFileError:
-            return False
+            return None
         head, _, rest = data.partition(b"\n")
         _line2, _, body = rest.partition(b"\n")
         if head != classfile.MAGIC.encode() or not body.endswith(b"\nend\n"):
-            return False
-        kept = [ln for ln in body[:-len(b"end\n")].split(b"\n")[:-1]
-                if not ln.startswith(b"image ")]
+            return None
+        lines = body[:-len(b"end\n")].split(b"\n")[:-1]
+        kept = [ln for ln in lines if not ln.startswith(b"image ")]
         stamp = int(time.time() if now is None else now)
         top = [head, b"verified %d" % stamp, *kept]
         room = classfile.MAX_BYTES - sum(len(ln) + 1 for ln in top) - 4
-        lines = [*top, *(ln.encode() for ln in classfile.image_lines(images, room)), b"end"]
-        try:
-            classfile.write_bytes(path, b"\n".join(lines) + b"\n")
-        except classfile.ClassFileError:
+        new = [ln.encode() for ln in classfile.image_lines(images, room)]
+        if new == [ln for ln in lines if ln.startswith(b"image ")]:
             return False
+        try:
+            classfile.write_bytes(path, b"\n".join([*top, *new, b"end"]) + b"\n")
+        except classfile.ClassFileError:
+            return None
         return True
 
 
