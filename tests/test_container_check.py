@@ -164,6 +164,15 @@ def test_images_cli_lists_shows_and_diffs(cluster) -> None:
     assert r.exit_code == 0 and "2.18.3" in r.output and "2 images" in r.output
     r = run_cli("images", "show", a, **base)
     assert r.exit_code == 0 and "2.18.3 (loaded)" in r.output
+    # n[1-4] share a host stack (one class) but inject different plugins: 2.18.3 uses
+    # n[1-2]'s v6 and falls back on n[3-4]'s v10, so the lua cannot offer a group for it;
+    # n5 injects nothing (NCCL's own IB): it runs there
+    assert "  runs on: nc_" in r.output and "(n5)" in r.output, r.output
+    assert "some nodes run it, others not, in: nc_" in r.output and "(n[1-4])" in r.output
+    doc = json.loads(run_cli("images", "show", a, "--json", **base).output)
+    assert [k["nodes"] for k in doc["classes"]["runs"]] == ["n5"]
+    assert [k["nodes"] for k in doc["classes"]["mixed"]] == ["n[1-4]"]
+    assert doc["classes"]["not"] == []
     r = run_cli("images", "diff", a, b, **base)
     assert r.exit_code == 1 and "nvidia/nccl/lib/libnccl.so.2].version" in r.output
     r = run_cli("images", "show", "/nope.sqsh", **base)

@@ -43,7 +43,8 @@ def _members(c: Ctx, names: set[str]) -> list[str]:
               help="Judge as a job in this partition (the guarded-partition setting applies).")
 @click.option("--image", default=None, metavar="IMAGE",
               help="Judge as a job with pyxis's --container-image=IMAGE: can this image "
-                   "run on these nodes (a squashfs path from the image index).")
+                   "run on these nodes (a squashfs path from the image index, or a "
+                   "registry reference the collector resolved).")
 @format_options
 def check(hostlist: str, partition: str | None, image: str | None, as_json: bool,
           as_csv: bool) -> None:

@@ -153,7 +153,42 @@ def show(path: str, as_json: bool, as_csv: bool) -> None:
     for e in _dicts(rec.get("errors")):
         lines.append(f"  error {v(e.get('field'))} {v(e.get('path') or '')}: "
                      f"{v(e.get('error'))}")
+    classes = _classes_running(c, rec)
+    if classes is not None:
+        row["classes"] = classes
+        for what, label in (("runs", "runs on"), ("not", "cannot run on"),
+                            ("mixed", "some nodes run it, others not, in")):
+            if classes[what]:
+                lines.append(f"  {label}: " + ", ".join(
+                    f"{v(k['class'])} ({v(k['nodes'])})" for k in classes[what]))
+        if classes["mixed"]:
+            lines.append("  (job_submit.lua offers a job in it no group of its own: the gate "
+                         "decides)")
     c.emit(row, text="\n".join(lines) + "\n")
+
+
+def _classes_running(c: Any, rec: dict[str, Any]) -> dict[str, list[dict[str, str]]] | None:
+    """Which classes' nodes run the image without an ``image-stack`` finding, which do
+    not, and in which some nodes do and others not: the judgement behind the file's
+    ``image`` lines (:func:`ncclguard.policy.rules.container.runnable_classes`, class by
+    class). None when the gate cannot judge the image."""
+    from ncclguard.fingerprint.image import image_values
+    from ncclguard.hostlist import compress
+    from ncclguard.policy.rules.container import checkable, class_samples, runnable_classes
+
+    values = image_values(rec) if rec else None
+    if not checkable(values):
+        return None
+    names = c.class_names()
+    loaded = c.inv("load_values", list(names))
+    samples = class_samples({h: r[0] if r else None for h, r in loaded.items()}, names)
+    out: dict[str, list[dict[str, str]]] = {"runs": [], "not": [], "mixed": []}
+    for cls in sorted(samples):
+        able = runnable_classes(values, {cls: samples[cls]})  # type: ignore[arg-type]
+        what = "mixed" if able is None else ("runs" if able else "not")
+        out[what].append({"class": cls, "nodes": compress(
+            sorted(h for h, n in names.items() if n == cls))})
+    return out
 
 
 def _dicts(items: Any) -> list[dict[str, Any]]:
