@@ -167,6 +167,22 @@ def _image_groups(config: Config, classes: Mapping[str, str | None], now: float,
     return result.images
 
 
+def _our_body(path: Path) -> bytes | None:
+    """The file's lines after ``verified`` (to ``end``, included), when it is a file of
+    classes of this version, whole; else None. Not parsed: at 16,384 nodes a parse costs
+    more than a pass's one Slurm call."""
+    try:
+        data = classfile.read_bytes(path)
+    except classfile.ClassFileError:
+        return None
+    head, _, rest = data.partition(b"\n")
+    line2, _, body = rest.partition(b"\n")
+    if head != classfile.MAGIC.encode() or not line2.startswith(b"verified ") \
+            or not body.endswith(b"\nend\n"):
+        return None
+    return body
+
+
 def write_images(config: Config, images: Mapping[str, classfile.ImageGroup],
                  now: float | None = None) -> bool | None:
     """Replace the file's ``image`` lines (and set ``verified``), the rest as the last sync
@@ -177,18 +193,13 @@ def write_images(config: Config, images: Mapping[str, classfile.ImageGroup],
     written others."""
     path = Path(config.features.classes_file)
     with _locked(path):
-        try:
-            data = classfile.read_bytes(path)
-        except classfile.ClassFileError:
-            return None
-        head, _, rest = data.partition(b"\n")
-        _line2, _, body = rest.partition(b"\n")
-        if head != classfile.MAGIC.encode() or not body.endswith(b"\nend\n"):
+        body = _our_body(path)
+        if body is None:
             return None
         lines = body[:-len(b"end\n")].split(b"\n")[:-1]
         kept = [ln for ln in lines if not ln.startswith(b"image ")]
         stamp = int(time.time() if now is None else now)
-        top = [head, b"verified %d" % stamp, *kept]
+        top = [classfile.MAGIC.encode(), b"verified %d" % stamp, *kept]
         room = classfile.MAX_BYTES - sum(len(ln) + 1 for ln in top) - 4
         new = [ln.encode() for ln in classfile.image_lines(images, room)]
         if new == [ln for ln in lines if ln.startswith(b"image ")]:
@@ -424,18 +435,13 @@ def mark_verified(config: Config, now: float | None = None) -> bool:
     confirm."""
     path = Path(config.features.classes_file)
     with _locked(path):
-        try:
-            data = classfile.read_bytes(path)
-        except classfile.ClassFileError:
-            return False
-        head, _, rest = data.partition(b"\n")
-        line2, _, body = rest.partition(b"\n")
-        if head != classfile.MAGIC.encode() or not line2.startswith(b"verified ") \
-                or not body.endswith(b"\nend\n"):
+        body = _our_body(path)
+        if body is None:
             return False
         stamp = int(time.time() if now is None else now)
         try:
-            classfile.write_bytes(path, b"%s\nverified %d\n%s" % (head, stamp, body))
+            classfile.write_bytes(path, b"%s\nverified %d\n%s" % (classfile.MAGIC.encode(),
+                                                                  stamp, body))
         except classfile.ClassFileError:
             return False
         return True
