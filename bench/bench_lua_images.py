@@ -17,7 +17,8 @@ process, so that the VM's other work counts less):
 - ``many``: 256 ``spank_job_env`` entries (the most read), the image the last of them.
 
 Printed: the median time per call of each kind over the rounds, and its ratio to
-``plain``. Never asserts a time.
+``plain``; and what one parse of that file's body costs (the lua parses it again when
+the body changes). Never asserts a time.
 
     .venv/bin/python bench/bench_lua_images.py [--rounds 15] [--calls 2000]
 """
@@ -85,6 +86,14 @@ for _, k in ipairs(names) do
   local rc = slurm_job_submit(j, nil, 0)
   io.write("check\t", k, "\t", rc, "\t", tostring(j.features and #j.features), "\n")
 end
+-- what a change of the file's body costs: one parse of it, inside slurmctld
+local f = assert(io.open(classes))
+local data = f:read("*a")
+f:close()
+local body = string.sub(data, string.find(data, "\n", string.find(data, "\n") + 1) + 1)
+local t0 = os.clock()
+for _ = 1, 20 do assert(ng.parse_body(body, "bench")) end
+io.write("parse\t", #data, "\t", (os.clock() - t0) / 20, "\n")
 math.randomseed(seed)
 for r = 1, rounds do
   for i = #names, 2, -1 do local k = math.random(i); names[i], names[k] = names[k], names[i] end
@@ -133,6 +142,8 @@ def main() -> int:
         tag, kind, *rest = line.split("\t")
         if tag == "check":
             print(f"{kind:8s} rc {rest[0]}, constraint of {rest[1]} characters")
+        elif tag == "parse":
+            print(f"one parse of the file's body ({kind} bytes): {float(rest[0]) * 1e3:.1f} ms")
         else:
             times[kind].append(float(rest[0]))
     base = statistics.median(times["plain"])

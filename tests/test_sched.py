@@ -463,3 +463,27 @@ def test_the_daemon_keeps_the_files_image_lines(tmp_path: Path) -> None:
     assert classfile.read(path).images == {}
     path.unlink()
     assert keeper._refresh_images(NOW + 4 * cfg.features.verify_s) == ""  # a full sync next
+
+
+def test_an_image_lines_end_moves_only_when_it_comes_near(tmp_path: Path) -> None:
+    """A tag resolved again moves its line's end; each change of the file's body costs the
+    lua a parse inside slurmctld, so the ends move together, once one is within half of
+    max_age_s (1,800 s) of passing. Another image or other classes: written at once."""
+    path = tmp_path / "features" / "classes"
+    cfg = Config(features=FeaturesConfig(classes_file=str(path)))
+    t0 = 1_800_000_000
+    tag = "h:5000/ml/train:v1"
+    classfile.write(path, _cf(images={tag: classfile.ImageGroup(t0 + 3600, ("nc_0123abcd",)),
+                                      "/a.sqsh": classfile.ImageGroup(0, ())}))
+
+    def at(now: int, until: int, classes: tuple[str, ...] = ("nc_0123abcd",)) -> bool | None:
+        return sync.write_images(cfg, {tag: classfile.ImageGroup(until, classes),
+                                       "/a.sqsh": classfile.ImageGroup(0, ())}, now=now)
+
+    assert at(t0 + 300, t0 + 3900) is False  # resolved again: 3,300 s left, kept
+    assert at(t0 + 1700, t0 + 5300) is False  # 1,900 s left
+    assert classfile.read(path).images[tag].until == t0 + 3600
+    assert at(t0 + 1900, t0 + 5500) is True  # 1,700 s left: moved
+    assert classfile.read(path).images[tag].until == t0 + 5500
+    assert at(t0 + 2000, t0 + 5600, ()) is True  # the tag moved: no class runs it now
+    assert classfile.read(path).images[tag] == classfile.ImageGroup(t0 + 5600, ())

@@ -187,10 +187,10 @@ def write_images(config: Config, images: Mapping[str, classfile.ImageGroup],
                  now: float | None = None) -> bool | None:
     """Replace the file's ``image`` lines (and set ``verified``), the rest as the last sync
     wrote it: the image index changed, the classes did not. True when written, False when
-    the file already had these lines (nothing written), None when there is no file of
-    ours to change (a full sync writes it). The lines are compared with the file's, not
-    with what this process wrote last: a sync elsewhere (a hook, an admin) may have
-    written others."""
+    the file's lines may stay (:func:`_same_lines`: nothing written), None when there is no
+    file of ours to change (a full sync writes it). The lines are compared with the
+    file's, not with what this process wrote last: a sync elsewhere (a hook, an admin)
+    may have written others."""
     path = Path(config.features.classes_file)
     with _locked(path):
         body = _our_body(path)
@@ -202,13 +202,36 @@ def write_images(config: Config, images: Mapping[str, classfile.ImageGroup],
         top = [classfile.MAGIC.encode(), b"verified %d" % stamp, *kept]
         room = classfile.MAX_BYTES - sum(len(ln) + 1 for ln in top) - 4
         new = [ln.encode() for ln in classfile.image_lines(images, room)]
-        if new == [ln for ln in lines if ln.startswith(b"image ")]:
+        old = [ln for ln in lines if ln.startswith(b"image ")]
+        if _same_lines(old, new, stamp, config.registry.max_age_s / 2):
             return False
         try:
             classfile.write_bytes(path, b"\n".join([*top, *new, b"end"]) + b"\n")
         except classfile.ClassFileError:
             return None
         return True
+
+
+def _same_lines(old: Sequence[bytes], new: Sequence[bytes], now: int, keep_s: float) -> bool:
+    """Whether the file's image lines ``old`` may stay for ``new``: the same images and
+    classes, each line's end the same or still ``keep_s`` away. A tag resolved again
+    moves its end every ``resolve_interval_s``, and every change of the file's body makes
+    job_submit.lua parse it again inside slurmctld: ends are moved only when one comes
+    within ``keep_s`` (half ``max_age_s``) of passing, all together."""
+    if len(old) != len(new):
+        return False
+    for a, b in zip(old, new, strict=True):
+        key_a, _, rest_a = a[len(b"image "):].partition(b" ")
+        key_b, _, rest_b = b[len(b"image "):].partition(b" ")
+        until_a, _, classes_a = rest_a.partition(b" ")
+        until_b, _, classes_b = rest_b.partition(b" ")
+        if key_a != key_b or classes_a != classes_b:
+            return False
+        if until_a != until_b and (until_a == b"0" or until_b == b"0"
+                                   or int(until_b) < int(until_a)
+                                   or int(until_a) - now < keep_s):
+            return False
+    return True
 
 
 def plan(nodes: Sequence[NodeInfo], classes: Mapping[str, str | None]) -> Plan:
