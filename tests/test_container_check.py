@@ -173,6 +173,14 @@ def test_images_cli_lists_shows_and_diffs(cluster) -> None:
     assert [k["nodes"] for k in doc["classes"]["runs"]] == ["n5"]
     assert [k["nodes"] for k in doc["classes"]["mixed"]] == ["n[1-4]"]
     assert doc["classes"]["not"] == []
+    assert doc["classes"]["lua"].startswith("no line for it (one class feature cannot say")
+    # NCCL 2.21.5 (v8..v5) too uses n[1-2]'s v6 and not n[3-4]'s v10; and while
+    # image-stack does not refuse there is no line, saying why
+    r = run_cli("images", "show", b, **base)
+    assert "some nodes run it, others not, in: nc_" in r.output, r.output
+    cluster["cfg"].write_text('[policy.severity]\n"image-stack" = "warn"\n')
+    r = run_cli("images", "show", a, **base)
+    assert "job_submit.lua: no line for it (image-stack does not refuse" in r.output, r.output
     r = run_cli("images", "diff", a, b, **base)
     assert r.exit_code == 1 and "nvidia/nccl/lib/libnccl.so.2].version" in r.output
     r = run_cli("images", "show", "/nope.sqsh", **base)

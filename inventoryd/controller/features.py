@@ -338,14 +338,17 @@ class FeatureKeeper:
         written = write_images(self.cfg, images, now)
         if written is None:
             return ""
+        def classes(g: classfile.ImageGroup | None) -> tuple[str, ...] | None:
+            return None if g is None else g.classes
+
         changed = sorted(k for k in images.keys() | self.images.keys()
-                         if images.get(k) != self.images.get(k))
+                         if classes(images.get(k)) != classes(self.images.get(k)))
         self.images = images
         if not written:
             return None
-        return (f"image groups: {len(images)} images some class cannot run; changed: "
-                f"{', '.join(changed[:4]) or 'none (the file had others)'}"
-                f"{' and more' if len(changed) > 4 else ''}")
+        what = (", ".join(changed[:4]) + (" and more" if len(changed) > 4 else "") if changed
+                else "none: their ends moved, or the file had other lines")
+        return f"image groups: {len(images)} images some class cannot run; changed: {what}"
 
     def _sync(self, why: str, now: float) -> str:
         res = sync(self.cfg, self.slurm, now=now,

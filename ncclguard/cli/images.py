@@ -153,41 +153,50 @@ def show(path: str, as_json: bool, as_csv: bool) -> None:
     for e in _dicts(rec.get("errors")):
         lines.append(f"  error {v(e.get('field'))} {v(e.get('path') or '')}: "
                      f"{v(e.get('error'))}")
-    classes = _classes_running(c, rec)
-    if classes is not None:
-        row["classes"] = classes
-        for what, label in (("runs", "runs on"), ("not", "cannot run on"),
-                            ("mixed", "some nodes run it, others not, in")):
-            if classes[what]:
-                lines.append(f"  {label}: " + ", ".join(
-                    f"{v(k['class'])} ({v(k['nodes'])})" for k in classes[what]))
-        if classes["mixed"]:
-            lines.append("  (job_submit.lua offers a job in it no group of its own: the gate "
-                         "decides)")
+    judged = _classes_running(c, row["path"])
+    row["classes"] = judged
+    for what, label in (("runs", "runs on"), ("not", "cannot run on"),
+                        ("mixed", "some nodes run it, others not, in")):
+        if judged[what]:
+            lines.append(f"  {label}: " + ", ".join(
+                f"{v(k['class'])} ({v(k['nodes'])})" for k in judged[what]))
+    lines.append(f"  job_submit.lua: {v(judged['lua'])}")
     c.emit(row, text="\n".join(lines) + "\n")
 
 
-def _classes_running(c: Any, rec: dict[str, Any]) -> dict[str, list[dict[str, str]]] | None:
+def _classes_running(c: Any, key: str) -> dict[str, Any]:
     """Which classes' nodes run the image without an ``image-stack`` finding, which do
-    not, and in which some nodes do and others not: the judgement behind the file's
-    ``image`` lines (:func:`ncclguard.policy.rules.container.runnable_classes`, class by
-    class). None when the gate cannot judge the image."""
-    from ncclguard.fingerprint.image import image_values
+    not, and in which some nodes do and others not, and what job_submit.lua does with a
+    job in it: the features daemon's judgement (its classes, ``sync.desired``; its reads,
+    ``sync.image_judged``; each class through ``runnable_classes``), though not the file
+    itself (it is on the controller), nor its cap of 256 lines."""
     from ncclguard.hostlist import compress
-    from ncclguard.policy.rules.container import checkable, class_samples, runnable_classes
+    from ncclguard.sched import sync
 
-    values = image_values(rec) if rec else None
-    if not checkable(values):
-        return None
-    names = c.class_names()
-    loaded = c.inv("load_values", list(names))
-    samples = class_samples({h: r[0] if r else None for h, r in loaded.items()}, names)
-    out: dict[str, list[dict[str, str]]] = {"runs": [], "not": [], "mixed": []}
-    for cls in sorted(samples):
-        able = runnable_classes(values, {cls: samples[cls]})  # type: ignore[arg-type]
+    out: dict[str, Any] = {"runs": [], "not": [], "mixed": [], "lua": ""}
+    values, _until, why = sync.image_judged(c.config, c.inventory, key, c.now)
+    hosts = c.inv("hosts")
+    classes = sync.desired(c.config, hosts, c.now, c.inventory)
+    members: dict[str, list[str]] = {}
+    for h, cls in classes.items():
+        if cls is not None:
+            members.setdefault(cls, []).append(h)
+    if values is None:
+        out["lua"] = f"no line for it ({why}): a job in it gets its partition's group"
+        return out
+    for cls, able in sync.class_judgements(values, sync.samples_of(c.inventory, classes)).items():
         what = "mixed" if able is None else ("runs" if able else "not")
-        out[what].append({"class": cls, "nodes": compress(
-            sorted(h for h, n in names.items() if n == cls))})
+        out[what].append({"class": cls, "nodes": compress(sorted(members.get(cls, [])))})
+    if out["mixed"]:
+        out["lua"] = ("no line for it (one class feature cannot say which of its nodes run "
+                      "it): a job in it gets its partition's group, the gate decides")
+    elif not out["not"]:
+        out["lua"] = "no line for it (every class runs it): a job in it gets its partition's group"
+    elif not out["runs"]:
+        out["lua"] = "a job in it that must span nodes is refused at submit (no class runs it)"
+    else:
+        out["lua"] = ("a job in it is offered only "
+                      + ", ".join(k["class"] for k in out["runs"]))
     return out
 
 

@@ -66,6 +66,7 @@ __all__ = [
     "ClassFileError",
     "ImageGroup",
     "expand_members",
+    "image_line",
     "image_lines",
     "parse",
     "read",
@@ -165,9 +166,11 @@ def render(cf: ClassFile) -> bytes:
 
 
 def image_lines(images: Mapping[str, ImageGroup], room: int) -> list[str]:
-    """The ``image`` lines of ``images``, in their order (the caller's: the images jobs
-    used last first), at most :data:`MAX_IMAGES` and as many as fit in ``room`` bytes;
-    an image whose key or time the lua could not read is left out (the gate judges it)."""
+    """The ``image`` lines of ``images``: chosen in their order (the caller's: the images
+    jobs used last first), at most :data:`MAX_IMAGES` and as many as fit in ``room``
+    bytes, then written by key, so that the body changes only when what it says does
+    (each change costs the lua a parse). An image whose key or time the lua could not
+    read is left out (the gate judges it)."""
     out: list[str] = []
     for key, g in images.items():
         if len(out) == MAX_IMAGES:
@@ -180,7 +183,17 @@ def image_lines(images: Mapping[str, ImageGroup], room: int) -> list[str]:
         if room < 0:
             break  # the rest stay the gate's
         out.append(line)
-    return out
+    return sorted(out)
+
+
+def image_line(words: list[str]) -> tuple[str, ImageGroup] | None:
+    """One ``image`` line's words (``image KEY UNTIL CLASS...``) as the lua reads them, or
+    None where it would refuse the file for them."""
+    if len(words) < 3 or words[0] != "image" or not IMAGE_KEY.fullmatch(words[1]) \
+            or not _DIGITS.fullmatch(words[2]) \
+            or not all(FEATURE.fullmatch(w) for w in words[3:]):
+        return None
+    return words[1], ImageGroup(int(words[2]), tuple(words[3:]))
 
 
 def parse(text: str, where: str = "classes file") -> ClassFile:
@@ -237,14 +250,10 @@ def parse(text: str, where: str = "classes file") -> ClassFile:
             seen.update(names)
             members[feature] = hosts
         elif key == "image" and len(words) >= 3:
-            name, until = words[1], words[2]
-            if not IMAGE_KEY.fullmatch(name) or name in images \
-                    or not _DIGITS.fullmatch(until) or len(images) >= MAX_IMAGES:
-                raise ClassFileError(f"{where}: line {n}: image {name[:80]!r}")
-            bad = [w for w in words[3:] if not FEATURE.fullmatch(w)]
-            if bad:
-                raise ClassFileError(f"{where}: line {n}: not a class: {bad[0][:80]!r}")
-            images[name] = ImageGroup(int(until), tuple(words[3:]))
+            found = image_line(words)
+            if found is None or found[0] in images or len(images) >= MAX_IMAGES:
+                raise ClassFileError(f"{where}: line {n}: image {line[:80]!r}")
+            images[found[0]] = found[1]
         else:
             raise ClassFileError(f"{where}: line {n}: not understood: {line[:80]!r}")
     if not ended:

@@ -42,8 +42,9 @@ from ncclguard.sched.submit import choose, constraints
 from ncclguard.slurm import NodeInfo, Slurm, SlurmError, SlurmTimeout
 from ncclguard.store import Inventory, InventoryError
 
-__all__ = ["Plan", "SyncResult", "Update", "class_table", "desired", "image_groups", "plan",
-           "sync", "write_images"]
+__all__ = ["Plan", "SyncResult", "Update", "carried", "class_judgements", "class_table",
+           "desired", "image_groups", "image_judged", "plan", "samples_of", "sync",
+           "write_images"]
 
 
 @dataclass(frozen=True)
@@ -105,46 +106,88 @@ def desired(config: Config, hosts: Sequence[str], now: float | None = None,
     return class_features(keys, config.policy, stale, names=names)
 
 
+def image_judged(config: Config, inventory: Inventory, key: str, now: float
+                 ) -> tuple[dict | None, int, str | None]:
+    """What the file's line for the image ``key`` (a path, or a registry reference's key)
+    rests on: ``(values, until, None)``, the gate's values of the image and the line's
+    end (0: none), or ``(None, 0, why)`` there is no line for it. The gate's own reads:
+    ``load_image_values``, and for a tag
+    :func:`~ncclguard.policy.rules.container.registry_image`."""
+    from ncclguard.fingerprint.imageref import RefError, parse
+    from ncclguard.policy.settings import severity_of
+
+    if severity_of(config.policy, container.STACK) != "refuse":
+        return None, 0, "image-stack does not refuse: the gate lets such a job run anywhere"
+    until = 0
+    if key.startswith("/"):
+        got = inventory.load_image_values(key)
+        if got is None:
+            return None, 0, "not in the image index"
+    else:
+        try:
+            registry = parse(key).registry
+        except RefError as e:
+            return None, 0, str(e)
+        row = inventory.load_registry_values(key)
+        got = container.registry_image(row, now, config.registry, registry)
+        if got is None or row is None:
+            return None, 0, "not in the registry index"
+        if got[0] is not None:
+            end = float(row["resolved_at"]) + config.registry.max_age_s
+            until = int(end) if end < 10**18 else 0  # 0: no end the file's 18 digits hold
+    if got[0] is None:
+        return None, 0, str(got[1])
+    if not container.checkable(got[0]):
+        return None, 0, "no libnccl the job would load was found in it"
+    return got[0], until, None
+
+
+def class_judgements(image: Mapping, samples: Mapping[str, list[dict]]
+                     ) -> dict[str, tuple[str, ...] | None]:
+    """Each class alone through :func:`~ncclguard.policy.rules.container.runnable_classes`:
+    ``(cls,)`` it runs the image, ``()`` it does not, None some of its nodes do."""
+    return {cls: container.runnable_classes(image, {cls: recs})
+            for cls, recs in sorted(samples.items())}
+
+
+def samples_of(inventory: Inventory, classes: Mapping[str, str | None]
+               ) -> dict[str, list[dict]]:
+    """:func:`~ncclguard.policy.rules.container.class_samples` of the classes' nodes, from
+    the gate's records."""
+    loaded = inventory.load_values([h for h, c in classes.items() if c is not None])
+    return container.class_samples({h: r[0] if r else None for h, r in loaded.items()},
+                                   classes)
+
+
 def image_groups(config: Config, inventory: Inventory, classes: Mapping[str, str | None],
                  now: float) -> dict[str, classfile.ImageGroup]:
-    """The file's ``image`` lines: each image the gate can judge (a squashfs file of the
-    index; a registry tag resolved within ``[registry] max_age_s``, until then) that some
-    class cannot run, with the classes that can
+    """The file's ``image`` lines: each image the gate can judge (:func:`image_judged`: a
+    squashfs file of the index; a registry tag resolved within ``[registry] max_age_s``,
+    until then) that some class cannot run, with the classes that can
     (:func:`~ncclguard.policy.rules.container.runnable_classes`). None while ``image-stack``
     does not refuse: the gate would let such a job run anywhere, and so does Slurm.
     Registry tags that jobs used last come first; at most ``2 * MAX_IMAGES`` are judged.
     ``inventory``: opened with the gate's values (:data:`GATE_VALUES` or the classes')."""
-    from ncclguard.fingerprint.imageref import RefError, parse
     from ncclguard.policy.settings import severity_of
 
     if severity_of(config.policy, container.STACK) != "refuse":
         return {}
     limit = 2 * classfile.MAX_IMAGES
-    found: list[tuple[str, dict, int]] = []
+    keys: list[str] = []
     if config.registry.enabled:
         tags = sorted(inventory.registry_tags().values(), key=lambda t: -(t.used_at or 0))
-        for tag in tags[:limit]:
-            try:
-                registry = parse(tag.ref).registry
-            except RefError:
-                continue
-            row = inventory.load_registry_values(tag.ref)
-            got = container.registry_image(row, now, config.registry, registry)
-            if got is not None and container.checkable(got[0]) and row is not None:
-                until = float(row["resolved_at"]) + config.registry.max_age_s
-                # 0: no end, for a max_age_s the file's 18 digits cannot hold (nor the gate's)
-                stamp = int(until) if until < 10**18 else 0
-                found.append((tag.ref, got[0], stamp))  # type: ignore[arg-type]
-    for img in inventory.images()[:limit]:
-        if img["error"] is None and len(found) < limit:
-            got = inventory.load_image_values(img["path"])
-            if got is not None and container.checkable(got[0]):
-                found.append((img["path"], got[0], 0))  # type: ignore[arg-type]
+        keys += [t.ref for t in tags[:limit]]
+    keys += [img["path"] for img in inventory.images()[:limit] if img["error"] is None]
+    found = []
+    for key in keys:
+        values, until, why = image_judged(config, inventory, key, now)
+        if values is not None and why is None:
+            found.append((key, values, until))
+            if len(found) == limit:
+                break
     if not found:
         return {}
-    loaded = inventory.load_values([h for h, c in classes.items() if c is not None])
-    samples = container.class_samples({h: r[0] if r else None for h, r in loaded.items()},
-                                      classes)
+    samples = samples_of(inventory, classes)
     out = {}
     for key, values, until in found:
         able = container.runnable_classes(values, samples)
@@ -187,7 +230,7 @@ def write_images(config: Config, images: Mapping[str, classfile.ImageGroup],
                  now: float | None = None) -> bool | None:
     """Replace the file's ``image`` lines (and set ``verified``), the rest as the last sync
     wrote it: the image index changed, the classes did not. True when written, False when
-    the file's lines may stay (:func:`_same_lines`: nothing written), None when there is no
+    the file's lines may stay (their ends :func:`carried`: nothing written), None when there is no
     file of ours to change (a full sync writes it). The lines are compared with the
     file's, not with what this process wrote last: a sync elsewhere (a hook, an admin)
     may have written others."""
@@ -201,9 +244,9 @@ def write_images(config: Config, images: Mapping[str, classfile.ImageGroup],
         stamp = int(time.time() if now is None else now)
         top = [classfile.MAGIC.encode(), b"verified %d" % stamp, *kept]
         room = classfile.MAX_BYTES - sum(len(ln) + 1 for ln in top) - 4
+        images = carried(path, images, stamp, keep_s(config))
         new = [ln.encode() for ln in classfile.image_lines(images, room)]
-        old = [ln for ln in lines if ln.startswith(b"image ")]
-        if _same_lines(old, new, stamp, config.registry.max_age_s / 2):
+        if new == [ln for ln in lines if ln.startswith(b"image ")]:
             return False
         try:
             classfile.write_bytes(path, b"\n".join([*top, *new, b"end"]) + b"\n")
@@ -212,26 +255,38 @@ def write_images(config: Config, images: Mapping[str, classfile.ImageGroup],
         return True
 
 
-def _same_lines(old: Sequence[bytes], new: Sequence[bytes], now: int, keep_s: float) -> bool:
-    """Whether the file's image lines ``old`` may stay for ``new``: the same images and
-    classes, each line's end the same or still ``keep_s`` away. A tag resolved again
-    moves its end every ``resolve_interval_s``, and every change of the file's body makes
-    job_submit.lua parse it again inside slurmctld: ends are moved only when one comes
-    within ``keep_s`` (half ``max_age_s``) of passing, all together."""
-    if len(old) != len(new):
-        return False
-    for a, b in zip(old, new, strict=True):
-        key_a, _, rest_a = a[len(b"image "):].partition(b" ")
-        key_b, _, rest_b = b[len(b"image "):].partition(b" ")
-        until_a, _, classes_a = rest_a.partition(b" ")
-        until_b, _, classes_b = rest_b.partition(b" ")
-        if key_a != key_b or classes_a != classes_b:
-            return False
-        if until_a != until_b and (until_a == b"0" or until_b == b"0"
-                                   or int(until_b) < int(until_a)
-                                   or int(until_a) - now < keep_s):
-            return False
-    return True
+def keep_s(config: Config) -> float:
+    """How near its end an image line's end is moved: a little more than the daemon takes
+    to look again (``verify_s`` and a pass), so that a line never passes its end while
+    its tag keeps being resolved, and ends move about once per ``max_age_s``."""
+    return 2 * (config.features.verify_s + config.features.interval_s)
+
+
+def carried(path: Path, images: Mapping[str, classfile.ImageGroup], now: float,
+            keep: float) -> dict[str, classfile.ImageGroup]:
+    """``images`` with the ends the file already has where they may stay: the same
+    classes, the file's end not past the new one, and no end of the file within ``keep``
+    (then all move together).
+    A tag resolved again moves its end every ``resolve_interval_s``, and each change of
+    the body costs job_submit.lua a parse inside slurmctld (9 ms for 256 lines,
+    docs/perf.md): ends move only when one comes near. A line the lua could not read
+    (or a file that is not ours) carries nothing."""
+    body = _our_body(path)
+    old: dict[str, classfile.ImageGroup] = {}
+    for line in (body or b"").split(b"\n"):
+        if line.startswith(b"image "):
+            found = classfile.image_line(line.decode("ascii", "replace").split(" "))
+            if found is not None:
+                old[found[0]] = found[1]
+    if any(o.until and o.until - now <= keep for k, o in old.items() if k in images):
+        return dict(images)  # one end comes near: all move, so the body changes once
+    out = {}
+    for key, g in images.items():
+        o = old.get(key)
+        keep_old = (o is not None and o.classes == g.classes and o.until != 0 and g.until != 0
+                    and o.until <= g.until)
+        out[key] = o if keep_old and o is not None else g
+    return out
 
 
 def plan(nodes: Sequence[NodeInfo], classes: Mapping[str, str | None]) -> Plan:
@@ -388,7 +443,8 @@ def sync(config: Config, slurm: Slurm, *, dry_run: bool = False, now: float | No
         if dry_run:
             return result
         default = slurm.default_partition()
-        images = _image_groups(config, p.classes, now, result)
+        images = result.images = carried(path, _image_groups(config, p.classes, now, result),
+                                         now, keep_s(config))
         before = in_slurm(nodes)
         if any(before.get(h) != c for h, c in p.classes.items()):
             # while features move, the lua may only name classes Slurm has before and after
