@@ -1,8 +1,10 @@
 """job_submit.lua's logic outside slurmctld: one corpus of job descriptions and files of
 classes through ``lua5.1`` (tests/lua/driver.lua, a stub ``slurm`` table and clock) and
 through the Python mirror (``ncclguard.sched.submit`` over ``ncclguard.sched.classfile``),
-every outcome compared, the message to the user included. The real slurmctld runs the
-same script in tests/test_sched_slurm.py and tests/test_controller_safety.py.
+every outcome compared, the message to the user included (the harness:
+tests/helpers/lua.py; image jobs' named cases: tests/test_lua_images.py). The real
+slurmctld runs the same script in tests/test_sched_slurm.py and
+tests/test_controller_safety.py.
 """
 
 from __future__ import annotations
@@ -10,15 +12,29 @@ from __future__ import annotations
 import os
 import random
 import re
-import shutil
 import subprocess
-from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers.parts import unavailable
+from helpers.lua import (
+    IMAGE_KEYS,
+    IMAGE_ODD,
+    LUA,
+    MATCHING,
+    NOW,
+    OTHER_SPANK,
+    REAL_REFS,
+    Case,
+    cf_ab,
+    feature,
+    lua5_1,
+    lua_string,
+    one,
+    python_outcome,
+    run_lua,
+)
 
 from ncclguard.config import FeaturesConfig
 from ncclguard.hostlist import compress
@@ -26,135 +42,8 @@ from ncclguard.policy.schedule import MAX_ALTERNATIVES, ClassCount
 from ncclguard.sched import classfile, submit
 from ncclguard.sched.submit import JobDesc
 
-ROOT = Path(__file__).resolve().parents[1]
-LUA = ROOT / "slurm" / "job_submit.lua"
-DRIVER = ROOT / "tests" / "lua" / "driver.lua"
-KEYS_DRIVER = ROOT / "tests" / "lua" / "image_keys.lua"
-NOW = 1_800_000_000
-#: --container-image values from public threads (their provenance is in the file)
-REAL_REFS = [ln for ln in (ROOT / "tests" / "data" / "image_refs.txt").read_text().splitlines()
-             if ln and not ln.startswith("#")]
-
-
-def lua5_1() -> str:
-    exe = shutil.which("lua5.1")
-    if exe is None:
-        unavailable("lua5.1 is not installed (apt-get install lua5.1)")
-    return exe
-
-
-def lua_string(s: str) -> str:
-    out = ['"']
-    for b in s.encode():
-        c = chr(b)
-        if c in '"\\':
-            out.append("\\" + c)
-        elif 32 <= b < 127:
-            out.append(c)
-        else:
-            out.append(f"\\{b:03d}")
-    out.append('"')
-    return "".join(out)
-
-
-def lua_value(v: Any) -> str:
-    if v is None:
-        return "nil"
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int):
-        return str(v)
-    if isinstance(v, str):
-        return lua_string(v)
-    if isinstance(v, tuple):  # Slurm's 0-based arrays (spank_job_env)
-        return "{" + ", ".join(f"[{i}] = {lua_value(x)}" for i, x in enumerate(v)) + "}"
-    if isinstance(v, Mapping):
-        return "{" + ", ".join(f"[{lua_string(k)}] = {lua_value(x)}" for k, x in v.items()
-                               if x is not None) + "}"
-    raise TypeError(v)
-
-
-@dataclass
-class Case:
-    text: str | bytes | None  # the file's content; None: no file
-    job: JobDesc
-    now: int = NOW
-    loaded: int = NOW - 100
-    modify: bool = False
-    inject: str | None = None  # a function of the ncclguard table that raises
-    path: Path | None = field(default=None, repr=False)
-
-
-@dataclass(frozen=True)
-class Outcome:
-    rc: str
-    features: str | None
-    prefer: str | None
-    user: str | None
-    error: str | None
-    usable: bool
-
-
-_RUNS = iter(range(1 << 30))
-
-
-def run_lua(tmp_path: Path, cases: list[Case], timeout: float = 120) -> list[Outcome]:
-    listing = []
-    run = next(_RUNS)
-    for i, c in enumerate(cases):
-        if c.path is None:
-            c.path = tmp_path / f"classes-{run}-{i}"
-            if c.text is not None:
-                c.path.write_bytes(c.text if isinstance(c.text, bytes) else c.text.encode())
-        job = {f.name: getattr(c.job, f.name) for f in fields(c.job)}
-        if c.job.spank_job_env is not None:
-            job["spank_job_env_size"] = len(c.job.spank_job_env)
-        listing.append("{" + f"file = {lua_string(str(c.path))}, now = {c.now}, "
-                       f"loaded = {c.loaded}, modify = {lua_value(c.modify)}, "
-                       f"inject = {lua_value(c.inject)}, job = {lua_value(job)}" + "}")
-    cases_file = tmp_path / f"cases-{run}.lua"
-    cases_file.write_text("return {\n" + ",\n".join(listing) + "\n}\n")
-    r = subprocess.run([lua5_1(), str(DRIVER), str(LUA), str(cases_file)],
-                       capture_output=True, text=True, timeout=timeout, check=False)
-    assert r.returncode == 0, r.stderr[-2000:]
-    out = []
-    for line in r.stdout.splitlines():
-        _, *cols = line.split("\t")
-        vals = [None if v == "-" else bytes.fromhex(v).decode() for v in cols]
-        rc, feats, pref, user, err, why = vals
-        assert rc is not None and why is not None
-        out.append(Outcome(rc, feats, pref, user, err, why == ""))
-    assert len(out) == len(cases), r.stderr[-2000:]
-    return out
-
-
-def python_outcome(c: Case) -> Outcome:
-    cf: classfile.ClassFile | None = None
-    if c.text is not None:
-        try:
-            text = c.text.decode() if isinstance(c.text, bytes) else c.text
-            cf = classfile.parse(text)
-            if len(text.encode()) > classfile.MAX_BYTES:
-                cf = None
-        except (classfile.ClassFileError, UnicodeDecodeError):
-            cf = None
-    usable = cf is not None and submit.trusted(cf, c.now, c.loaded) is None
-    d = submit.decide_modify(c.job) if c.modify else submit.decide(cf if usable else None, c.job,
-                                                                   c.now)
-    rc = {"keep": "SUCCESS", "set": "SUCCESS", "cap": "SUCCESS"}.get(d.action, d.code)
-    if d.action == "cap":
-        return Outcome(rc, d.features, d.prefer, None, None, usable)
-    if d.action == "set":
-        return Outcome(rc, d.features, d.prefer if c.job.prefer else c.job.prefer,
-                       None, None, usable)
-    return Outcome(rc, c.job.features, c.job.prefer, d.message or None, None, usable)
-
 
 # ------------------------------------------------------------------ the corpus
-def feature(i: int) -> str:
-    return "nc_" + f"{i * 2654435761 % (1 << 32):08x}"
-
-
 def a_file(rng: random.Random, *, verified: int = NOW - 1) -> classfile.ClassFile:
     nodes = [f"n{i}" for i in range(1, rng.choice([4, 8, 16, 40]) + 1)] + \
             [f"gpu{i:03d}" for i in range(1, rng.choice([0, 3, 12]) + 1)]
@@ -191,21 +80,6 @@ def a_file(rng: random.Random, *, verified: int = NOW - 1) -> classfile.ClassFil
         members={f: compress(hs) for f, hs in by.items()},
         images=images,
     )
-
-
-#: keys a file names, and values that name them (or not) as users write them
-IMAGE_KEYS = ["nvcr.io/nvidia/pytorch:25.01-py3", "registry-1.docker.io/library/centos:latest",
-              "/images/train.sqsh", "127.0.0.1:5000/ml/train:v1",
-              "nvcr.io/nvidia/pytorch@sha256:" + "ab" * 32]
-MATCHING = ["nvcr.io#nvidia/pytorch:25.01-py3", "nvcr.io/nvidia/pytorch:25.01-py3",
-            " docker://nvcr.io#nvidia/pytorch:25.01-py3\n", "centos", "centos:latest",
-            "/images/train.sqsh", "127.0.0.1:5000#ml/train:v1", "127.0.0.1:5000/ml/train:v1",
-            "nvcr.io#nvidia/pytorch:25.01-py3@sha256:" + "ab" * 32]
-IMAGE_VALUES = [*MATCHING, *REAL_REFS]
-IMAGE_ODD = ["./images/train.sqsh", "nvcr.io#nvidia/PyTorch:25.01", "nvcr.io", "",
-             "/images/train.sqsh ", "/images/t rain.sqsh", "u@nvcr.io#nvidia/pytorch:25.01-py3",
-             "nvcr.io#nvidia/pytorch:25.01-py3\u00a0", "x" * 5000, " " * 4000 + "centos"]
-OTHER_SPANK = "_SLURM_SPANK_OPTION_pyxis_container_mounts=/scratch:/scratch"
 
 
 def spank_env(rng: random.Random) -> tuple[str, ...] | None:
@@ -357,63 +231,7 @@ def test_the_corpus_offers_image_jobs_only_the_classes_that_run_their_image() ->
     assert narrowed >= 3, narrowed
 
 
-def test_the_lua_keys_every_image_as_the_gate_does(tmp_path: Path) -> None:
-    """Real --container-image values (tests/data/image_refs.txt) and odd ones, through
-    job_submit.lua's ncclguard.image_key and ncclguard.sched.submit.image_key: the same
-    key or none, and for real ones the key the gate looks the image up by
-    (imageref.parse, as enroot v4.1.2 reads a reference)."""
-    from ncclguard.fingerprint.imageref import parse
-
-    odd = [*IMAGE_ODD, "docker://", "docker:///x", "oci://x/y", "@nvcr.io#a/b", "a@b@c/d:e",
-           "nvcr.io#a/b@sha256:" + "AB" * 32, "nvcr.io#a/b:" + "t" * 129, "h:123456/a:b",
-           "-h.io/a:b", "h-.io/a:b", "h..io/a:b", "nvcr.io#a__b/c", "nvcr.io#a___b/c",
-           "nvcr.io#a._b/c", "nvcr.io#a--b/c:t", "nvcr.io#a/b/", "localhost:5000/a/b:c",
-           "user.name$x@nvcr.io#nvidia/pytorch:1", "u@sha256:x/y", "a:b:c", "\t/a.sqsh\t",
-           "nvcr.io#a/b:t@sha256:" + "0" * 64, "x" * 1024, "nvcr.io#" + "a" * 1020]
-    values = [*REAL_REFS, *IMAGE_VALUES, *odd]
-    listing = tmp_path / "values"
-    listing.write_text("".join(v.encode().hex() + "\n" for v in values))
-    r = subprocess.run([lua5_1(), str(KEYS_DRIVER), str(LUA), str(listing)], capture_output=True,
-                       text=True, timeout=60, check=False)
-    assert r.returncode == 0, r.stderr
-    got = [None if ln == "-" else bytes.fromhex(ln).decode() for ln in r.stdout.splitlines()]
-    assert len(got) == len(values)
-    diffs = [(v, g, submit.image_key(v)) for v, g in zip(values, got, strict=True)
-             if g != submit.image_key(v)]
-    assert not diffs, diffs[:5]
-    keyed = dict(zip(values, got, strict=True))
-    assert keyed["centos"] == "registry-1.docker.io/library/centos:latest"
-    assert keyed["hello-world.sqsh"] == "registry-1.docker.io/library/hello-world.sqsh:latest"
-    assert keyed["./hello-world.sqsh"] is None  # relative: the gate cannot know the file
-    assert keyed["192.168.61.4:5000#/cosmoflow-nvidia:0.4"] is None
-    assert keyed["evuedsoacr.azurecr.io/dc-ecosys-appl-eng/mlperf-nvidia:stable_diffusion-pyt"] \
-        == "evuedsoacr.azurecr.io/dc-ecosys-appl-eng/mlperf-nvidia:stable_diffusion-pyt"
-    assert keyed["nvcr.io#nvidia/pytorch:20.02-py3"] == "nvcr.io/nvidia/pytorch:20.02-py3"
-    for v in REAL_REFS:  # every real one as the gate keys it (paths as given)
-        if keyed[v] is not None and not v.startswith("/"):
-            assert keyed[v] == parse(v).key, v
-    assert sum(k is not None for k in keyed.values()) >= 20
-
-
 # --------------------------------------------------------- chosen cases, by name
-def cf_ab(**kw: Any) -> classfile.ClassFile:
-    a, b = feature(1), feature(2)
-    base = dict(verified=NOW - 1, partitions={"*": (ClassCount(a, 4), ClassCount(b, 2))},
-                members={a: "n[1-4]", b: "n[5-6]"})
-    base.update(kw)
-    return classfile.ClassFile(**base)  # type: ignore[arg-type]
-
-
-def one(tmp_path: Path, cf: classfile.ClassFile | str | None, job: JobDesc,
-        **kw: Any) -> Outcome:
-    text = classfile.render(cf).decode() if isinstance(cf, classfile.ClassFile) else cf
-    case = Case(text, job, **kw)
-    (got,) = run_lua(tmp_path, [case])
-    want = python_outcome(case)
-    assert replace(got, error=None) == want, (got, want)
-    return got
-
-
 A, B = feature(1), feature(2)
 
 
@@ -476,65 +294,6 @@ def test_required_nodes_in_one_class_get_that_class_alone(tmp_path: Path) -> Non
     assert (got.rc, got.features) == ("SUCCESS", f"[{A}]")
     got = one(tmp_path, cf_ab(), JobDesc(req_nodes="n5", min_nodes=3))
     assert got.rc == "ERROR" and got.user is not None and "which has 2 nodes" in got.user
-
-
-def _in(image: str) -> tuple[str, ...]:
-    return (OTHER_SPANK, submit.IMAGE_OPTION + image)
-
-
-def test_an_image_job_gets_only_the_classes_that_run_its_image(tmp_path: Path) -> None:
-    ref, key = "nvcr.io#nvidia/pytorch:25.01-py3", "nvcr.io/nvidia/pytorch:25.01-py3"
-    cf = cf_ab(images={key: classfile.ImageGroup(0, (B,))})
-    got = one(tmp_path, cf, JobDesc(min_nodes=2, spank_job_env=_in(ref)))
-    assert (got.rc, got.features) == ("SUCCESS", f"[{B}]")
-    # the same image written as enroot also reads it; another image: every class
-    got = one(tmp_path, cf, JobDesc(min_nodes=2, spank_job_env=_in(f"docker://{key}")))
-    assert got.features == f"[{B}]"
-    got = one(tmp_path, cf, JobDesc(min_nodes=2, spank_job_env=_in("nvcr.io#nvidia/x:1")))
-    assert got.features == f"[{A}|{B}]"
-    # more nodes than the classes that run it hold
-    got = one(tmp_path, cf, JobDesc(min_nodes=3, spank_job_env=_in(ref)))
-    assert got.rc == "ESLURM_INVALID_NODE_COUNT" and got.user == (
-        f"ncclguard: this job needs 3 nodes that run image {key} with one NCCL stack, but the "
-        f"largest such set in the cluster has 2 nodes (ask for at most 2, or see `ncclguard "
-        f"check --image {key}`)")
-    # the line has passed its time (the tag's resolution is too old): every class
-    cf = cf_ab(images={key: classfile.ImageGroup(NOW - 1, (B,))})
-    got = one(tmp_path, cf, JobDesc(min_nodes=2, spank_job_env=_in(ref)))
-    assert got.features == f"[{A}|{B}]"
-
-
-def test_an_image_no_class_runs_is_refused_and_an_unreadable_one_left_alone(
-        tmp_path: Path) -> None:
-    cf = cf_ab(images={"/images/old.sqsh": classfile.ImageGroup(0, ())})
-    got = one(tmp_path, cf, JobDesc(min_nodes=2, spank_job_env=_in(" /images/old.sqsh")))
-    assert got.rc == "ERROR" and got.user is not None
-    assert got.user.startswith("ncclguard: container image /images/old.sqsh runs on no class")
-    # jobs that may run on one node (the gate leaves them alone: found by review, they
-    # were refused), two images, more entries than read, a relative path: as before
-    old = _in("/images/old.sqsh")
-    for job in (JobDesc(min_nodes=1, max_nodes=1, spank_job_env=old),
-                JobDesc(tres_per_job="gres/gpu:4", spank_job_env=old),
-                JobDesc(num_tasks=4, spank_job_env=old),
-                JobDesc(min_nodes=1, max_nodes=4, spank_job_env=old),
-                JobDesc(min_nodes=2, spank_job_env=_in("/images/old.sqsh") * 2),
-                JobDesc(min_nodes=2, spank_job_env=(OTHER_SPANK,) * 256 + _in("/images/old.sqsh")),
-                JobDesc(min_nodes=2, spank_job_env=_in("./images/old.sqsh"))):
-        got = one(tmp_path, cf, job)
-        assert got.rc == "SUCCESS", job
-
-
-def test_a_bad_image_line_makes_the_file_unusable(tmp_path: Path) -> None:
-    good = classfile.render(cf_ab(images={"/a.sqsh": classfile.ImageGroup(0, (A,))})).decode()
-    for bad in ("image /a.sqsh 0 nc_zz", "image /a.sqsh x", "image /a.sqsh", "image a\x01 0"):
-        got = one(tmp_path, good.replace("image /a.sqsh 0 " + A, bad),
-                  JobDesc(min_nodes=2))
-        assert not got.usable, bad
-    twice = good.replace("image /a.sqsh 0 " + A, f"image /a.sqsh 0 {A}\nimage /a.sqsh 0")
-    assert not one(tmp_path, twice, JobDesc(min_nodes=2)).usable
-    many = "\n".join(f"image /{i}.sqsh 0" for i in range(classfile.MAX_IMAGES + 1))
-    assert not one(tmp_path, good.replace("image /a.sqsh 0 " + A, many),
-                   JobDesc(min_nodes=2)).usable
 
 
 @pytest.mark.parametrize("req", ["n[1-2]x", "n1 n5", "zz9", "n[1-99999999]"])

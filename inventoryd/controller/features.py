@@ -20,7 +20,7 @@ Each ``[features] interval_s`` (2 s):
    full sync, which reads every node;
 5. else, when the image index changed (a squashfs file scanned, a registry tag resolved:
    one cheap query, :meth:`~ncclguard.store.Inventory.image_mark`) or ``verify_s`` passed,
-   the file's ``image`` lines are judged again (:func:`~ncclguard.sched.sync.image_groups`,
+   the file's ``image`` lines are judged again (:func:`~ncclguard.sched.imagelines.image_groups`,
    the classes as last applied) and, when they differ, rewritten in place: no Slurm call;
 6. then the file's ``verified`` is set to now, so that job_submit.lua keeps trusting it
    (it trusts a file verified since its own slurmctld started, and recently); a file
@@ -67,14 +67,8 @@ from ncclguard.hostlist import compress, expand
 from ncclguard.policy import GATE_VALUES, load_config
 from ncclguard.policy.schedule import is_class_feature
 from ncclguard.sched import classfile, status
-from ncclguard.sched.sync import (
-    SyncResult,
-    desired,
-    image_groups,
-    mark_verified,
-    sync,
-    write_images,
-)
+from ncclguard.sched.imagelines import image_groups, write_images
+from ncclguard.sched.sync import SyncResult, desired, mark_verified, sync
 from ncclguard.slurm import Slurm, SlurmError
 from ncclguard.store import Inventory, InventoryError
 

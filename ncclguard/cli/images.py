@@ -168,13 +168,13 @@ def _classes_running(c: Any, key: str) -> dict[str, Any]:
     """Which classes' nodes run the image without an ``image-stack`` finding, which do
     not, and in which some nodes do and others not, and what job_submit.lua does with a
     job in it: the features daemon's judgement (its classes, ``sync.desired``; its reads,
-    ``sync.image_judged``; each class through ``runnable_classes``), though not the file
+    ``imagelines.image_judged``; each class through ``runnable_classes``), though not the file
     itself (it is on the controller), nor its cap of 256 lines."""
     from ncclguard.hostlist import compress
-    from ncclguard.sched import sync
+    from ncclguard.sched import imagelines, sync
 
     out: dict[str, Any] = {"runs": [], "not": [], "mixed": [], "lua": ""}
-    values, _until, why = sync.image_judged(c.config, c.inventory, key, c.now)
+    values, _until, why = imagelines.image_judged(c.config, c.inventory, key, c.now)
     hosts = c.inv("hosts")
     classes = sync.desired(c.config, hosts, c.now, c.inventory)
     members: dict[str, list[str]] = {}
@@ -184,7 +184,8 @@ def _classes_running(c: Any, key: str) -> dict[str, Any]:
     if values is None:
         out["lua"] = f"no line for it ({why}): a job in it gets its partition's group"
         return out
-    for cls, able in sync.class_judgements(values, sync.samples_of(c.inventory, classes)).items():
+    samples = imagelines.samples_of(c.inventory, classes)
+    for cls, able in imagelines.class_judgements(values, samples).items():
         what = "mixed" if able is None else ("runs" if able else "not")
         out[what].append({"class": cls, "nodes": compress(sorted(members.get(cls, [])))})
     if out["mixed"]:

@@ -49,12 +49,12 @@ import contextlib
 import os
 import re
 import stat
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from ncclguard.audit import check_dir
+from ncclguard.audit import AuditError, check_dir, lock
 from ncclguard.policy.schedule import MAX_ALTERNATIVES, ClassCount
 from ncclguard.sched.group import FEATURE
 from ncclguard.spool import atomic_write
@@ -68,6 +68,8 @@ __all__ = [
     "expand_members",
     "image_line",
     "image_lines",
+    "locked",
+    "our_body",
     "parse",
     "read",
     "read_bytes",
@@ -366,3 +368,42 @@ def read_bytes(path: Path) -> bytes:
     if len(data) > MAX_BYTES:
         raise ClassFileError(f"{path}: larger than {MAX_BYTES} bytes")
     return data
+
+
+def our_body(path: Path) -> bytes | None:
+    """The file's lines after ``verified`` (to ``end``, included), when it is a file of
+    classes of this version, whole; else None. Not parsed: at 16,384 nodes a parse costs
+    more than a pass's one Slurm call."""
+    try:
+        data = read_bytes(path)
+    except ClassFileError:
+        return None
+    head, _, rest = data.partition(b"\n")
+    line2, _, body = rest.partition(b"\n")
+    if head != MAGIC.encode() or not line2.startswith(b"verified ") \
+            or not body.endswith(b"\nend\n"):
+        return None
+    return body
+
+
+@contextlib.contextmanager
+def locked(path: Path, wait_s: float = 30.0) -> Iterator[None]:
+    """One sync at a time (daemon, hooks, admins): an flock on ``<file>.lock``."""
+    path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+    lock_path = Path(f"{path}.lock")
+    try:  # read-only: flock needs no more, and a lock file root created still opens;
+        # O_NONBLOCK: a FIFO put there must not hold the sync (and the hooks) for ever
+        fd = os.open(lock_path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+                     | os.O_NONBLOCK, 0o644)
+    except OSError as e:
+        raise ClassFileError(f"{lock_path}: cannot open: {e.strerror or e}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ClassFileError(f"{lock_path}: not a regular file; no sync")
+        try:
+            lock(fd, lock_path, wait_s, "no sync", poll_s=0.05)
+        except AuditError as e:
+            raise ClassFileError(str(e)) from None
+        yield
+    finally:
+        os.close(fd)

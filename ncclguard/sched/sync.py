@@ -17,18 +17,14 @@ hook that fires on its own update finds nothing left to do.
 from __future__ import annotations
 
 import contextlib
-import os
-import stat
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ncclguard.audit import AuditError, lock
 from ncclguard.config import Config
 from ncclguard.hostlist import compress
 from ncclguard.policy import GATE_VALUES, stale_hosts
-from ncclguard.policy.rules import container
 from ncclguard.policy.schedule import (
     ClassCount,
     class_features,
@@ -38,13 +34,13 @@ from ncclguard.policy.schedule import (
     rank_classes,
 )
 from ncclguard.sched import classfile, group
+from ncclguard.sched.imagelines import carried, image_groups, keep_s
 from ncclguard.sched.submit import choose, constraints
 from ncclguard.slurm import NodeInfo, Slurm, SlurmError, SlurmTimeout
 from ncclguard.store import Inventory, InventoryError
 
-__all__ = ["Plan", "SyncResult", "Update", "carried", "class_judgements", "class_table",
-           "desired", "image_groups", "image_judged", "plan", "samples_of", "sync",
-           "write_images"]
+__all__ = ["Plan", "SyncResult", "Update", "class_table", "desired", "mark_verified", "plan",
+           "regroup_pending", "sync"]
 
 
 @dataclass(frozen=True)
@@ -106,96 +102,6 @@ def desired(config: Config, hosts: Sequence[str], now: float | None = None,
     return class_features(keys, config.policy, stale, names=names)
 
 
-def image_judged(config: Config, inventory: Inventory, key: str, now: float
-                 ) -> tuple[dict | None, int, str | None]:
-    """What the file's line for the image ``key`` (a path, or a registry reference's key)
-    rests on: ``(values, until, None)``, the gate's values of the image and the line's
-    end (0: none), or ``(None, 0, why)`` there is no line for it. The gate's own reads:
-    ``load_image_values``, and for a tag
-    :func:`~ncclguard.policy.rules.container.registry_image`."""
-    from ncclguard.fingerprint.imageref import RefError, parse
-    from ncclguard.policy.settings import severity_of
-
-    if severity_of(config.policy, container.STACK) != "refuse":
-        return None, 0, "image-stack does not refuse: the gate lets such a job run anywhere"
-    until = 0
-    if key.startswith("/"):
-        got = inventory.load_image_values(key)
-        if got is None:
-            return None, 0, "not in the image index"
-    else:
-        try:
-            registry = parse(key).registry
-        except RefError as e:
-            return None, 0, str(e)
-        row = inventory.load_registry_values(key)
-        got = container.registry_image(row, now, config.registry, registry)
-        if got is None or row is None:
-            return None, 0, "not in the registry index"
-        if got[0] is not None:
-            end = float(row["resolved_at"]) + config.registry.max_age_s
-            until = int(end) if end < 10**18 else 0  # 0: no end the file's 18 digits hold
-    if got[0] is None:
-        return None, 0, str(got[1])
-    if not container.checkable(got[0]):
-        return None, 0, "no libnccl the job would load was found in it"
-    return got[0], until, None
-
-
-def class_judgements(image: Mapping, samples: Mapping[str, list[dict]]
-                     ) -> dict[str, tuple[str, ...] | None]:
-    """Each class alone through :func:`~ncclguard.policy.rules.container.runnable_classes`:
-    ``(cls,)`` it runs the image, ``()`` it does not, None some of its nodes do."""
-    return {cls: container.runnable_classes(image, {cls: recs})
-            for cls, recs in sorted(samples.items())}
-
-
-def samples_of(inventory: Inventory, classes: Mapping[str, str | None]
-               ) -> dict[str, list[dict]]:
-    """:func:`~ncclguard.policy.rules.container.class_samples` of the classes' nodes, from
-    the gate's records."""
-    loaded = inventory.load_values([h for h, c in classes.items() if c is not None])
-    return container.class_samples({h: r[0] if r else None for h, r in loaded.items()},
-                                   classes)
-
-
-def image_groups(config: Config, inventory: Inventory, classes: Mapping[str, str | None],
-                 now: float) -> dict[str, classfile.ImageGroup]:
-    """The file's ``image`` lines: each image the gate can judge (:func:`image_judged`: a
-    squashfs file of the index; a registry tag resolved within ``[registry] max_age_s``,
-    until then) that some class cannot run, with the classes that can
-    (:func:`~ncclguard.policy.rules.container.runnable_classes`). None while ``image-stack``
-    does not refuse: the gate would let such a job run anywhere, and so does Slurm.
-    Registry tags that jobs used last come first; at most ``2 * MAX_IMAGES`` are judged.
-    ``inventory``: opened with the gate's values (:data:`GATE_VALUES` or the classes')."""
-    from ncclguard.policy.settings import severity_of
-
-    if severity_of(config.policy, container.STACK) != "refuse":
-        return {}
-    limit = 2 * classfile.MAX_IMAGES
-    keys: list[str] = []
-    if config.registry.enabled:
-        tags = sorted(inventory.registry_tags().values(), key=lambda t: -(t.used_at or 0))
-        keys += [t.ref for t in tags[:limit]]
-    keys += [img["path"] for img in inventory.images()[:limit] if img["error"] is None]
-    found = []
-    for key in keys:
-        values, until, why = image_judged(config, inventory, key, now)
-        if values is not None and why is None:
-            found.append((key, values, until))
-            if len(found) == limit:
-                break
-    if not found:
-        return {}
-    samples = samples_of(inventory, classes)
-    out = {}
-    for key, values, until in found:
-        able = container.runnable_classes(values, samples)
-        if able is not None and len(able) < len(samples):  # some class cannot run it
-            out[key] = classfile.ImageGroup(until, able)
-    return out
-
-
 def _image_groups(config: Config, classes: Mapping[str, str | None], now: float,
                   result: SyncResult) -> dict[str, classfile.ImageGroup]:
     """:func:`image_groups` from the configured inventory, into ``result``; an inventory
@@ -208,85 +114,6 @@ def _image_groups(config: Config, classes: Mapping[str, str | None], now: float,
     except InventoryError as e:
         result.image_error = f"image groups: {e}"
     return result.images
-
-
-def _our_body(path: Path) -> bytes | None:
-    """The file's lines after ``verified`` (to ``end``, included), when it is a file of
-    classes of this version, whole; else None. Not parsed: at 16,384 nodes a parse costs
-    more than a pass's one Slurm call."""
-    try:
-        data = classfile.read_bytes(path)
-    except classfile.ClassFileError:
-        return None
-    head, _, rest = data.partition(b"\n")
-    line2, _, body = rest.partition(b"\n")
-    if head != classfile.MAGIC.encode() or not line2.startswith(b"verified ") \
-            or not body.endswith(b"\nend\n"):
-        return None
-    return body
-
-
-def write_images(config: Config, images: Mapping[str, classfile.ImageGroup],
-                 now: float | None = None) -> bool | None:
-    """Replace the file's ``image`` lines (and set ``verified``), the rest as the last sync
-    wrote it: the image index changed, the classes did not. True when written, False when
-    the file's lines may stay (their ends :func:`carried`: nothing written), None when there is no
-    file of ours to change (a full sync writes it). The lines are compared with the
-    file's, not with what this process wrote last: a sync elsewhere (a hook, an admin)
-    may have written others."""
-    path = Path(config.features.classes_file)
-    with _locked(path):
-        body = _our_body(path)
-        if body is None:
-            return None
-        lines = body[:-len(b"end\n")].split(b"\n")[:-1]
-        kept = [ln for ln in lines if not ln.startswith(b"image ")]
-        stamp = int(time.time() if now is None else now)
-        top = [classfile.MAGIC.encode(), b"verified %d" % stamp, *kept]
-        room = classfile.MAX_BYTES - sum(len(ln) + 1 for ln in top) - 4
-        images = carried(path, images, stamp, keep_s(config))
-        new = [ln.encode() for ln in classfile.image_lines(images, room)]
-        if new == [ln for ln in lines if ln.startswith(b"image ")]:
-            return False
-        try:
-            classfile.write_bytes(path, b"\n".join([*top, *new, b"end"]) + b"\n")
-        except classfile.ClassFileError:
-            return None
-        return True
-
-
-def keep_s(config: Config) -> float:
-    """How near its end an image line's end is moved: a little more than the daemon takes
-    to look again (``verify_s`` and a pass), so that a line never passes its end while
-    its tag keeps being resolved, and ends move about once per ``max_age_s``."""
-    return 2 * (config.features.verify_s + config.features.interval_s)
-
-
-def carried(path: Path, images: Mapping[str, classfile.ImageGroup], now: float,
-            keep: float) -> dict[str, classfile.ImageGroup]:
-    """``images`` with the ends the file already has where they may stay: the same
-    classes, the file's end not past the new one, and no end of the file within ``keep``
-    (then all move together).
-    A tag resolved again moves its end every ``resolve_interval_s``, and each change of
-    the body costs job_submit.lua a parse inside slurmctld (9 ms for 256 lines,
-    docs/perf.md): ends move only when one comes near. A line the lua could not read
-    (or a file that is not ours) carries nothing."""
-    body = _our_body(path)
-    old: dict[str, classfile.ImageGroup] = {}
-    for line in (body or b"").split(b"\n"):
-        if line.startswith(b"image "):
-            found = classfile.image_line(line.decode("ascii", "replace").split(" "))
-            if found is not None:
-                old[found[0]] = found[1]
-    if any(o.until and o.until - now <= keep for k, o in old.items() if k in images):
-        return dict(images)  # one end comes near: all move, so the body changes once
-    out = {}
-    for key, g in images.items():
-        o = old.get(key)
-        keep_old = (o is not None and o.classes == g.classes and o.until != 0 and g.until != 0
-                    and o.until <= g.until)
-        out[key] = o if keep_old and o is not None else g
-    return out
 
 
 def plan(nodes: Sequence[NodeInfo], classes: Mapping[str, str | None]) -> Plan:
@@ -344,29 +171,6 @@ def in_slurm(nodes: Sequence[NodeInfo]) -> dict[str, str | None]:
     """Each node's class feature as Slurm has it now (the first ``nc_`` one active)."""
     return {n.name: next((f for f in n.active_features if is_class_feature(f)), None)
             for n in nodes}
-
-
-@contextlib.contextmanager
-def _locked(path: Path, wait_s: float = 30.0) -> Iterator[None]:
-    """One sync at a time (daemon, hooks, admins): an flock on ``<file>.lock``."""
-    path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
-    lock_path = Path(f"{path}.lock")
-    try:  # read-only: flock needs no more, and a lock file root created still opens;
-        # O_NONBLOCK: a FIFO put there must not hold the sync (and the hooks) for ever
-        fd = os.open(lock_path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
-                     | os.O_NONBLOCK, 0o644)
-    except OSError as e:
-        raise classfile.ClassFileError(f"{lock_path}: cannot open: {e.strerror or e}") from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise classfile.ClassFileError(f"{lock_path}: not a regular file; no sync")
-        try:
-            lock(fd, lock_path, wait_s, "no sync", poll_s=0.05)
-        except AuditError as e:
-            raise classfile.ClassFileError(str(e)) from None
-        yield
-    finally:
-        os.close(fd)
 
 
 NOT_TRIED = "not tried again yet (backing off)"
@@ -434,7 +238,7 @@ def sync(config: Config, slurm: Slurm, *, dry_run: bool = False, now: float | No
     """
     now = time.time() if now is None else now
     path = Path(config.features.classes_file)
-    lock = contextlib.nullcontext() if dry_run else _locked(path)
+    lock = contextlib.nullcontext() if dry_run else classfile.locked(path)
     with lock:
         nodes = slurm.nodes()
         names = [n.name for n in nodes]
@@ -513,8 +317,8 @@ def mark_verified(config: Config, now: float | None = None) -> bool:
     cost more than the pass's one Slurm call); False when there is no file of ours to
     confirm."""
     path = Path(config.features.classes_file)
-    with _locked(path):
-        body = _our_body(path)
+    with classfile.locked(path):
+        body = classfile.our_body(path)
         if body is None:
             return False
         stamp = int(time.time() if now is None else now)
