@@ -163,6 +163,14 @@ def _records(c: DevCluster, job: int) -> list[dict]:
     return audit.read(c.audit_path, job=job)
 
 
+def _settled_classes(c: DevCluster) -> dict[str, str]:
+    """Each node's class once every node has one: a node an earlier test moved may be held
+    without one for settle_s, and :func:`_put_back` would then wait for that hold (CI,
+    22.05 in order: "the classes as before" timed out after the flips test had passed)."""
+    wait_until(lambda: _features_in_place(c), 30, "every node in its class")
+    return _classes(c)
+
+
 def _put_back(c: DevCluster, config: str, hosts: tuple[str, ...],
               cls: dict[str, str]) -> None:
     """After a test that ran its own features daemon: the daemon stopped, the config and
@@ -173,7 +181,8 @@ def _put_back(c: DevCluster, config: str, hosts: tuple[str, ...],
         c.publish_fingerprint(host, fingerprint(host, nccl=_versions(host)))
     c.collect()
     c.start_features_daemon()
-    wait_until(lambda: _classes(c) == cls, 60, "the classes as before")
+    wait_until(lambda: _classes(c) == cls, 60, "the classes as before",
+               detail=lambda: f"Slurm has {_classes(c)}, before: {cls}")
 
 
 # ------------------------------------------------------------------- the sync
@@ -688,7 +697,7 @@ def test_fifteen_flips_of_one_node_cost_a_bounded_number_of_updates(sc: DevClust
     """A node whose stack flips is held without a class until it settles: 15 flips, at
     most 3 updates of it (the first change, the hold, its class after settle_s)."""
     c = sc
-    cls = _classes(c)
+    cls = _settled_classes(c)
     text = c.config_path.read_text()
     c.stop_features_daemon()
     # settle_s well above one flip's time (a publish, a collect, 0.6 s and a check: up to
@@ -824,7 +833,7 @@ def test_a_node_slurm_keeps_refusing_is_found_in_the_pass_and_holds_no_other_bac
     it gets its class and the log says so. Before, n2 shared n4's back-off and never got
     its class. About 20 s."""
     c = sc
-    cls = _classes(c)
+    cls = _settled_classes(c)
     text = c.config_path.read_text()
     bindir, flag, calls = _refusing_scontrol(c, "n4")
     log = c.root / "log" / "features.out"
@@ -929,7 +938,7 @@ def test_the_hook_keeps_the_daemons_held_nodes_and_refused_updates(sc: DevCluste
     daemon took it away at its next check: classes moved for 16 s after a reconfigure
     on 26.05 in CI) and wrote a status file without either."""
     c = sc
-    cls = _classes(c)
+    cls = _settled_classes(c)
     hook_log = c.root / "log" / "features-hook.log"
     now = time.time()
     held = {"host": "n4", "until": now + 120}
@@ -959,4 +968,5 @@ def test_the_hook_keeps_the_daemons_held_nodes_and_refused_updates(sc: DevCluste
             status.path(config).unlink(missing_ok=True)
     c.stop_features_daemon()  # its first pass puts n4's and n5's classes back
     c.start_features_daemon()
-    wait_until(lambda: _classes(c) == cls, 60, "the classes as before")
+    wait_until(lambda: _classes(c) == cls, 60, "the classes as before",
+               detail=lambda: f"Slurm has {_classes(c)}, before: {cls}")
