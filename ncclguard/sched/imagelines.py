@@ -134,7 +134,7 @@ def write_images(config: Config, images: Mapping[str, classfile.ImageGroup],
         stamp = int(time.time() if now is None else now)
         top = [classfile.MAGIC.encode(), b"verified %d" % stamp, *kept]
         room = classfile.MAX_BYTES - sum(len(ln) + 1 for ln in top) - 4
-        images = carried(path, images, stamp, keep_s(config))
+        images = carried(body, images, stamp, keep_s(config))
         new = [ln.encode() for ln in classfile.image_lines(images, room)]
         if new == [ln for ln in lines if ln.startswith(b"image ")]:
             return False
@@ -152,16 +152,16 @@ def keep_s(config: Config) -> float:
     return 2 * (config.features.verify_s + config.features.interval_s)
 
 
-def carried(path: Path, images: Mapping[str, classfile.ImageGroup], now: float,
+def carried(body: bytes | None, images: Mapping[str, classfile.ImageGroup], now: float,
             keep: float) -> dict[str, classfile.ImageGroup]:
-    """``images`` with the ends the file already has where they may stay: the same
+    """``images`` with the ends the file's ``body`` (:func:`~ncclguard.sched.classfile.our_body`,
+    read by the caller under its lock) already has where they may stay: the same
     classes, the file's end not past the new one, and no end of the file within ``keep``
     (then all move together).
     A tag resolved again moves its end every ``resolve_interval_s``, and each change of
     the body costs job_submit.lua a parse inside slurmctld (9 ms for 256 lines,
     docs/perf.md): ends move only when one comes near. A line the lua could not read
-    (or a file that is not ours) carries nothing."""
-    body = classfile.our_body(path)
+    (or a file that is not ours: ``body`` None) carries nothing."""
     old: dict[str, classfile.ImageGroup] = {}
     for line in (body or b"").split(b"\n"):
         if line.startswith(b"image "):

@@ -247,7 +247,8 @@ def sync(config: Config, slurm: Slurm, *, dry_run: bool = False, now: float | No
         if dry_run:
             return result
         default = slurm.default_partition()
-        images = result.images = carried(path, _image_groups(config, p.classes, now, result),
+        images = result.images = carried(classfile.our_body(path),
+                                         _image_groups(config, p.classes, now, result),
                                          now, keep_s(config))
         before = in_slurm(nodes)
         if any(before.get(h) != c for h, c in p.classes.items()):
