@@ -6,10 +6,12 @@ holding a real libnccl, the real collector path's store writes, and ``ncclguard 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 from helpers.cli import run_cli
+from helpers.enroot import plant, stock_files
 from helpers.parts import build_plugin, unavailable
 
 from devtools import images
@@ -65,24 +67,31 @@ def test_a_node_without_enroot_injects_nothing(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory, nccl_lib) -> dict[str, Path]:
     """n1, n2 inject a v6..v5 plugin (NCCL 2.18.3 speaks v6..v4); n3, n4 one of v10..v9;
-    n5 injects nothing. The host libnccl is 2.21.5 on n1-n4, 2.18.3 on n5 (not what a
-    container loads). One image with NCCL 2.18.3 and no plugin of its own. Built once for
-    the module (about 30 s: five cold fingerprints, two images of real libnccl); no test
-    writes the inventory or the images."""
+    n5 injects nothing; n6 has a mounts.d file the probe cannot read (so what it injects
+    is not known). Every node has enroot's shipped mounts.d and environ.d files (as a site
+    that installs enroot has: issue 47), and a user's v10 plugin planted in n1's
+    ``/dev/shm``. The host libnccl is 2.21.5 on n1-n4, 2.18.3 on n5 (not what a container
+    loads). One image with NCCL 2.18.3 and no plugin of its own. Built once for the module
+    (about 30 s: six cold fingerprints, two images of real libnccl); no test writes the
+    inventory or the images."""
     tmp_path = tmp_path_factory.mktemp("containers")
     old = build_plugin(tmp_path / "p6", [6, 5], name="IBext_v6")
     new = build_plugin(tmp_path / "p10", [10, 9], name="IBext_v10")
     host_lib = nccl_lib("2.21.5")
     db = tmp_path / "inv.db"
     with Inventory(db, values=GATE_VALUES) as inv:
-        for i, plugin in ((1, old), (2, old), (3, new), (4, new), (5, None)):
-            files: dict[str, Path | bytes] = {}
+        for i, plugin in ((1, old), (2, old), (3, new), (4, new), (5, None), (6, old)):
+            files: dict[str, Path | bytes] = dict(stock_files())
             if plugin is not None:
                 files["/opt/site/libnccl-net.so"] = plugin
                 files["/etc/enroot/mounts.d/50-net.fstab"] = FSTAB.format(
                     src="/opt/site/libnccl-net.so").encode()
             root = build_node(tmp_path / f"n{i}", extra_files=files,
-                              libnccl=host_lib if i < 5 else nccl_lib("2.18.3"))
+                              libnccl=host_lib if i != 5 else nccl_lib("2.18.3"))
+            if i == 1:  # any user can write /dev/shm, which the stock fstab binds
+                plant(root, "/dev/shm", new)
+            if i == 6:  # a FIFO where a mounts.d file belongs: not read, never blocks
+                os.mkfifo(root / "etc/enroot/mounts.d/60-site.fstab")
             inv.upsert(collect(str(root), f"n{i}", cache=FileCache(None)))
         roots = tmp_path / "images"
         roots.mkdir()
@@ -134,6 +143,20 @@ def test_an_image_that_cannot_use_some_nodes_plugin_is_refused(cluster) -> None:
     assert doc["findings"][0]["rule"] == "nccl-version"
 
 
+def test_a_node_whose_injection_is_not_known_is_image_unknown(cluster) -> None:
+    """n6's containers probe could not read a mounts.d file: it is named under
+    image-unknown (a warning by default), never taken as injecting nothing."""
+    img = str(cluster["images"] / "pt-2.18.sqsh")
+    code, doc = _check(cluster, "n[1-2,6]", "--image", img)
+    assert code == 1 and doc["decision"] == "warn", doc
+    (f,) = [f for f in doc["findings"] if f["rule"] == "image-unknown"]
+    assert [g["nodes"] for g in f["groups"]] == ["n6"]
+    assert "containers probe could not tell" in f["message"]
+    cluster["cfg"].write_text('[policy.severity]\n"image-unknown" = "refuse"\n')
+    code, doc = _check(cluster, "n[1-2,6]", "--image", img)
+    assert code == 2
+
+
 def test_an_image_whose_nccl_uses_every_plugin_runs_everywhere(cluster) -> None:
     # NCCL 2.21.5 (pip's copy) speaks v8..v5: n1-n2's v6 yes, n3-n4's v10..v9 no
     img = str(cluster["images"] / "pt-2.21.sqsh")
@@ -164,14 +187,14 @@ def test_images_cli_lists_shows_and_diffs(cluster) -> None:
     assert r.exit_code == 0 and "2.18.3" in r.output and "2 images" in r.output
     r = run_cli("images", "show", a, **base)
     assert r.exit_code == 0 and "2.18.3 (loaded)" in r.output
-    # n[1-4] share a host stack (one class) but inject different plugins: 2.18.3 uses
-    # n[1-2]'s v6 and falls back on n[3-4]'s v10, so the lua cannot offer a group for it;
-    # n5 injects nothing (NCCL's own IB): it runs there
+    # n[1-4,6] share a host stack (one class) but inject different plugins: 2.18.3 uses
+    # n[1-2]'s v6 and falls back on n[3-4]'s v10 (n6's is not known), so the lua cannot
+    # offer a group for it; n5 injects nothing (NCCL's own IB): it runs there
     assert "  runs on: nc_" in r.output and "(n5)" in r.output, r.output
-    assert "some nodes run it, others not, in: nc_" in r.output and "(n[1-4])" in r.output
+    assert "some nodes run it, others not, in: nc_" in r.output and "(n[1-4,6])" in r.output
     doc = json.loads(run_cli("images", "show", a, "--json", **base).output)
     assert [k["nodes"] for k in doc["classes"]["runs"]] == ["n5"]
-    assert [k["nodes"] for k in doc["classes"]["mixed"]] == ["n[1-4]"]
+    assert [k["nodes"] for k in doc["classes"]["mixed"]] == ["n[1-4,6]"]
     assert doc["classes"]["not"] == []
     assert doc["classes"]["lua"].startswith("no line for it (one class feature cannot say")
     # NCCL 2.21.5 (v8..v5) too uses n[1-2]'s v6 and not n[3-4]'s v10; and while

@@ -67,8 +67,9 @@ def _collect(fs: NodeFS, errors: ErrorLog, hostname: str | None, config: Invento
     netifs_ = _run(errors, netifs.PROBE, lambda: netifs.probe(fs, errors), [])
     gpu_ = _run(errors, gpu.PROBE, lambda: gpu.probe(fs, errors),
                 model.empty_gpu())
+    # a probe that fails says what the node injects is not known, never "nothing"
     containers_ = _run(errors, containers.PROBE, lambda: containers.probe(fs, errors, cache),
-                       containers.empty())
+                       containers.empty(unknown="the containers probe failed (see errors)"))
     cache.save()
     # the probes build plain dicts of the parts' shapes (ncclguard.fingerprint.model)
     return {

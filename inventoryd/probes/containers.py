@@ -4,31 +4,44 @@ A job's container brings its own libnccl; the net plugin may come from the node.
 put aws-ofi-nccl, HPC-X or GIB plugins in with enroot's system configuration (pyxis runs
 enroot), ``--container-mounts``, or Apptainer's bind paths. Read here, never run:
 
-- enroot (``/etc/enroot``, ``ENROOT_SYSCONF_PATH``'s default): ``mounts.d/*.fstab``
-  (``source target type options``, fstab(5) with enroot's extensions), ``environ.d/*.env``
-  (``NAME=value``; only ``NCCL_*`` and ``LD_LIBRARY_PATH`` kept), ``hooks.d/*.sh`` (their
-  names and hashes, and every absolute ``libnccl-*.so`` path their text names);
+- enroot (``/etc/enroot``, ``ENROOT_SYSCONF_PATH``'s default): ``mounts.d/*.fstab`` read
+  as ``enroot-mount`` reads them (:func:`parse_fstab`), ``environ.d/*.env`` as
+  ``enroot-switchroot`` sets them (the last line of a name wins; only ``NCCL_*`` and
+  ``LD_LIBRARY_PATH`` kept), ``hooks.d/*.sh`` (their names and hashes, and every absolute
+  ``libnccl-*.so`` path their text names);
 - pyxis: the ``spank_pyxis.so`` lines of ``/etc/slurm/plugstack.conf`` and
   ``plugstack.conf.d/*.conf``, with their arguments;
 - Apptainer/Singularity: ``bind path`` lines of ``apptainer.conf``/``singularity.conf``.
 
-Every NCCL plugin file such a mount, bind or hook brings in (a file, or a directory's
-``libnccl-*.so*`` files up to three levels down) is analysed like the node's own
-(:func:`inventoryd.probes.plugins.describe`). ``net_plugin`` is the one a container loads:
-the file named by an injected ``NCCL_NET_PLUGIN``, else one whose target is
-``libnccl-net.so``; None when the node injects none (the image's own is used then).
-Stock enroot hooks inject no NCCL, nor does Apptainer's ``nvliblist.conf`` (issue 15).
+Only what a container could load counts (issue 47): a bind mount's absolute source that
+is root's and writable by no one else, up to the node's root (:func:`untrusted`); a
+mounted directory is searched three levels deep, never into a directory others can write
+(``/dev/shm``, ``/tmp``: any user could plant a plugin there) nor into the kernel's
+filesystems (``/proc``, ``/sys``, ``/dev``: enroot's stock ``10-system.fstab`` binds them,
+and no library lives there). ``net_plugin`` is the one a container loads, in the linker's
+order: the file named by an injected ``NCCL_NET_PLUGIN`` (else ``libnccl-net.so``) in the
+first directory of the injected ``LD_LIBRARY_PATH``, then of the system directories
+(:data:`SYSTEM_DIRS`), that holds it; None when the node injects none (the image's own is
+used then). When the probe cannot say (a configuration file it cannot read, a walk cut
+short, the plugin injected only where the image's own linker path decides, the probe
+failing) ``unknown`` says why, and the gate reads the node as not known (``image-unknown``),
+never as "injects nothing". Stock enroot hooks inject no NCCL, nor does Apptainer's
+``nvliblist.conf`` (issue 15).
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
+import posixpath
 import re
+import stat
 from typing import Any
 
 from inventoryd.filecache import FileCache
 from inventoryd.nodefs import ErrorLog, NodeFS
 from inventoryd.probes import plugins as plugin_probe
+from inventoryd.probes.nccl import untrusted
 
 PROBE = "containers"
 ENROOT = "/etc/enroot"
@@ -40,56 +53,154 @@ MAX_READ = 64 * 1024
 MAX_WALK_DEPTH = 3  # a mounted directory is searched this deep (HPC-X: <dir>/<plugin>/lib)
 MAX_WALK = 4096  # entries looked at per mounted directory
 _PLUGIN_PATH = re.compile(r"(/[A-Za-z0-9_./+-]*/libnccl-[a-z]+[A-Za-z0-9_.+-]*\.so[0-9.]*)")
+#: The kernel's filesystems: enroot's stock ``10-system.fstab`` binds them into every
+#: container; no library lives there, and walking them costs time for nothing.
+KERNEL_FS = ("/proc", "/sys", "/dev")
+#: Where a container's dynamic linker looks after ``LD_LIBRARY_PATH`` whatever the image:
+#: glibc's trusted directories and the multiarch ones Debian, Ubuntu and RHEL images put
+#: in their ``ld.so.cache``. A plugin injected elsewhere is loaded only if the image's own
+#: ``LD_LIBRARY_PATH`` or ``ld.so.conf`` names its directory: not known on the node.
+SYSTEM_DIRS = ("/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/lib/aarch64-linux-gnu",
+               "/usr/lib/aarch64-linux-gnu", "/lib64", "/usr/lib64", "/lib", "/usr/lib")
+# getmntent(3)'s escapes in an fstab field: space, tab, newline, backslash
+_ESCAPE = re.compile(r"\\(040|011|012|134)")
+#: enroot-mount's option names (enroot v4.1.2 ``bin/enroot-mount.c`` ``mount_opts``): a
+#: bare second or third fstab field that is one of them (or holds a comma) is options
+MOUNT_OPTIONS = frozenset({
+    "async", "atime", "bind", "dev", "diratime", "dirsync", "exec", "iversion", "loud", "mand",
+    "noatime", "nodev", "nodiratime", "noexec", "noiversion", "nomand", "norelatime",
+    "nostrictatime", "nosuid", "private", "rbind", "relatime", "remount", "ro", "rprivate",
+    "rshared", "rslave", "runbindable", "rw", "shared", "silent", "slave", "strictatime",
+    "suid", "sync", "unbindable", "lazytime", "nolazytime", "auto", "defaults", "group",
+    "noauto", "nofail", "nogroup", "noowner", "nouser", "nousers", "owner", "user", "users",
+    "x-create=dir", "x-create=file", "x-create=auto", "x-move", "x-detach",
+})
 
 
-def empty() -> dict[str, Any]:
+def empty(unknown: str | None = None) -> dict[str, Any]:
+    """The part of a node without enroot, Apptainer or pyxis; ``unknown``: why what the
+    node injects is not known (a probe that failed)."""
     return {"enroot": {"mounts": [], "environ": {}, "hooks": []}, "pyxis": [],
-            "apptainer_binds": [], "plugins": [], "net_plugin": None}
+            "apptainer_binds": [], "plugins": [], "net_plugin": None, "unknown": unknown}
 
 
-def _files(fs: NodeFS, errors: ErrorLog, d: str, suffix: str) -> list[str]:
+def _files(fs: NodeFS, errors: ErrorLog, d: str, suffix: str, why: list[str]) -> list[str]:
     names = fs.list_dir(d, errors, PROBE, f"containers:{d}") or []
-    return [f"{d}/{n}" for n in names if n.endswith(suffix)][:MAX_FILES]
+    matching = [f"{d}/{n}" for n in names if n.endswith(suffix)]
+    if len(matching) > MAX_FILES:
+        why.append(f"{d}: more than {MAX_FILES} *{suffix} files; only the first read")
+    return matching[:MAX_FILES]
 
 
-def _text(fs: NodeFS, errors: ErrorLog, path: str) -> str | None:
+def _text(fs: NodeFS, errors: ErrorLog, path: str, why: list[str]) -> str | None:
     got = fs.read_bytes(path, MAX_READ, errors, PROBE, "containers")
-    return None if got is None else got[0].decode("utf-8", "replace")
+    if got is None:
+        return None
+    if got[1]:
+        why.append(f"{path}: longer than {MAX_READ} bytes; the rest not read")
+    return got[0].decode("utf-8", "replace")
+
+
+def _is_options(word: str) -> bool:
+    """Whether an fstab word is mount options, as enroot-mount's ``ismntopt`` says."""
+    return "," in word or word in MOUNT_OPTIONS
 
 
 def parse_fstab(text: str) -> list[dict[str, str]]:
-    """enroot's fstab lines: ``source target [type [options]]`` (``#`` comments)."""
+    """enroot's fstab lines as ``enroot-mount`` reads them (enroot v4.1.2
+    ``bin/compat.h`` ``compat_getmntent_r``, ``bin/enroot-mount.c`` ``mount_fstab``):
+    ``source [target [type [options [freq [passno]]]]]``, blank and ``#`` lines skipped,
+    getmntent's octal escapes decoded, and the missing fields guessed as enroot does
+    (``/src`` alone: bound at ``/src``, ``rbind``; ``/src /dst``: ``rbind``; a second or
+    third field that is options: the type is ``none``; ``tmpfs /dst``: a tmpfs)."""
     out = []
     for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
+        words = [_ESCAPE.sub(lambda m: chr(int(m.group(1), 8)), w) for w in line.split()]
+        if not words or words[0].startswith("#"):
             continue
-        parts = line.split()
-        if len(parts) < 2:
-            continue
-        out.append({"source": parts[0], "target": parts[1],
-                    "type": parts[2] if len(parts) > 2 else "none",
-                    "options": parts[3] if len(parts) > 3 else ""})
+        source = words[0]
+        target = words[1] if len(words) > 1 else ""
+        type_ = words[2] if len(words) > 2 else ""
+        options = words[3] if len(words) > 3 else ""
+        if target and not type_ and not options and _is_options(target):
+            target, type_, options = "", "none", target
+        if type_ and not options and _is_options(type_):
+            type_, options = "none", type_
+            if target == "none":
+                target = ""
+        if source == "tmpfs":
+            type_ = "tmpfs" if type_ in ("", "none") else type_
+        else:
+            target = target or source
+            if type_ in ("", "none"):
+                type_ = "none"
+                options = options or "rbind,x-create=auto"
+        out.append({"source": source, "target": target, "type": type_, "options": options})
     return out
+
+
+def bind_source(m: dict[str, str]) -> str | None:
+    """The node path a mount brings into the container (a bind of an absolute source),
+    normalised; None for anything else (a tmpfs, ``proc``, a device, an unmount, a source
+    enroot fills in from the job's environment: ``${HOME}``)."""
+    opts = {o.split("=", 1)[0] for o in m.get("options", "").split(",")}
+    source = m.get("source", "")
+    if m.get("type") != "none" or not opts & {"bind", "rbind"} or "x-detach" in opts:
+        return None
+    if not source.startswith("/") or "${" in source or not m.get("target", "").startswith("/"):
+        return None
+    return posixpath.normpath(source).replace("//", "/")
 
 
 def parse_env(text: str) -> dict[str, str]:
+    """``NCCL_*`` and ``LD_LIBRARY_PATH`` of an environ.d file, as enroot formats it
+    (``common::envfmt``: leading blanks and comments dropped, quotes around a value taken
+    off); the last line of a name wins, as ``enroot-switchroot`` sets them in order."""
     out: dict[str, str] = {}
     for line in text.splitlines():
-        name, eq, value = line.strip().partition("=")
+        name, eq, value = line.lstrip().partition("=")
         if eq and (name.startswith("NCCL_") or name == "LD_LIBRARY_PATH"):
-            out.setdefault(name, value.strip().strip("\"'"))
+            value = value.rstrip()
+            if len(value) >= 2 and value[0] in "\"'" and value[-1] in "\"'":
+                value = value[1:-1]
+            out[name] = value
     return out
 
 
-def _plugin_files(fs: NodeFS, source: str) -> list[tuple[str, str]]:
-    """(node path, name) of the NCCL plugin files a mount source brings in."""
+def _refused(fs: NodeFS, node_path: str) -> str | None:
+    """Why a mount source (or a file under one) is not read: in a kernel filesystem, or
+    (links resolved inside the node's root) not root's or writable by others up to ``/``."""
+    if any(node_path == k or node_path.startswith(k + "/") for k in KERNEL_FS):
+        return "a kernel filesystem"
+    try:
+        real = fs.resolve(node_path, strict=True)
+    except OSError as e:
+        return f"cannot resolve: {e.strerror or e}"
+    if real != node_path and any(real == k or real.startswith(k + "/") for k in KERNEL_FS):
+        return "a kernel filesystem"
+    return untrusted(fs, real)
+
+
+def _private_dir(fs: NodeFS, node_path: str) -> bool:
+    """A real directory (not a link) that root owns and no one else can write."""
+    try:
+        st = os.lstat(fs.host(node_path))
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == 0 and not st.st_mode & 0o022
+
+
+def plugin_files(fs: NodeFS, source: str) -> tuple[list[tuple[str, str]], str | None]:
+    """``([(node path, name)], why the walk is incomplete)``: the NCCL plugin files a
+    mount source brings in that a container could load (see the module's docstring)."""
+    if _refused(fs, source) is not None:
+        return [], None
     name = source.rsplit("/", 1)[-1]
     if plugin_probe._kind_of(source) is not None:
-        return [(source, name)]
+        return [(source, name)], None
     out: list[tuple[str, str]] = []
     if not fs.is_dir(source):
-        return out
+        return out, None
     todo = [(source.rstrip("/") or "/", 0)]
     seen = 0
     while todo:  # breadth first, MAX_WALK_DEPTH levels, MAX_WALK entries in all
@@ -97,29 +208,30 @@ def _plugin_files(fs: NodeFS, source: str) -> list[tuple[str, str]]:
         for n in fs.list_dir(d) or []:
             seen += 1
             if seen > MAX_WALK:
-                return out
+                return out, f"{source}: more than {MAX_WALK} entries; the walk stopped"
             p = f"{d}/{n}"
             if n.startswith("libnccl-") and ".so" in n:
-                out.append((p, n))
-            elif depth < MAX_WALK_DEPTH and fs.is_dir(p) and not fs.host(p).is_symlink():
+                if _refused(fs, p) is None:
+                    out.append((p, n))
+            elif depth < MAX_WALK_DEPTH and _private_dir(fs, p):
                 todo.append((p, depth + 1))
-    return out
+    return out, None
 
 
 def probe(fs: NodeFS, errors: ErrorLog, cache: FileCache) -> dict[str, Any]:
     out = empty()
+    why: list[str] = []  # what makes the answer not known
+    before = len(errors.for_probe(PROBE))
     mounts: list[dict[str, str]] = []
-    for f in _files(fs, errors, f"{ENROOT}/mounts.d", ".fstab"):
-        text = _text(fs, errors, f)
-        for m in parse_fstab(text or ""):
+    for f in _files(fs, errors, f"{ENROOT}/mounts.d", ".fstab", why):
+        for m in parse_fstab(_text(fs, errors, f, why) or ""):
             mounts.append({"file": f, **m})
     environ: dict[str, str] = {}
-    for f in _files(fs, errors, f"{ENROOT}/environ.d", ".env"):
-        for k, v in parse_env(_text(fs, errors, f) or "").items():
-            environ.setdefault(k, v)
+    for f in _files(fs, errors, f"{ENROOT}/environ.d", ".env", why):
+        environ.update(parse_env(_text(fs, errors, f, why) or ""))
     hooks = []
     hook_paths: list[str] = []
-    for f in _files(fs, errors, f"{ENROOT}/hooks.d", ".sh"):
+    for f in _files(fs, errors, f"{ENROOT}/hooks.d", ".sh", why):
         got = fs.read_bytes(f, MAX_READ, errors, PROBE, "containers.hooks")
         data = got[0] if got else b""
         hooks.append({"path": f, "sha256": hashlib.sha256(data).hexdigest() if got else None})
@@ -127,8 +239,8 @@ def probe(fs: NodeFS, errors: ErrorLog, cache: FileCache) -> dict[str, Any]:
     out["enroot"] = {"mounts": mounts, "environ": environ, "hooks": hooks}
 
     pyxis = []
-    for f in [PLUGSTACK, *_files(fs, errors, PLUGSTACK + ".d", ".conf")]:
-        for line in (_text(fs, errors, f) or "").splitlines():
+    for f in [PLUGSTACK, *_files(fs, errors, PLUGSTACK + ".d", ".conf", why)]:
+        for line in (_text(fs, errors, f, why) or "").splitlines():
             words = line.split("#", 1)[0].split()
             if len(words) >= 2 and "spank_pyxis" in words[1]:
                 pyxis.append({"file": f, "plugin": words[1], "args": words[2:]})
@@ -136,29 +248,46 @@ def probe(fs: NodeFS, errors: ErrorLog, cache: FileCache) -> dict[str, Any]:
 
     binds: list[str] = []
     for f in APPTAINER_CONFS:
-        for line in (_text(fs, errors, f) or "").splitlines():
+        for line in (_text(fs, errors, f, why) or "").splitlines():
             key, eq, value = line.partition("=")
             if eq and key.strip().lower() == "bind path":
                 binds.append(value.strip())
     out["apptainer_binds"] = binds
+    why += [f"cannot read {e['path']}: {e['error']}" for e in errors.for_probe(PROBE)[before:]]
 
-    # the plugin files brought in, with where the container sees them
+    # the plugin files brought in, with where the container sees them, in mount order
     found: list[tuple[str, str, str]] = []  # (node path, target, via)
     for m in mounts:
-        for path, name in _plugin_files(fs, m["source"]):
+        source = bind_source(m)
+        if source is None:
+            continue
+        files, cut = plugin_files(fs, source)
+        why += [cut] if cut else []
+        for path, name in files:
             target = m["target"]
-            if path != m["source"]:
-                target = f"{target.rstrip('/')}{path[len(m['source'].rstrip('/')):]}"
+            if path != source:
+                target = f"{target.rstrip('/')}{path[len(source.rstrip('/')):]}"
             elif plugin_probe._kind_of(target) is None:
                 target = f"{target.rstrip('/')}/{name}"
-            found.append((path, target, f"enroot:{m['file']}"))
+            found.append((path, posixpath.normpath(target), f"enroot:{m['file']}"))
     for b in binds:
         src, _, dst = b.partition(":")
-        for path, _name in _plugin_files(fs, src):
-            found.append((path, (dst or src) + path[len(src):], "apptainer"))
+        if not src.startswith("/"):
+            continue
+        src = posixpath.normpath(src)
+        files, cut = plugin_files(fs, src)
+        why += [cut] if cut else []
+        for path, _name in files:
+            found.append((path, posixpath.normpath((dst or src) + path[len(src):]), "apptainer"))
     for p in hook_paths:
-        if plugin_probe._kind_of(p) is not None and fs.exists(p):
+        p = posixpath.normpath(p)
+        if plugin_probe._kind_of(p) is not None and fs.exists(p) and _refused(fs, p) is None:
             found.append((p, p, "enroot-hook"))
+    # a later mount at the same target hides the earlier one
+    last = {target: i for i, (_, target, _) in enumerate(found)}
+    found = [f for i, f in enumerate(found) if last[f[1]] == i]
+    if len(found) > MAX_PLUGINS:
+        why.append(f"more than {MAX_PLUGINS} plugin files injected; only the first analysed")
     plugins = []
     for path, target, via in found[:MAX_PLUGINS]:
         kind = plugin_probe._kind_of(path) or "net"
@@ -168,22 +297,65 @@ def probe(fs: NodeFS, errors: ErrorLog, cache: FileCache) -> dict[str, Any]:
                         "sha256": rec.get("sha256"), "error": rec.get("error")})
     plugins.sort(key=lambda r: (r["target"], r["path"]))
     out["plugins"] = plugins
-    out["net_plugin"] = _net(plugins, environ)
+    net, unknown = choose_net(plugins, environ)
+    out["net_plugin"] = net
+    if unknown:
+        why.append(unknown)
+    out["unknown"] = "; ".join(why) if why else None
     return out
 
 
-def _net(plugins: list[dict[str, Any]], environ: dict[str, str]) -> dict[str, Any] | None:
-    nets = [p for p in plugins if p["kind"] == "net" and (p.get("abis") or {}).get("net")]
-    wanted = environ.get("NCCL_NET_PLUGIN")
-    for p in nets:
-        base = p["target"].rsplit("/", 1)[-1]
-        if wanted and (p["target"] == wanted or base in (wanted, f"libnccl-net-{wanted}.so")):
-            return _summary(p)
-    if not wanted:
-        for p in nets:
-            if p["target"].rsplit("/", 1)[-1] == "libnccl-net.so":
-                return _summary(p)
-    return None
+def _wanted(environ: dict[str, str]) -> tuple[list[str], str | None] | None:
+    """``(file names, path)`` NCCL opens for the injected ``NCCL_NET_PLUGIN`` (its first
+    item: a list from 2.27.3), ``libnccl-net.so`` without one; None for ``none``."""
+    value = environ.get("NCCL_NET_PLUGIN")
+    if value is None:
+        return ["libnccl-net.so"], None
+    item = value.split(",", 1)[0].strip()
+    if item.lower() == "none":
+        return None
+    if "/" in item:
+        return [], posixpath.normpath(item)
+    return [item, f"libnccl-net-{item}.so"], None
+
+
+def linker_dirs(environ: dict[str, str]) -> list[str]:
+    """The directories a container's linker searches whatever its image: the injected
+    ``LD_LIBRARY_PATH`` (absolute entries, none that enroot fills in from the job), then
+    :data:`SYSTEM_DIRS`."""
+    dirs = [posixpath.normpath(d) for d in environ.get("LD_LIBRARY_PATH", "").split(":")
+            if d.startswith("/") and "$" not in d]
+    return list(dict.fromkeys([*dirs, *SYSTEM_DIRS]))
+
+
+def choose_net(plugins: list[dict[str, Any]], environ: dict[str, str]
+               ) -> tuple[dict[str, Any] | None, str | None]:
+    """``(the net plugin a container loads, why that is not known)``: the wanted file in
+    the first linker directory that holds one. A wanted file injected only off those
+    directories (or by a hook, whose target is not known) makes the answer unknown when
+    none is on them: the image's own linker path decides."""
+    wanted = _wanted(environ)
+    if wanted is None:
+        return None, None
+    names, path = wanted
+    nets = [p for p in plugins if p["kind"] == "net"]
+    if path is not None:
+        hits = [p for p in nets if p["target"] == path]
+        return (_summary(hits[0]), None) if hits else (None, None)
+    matching = [p for p in nets if p["target"].rsplit("/", 1)[-1] in names]
+    for d in linker_dirs(environ):
+        for name in names:
+            for p in matching:
+                if p["via"] != "enroot-hook" and p["target"] == f"{d}/{name}":
+                    if p.get("error"):
+                        return None, f"{p['path']}: {p['error']}"
+                    return _summary(p), None
+    if matching:
+        p = matching[0]
+        where = "by a hook" if p["via"] == "enroot-hook" else f"at {p['target']}"
+        return None, (f"{p['path']} is injected {where}: whether a container loads it "
+                      "depends on the image's own linker path")
+    return None, None
 
 
 def _summary(p: dict[str, Any]) -> dict[str, Any]:

@@ -64,13 +64,13 @@ def node_values(fp: dict) -> dict:
 def container_values(fp: dict) -> dict[str, str | None]:
     """What a job in a container meets on this node (issue 15, docs/containers.md): the
     net plugin the node injects (``injected``: ``"name|v8,v7"``; ``""``: none; None: not
-    known, a daemon before issue 15) and the transport NCCL's own code gives this node
-    (``internal``; None: unknown)."""
+    known: a daemon before issue 15, or the part's ``unknown`` says why) and the transport
+    NCCL's own code gives this node (``internal``; None: unknown)."""
     from ncclguard.fingerprint.transport import effective_transport
 
     part = fp.get("containers")
     injected: str | None = None
-    if isinstance(part, dict):
+    if isinstance(part, dict) and not part.get("unknown"):
         net = part.get("net_plugin")
         if isinstance(net, dict):
             abis = [a for a in net.get("abis") or [] if type(a) is int]
@@ -402,7 +402,8 @@ def evaluate_image(
         if unsaid and unknown_sev != "ignore":
             findings.append(container.unknown_finding(
                 ref, "these nodes' records do not say what they inject into containers "
-                "(a node daemon before issue 15)", unsaid, unknown_sev))
+                "(their containers probe could not tell, `ncclguard show NODE` says why; "
+                "or a node daemon before issue 15)", unsaid, unknown_sev))
     findings.sort(key=lambda f: -SEVERITY_RANK[f.severity])
     worst = max((SEVERITY_RANK[f.severity] for f in findings), default=0)
     decision = ("accept", "warn", "refuse")[worst]
