@@ -4,6 +4,7 @@ the job's nodes, start time and output files (typed fields of ``Slurm.job``)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -114,3 +115,43 @@ def test_diagnose_unknown_job_without_files_says_so(cluster: DevCluster) -> None
     r = diagnose(cluster, "--job", "999999")
     assert r.returncode == 3
     assert "job 999999: Slurm no longer knows this job; name its log files" in r.stderr
+
+
+@pytest.mark.parametrize("swap", ["fifo", "dev-zero", "root-only", "other-owner"])
+def test_diagnose_job_reads_only_the_users_own_regular_files(
+        cluster: DevCluster, tmp_path: Path, swap: str) -> None:
+    """The job's StdOut is a path its user chose; ``diagnose --job`` runs as root. Once the
+    job has ended, its file is swapped for a FIFO (a plain open hung for good), a link to
+    ``/dev/zero`` (it spun), a link to a file only root may read (its matching lines were
+    printed to the admin), or a file another user owns: each is refused, named, and
+    nothing of it is read (issue 47). The jobs of the test cluster run as root, so the
+    owner check is shown with a file of another uid."""
+    c = cluster
+    script = c.root / "tmp" / "fails.sh"
+    script.write_text(SCRIPT)
+    out = c.root / "tmp" / f"swap-{swap}.out"
+    job = int(c.run(["sbatch", "--parsable", "-N1", "-w", "n3", "-o", str(out),
+                     str(script)]).stdout)
+    assert c.wait_job(job, {"COMPLETED", "FAILED"}, 60) == "FAILED"
+    time.sleep(0.2)
+    out.unlink()
+    secret = tmp_path / "secret"
+    secret.write_text("n3:1:1 [0] NCCL INFO NCCL version 9.9.9+cuda99\n")
+    secret.chmod(0o600)
+    if swap == "fifo":
+        os.mkfifo(out)
+    elif swap == "dev-zero":
+        out.symlink_to("/dev/zero")
+    elif swap == "root-only":
+        out.symlink_to(secret)
+    else:
+        out.write_text(SCRIPT)
+        os.chown(out, 1000, 1000)
+    r = diagnose(c, "--job", str(job), "--no-inventory")
+    assert r.returncode == 3, (r.stdout, r.stderr)
+    assert str(out) in r.stderr and "not read" in r.stderr, r.stderr
+    assert "9.9.9" not in r.stdout + r.stderr
+    # named by the admin, a FIFO or a device is still refused (the admin's own file is read)
+    if swap in ("fifo", "dev-zero"):
+        r = diagnose(c, str(out), "--no-inventory")
+        assert r.returncode == 3 and "not a regular file" in r.stderr, r.stderr

@@ -9,6 +9,7 @@ given). ``--db`` and ``--config`` may also be given before the command, as for t
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import click
@@ -21,6 +22,10 @@ from ncclguard.diagnose.catalog import CatalogError
 from ncclguard.diagnose.logparse import LogError
 
 __all__ = ["diagnose"]
+
+#: How long ``--job`` reads the job's own files by default: they are the user's (a 2 GiB
+#: log took 95 s), and the Epilog reads them within 20 s.
+JOB_BUDGET_S = 120.0
 
 
 @click.command("diagnose")
@@ -35,6 +40,11 @@ __all__ = ["diagnose"]
     "--nodes", metavar="HOSTLIST", help="The job's nodes (default: --job's, else the log's hosts)."
 )
 @click.option("--no-inventory", is_flag=True, help="Diagnose the logs alone.")
+@click.option(
+    "--budget", type=click.FloatRange(min=1.0), metavar="SECONDS",
+    help=f"Stop reading after SECONDS and say so (default: {JOB_BUDGET_S:g} for --job's "
+    "own files, none for files named).",
+)
 @click.option("--db", type=click.Path(dir_okay=False, path_type=str), help="Inventory database.")
 @click.option(
     "--config", "config_path", type=click.Path(dir_okay=False, path_type=str), help="Config file."
@@ -46,6 +56,7 @@ def diagnose(
     at: float | None,
     nodes: str | None,
     no_inventory: bool,
+    budget: float | None,
     db: str | None,
     config_path: str | None,
 ) -> None:
@@ -54,6 +65,10 @@ def diagnose(
     The most likely cause comes first, with its evidence lines (file:line), the odd
     nodes, the fix and the command that confirms it; then the inventory's view of the
     job's nodes as of the job's start, and where the log and the inventory disagree.
+
+    Only regular files are read (a FIFO or a device is refused, named). The output
+    files of --job are the user's: read as the Epilog reads them, only if the job's user
+    owns them, never through a final symbolic link, within --budget.
     """
     c = get_ctx(as_json)
     if c.fmt == "csv":
@@ -73,6 +88,11 @@ def diagnose(
             fail(f"--job {job_id!r}: expected a numeric job id")
         job = _lookup(job_id, cfg, have_files=bool(logfiles))
     files = list(logfiles) or list(job.files if job else ())
+    # the job's own files (its user chose their paths): only that user's, as the Epilog
+    owner_uid: int | None = None
+    if not logfiles and job is not None:
+        owner_uid = job.uid if job.uid is not None else -1
+        budget = JOB_BUDGET_S if budget is None else budget
     if not files:
         fail("no log files: name them, or use --job ID for a job whose output Slurm still knows")
     node_list: list[str] | None = None
@@ -100,6 +120,8 @@ def diagnose(
             when=at,
             open_inventory=opener,
             policy_config=cfg.policy,
+            deadline=None if budget is None else time.monotonic() + budget,
+            owner_uid=owner_uid,
         )
     except LogError as e:
         fail(str(e))

@@ -21,6 +21,7 @@ from a launcher's tag (``srun -l``: ``3: ``; torchrun: ``[rank3]:``; Open MPI
 
 from __future__ import annotations
 
+import errno
 import gzip
 import io
 import os
@@ -136,14 +137,26 @@ class ReadProblem:
         return f"{self.file}: {self.cause} after line {self.line}; only lines 1-{self.line} read"
 
 
-def _open_owned(p: Path, uid: int) -> io.BufferedReader:
-    """Open ``p`` for reading if it is a regular file owned by ``uid`` (no final symlink)."""
-    fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+def _open_log(p: Path, uid: int | None) -> io.BufferedReader:
+    """Open ``p`` for reading, never blocking: a regular file only (a FIFO would hang the
+    reader for good, ``/dev/zero`` linked in would spin it). ``uid``: also owned by that
+    user, and no final symlink (the job's own files, read by a more privileged reader:
+    a link to a file only root may read must not print its lines)."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (os.O_NOFOLLOW if uid is not None else 0)
+    try:
+        fd = os.open(p, flags)
+    except OSError as e:
+        if e.errno == errno.ELOOP and uid is not None:
+            raise LogError(f"{p}: a symbolic link; the job's own file is not read through "
+                           "one") from None
+        raise
     try:
         st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR))
         if not stat.S_ISREG(st.st_mode):
-            raise LogError(f"{p}: not a regular file; not read")
-        if st.st_uid != uid:
+            raise LogError(f"{p}: not a regular file ({_kind(st.st_mode)}); not read")
+        if uid is not None and st.st_uid != uid:
             raise LogError(f"{p}: owned by {owner(st.st_uid)}, not by the job's user "
                            f"(uid {uid}); not read")
         os.set_blocking(fd, True)
@@ -151,6 +164,11 @@ def _open_owned(p: Path, uid: int) -> io.BufferedReader:
     except BaseException:
         os.close(fd)
         raise
+
+
+def _kind(mode: int) -> str:
+    return {stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a character "
+            "device", stat.S_IFBLK: "a block device"}.get(stat.S_IFMT(mode), "not a file")
 
 
 class LogReader:
@@ -164,8 +182,9 @@ class LogReader:
 
     def __init__(self, path: str | os.PathLike[str], owner_uid: int | None = None,
                  deadline: float | None = None) -> None:
-        """``owner_uid``: read the file only if it is a regular file owned by that user,
-        opened without following a final symlink (the Epilog, which runs as SlurmUser,
+        """Only a regular file is read (opened without blocking: a FIFO or a device is
+        refused, named). ``owner_uid``: read it only if that user owns it, opened without
+        following a final symlink (the Epilog, which runs as SlurmUser,
         reads paths that the job's user chose). ``deadline`` (``time.monotonic()``):
         stop reading there, after any chunk, and say so in :attr:`problem` (a 3 GiB line
         or a gzip bomb yields no line for a long time: the caller cannot check it)."""
@@ -177,10 +196,7 @@ class LogReader:
         self.lines = 0  # lines yielded so far
         p = Path(path)
         try:
-            if owner_uid is None:
-                self._fh = open(p, "rb")  # noqa: SIM115 (closed in __iter__/close)
-            else:
-                self._fh = _open_owned(p, owner_uid)
+            self._fh = _open_log(p, owner_uid)
         except LogError:
             raise
         except FileNotFoundError:
