@@ -150,3 +150,62 @@ def test_many_percent_n_in_a_file_name_match_in_linear_time(tmp_path: Path) -> N
     assert time.monotonic() - t0 < 0.5
     (tmp_path / "x-n7-y-n7-z").write_text("")
     assert resolve_output(f"{tmp_path}/x-%N-y-%N-z", "q") == f"{tmp_path}/x-n7-y-n7-z"
+
+
+def _distinct_hosts_and_values(path: Path, n: int) -> None:
+    """What a user can print: ever new host names (not the job's) and, from the job's
+    own nodes, ever new NCCL versions and net plugin names (issue 47: a 108 MB log of
+    these held 752 MB in the Epilog)."""
+    with open(path, "w") as f:
+        for i in range(n):
+            own = f"n{i % 4 + 1}"
+            f.write(f"{own}:{i}:{i} [0] NCCL INFO NCCL version 2.{i}.0+cuda12.4\n"
+                    f"host{i}:{i}:{i} [0] NCCL INFO NCCL version 2.18.{i}+cuda12\n"
+                    f"host{i}:{i}:{i} [0] NCCL INFO NET/Plugin: Loaded net plugin p{i} (v8)\n"
+                    f"{own}:{i}:{i} [0] NCCL INFO comm 0x{i:x} rank {i} nranks {n} cudaDev 0 "
+                    "busId 0 - Init COMPLETE\n")
+
+
+def test_distinct_hosts_and_values_are_bounded_and_the_cut_said(tmp_path: Path) -> None:
+    from ncclguard.diagnose import run
+    from ncclguard.diagnose.scanner import MAX_HOSTS, MAX_VALUES
+
+    log = tmp_path / "slurm-1.out"
+    _distinct_hosts_and_values(log, 6000)
+    # the job's nodes known (the Epilog, --job): only they are attributed
+    scanner = Scanner(catalog.load(), hosts=["n1", "n2", "n3", "n4"])
+    scanner.feed(log)
+    ev = scanner.evidence()
+    assert {"n1", "n2", "n3", "n4"} <= set(ev.hosts) and len(ev.hosts) <= MAX_HOSTS
+    for st in ev.states.values():
+        assert len(st.values) <= MAX_VALUES
+        assert {k for k in st.printers} <= {"n1", "n2", "n3", "n4"}
+        assert all(set(by) <= {"n1", "n2", "n3", "n4"} for by in st.values.values())
+    assert len(scanner._pid_rank) <= 4 * 6000  # the job's own processes
+    assert any("not of the job's nodes" in p for p in ev.problems), ev.problems
+    assert any(f"past the first {MAX_VALUES}" in p for p in ev.problems), ev.problems
+    # unknown nodes: at most MAX_HOSTS names, whatever the log says
+    scanner = Scanner(catalog.load())
+    scanner.feed(log)
+    ev = scanner.evidence()
+    assert len(ev.hosts) <= MAX_HOSTS
+    keys = {k for st in ev.states.values() for k in st.printers}
+    assert len(keys) <= MAX_HOSTS
+    assert any(f"past the first {MAX_HOSTS} host names" in p for p in ev.problems)
+    # the report still diagnoses the job's nodes' versions, with its evidence
+    report = run([log], catalog=catalog.load(), nodes=["n1", "n2", "n3", "n4"])
+    (d,) = [d for d in report.diagnoses if d.signature.id == "nccl-version-differs"]
+    assert set(d.hosts) == {"n1", "n2", "n3", "n4"} and d.evidence
+
+
+def test_past_the_deadline_the_inventory_is_not_read(tmp_path: Path) -> None:
+    """The deadline is checked to the end: once it has passed, the report is made of what
+    was read and the inventory is not opened."""
+    from ncclguard.diagnose import run
+
+    log = tmp_path / "slurm-1.out"
+    _distinct_hosts_and_values(log, 10)
+    opened: list[int] = []
+    report = run([log], catalog=catalog.load(), nodes=["n1"], deadline=time.monotonic() - 1,
+                 open_inventory=lambda: opened.append(1))
+    assert opened == [] and report.inventory_note.endswith("the time limit was reached")

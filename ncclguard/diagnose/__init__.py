@@ -182,11 +182,14 @@ def run(
     ``when``: the time to read the inventory at (default: the job's start, else now).
     ``open_inventory``: returns an ``Inventory``; its errors become a note in the report,
     never a failure of the diagnosis. ``deadline`` (``time.monotonic()``): stop reading
-    there and say so (the Epilog's bound). ``owner_uid``: read only regular files of that
+    there and say so (the Epilog's bound; past it, the inventory is not consulted).
+    ``owner_uid``: read only regular files of that
     user, never through a final symlink (the Epilog). A file that cannot be opened is a
     problem in the report; :class:`LogError` is raised only when none could be.
     """
-    scanner = Scanner(catalog)
+    known = list(nodes or (job.nodes if job else ()))
+    # the job's nodes, when known, are the only hosts attributed (a log names any number)
+    scanner = Scanner(catalog, hosts=known or None)
     unopened: list[LogError] = []
     for f in files:
         try:
@@ -202,7 +205,10 @@ def run(
     if open_inventory is None:
         report.inventory_note = "not consulted"
         return report
-    node_list = list(nodes or (job.nodes if job else ()) or ev.hosts)
+    if deadline is not None and time.monotonic() > deadline:
+        report.inventory_note = "not consulted: the time limit was reached"
+        return report
+    node_list = known or ev.hosts
     if not node_list:
         report.inventory_note = "no nodes known (no --job, and no host names in the log)"
         return report

@@ -104,15 +104,21 @@ def correlate(diagnoses: list[Diagnosis], ev: LogEvidence, view: InventoryView) 
     return disagreements(ev, view)
 
 
+MAX_NAMED = 8  # hosts that are not the job's named one by one (a log may name thousands)
+
+
 def disagreements(ev: LogEvidence, view: InventoryView) -> list[str]:
     """Where the log says one thing and the inventory another, host by host."""
     from ncclguard.fingerprint.fields import ABSENT, nccl_version, net_plugin
 
     out: list[str] = []
     when = view.when_text
-    for h in sorted(set(ev.hosts) - set(view.nodes)):
-        if view.nodes:
-            out.append(f"{h} printed NCCL lines but is not one of the job's nodes")
+    others = sorted(set(ev.hosts) - set(view.nodes)) if view.nodes else []
+    for h in others[:MAX_NAMED]:
+        out.append(f"{h} printed NCCL lines but is not one of the job's nodes")
+    if len(others) > MAX_NAMED:
+        out.append(f"{len(others) - MAX_NAMED} more host(s) printed NCCL lines but are not "
+                   "among the job's nodes")
     for h in view.nodes:
         if view.fingerprints.get(h) is None:
             out.append(f"{h}: no fingerprint in the inventory as of {when} (unknown node)")

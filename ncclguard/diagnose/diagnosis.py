@@ -260,7 +260,8 @@ def _differs(sig: Signature, st: SignatureState, ev: LogEvidence) -> Diagnosis |
             if h is None:
                 continue
             per_host.setdefault(h, set()).add(value)
-            first.setdefault((h, value), rec)
+            if rec is not None:
+                first.setdefault((h, value), rec)
     per_host = _drop_weak(per_host, st.weak)
     host_value = {h: " + ".join(sorted(vs)) for h, vs in per_host.items()}
     groups: dict[str, list[str]] = {}

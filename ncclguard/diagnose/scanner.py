@@ -3,8 +3,13 @@
     log files ──Scanner.feed──▶ LogEvidence ──diagnose()──▶ [Diagnosis]   (diagnosis.py)
 
 It keeps only bounded state: for each signature a count, the first :data:`MAX_SAMPLES`
-evidence lines, the hosts that printed it and, for ``differs`` signatures, one evidence
-line per (value, host). Memory grows with the number of hosts, never with the log's size.
+evidence lines, the hosts that printed it and, for ``differs`` signatures, the hosts of
+each value (an evidence line for the first :data:`MAX_LINES_KEPT` of each). Memory grows
+with the number of hosts, never with the log's size, and the hosts are bounded too (issue
+47: a 108 MB log of distinct hosts and values held 752 MB): only the job's nodes when
+they are known (at most :data:`MAX_HOSTS` names or twice the job's nodes), at most
+:data:`MAX_VALUES` values a signature; what falls outside is counted and reported
+(:attr:`Scanner.cut`), never attributed.
 How a log is read (blocks, NCCL's prefix, the bounds) is :mod:`.logparse`.
 
 Over 500 lines: the per-line reading of NCCL's prefixes, the attribution of lines that
@@ -17,18 +22,23 @@ from __future__ import annotations
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from .catalog import Catalog, Signature
 from .logparse import _BARE, _PREFIX, LogReader, ReadProblem, launcher_rank, strip_tag
 
-__all__ = ["MAX_SAMPLES", "Evidence", "LogEvidence", "RawMatch", "Scanner",
-           "SignatureState", "short"]
+__all__ = ["MAX_HOSTS", "MAX_SAMPLES", "MAX_VALUES", "Evidence", "LogEvidence", "RawMatch",
+           "Scanner", "SignatureState", "short"]
 
 MAX_SAMPLES = 5  # evidence lines kept per signature
 MAX_TEXT = 400  # characters kept of one evidence line
+MAX_HOSTS = 4096  # distinct host names (and launcher ranks) attributed, job's nodes unknown
+MAX_VALUES = 16  # distinct values of one ``differs`` signature (a real job shows 2 or 3)
+MAX_LINES_KEPT = 64  # evidence lines kept per value (and per signature's printers)
+MAX_PIDS = 65536  # (host, pid) -> rank entries
+MAX_KEY = 512  # a prefix longer than this is no NCCL prefix: never cached
 _INIT = re.compile(rb"\bcomm 0x[0-9a-f]+ rank (?P<rank>\d+) nr?anks (?P<nranks>\d+)", re.I)
 
 
@@ -74,8 +84,9 @@ class RawMatch:
 class SignatureState:
     count: int = 0
     samples: list[RawMatch] = field(default_factory=list)
-    values: dict[str, dict[str | None, RawMatch]] = field(default_factory=dict)
-    printers: dict[str | None, RawMatch] = field(default_factory=dict)  # host → first line
+    # value -> host -> its first line (None past MAX_LINES_KEPT hosts of the value)
+    values: dict[str, dict[str | None, RawMatch | None]] = field(default_factory=dict)
+    printers: dict[str | None, RawMatch | None] = field(default_factory=dict)  # host → line
     weak: set[str] = field(default_factory=set)  # values from weak patterns
 
 
@@ -116,8 +127,11 @@ class Scanner:
     path, never a missed line).
     """
 
-    def __init__(self, catalog: Catalog, prefilter: bool = True) -> None:
-        """``prefilter=False``: every line gets the per-line work (for comparison)."""
+    def __init__(self, catalog: Catalog, prefilter: bool = True,
+                 hosts: Iterable[str] | None = None) -> None:
+        """``prefilter=False``: every line gets the per-line work (for comparison).
+        ``hosts``: the job's nodes, when known: lines of other hosts are counted, not
+        attributed (a log can name any number of hosts)."""
         self.catalog = catalog
         self._sigs: list[Signature] = list(catalog)
         self._combined = catalog.combined()
@@ -149,6 +163,12 @@ class Scanner:
         self.bytes = 0
         self.problems: list[ReadProblem] = []
         self.long_lines = 0
+        self._nodes = None if hosts is None else frozenset(short(h) for h in hosts)
+        self._max_keys = max(MAX_HOSTS, 2 * len(self._nodes or ()))
+        self._keys: set[str] = set()  # host and #rank keys attributed so far
+        #: matches not attributed: their host past the bounds (or not the job's), their
+        #: value past MAX_VALUES
+        self.cut = {"hosts": 0, "values": 0}
 
     @property
     def fast(self) -> bool:
@@ -366,16 +386,33 @@ class Scanner:
         if key in prefixes:
             return prefixes[key]
         info = None
-        m = _PREFIX.match(key)
+        m = _PREFIX.match(key) if len(key) <= MAX_KEY else None
         if m is not None:
             info = (m.group("host").decode("ascii", "replace"), int(m.group("pid")), _tag_of(m))
-            self._hosts.add(info[0])
-            if info[2] is not None:
+            if info[0] in self._hosts or len(self._hosts) < self._max_keys:
+                self._hosts.add(info[0])  # seen (a host that is not the job's is news too)
+            if (self._attributed(info[0]) and info[2] is not None
+                    and len(self._tag_host) < self._max_keys):
                 self._tag_host.setdefault(info[2], info[0])
+        if len(key) > MAX_KEY:
+            return info
         if len(prefixes) > _CACHE:
             prefixes.clear()
         prefixes[key] = info
         return info
+
+    def _attributed(self, key: str | None) -> bool:
+        """Whether matches of this host (or ``#rankN``) key are attributed: one of the
+        job's nodes when they are known, and within the bound on distinct keys."""
+        if key is None or key in self._keys:
+            return True
+        if (self._nodes is not None and not key.startswith("#rank")
+                and short(key) not in self._nodes):
+            return False
+        if len(self._keys) >= self._max_keys:
+            return False
+        self._keys.add(key)
+        return True
 
     def _line(
         self,
@@ -410,7 +447,8 @@ class Scanner:
             text = raw[i + (12 if lv == b"TRAC" else 11) :].rstrip(b"\r")
             if _RANKS in text:
                 im = _INIT.search(text)
-                if im is not None:
+                if im is not None and (len(self._pid_rank) < MAX_PIDS
+                                       or (host, pid) in self._pid_rank):
                     self._pid_rank[(host, pid)] = int(im.group("rank"))
         else:
             host, pid, level = None, None, None
@@ -463,11 +501,22 @@ class Scanner:
             if len(st.samples) < MAX_SAMPLES:
                 st.samples.append(rec)
             key = host if host is not None else (f"#rank{tr}" if tr is not None else None)
-            st.printers.setdefault(key, rec)
+            if not self._attributed(key):
+                self.cut["hosts"] += 1
+                continue
+            if key not in st.printers:
+                st.printers[key] = rec if len(st.printers) < MAX_LINES_KEPT else None
             pat, pm = hit
             value = pat.render(pm)
             if value is not None:
-                st.values.setdefault(value, {}).setdefault(key, rec)
+                by_key = st.values.get(value)
+                if by_key is None:
+                    if len(st.values) >= MAX_VALUES:
+                        self.cut["values"] += 1
+                        continue
+                    by_key = st.values[value] = {}
+                if key not in by_key:
+                    by_key[key] = rec if len(by_key) < MAX_LINES_KEPT else None
                 if pat.weak:
                     st.weak.add(value)
 
@@ -475,6 +524,14 @@ class Scanner:
         problems = [str(p) for p in self.problems]
         if self.long_lines:
             problems.append(f"{self.long_lines} line(s) longer than 64 KiB were cut")
+        if self.cut["hosts"]:
+            whose = ("not of the job's nodes, or past " if self._nodes is not None else
+                     "past the first ")
+            problems.append(f"cut: {self.cut['hosts']} matching line(s) of hosts {whose}"
+                            f"{self._max_keys} host names were counted, not attributed")
+        if self.cut["values"]:
+            problems.append(f"cut: {self.cut['values']} matching line(s) with a value past "
+                            f"the first {MAX_VALUES} of their signature were not kept")
         return LogEvidence(
             files=list(self.files),
             lines=self.lines,
