@@ -69,6 +69,8 @@ def test_apply_and_resume(cl: DevCluster, tmp_path: Path) -> None:
 
         text = run("drain-recommend", "--apply").stdout
         assert "nodes, from Slurm" in text and "drain" in text
+        # the report says what Slurm shows after the drain (it said "not drained")
+        assert "not drained" not in text and "drained now" in text, text
         now = nodes_now(cl)
         assert now["n4"].drained and now["n4"].reason.startswith("ncclguard: nccl-version")
         assert "2.18.3" in now["n4"].reason
@@ -89,6 +91,7 @@ def test_apply_and_resume(cl: DevCluster, tmp_path: Path) -> None:
             inv.upsert(base_fingerprint("n4", NodeSpec()), now=time.time())
             inv.upsert(base_fingerprint("n5", NodeSpec()), now=time.time())
         doc = js("drain-recommend", "--resume")
+        assert {a["host"]: a["detail"] for a in doc["actions"]}["n4"] == "resumed now (cause gone)"
         acts = {a["host"]: a["action"] for a in doc["actions"]}
         assert acts["n4"] == "resume" and acts["n5"] == "resume"
         assert acts.get("n3", "skip") == "skip" and acts.get("n6", "skip") == "skip"

@@ -6,6 +6,7 @@ from ncclguard import config as configmod
 from ncclguard.hostlist import compress
 from ncclguard.policy.drain import (
     NodeFacts,
+    outcome,
     plan_apply,
     plan_resume,
     recommend,
@@ -182,3 +183,20 @@ def test_no_resume_without_a_baseline() -> None:
     res = plan_resume(plan, slurm, list(spec))
     assert [(a.host, a.action) for a in res] == [("n06", "skip")]
     assert "no baseline" in res[0].detail
+
+
+def test_the_report_after_an_action_is_what_slurm_shows() -> None:
+    """Issue 46: after --apply the report said "not drained" for the nodes just drained
+    (their state from before); it says what Slurm shows once the actions ran."""
+    spec = {h: "new" for h in nodes(8)} | {"n09": "old", "n10": "old"}
+    plan = run(spec)
+    reason = plan.drains()["n09"]
+    before = {"n09": SNode("n09", "IDLE"), "n10": SNode("n10", "IDLE"),
+              "n01": SNode("n01", "IDLE+DRAIN", "ncclguard: no heartbeat since x")}
+    acts = plan_apply(plan, before) + plan_resume(plan, before, list(spec))
+    after = {"n09": SNode("n09", "IDLE+DRAIN", reason), "n10": SNode("n10", "IDLE"),
+             "n01": SNode("n01", "IDLE+DRAIN", "ncclguard: no heartbeat since x")}
+    got = {a.host: a.detail for a in outcome(acts, after)}
+    assert got["n09"] == "drained now"
+    assert got["n10"] == "asked to drain, but Slurm shows it not drained"
+    assert got["n01"] == "asked to resume, but Slurm shows it still drained"

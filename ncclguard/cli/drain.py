@@ -112,6 +112,8 @@ def drain_recommend(partition: str | None, nodes_opt: str | None, do_apply: bool
             if do_resume:
                 actions += drain.plan_resume(plan, snodes, all_hosts)
             drain.execute(actions, c.slurm)
+            if any(a.action != "skip" for a in actions):  # report what Slurm now shows
+                actions = drain.outcome(actions, {n.name: n for n in c.slurm.nodes()})
         except SlurmError as e:
             fail(f"Slurm: {e}" + (f" ({e.stderr.strip()})" if e.stderr.strip() else ""))
     by_name = {s.name: s for s in sets}

@@ -392,6 +392,30 @@ def plan_resume(plan: Plan, slurm_nodes: Mapping[str, SlurmNodeLike],
     return out
 
 
+def outcome(actions: Sequence[Action], after: Mapping[str, SlurmNodeLike]) -> list[Action]:
+    """The actions as Slurm shows them once carried out (``after``: the nodes read back):
+    a drain says ``drained now``, never the state from before it (issue 46: "not drained"
+    was printed for the nodes just drained), and one Slurm did not take says so."""
+    out: list[Action] = []
+    for a in actions:
+        node = after.get(a.host)
+        if a.action in ("drain", "redrain"):
+            if node is not None and node.drained and ours(node.reason):
+                detail = "drained now" if a.action == "drain" else "drained now for this cause"
+            else:
+                seen = "not a Slurm node" if node is None else (
+                    f"drained, reason {node.reason!r}" if node.drained else "not drained")
+                detail = f"asked to drain, but Slurm shows it {seen}"
+            out.append(Action(a.host, a.action, a.reason, detail))
+        elif a.action == "resume":
+            done = node is not None and not node.drained
+            out.append(Action(a.host, a.action, a.reason, "resumed now (cause gone)" if done
+                              else "asked to resume, but Slurm shows it still drained"))
+        else:
+            out.append(a)
+    return out
+
+
 def execute(actions: Sequence[Action], slurm: SlurmLike) -> None:
     """Run the drain/redrain/resume actions, grouped by reason (one scontrol per group)."""
     drains: dict[str, list[str]] = {}
