@@ -118,3 +118,11 @@ def test_partition_filter_and_unknown_partition(cl: DevCluster, tmp_path: Path) 
     assert doc["node_set"]["source"] == "slurm" and doc["classes"][0]["hosts"] == "n[1-6]"
     r = run("drain-recommend", "--partition", "nope")
     assert r.exit_code == 3 and "nope" in r.stderr and "gpu" in r.stderr
+    # issue 46: check took an unknown partition silently, and --nodes with --partition
+    # judged the one node against itself, --partition ignored
+    r = run("check", "n[1-4]", "--partition", "nope")
+    assert r.exit_code == 3 and "no such partition in Slurm (known: gpu)" in r.stderr, r.output
+    assert run("check", "n[1-4]", "--partition", "gpu").exit_code == 0
+    for cmd in ("drain-recommend", "classes", "nodes"):
+        r = run(cmd, "--partition", "gpu", "--nodes", "n1")
+        assert r.exit_code == 3 and "give one node set" in r.stderr, (cmd, r.output)

@@ -19,6 +19,7 @@ from ncclguard.cli.context import (
     expand_hosts,
     format_options,
     get_ctx,
+    known_partition,
     partitions,
 )
 from ncclguard.cli.errors import DECISION_EXIT, EXIT_ERROR, fail
@@ -57,6 +58,8 @@ def check(hostlist: str, partition: str | None, image: str | None, as_json: bool
     hosts = expand_hosts([hostlist], "HOSTLIST")
     if not hosts:
         fail("HOSTLIST: the hostlist is empty")
+    if partition is not None:
+        known_partition(c, partition)
     recs = c.inv("load_values", hosts)
     values = {h: (r[0] if r is not None else None) for h, r in recs.items()}
     stale = stale_hosts({h: r[1] for h, r in recs.items() if r is not None}, c.now,

@@ -249,13 +249,35 @@ class SlurmUnreachable(Exception):
     pass
 
 
+def known_partition(c: Ctx, partition: str) -> list[str] | None:
+    """The nodes of ``partition`` as Slurm lists them, for a command that judges a node
+    set of its own in that partition (``check``); an unknown name is an error, as for
+    every command (issue 46: ``check --partition nosuch`` was taken silently). None when
+    Slurm cannot be reached: said on stderr, and the name is used as given."""
+    try:
+        parts = partitions(c)
+    except SlurmUnreachable as e:
+        click.echo(f"warning: --partition {partition}: not checked, Slurm is not reachable "
+                   f"({e})", err=True)
+        return None
+    if partition not in parts:
+        known = ", ".join(sorted(parts)) or "none"
+        fail(f"--partition {partition}: no such partition in Slurm (known: {known})")
+    return parts[partition]
+
+
 def resolve_sets(c: Ctx, partition: str | None, nodes_opt: str | None,
                  *, all_partitions: bool = False) -> list[NodeSet] | None:
     """The node sets a command looks at; ``None`` means "the whole inventory, no set".
 
-    ``--nodes`` wins (Slurm is not asked). ``--partition`` asks Slurm. With neither,
-    ``all_partitions`` asks Slurm for every partition (drain-recommend); otherwise None.
+    ``--nodes`` (Slurm is not asked) and ``--partition`` (Slurm is asked) are each a node
+    set; both at once is an error (issue 46: ``--partition`` was ignored without a word,
+    and one node was judged against itself). With neither, ``all_partitions`` asks Slurm
+    for every partition (drain-recommend); otherwise None.
     """
+    if nodes_opt is not None and partition is not None:
+        fail(f"--nodes and --partition {partition}: give one node set: --nodes HOSTLIST "
+             "(judged as given, without Slurm) or --partition P (its nodes, from Slurm)")
     if nodes_opt is not None:
         hosts = expand_hosts([nodes_opt], "--nodes")
         if not hosts:
