@@ -138,20 +138,27 @@ def append(
         os.close(fd)
 
 
-def iter_records(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
-    """Every well-formed record; a torn or foreign line is skipped."""
+def iter_records(path: str | os.PathLike[str], *, missing_ok: bool = True,
+                 skipped: list[int] | None = None) -> Iterator[dict[str, Any]]:
+    """Every well-formed record; a torn or foreign line is skipped (and counted in
+    ``skipped[0]`` when given). A missing file has no records, or raises
+    FileNotFoundError with ``missing_ok=False`` (a mistyped path is not an empty trail)."""
     try:
         f = open(path, encoding="utf-8", errors="replace")  # noqa: SIM115
     except FileNotFoundError:
+        if not missing_ok:
+            raise
         return
     with f:
         for line in f:
             try:
                 rec = json.loads(line)
             except ValueError:
-                continue
+                rec = None
             if isinstance(rec, dict):
                 yield rec
+            elif skipped is not None and line.strip():
+                skipped[0] += 1
 
 
 def _is_refusal(rec: dict[str, Any]) -> bool:
@@ -166,14 +173,18 @@ def read(
     job: int | str | None = None,
     since: float | str | datetime | None = None,
     refused: bool = False,
+    *,
+    missing_ok: bool = True,
+    skipped: list[int] | None = None,
 ) -> list[dict[str, Any]]:
     """Records, oldest first, filtered by job id, time (any form of
-    :func:`ncclguard.timeparse.parse_time`) and refusal."""
+    :func:`ncclguard.timeparse.parse_time`) and refusal; ``missing_ok`` and ``skipped``
+    as for :func:`iter_records`."""
     from ncclguard.timeparse import parse_time  # readers only: not on the gate's path
 
     t0 = None if since is None else parse_time(since)
     out = []
-    for rec in iter_records(path):
+    for rec in iter_records(path, missing_ok=missing_ok, skipped=skipped):
         if job is not None and str(rec.get("job")) != str(job):
             continue
         if t0 is not None and float(rec.get("ts") or 0) < t0:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
 import re
 import time
 from collections.abc import Callable
@@ -443,3 +444,19 @@ def test_decisions(run: Run, env: tuple[Path, Path]) -> None:
     rows = list(csv.DictReader(io.StringIO(ok(run("decisions", "--csv")).stdout)))
     assert [(r["job"], r["decision"]) for r in rows] == [("11", "accept"), ("12", "refuse")]
     assert "--job" in ok(run("decisions", "--job", "x1"), 3).stderr
+    # issue 46: a mistyped --audit-log read as an empty trail, and so did random bytes
+    missing = env[1].parent / "nonexistent.jsonl"
+    assert "--audit-log " + str(missing) + ": no such file" in ok(
+        run("decisions", "--audit-log", str(missing)), 3).stderr
+    junk = env[1].parent / "junk.jsonl"
+    junk.write_bytes(bytes(range(256)) * 64 + b"\n" + b"\x00garbage\n" * 3)
+    assert "not an audit trail (none of its " in ok(
+        run("decisions", "--audit-log", str(junk)), 3).stderr
+    with open(path, "a") as f:
+        f.write("torn {\n")
+    r = ok(run("decisions", "--json"))
+    assert json.loads(r.stdout)["skipped_lines"] == 1
+    assert "1 line(s) that are not audit records were skipped" in r.stderr
+    fifo = env[1].parent / "fifo.jsonl"
+    os.mkfifo(fifo)
+    assert "not a regular file" in ok(run("decisions", "--audit-log", str(fifo)), 3).stderr

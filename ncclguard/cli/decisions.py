@@ -3,6 +3,7 @@ decision."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -113,16 +114,27 @@ def decisions(job: str | None, since: float | None, refused: bool, audit_log: st
     if job is not None and not job.isdigit():
         fail(f"--job {job!r}: expected a numeric job id")
     path = audit_log or str(c.config.gate.audit_path(c.config.inventory))
+    skipped = [0]
     try:
+        if os.path.exists(path) and not os.path.isfile(path):  # a FIFO would block
+            fail(f"{path}: not a regular file; not an audit trail")
+        # a path given by hand must exist (a typo is not an empty trail); the
+        # configured one may not exist yet (the gate has not decided anything)
         records = list(audit.read(path, job=int(job) if job else None, since=since,
-                                  refused=refused))
+                                  refused=refused, missing_ok=audit_log is None,
+                                  skipped=skipped))
     except FileNotFoundError:
-        fail(f"{path}: no audit trail (the gate has not decided anything yet, or "
-             "gate.audit_log points elsewhere)")
+        fail(f"--audit-log {path}: no such file")
     except (OSError, ValueError) as e:
         fail(f"{path}: cannot read the audit trail: {e}")
+    if skipped[0] and not records and job is None and since is None and not refused:
+        fail(f"{path}: not an audit trail (none of its {skipped[0]} line(s) is a record)")
+    if skipped[0]:
+        click.echo(f"warning: {path}: {skipped[0]} line(s) that are not audit records were "
+                   "skipped", err=True)
     rows = [_decision_row(r) for r in records]
-    doc: dict[str, Any] = {"audit_log": path, "count": len(records), "decisions": records}
+    doc: dict[str, Any] = {"audit_log": path, "count": len(records), "decisions": records,
+                           "skipped_lines": skipped[0]}
     digest = next((r.get("image_digest") for r in reversed(records)
                    if r.get("image_digest")), None)
     ran = container_rows(c, job, digest) if job is not None else []
