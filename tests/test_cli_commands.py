@@ -460,3 +460,15 @@ def test_decisions(run: Run, env: tuple[Path, Path]) -> None:
     fifo = env[1].parent / "fifo.jsonl"
     os.mkfifo(fifo)
     assert "not a regular file" in ok(run("decisions", "--audit-log", str(fifo)), 3).stderr
+
+
+def test_usage_errors_take_the_projects_form(run: Run) -> None:
+    """Issue 46: ``check n1 n2`` gave click's usage text ("Got unexpected extra argument"),
+    not the project's error form, and no hint that a HOSTLIST is one argument."""
+    r = ok(run("check", "n01", "n02"), 3)
+    assert r.stderr.startswith("ncclguard: error: ncclguard check: Got unexpected extra "
+                               "argument (n02); a HOSTLIST is one argument: n1,n2"), r.stderr
+    assert "Usage:" not in r.stderr
+    r = ok(run("nodes", "--bogus"), 3)
+    assert r.stderr.startswith("ncclguard: error: ncclguard nodes: No such option")
+    assert "(see ncclguard nodes --help)" in r.stderr

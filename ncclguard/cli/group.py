@@ -12,7 +12,7 @@ from typing import Any
 import click
 
 from ncclguard.cli.context import Ctx
-from ncclguard.cli.errors import EXIT_ERROR, fail
+from ncclguard.cli.errors import CliError, fail
 
 __all__ = ["COMMANDS", "main"]
 
@@ -52,15 +52,34 @@ class _Group(click.Group):
         try:
             return super().make_context(*args, **kwargs)
         except click.UsageError as e:
-            e.exit_code = EXIT_ERROR  # type: ignore[misc]  # per instance: click reads it there
-            raise
+            raise _usage(e) from None
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
         except click.UsageError as e:
-            e.exit_code = EXIT_ERROR  # type: ignore[misc]  # per instance: click reads it there
-            raise
+            raise _usage(e) from None
+
+
+def _usage(e: click.UsageError) -> CliError:
+    """A usage error in the project's one error form (``ncclguard: error: ...``, exit 3),
+    naming the command, with a hint where a HOSTLIST was given as several arguments
+    (issue 46: ``check n1 n2`` got click's "unexpected extra argument")."""
+    names = []
+    ctx = e.ctx
+    while ctx is not None and ctx.parent is not None:  # the program's own name is ours
+        names.append(ctx.info_name or "")
+        ctx = ctx.parent
+    where = " ".join(["ncclguard", *reversed(names)])
+    text = f"{where}: {e.format_message()}"
+    command = e.ctx.command if e.ctx is not None else None
+    if "unexpected extra argument" in text and command is not None and any(
+            p.name == "hostlist" for p in command.params):
+        text += ("; a HOSTLIST is one argument: n1,n2 or 'n[1-2]' (quoted, so that the "
+                 "shell does not expand the brackets)")
+    else:
+        text += f" (see {where} --help)"
+    return CliError(text)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
