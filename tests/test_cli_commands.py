@@ -472,3 +472,41 @@ def test_usage_errors_take_the_projects_form(run: Run) -> None:
     r = ok(run("nodes", "--bogus"), 3)
     assert r.stderr.startswith("ncclguard: error: ncclguard nodes: No such option")
     assert "(see ncclguard nodes --help)" in r.stderr
+
+
+def test_an_inventory_that_cannot_be_opened_says_why(
+        env: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 46: with no config file the error named a default path but not that no
+    config was read; an inventory the user may not read said "unable to open database
+    file", not "permission denied" nor what to do."""
+    import subprocess
+    import sys
+
+    from ncclguard import config as configmod
+
+    monkeypatch.setattr(configmod, "DEFAULT_CONFIG_PATH", tmp_path / "none.toml")
+    r = run_cli("nodes", env={"NCCLGUARD_CONFIG": None, "NCCLGUARD_DB": None,
+                              "XDG_STATE_HOME": str(tmp_path / "state")})
+    assert r.exit_code == 3
+    assert (f"no config file was read: {tmp_path / 'none.toml'} does not exist" in r.stderr
+            and "--db FILE" in r.stderr), r.stderr
+    # a copy of the inventory only root may read, read by a user (uid 1000), in a
+    # directory that user can reach (pytest's own is root's alone)
+    import tempfile
+
+    shared = Path(tempfile.mkdtemp(prefix="ncclguard-perm-", dir="/tmp"))
+    shared.chmod(0o755)
+    (shared / "config.toml").write_text("")
+    db = shared / "inv.db"
+    db.write_bytes(env[0].read_bytes())
+    db.chmod(0o600)
+    r2 = subprocess.run(
+        ["setpriv", "--reuid=1000", "--regid=1000", "--clear-groups", sys.executable, "-m",
+         "ncclguard.cli", "--db", str(db), "--config", str(shared / "config.toml"), "nodes"],
+        capture_output=True, text=True, timeout=60, cwd="/",
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    assert r2.returncode == 3, (r2.stdout, r2.stderr)
+    import shutil
+
+    shutil.rmtree(shared)
+    assert "permission denied: this user (uid 1000) cannot read it" in r2.stderr, r2.stderr

@@ -107,8 +107,17 @@ class Ctx:
                 self._inventory = open_classes(self.config.policy, self.config.inventory,
                                                self.db)
             except InventoryError as e:
-                fail(str(e))
+                fail(str(e) + self._whence())
         return self._inventory
+
+    def _whence(self) -> str:
+        """Where the inventory's path came from, when no config file was read and no
+        --db given (issue 46: the error named a default path, not why it was used)."""
+        if self.db is not None or self.config.source != "<defaults>":
+            return ""
+        return (f" (no config file was read: {configmod.config_path()} does not exist; "
+                "this is the default path; give --config FILE, $NCCLGUARD_CONFIG, or "
+                "--db FILE)")
 
     def inv(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Call an Inventory method; its errors become CLI errors naming the file."""

@@ -7,6 +7,7 @@ read-only or full one in the same way (docs/store.md, "Failures").
 
 from __future__ import annotations
 
+import os
 import sqlite3
 from pathlib import Path
 
@@ -86,11 +87,21 @@ def translate(e: sqlite3.Error, path: Path, doing: str) -> InventoryError:
     if code in (_BUSY, _LOCKED) or "locked" in str(e):
         return InventoryLocked(path, msg)
     if code == _READONLY or "readonly" in str(e):
+        if path.exists() and not os.access(path.parent, os.W_OK):
+            msg += (f" (permission denied: SQLite must create the -shm file of this WAL "
+                    f"database beside it, and this user cannot write {path.parent}; copy "
+                    "the database with its -wal file into a directory you can write, or "
+                    "run as the collector's user)")
         return InventoryReadOnly(path, msg)
     if code == _FULL or "disk is full" in str(e):
         return InventoryFull(path, msg)
     if code == _CANTOPEN and not path.parent.is_dir():
         return InventoryMissing(path, f"{doing}: directory {path.parent} does not exist")
+    if code == _CANTOPEN and path.exists() and not (os.access(path, os.R_OK)
+                                                    and os.access(path.parent, os.X_OK)):
+        return InventoryError(path, f"{doing}: permission denied: this user (uid "
+                              f"{os.getuid()}) cannot read it; run as root or a member of "
+                              "the inventory's group, or name a readable copy with --db")
     return InventoryError(path, msg)
 
 
