@@ -502,3 +502,22 @@ def test_a_release_outside_the_table_is_named(tmp_path: Path, nccl_lib, so) -> N
     net, effective = _probe_as(root, fp, "x")
     assert effective["tuner"]["abi"] == 6
     assert "the default libnccl's version is unknown" in effective["tuner"]["reason"]
+
+
+def test_a_reason_text_is_no_difference_a_rule_refuses() -> None:
+    """Issue 46: ``diff`` rated ``effective.env.reason`` ("libnccl 2.18.3 loads no env
+    plugin" against "... 2.21.5 ...") refuse, though neither node has an env plugin and
+    the gate does not fire on it: a reason explains a value, it is not one."""
+    from helpers.fingerprints import fingerprint
+
+    from ncclguard.policy.fpdiff import diff
+
+    a, b = fingerprint("a"), fingerprint("b")
+    for kind, part in (("env", "effective"), ("tuner", "effective"), ("gin", "effective")):
+        a[part][kind] = {**(a[part].get(kind) or {}), "reason": "libnccl 2.18.3 loads none"}
+        b[part][kind] = {**(b[part].get(kind) or {}), "reason": "libnccl 2.21.5 loads none"}
+    a["net"] = {**a["net"], "reason": "libnccl 2.18.3: no plugin"}
+    b["net"] = {**b["net"], "reason": "libnccl 2.21.5: no plugin"}
+    got = {d.field: d.severity for d in diff({"a": a, "b": b}).differences}
+    assert got == {"effective.env.reason": "info", "effective.tuner.reason": "info",
+                   "effective.gin.reason": "info", "net.reason": "info"}, got

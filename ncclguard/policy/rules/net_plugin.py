@@ -56,7 +56,7 @@ RULE = Rule(
     message,
     warn_only=(SHA, IGNORED),
     severity="refuse",
-    fields=(r"^compat\.(net_plugin|net_abi)$", r"^net\."),
+    fields=(r"^compat\.(net_plugin|net_abi)$", r"^net\.(?!reason$)"),
     baseline_keys=("net_plugin", "net_abi"),
 )
 

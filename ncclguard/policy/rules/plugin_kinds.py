@@ -90,7 +90,7 @@ ENV = Rule(
                     "every NCCL_* variable, /etc/nccl.conf included, on its nodes"),
     warn_only=_warn_only("env"),
     severity="refuse",
-    fields=(r"^compat\.env_plugin$", r"^effective\.env\."),
+    fields=(r"^compat\.env_plugin$", r"^effective\.env\.(?!reason$)"),
     baseline_keys=("env_plugin",),
 )
 
@@ -125,7 +125,7 @@ GIN_RMA = Rule(
     _gin_rma_message,
     warn_only=(*_warn_only("gin"), *_warn_only("rma")),
     severity="warn",
-    fields=(r"^effective\.(gin|rma)\.",),
+    fields=(r"^effective\.(gin|rma)\.(?!reason$)",),
 )
 
 
@@ -153,7 +153,7 @@ TUNER = Rule(
                       "algorithms or protocols for one collective"),
     warn_only=_warn_only("tuner"),
     severity="warn",
-    fields=(r"^effective\.tuner\.",),
+    fields=(r"^effective\.tuner\.(?!reason$)",),
 )
 
 
