@@ -11,6 +11,8 @@ in its own child process so that peak RSS is measured per phase (``wait4`` rusag
   diagnose        the real scanner + catalog + diagnosis (no inventory)
   every-line      (with --every-line) the same with the block prefilter off: every
                   line gets the per-line work, as before the prefilter
+  progress        (with --progress) diagnose with the CLI's progress line on, as on a
+                  terminal (to /dev/null), interleaved with diagnose, --rounds times each
   diagnose-base   (with --against DIR) the diagnose phase with the ncclguard package of
                   the source tree DIR (an older checkout: git archive REV | tar -x -C DIR),
                   interleaved with diagnose, --rounds times each
@@ -112,6 +114,30 @@ def child(phase: str, path: str) -> int:
         ids = ",".join(d.signature.id for d in report.diagnoses)
         print(f"{report.evidence.lines} {ids}")
         return 0
+    if phase == "progress":  # as on a terminal: the CLI's progress line, to /dev/null
+        from ncclguard.cli.output import Progress
+        from ncclguard.diagnose import load_catalog, run
+
+        class Tty:
+            def __init__(self) -> None:
+                self.f = open(os.devnull, "w")  # noqa: SIM115
+
+            def isatty(self) -> bool:
+                return True
+
+            def write(self, s: str) -> int:
+                return self.f.write(s)
+
+            def flush(self) -> None:
+                self.f.flush()
+
+        shown = Progress(Tty(), "ncclguard diagnose")
+        report = run([path], catalog=load_catalog(),
+                     progress=lambda name, n, lines: shown.update(f"{name}: {n} {lines}"))
+        shown.done()
+        ids = ",".join(d.signature.id for d in report.diagnoses)
+        print(f"{report.evidence.lines} {ids}")
+        return 0
     if phase == "every-line":
         from ncclguard.diagnose import Scanner, diagnose, load_catalog
 
@@ -154,6 +180,9 @@ def main() -> int:
         "--every-line", action="store_true", help="also run with the prefilter off (slow)"
     )
     ap.add_argument("--against", metavar="DIR", help="also the diagnose of this source tree")
+    ap.add_argument("--progress", action="store_true",
+                    help="also diagnose with the progress line on (as on a terminal), "
+                         "interleaved with diagnose, --rounds times each")
     ap.add_argument("--rounds", type=int, default=1, help="interleaved runs with --against")
     ap.add_argument("--phase", help=argparse.SUPPRESS)
     ap.add_argument("file", nargs="?", help=argparse.SUPPRESS)
@@ -198,6 +227,21 @@ def main() -> int:
                     got[-1][2],
                     sorted(g[3] for g in got)[len(got) // 2],
                 )
+        elif a.progress:
+            runs = {"diagnose": [], "progress": []}
+            for r in range(max(a.rounds, 1)):
+                for name in (["progress", "diagnose"] if r % 2 else ["diagnose", "progress"]):
+                    got = measure([*me, "--phase", name, str(log)])
+                    runs[name].append(got)
+                    print(f"  round {r + 1} {name:14s} {got[0]:8.2f} s  cpu {got[3]:8.2f} s  "
+                          f"peak RSS {got[1]:7.1f} MB")
+            for name, got in runs.items():
+                results[name] = (sorted(g[0] for g in got)[len(got) // 2],
+                                 max(g[1] for g in got), got[-1][2],
+                                 sorted(g[3] for g in got)[len(got) // 2])
+            p_s, _, _, p_cpu = results["progress"]
+            print(f"progress / diagnose: time x{p_s / results['diagnose'][0]:.3f}, cpu "
+                  f"x{p_cpu / max(results['diagnose'][3], 1e-3):.3f}")
         else:
             results["diagnose"] = measure([*me, "--phase", "diagnose", str(log)])
         if a.every_line:

@@ -409,3 +409,52 @@ def test_epilog_failed_detection():
     assert failed({"SLURM_JOB_EXIT_CODE": "256"}) is True
     assert failed({"SLURM_JOB_EXIT_CODE2": "0:9"}) is True
     assert failed({}) is None
+
+
+def test_a_long_read_shows_progress_on_a_terminal_only(tmp_path):
+    """Issue 46: diagnose read a 2 GiB log for 95 s printing nothing. On a terminal it
+    shows a progress line on stderr within 2 s; in a pipe, or with --quiet, nothing."""
+    import pty
+    import select
+    import subprocess
+    import sys
+    import time as _time
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    from bench_diagnose import generate
+
+    log = tmp_path / "big.log"
+    generate(log, 120 << 20)
+    argv = [sys.executable, "-m", "ncclguard.cli", "diagnose", str(log), "--no-inventory"]
+
+    def on_a_terminal(*extra: str) -> tuple[str, float | None]:
+        master, slave = pty.openpty()
+        t0 = _time.monotonic()
+        p = subprocess.Popen([*argv, *extra], stdout=subprocess.DEVNULL, stderr=slave)
+        os.close(slave)
+        seen, first = b"", None
+        while True:
+            ready, _, _ = select.select([master], [], [], 0.1)
+            if ready:
+                try:
+                    chunk = os.read(master, 4096)
+                except OSError:
+                    break
+                if not chunk:
+                    break
+                seen += chunk
+                if first is None and b"MiB" in seen:
+                    first = _time.monotonic() - t0
+            elif p.poll() is not None:
+                break
+        p.wait(timeout=120)
+        os.close(master)
+        return seen.decode("utf-8", "replace"), first
+
+    text, first = on_a_terminal()
+    assert "ncclguard diagnose: " in text and "lines read" in text, text
+    assert first is not None and first < 2.0, first
+    text, first = on_a_terminal("--quiet")
+    assert "lines read" not in text and first is None
+    piped = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert piped.returncode == 0 and "lines read" not in piped.stderr

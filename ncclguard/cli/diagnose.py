@@ -9,6 +9,7 @@ given). ``--db`` and ``--config`` may also be given before the command, as for t
 from __future__ import annotations
 
 import json
+import sys
 import time
 from typing import Any
 
@@ -45,6 +46,8 @@ JOB_BUDGET_S = 120.0
     help=f"Stop reading after SECONDS and say so (default: {JOB_BUDGET_S:g} for --job's "
     "own files, none for files named).",
 )
+@click.option("--quiet", "-q", is_flag=True,
+              help="No progress line (it is shown on a terminal only, on stderr).")
 @click.option("--db", type=click.Path(dir_okay=False, path_type=str), help="Inventory database.")
 @click.option(
     "--config", "config_path", type=click.Path(dir_okay=False, path_type=str), help="Config file."
@@ -57,6 +60,7 @@ def diagnose(
     nodes: str | None,
     no_inventory: bool,
     budget: float | None,
+    quiet: bool,
     db: str | None,
     config_path: str | None,
 ) -> None:
@@ -111,6 +115,15 @@ def diagnose(
 
             return open_classes(cfg.policy, cfg.inventory, c.db)
 
+    from ncclguard.cli.output import Progress
+
+    shown = Progress(sys.stderr, "ncclguard diagnose", enabled=not quiet)
+
+    def progress(name: str, n: int, lines: int) -> None:
+        rate = n / max(time.monotonic() - shown.t0, 1e-3) / (1 << 20)
+        shown.update(f"{name}: {n / (1 << 20):,.0f} MiB, {lines:,} lines read "
+                     f"({rate:,.0f} MiB/s)")
+
     try:
         report = run(
             files,
@@ -122,9 +135,12 @@ def diagnose(
             policy_config=cfg.policy,
             deadline=None if budget is None else time.monotonic() + budget,
             owner_uid=owner_uid,
+            progress=progress if shown.enabled else None,
         )
     except LogError as e:
         fail(str(e))
+    finally:
+        shown.done()
     # what each node's container really had (the enroot hook's records, docs/containers.md)
     ran: list[dict[str, Any]] = []
     if job_id is not None and not no_inventory:

@@ -175,6 +175,7 @@ def run(
     evaluate: Callable[..., Any] | None = None,
     deadline: float | None = None,
     owner_uid: int | None = None,
+    progress: Callable[[str, int, int], object] | None = None,
 ) -> Report:
     """Scan ``files``, diagnose, and correlate with the inventory when one is given.
 
@@ -184,7 +185,9 @@ def run(
     never a failure of the diagnosis. ``deadline`` (``time.monotonic()``): stop reading
     there and say so (the Epilog's bound; past it, the inventory is not consulted).
     ``owner_uid``: read only regular files of that
-    user, never through a final symlink (the Epilog). A file that cannot be opened is a
+    user, never through a final symlink (the Epilog). ``progress(file, bytes, lines)``:
+    called after each block read (``ncclguard diagnose``'s progress line). A file that
+    cannot be opened is a
     problem in the report; :class:`LogError` is raised only when none could be.
     """
     known = list(nodes or (job.nodes if job else ()))
@@ -193,7 +196,9 @@ def run(
     unopened: list[LogError] = []
     for f in files:
         try:
-            scanner.feed(f, deadline=deadline, owner_uid=owner_uid)
+            each = None if progress is None else (
+                lambda n, lines, name=str(f): progress(name, n, lines))
+            scanner.feed(f, deadline=deadline, owner_uid=owner_uid, progress=each)
         except LogError as e:  # one unreadable file must not cost the others' diagnosis
             unopened.append(e)
     if unopened and len(unopened) == len(files):

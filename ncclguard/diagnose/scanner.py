@@ -181,8 +181,11 @@ class Scanner:
         label: str | None = None,
         deadline: float | None = None,
         owner_uid: int | None = None,
+        progress: Callable[[int, int], object] | None = None,
     ) -> None:
         """Scan one log. Raises :class:`~.logparse.LogError` when it cannot be opened.
+        ``progress(bytes, lines)``: called after each block with what this file has given
+        so far (a caller's progress line; it rate-limits itself).
 
         ``deadline`` (a ``time.monotonic()`` value): stop reading there, keep what was
         read and record it as a problem (the Epilog's bound). It is checked between
@@ -212,6 +215,8 @@ class Scanner:
                 for n, raw in enumerate(block.split(b"\n"), before + 1):
                     line(name, n, raw)
             lineno = before + count
+            if progress is not None:
+                progress(reader.bytes_read, lineno)
         self.lines += lineno
         self.bytes += reader.bytes_read
         self.long_lines += reader.truncated_lines
