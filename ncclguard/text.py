@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import re
 
-__all__ = ["safe"]
+__all__ = ["count", "safe"]
 
 #: C0 and C1 controls, DEL, the backslash, and the Unicode formatting characters that
 #: change how text is laid out or hide it: soft hyphen, Arabic letter mark, Mongolian
@@ -66,3 +66,9 @@ def safe(text: str, *, keep_newlines: bool = False) -> str:
         return text  # no control character, no backslash to show: nothing to escape
     pattern = _pattern(keep_newlines)
     return pattern.sub(_escape, text) if pattern.search(text) else text
+
+
+def count(n: int, noun: str, plural: str | None = None) -> str:
+    """``1 node``, ``2 nodes``: a number with its noun as English reads it (issue 46: the
+    CLI printed "1 nodes")."""
+    return f"{n} {noun if n == 1 else (plural or noun + 's')}"

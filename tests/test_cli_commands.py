@@ -510,3 +510,11 @@ def test_an_inventory_that_cannot_be_opened_says_why(
 
     shutil.rmtree(shared)
     assert "permission denied: this user (uid 1000) cannot read it" in r2.stderr, r2.stderr
+
+
+def test_one_node_is_one_node(run: Run) -> None:
+    """Issue 46: "1 nodes" in the node set line, the nodes table and the classes line."""
+    for cmd in (("nodes", "--nodes", "n01"), ("classes", "--nodes", "n01")):
+        text = ok(run(*cmd)).stdout
+        assert "1 nodes" not in text and "1 node" in text, (cmd, text)
+    assert "1 node in 1 class;" in ok(run("classes", "--nodes", "n01")).stdout

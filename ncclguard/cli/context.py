@@ -20,7 +20,7 @@ from ncclguard import config as configmod
 from ncclguard.cli import output as out
 from ncclguard.cli.errors import fail
 from ncclguard.hostlist import HostlistError, expand
-from ncclguard.text import safe
+from ncclguard.text import count, safe
 from ncclguard.timeparse import FORMS, parse_time
 
 __all__ = [
@@ -71,7 +71,7 @@ class NodeSet:
     def describe(self) -> str:
         what = {"slurm": "Slurm", "--nodes": "--nodes",
                 "inventory": "the whole inventory"}.get(self.source, self.source)
-        text = f"node set: {safe(self.name)}, {len(self.hosts)} nodes, from {what}"
+        text = f"node set: {safe(self.name)}, {count(len(self.hosts), 'node')}, from {what}"
         return f"{text} ({safe(self.note)})" if self.note else text
 
 

@@ -15,6 +15,7 @@ from ncclguard.cli.context import Ctx, format_options, get_ctx, resolve_sets
 from ncclguard.cli.errors import fail
 from ncclguard.hostlist import compress
 from ncclguard.policy.settings import BASELINE_KEYS
+from ncclguard.text import count
 
 __all__ = ["drain_recommend", "gather_facts"]
 
@@ -152,7 +153,8 @@ def drain_recommend(partition: str | None, nodes_opt: str | None, do_apply: bool
             else:
                 verb = "WITHHELD (cap)" if sp.capped else "recommend drain"
                 sub = [r for r in rows if r["set"] == sp.name]
-                lines.append(f"  {verb}: {len(sp.recommendations)} of {len(sp.hosts)} nodes")
+                of = count(len(sp.hosts), "node")
+                lines.append(f"  {verb}: {len(sp.recommendations)} of {of}")
                 lines.append(out.table(sub, RECO_COLUMNS[1:]).rstrip("\n"))
         if actions:
             lines.append("actions:")

@@ -21,6 +21,7 @@ from ncclguard.config import HEARTBEAT_SKEW_S
 from ncclguard.hostlist import compress
 from ncclguard.policy.baseline import choose_baseline
 from ncclguard.policy.freshness import heartbeat_state, is_stale
+from ncclguard.text import count
 
 __all__ = ["classes", "nodes", "parse_where", "show"]
 
@@ -177,7 +178,7 @@ def nodes(partition: str | None, nodes_opt: str | None, where: tuple[str, ...], 
     text = None
     if c.fmt == "table":
         head = f"{node_set.describe()}\n" if node_set else ""
-        text = head + out.table(result, NODE_TABLE) + f"{len(result)} nodes\n"
+        text = head + out.table(result, NODE_TABLE) + f"{count(len(result), 'node')}\n"
         if note:
             text += f"NOTE: {out.cell(note)}\n"
     c.emit(doc, rows=result, columns=NODE_TABLE, text=text, csv_columns=NODE_CSV)
@@ -262,19 +263,20 @@ def classes(partition: str | None, nodes_opt: str | None, as_json: bool, as_csv:
     text = None
     if c.fmt == "table":
         lines = [node_set.describe()] if node_set else []
-        lines.append(f"{total} nodes in {len(cls)} class{'' if len(cls) == 1 else 'es'}; baseline: "
+        lines.append(f"{count(total, 'node')} in {count(len(cls), 'class', 'classes')}; baseline: "
                      + out.cell(f"{base_name} ({why})" if base else why))
         columns = ([*CLASS_COLUMNS[:-2], ALSO_COLUMN, *CLASS_COLUMNS[-2:]] if also
                    else CLASS_COLUMNS)
         text = "\n".join(lines) + "\n" + out.table(rows, columns)
         if oldest is not None:
-            text += (f"freshness: {n_stale} of {total} nodes stale (no heartbeat for "
+            text += (f"freshness: {n_stale} of {count(total, 'node')} stale (no heartbeat for "
                      f"{c.stale_after:.0f} s, or dated ahead); oldest heartbeat "
                      f"{out.iso(oldest)} ({out.age(c.now - oldest)} ago)\n")
         if note:
             text += f"freshness: {out.cell(note)}\n"
         if missing:
-            text += f"not in the inventory: {len(missing)} nodes: {out.cell(compress(missing))}\n"
+            text += (f"not in the inventory: {count(len(missing), 'node')}: "
+                     f"{out.cell(compress(missing))}\n")
         if other_policy:
             text += ("note: the collector stored these classes under other severities than "
                      f"{c.config.source}'s; shown are this config's (reload the collector "
