@@ -518,3 +518,12 @@ def test_one_node_is_one_node(run: Run) -> None:
         text = ok(run(*cmd)).stdout
         assert "1 nodes" not in text and "1 node" in text, (cmd, text)
     assert "1 node in 1 class;" in ok(run("classes", "--nodes", "n01")).stdout
+
+
+def test_a_record_in_a_cell_is_json_in_every_view() -> None:
+    """Issue 46: ``history`` printed a Python dict (``{'a': 1}``) where ``diff`` printed
+    JSON: one rendering, the table cell's, for both (and a list of records too)."""
+    from ncclguard.cli.output import cell
+
+    assert cell({"name": "IBext_v8", "abis": [8, 7]}) == '{"abis": [8, 7], "name": "IBext_v8"}'
+    assert cell([{"b": None}, 3]) == '{"b": null},3'

@@ -4,7 +4,6 @@ fingerprint changed over time, each difference with the rule it triggers and its
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import click
@@ -18,7 +17,7 @@ __all__ = ["diff", "history"]
 
 
 def _short(v: Any, limit: int = 60) -> str:
-    text = out.cell(v) if not isinstance(v, dict) else json.dumps(v, sort_keys=True)
+    text = out.cell(v)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

@@ -31,8 +31,8 @@ Column = tuple[str, str]
 
 
 def cell(value: Any) -> str:
-    """One table or CSV cell: ``None`` shows as ``-``, lists are comma-joined, and
-    control characters are escaped (:func:`ncclguard.text.safe`)."""
+    """One table or CSV cell: ``None`` shows as ``-``, lists are comma-joined, a mapping
+    is JSON, and control characters are escaped (:func:`ncclguard.text.safe`)."""
     t = type(value)
     if t is str:  # the common cases first: tables of 16,000 rows
         return safe(value)
@@ -49,6 +49,8 @@ def cell(value: Any) -> str:
     if isinstance(value, list | tuple | set | frozenset):
         items = sorted(value, key=str) if isinstance(value, set | frozenset) else value
         return ",".join(cell(v) for v in items) if items else "-"
+    if isinstance(value, dict):  # as JSON, in every view (not a Python repr: issue 46)
+        return safe(json.dumps(value, sort_keys=True, default=str))
     return safe(str(value))
 
 
