@@ -39,6 +39,7 @@ import argparse
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -123,7 +124,8 @@ def step(n: int, title: str, why: str) -> None:
 
 
 def show(argv: Sequence[str], out: str) -> None:
-    say(f"    $ {' '.join(argv)}")
+    """A command as a shell takes it (quoted: it runs as pasted, issue 46), then its output."""
+    say(f"    $ {shlex.join(argv)}")
     for line in out.rstrip("\n").splitlines():
         say(f"      {line}")
 

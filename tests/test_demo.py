@@ -255,3 +255,16 @@ def test_demo_says_it_needs_root(tmp_path: Path) -> None:
         assert "scripts/demo.sh: run it as root (sudo scripts/demo.sh)" in r.stderr
     finally:
         shutil.rmtree(d)
+
+
+def test_the_commands_the_demo_shows_run_as_pasted(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 46: the demo printed ``sinfo -N -o %N %P %T`` and ``check n[5-7]``, which a
+    shell splits and globs: each command is shown quoted as a shell takes it."""
+    import shlex
+
+    from devtools.demo import show
+
+    for argv in (["sinfo", "-N", "-o", "%N %P %T"], ["ncclguard", "check", "n[5-7]"]):
+        show(argv, "")
+        line = capsys.readouterr().out.strip()
+        assert line.startswith("$ ") and shlex.split(line[2:]) == argv, line
