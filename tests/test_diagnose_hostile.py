@@ -209,3 +209,66 @@ def test_past_the_deadline_the_inventory_is_not_read(tmp_path: Path) -> None:
     report = run([log], catalog=catalog.load(), nodes=["n1"], deadline=time.monotonic() - 1,
                  open_inventory=lambda: opened.append(1))
     assert opened == [] and report.inventory_note.endswith("the time limit was reached")
+
+
+def test_a_large_honest_job_where_every_rank_failed_names_no_odd_node(tmp_path: Path) -> None:
+    """From issue 47's review of the bounds: on a 1,024-node x 8-GPU job (nodes known) in
+    which every rank printed PyTorch's ``[rankR]:`` error, the ranks ran out the bound on
+    host names, and 384 healthy nodes were named odd ("the other 640 did not print it").
+    A rank's host is read from its banner; no odd node is named by absence."""
+    from ncclguard.diagnose import run
+
+    log = tmp_path / "slurm-1.out"
+    nodes = [f"n{i}" for i in range(1, 1025)]
+    with open(log, "w") as f:
+        for r in range(8192):
+            f.write(f"[rank{r}]: n{r // 8 + 1}:{5000 + r}:{5000 + r} [{r % 8}] NCCL INFO NCCL "
+                    "version 2.21.5+cuda12.4\n")
+        for r in range(8192):
+            f.write(f"[rank{r}]: ncclUnhandledCudaError: Call to CUDA function failed.\n"
+                    f"[rank{r}]: Last error:\n[rank{r}]: Cuda failure 'out of memory'\n")
+        f.write("[rank8191]: n1024:1:1 [0] NCCL INFO NCCL version 2.18.3+cuda12.1\n")
+    report = run([log], catalog=catalog.load(), nodes=nodes)
+    assert all(not d.odd_nodes for d in report.diagnoses
+               if d.signature.id != "nccl-version-differs"), [
+        (d.signature.id, d.odd_nodes[:3]) for d in report.diagnoses]
+    oom = next(d for d in report.diagnoses if d.signature.id == "cuda-out-of-memory")
+    assert "All 1024 hosts printed it" in oom.summary, oom.summary
+    (v,) = [d for d in report.diagnoses if d.signature.id == "nccl-version-differs"]
+    assert v.odd_nodes == ["n1024"]
+
+
+def test_long_text_before_nccl_is_not_cached(tmp_path: Path) -> None:
+    """From issue 47's review: lines of 64,000 distinct bytes before " NCCL INFO x" filled
+    the prefix caches (50,000 entries, no byte bound): 1.15 GB from a 1 GiB log. No
+    prefix is that long: such text is neither captured whole nor cached."""
+    scanner = Scanner(catalog.load(), hosts=["n1"])
+    log = tmp_path / "slurm-1.out"
+    pad = b"x" * 64000
+    with open(log, "wb") as f:
+        for i in range(400):
+            f.write(b"%012d" % i + pad + b" NCCL INFO x\n")
+    scanner.feed(log)
+    cached = (sum(len(k) for k in scanner._first_of) + sum(map(len, scanner._first_of.values()))
+              + sum(len(k) for k in scanner._settled) + sum(len(k) for k in scanner._prefixes))
+    assert cached < 1 << 20, cached
+    # and whatever the keys, the three caches hold at most their byte budget
+    from ncclguard.diagnose.scanner import _CACHE_BYTES
+
+    scanner._spend(_CACHE_BYTES + 1)
+    assert not scanner._prefixes and not scanner._first_of and not scanner._settled
+
+
+def test_ranks_of_hosts_that_are_not_the_jobs_are_not_kept(tmp_path: Path) -> None:
+    """From issue 47's review: ``comm ... rank R nranks N`` lines of ever new hosts that
+    are not the job's filled the (host, pid) -> rank table (148 MB)."""
+    log = tmp_path / "slurm-1.out"
+    with open(log, "w") as f:
+        for i in range(5000):
+            f.write(f"other{i}:{i}:{i} [0] NCCL INFO comm 0x{i:x} rank {i} nranks 9 cudaDev 0 "
+                    "busId 0 - Init COMPLETE\n")
+        f.write("n1:7:7 [0] NCCL INFO comm 0x1 rank 3 nranks 9 cudaDev 0 busId 0 - Init "
+                "COMPLETE\n")
+    scanner = Scanner(catalog.load(), hosts=["n1"])
+    scanner.feed(log)
+    assert scanner._pid_rank == {("n1", 7): 3}

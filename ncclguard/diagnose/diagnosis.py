@@ -180,7 +180,10 @@ def _line(sig: Signature, st: SignatureState, ev: LogEvidence) -> Diagnosis:
         where += f" from {compress(printers)}"
     summary = f"{sig.title}: {where}."
     others = [h for h in ev.hosts if h not in printers]
-    if sig.odd == "printers" and printers:
+    if sig.odd == "printers" and printers and ev.cut:
+        summary += (" Odd nodes not named: some matching lines were not attributed to a "
+                    "host (see the problems).")
+    elif sig.odd == "printers" and printers:
         if others:
             odd = printers
             summary += f" The other {len(others)} host(s) ({compress(others)}) did not print it."
@@ -271,7 +274,8 @@ def _differs(sig: Signature, st: SignatureState, ev: LogEvidence) -> Diagnosis |
         return None
     ordered = sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0]))
     major_v, major_h = ordered[0]
-    tie = len(ordered[1][1]) == len(major_h)
+    # with lines cut, the hosts counted are not all: no minority is named odd
+    tie = len(ordered[1][1]) == len(major_h) or ev.cut > 0
     parts = []
     odd: list[str] = []
     for v, hs in ordered[1:] if not tie else ordered:

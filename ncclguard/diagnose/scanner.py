@@ -37,8 +37,12 @@ MAX_TEXT = 400  # characters kept of one evidence line
 MAX_HOSTS = 4096  # distinct host names (and launcher ranks) attributed, job's nodes unknown
 MAX_VALUES = 16  # distinct values of one ``differs`` signature (a real job shows 2 or 3)
 MAX_LINES_KEPT = 64  # evidence lines kept per value (and per signature's printers)
-MAX_PIDS = 65536  # (host, pid) -> rank entries
-MAX_KEY = 512  # a prefix longer than this is no NCCL prefix: never cached
+MAX_PIDS = 65536  # (host, pid) -> rank entries, of attributed hosts only
+MAX_RANKS = 65536  # launcher tags (ranks) mapped to their host
+#: ``#rankN`` keys attributed (a rank whose host is known only at the end): apart from the
+#: host names, so that a job's ranks never crowd out its hosts (issue 47's review: 8,192
+#: ranks of 1,024 nodes did, and 384 healthy nodes were named odd)
+MAX_RANK_KEYS = 16384
 _INIT = re.compile(rb"\bcomm 0x[0-9a-f]+ rank (?P<rank>\d+) nr?anks (?P<nranks>\d+)", re.I)
 
 
@@ -101,9 +105,15 @@ class LogEvidence:
     problems: list[str]
     states: dict[str, SignatureState]
     resolve: Callable[[RawMatch], Evidence]
+    #: matching lines not attributed (hosts past the bounds, values past MAX_VALUES): a
+    #: diagnosis then names no odd node by who did not print a line, or by a minority
+    cut: int = 0
 
 
-_REV_KEY = re.compile(rb" LCCN ([^\n]*)")  # on a reversed block: a line's text before " NCCL "
+MAX_KEY = 512  # a prefix longer than this is no NCCL prefix: never cached
+# on a reversed block: a line's text before " NCCL ", at most MAX_KEY + 1 bytes of it (a
+# longer one is no prefix; capturing it whole cost 1.15 GB of cache on a 1 GiB log)
+_REV_KEY = re.compile(rb" LCCN ([^\n]{0,%d})" % (MAX_KEY + 1))
 _SEP = b" NCCL "
 _RANKS = b"anks "  # in NCCL's "comm 0x… rank R nranks N" / "nRanks N" lines
 # PyTorch's NCCL errors end with "\nLast error:\n" and NCCL's last WARN message
@@ -112,6 +122,7 @@ _RANKS = b"anks "  # in NCCL's "comm 0x… rank R nranks N" / "nRanks N" lines
 # has it on the same line. That message is read as an NCCL WARN line (an "echo").
 _LAST = b"Last error:"
 _CACHE = 50_000  # entries kept in each prefix cache before it is emptied
+_CACHE_BYTES = 8 << 20  # key bytes the three prefix caches hold together before emptied
 _MANY_NEW = 64  # new prefixes in one block past which its lines are registered one by one
 
 
@@ -150,6 +161,7 @@ class Scanner:
         self._prefixes: dict[bytes, tuple[str, int, int | None] | None] = {}
         self._first_of: dict[bytes, bytes] = {}  # reversed text before the last " NCCL "
         self._settled: set[bytes] = set()  # prefixes whose host is registered (or none)
+        self._cached = 0  # key bytes in the three caches above (_spend)
         # (host, pid) of the last NCCL-prefixed line of the file at hand before the block
         # at hand (every line read: the last read): the host of an NCCL line that lost
         # its prefix, when nothing nearer is
@@ -165,7 +177,9 @@ class Scanner:
         self.long_lines = 0
         self._nodes = None if hosts is None else frozenset(short(h) for h in hosts)
         self._max_keys = max(MAX_HOSTS, 2 * len(self._nodes or ()))
-        self._keys: set[str] = set()  # host and #rank keys attributed so far
+        self._keys: set[str] = set()  # host keys attributed so far
+        self._rank_keys: set[str] = set()  # #rank keys (a rank whose host is not known)
+        self._rank_key_of: dict[int, str] = {}  # one string per rank, shared by signatures
         #: matches not attributed: their host past the bounds (or not the job's), their
         #: value past MAX_VALUES
         self.cut = {"hosts": 0, "values": 0}
@@ -325,6 +339,8 @@ class Scanner:
         rev_block = bytearray(block)
         rev_block.reverse()
         for rev in set(_REV_KEY.findall(rev_block)):
+            if len(rev) > MAX_KEY:
+                continue  # no NCCL prefix is that long: neither cached nor settled
             head = first_of.get(rev)
             if head is None:
                 before_last = rev[::-1]
@@ -333,10 +349,12 @@ class Scanner:
                 if len(first_of) > _CACHE:
                     first_of.clear()
                 first_of[rev] = head
+                self._spend(len(rev) + len(head))
             if head in settled or head in found:
                 continue
             if _PREFIX.match(head + b" NCCL INFO") is None:
                 settled.add(head)  # no NCCL prefix, whatever follows
+                self._spend(len(head))
                 continue
             if len(found) >= _MANY_NEW:  # 2.26's timestamps: a new prefix every second
                 self._register_each_line(block)
@@ -396,23 +414,47 @@ class Scanner:
             info = (m.group("host").decode("ascii", "replace"), int(m.group("pid")), _tag_of(m))
             if info[0] in self._hosts or len(self._hosts) < self._max_keys:
                 self._hosts.add(info[0])  # seen (a host that is not the job's is news too)
-            if (self._attributed(info[0]) and info[2] is not None
-                    and len(self._tag_host) < self._max_keys):
+            if (info[2] is not None and len(self._tag_host) < MAX_RANKS
+                    and self._attributed(info[0])):
                 self._tag_host.setdefault(info[2], info[0])
         if len(key) > MAX_KEY:
             return info
         if len(prefixes) > _CACHE:
             prefixes.clear()
         prefixes[key] = info
+        self._spend(len(key))
         return info
+
+    def _spend(self, n: int) -> None:
+        """Count ``n`` more key bytes in the prefix caches; past :data:`_CACHE_BYTES` they
+        are all emptied (each is only a cache: a prefix is parsed again when next met).
+        50,000 entries of 512-byte keys held about 110 MB (issue 47's review)."""
+        self._cached += n
+        if self._cached > _CACHE_BYTES:
+            self._prefixes.clear()
+            self._first_of.clear()
+            self._settled.clear()
+            self._cached = 0
+
+    def _rank_key(self, rank: int) -> str:
+        key = self._rank_key_of.get(rank)
+        if key is None:
+            key = f"#rank{rank}"
+            if len(self._rank_key_of) < MAX_RANK_KEYS:
+                self._rank_key_of[rank] = key
+        return key
 
     def _attributed(self, key: str | None) -> bool:
         """Whether matches of this host (or ``#rankN``) key are attributed: one of the
         job's nodes when they are known, and within the bound on distinct keys."""
         if key is None or key in self._keys:
             return True
-        if (self._nodes is not None and not key.startswith("#rank")
-                and short(key) not in self._nodes):
+        if key.startswith("#rank"):  # a rank whose host is not known (yet): its own bound
+            if len(self._rank_keys) >= MAX_RANK_KEYS:
+                return False
+            self._rank_keys.add(key)
+            return True
+        if self._nodes is not None and short(key) not in self._nodes:
             return False
         if len(self._keys) >= self._max_keys:
             return False
@@ -452,8 +494,8 @@ class Scanner:
             text = raw[i + (12 if lv == b"TRAC" else 11) :].rstrip(b"\r")
             if _RANKS in text:
                 im = _INIT.search(text)
-                if im is not None and (len(self._pid_rank) < MAX_PIDS
-                                       or (host, pid) in self._pid_rank):
+                if im is not None and ((host, pid) in self._pid_rank or (
+                        len(self._pid_rank) < MAX_PIDS and self._attributed(host))):
                     self._pid_rank[(host, pid)] = int(im.group("rank"))
         else:
             host, pid, level = None, None, None
@@ -505,7 +547,7 @@ class Scanner:
             rec = RawMatch(name, lineno, _clip(raw), host, pid, tr)
             if len(st.samples) < MAX_SAMPLES:
                 st.samples.append(rec)
-            key = host if host is not None else (f"#rank{tr}" if tr is not None else None)
+            key = host if host is not None else (self._rank_key(tr) if tr is not None else None)
             if not self._attributed(key):
                 self.cut["hosts"] += 1
                 continue
@@ -545,6 +587,7 @@ class Scanner:
             problems=problems,
             states=self._states,
             resolve=self._resolve,
+            cut=self.cut["hosts"] + self.cut["values"],
         )
 
     def _host_of(self, key: str | None) -> str | None:
