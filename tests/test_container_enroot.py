@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 import pytest
-from helpers.enroot import plant, stock_files
+from helpers.enroot import USER, plant, stock_files
 from helpers.parts import build_plugin
 
 from devtools.nodetree import build_node
@@ -84,10 +84,11 @@ def test_a_plugin_a_user_plants_changes_nothing(
     assert part["net_plugin"]["name"] == "IBext_v6" and part["unknown"] is None
 
 
-def test_a_user_named_plugin_of_the_site_is_not_loaded_by_name(
+def test_a_user_owned_plugin_named_by_the_site_is_unknown(
         tmp_path: Path, plugins: dict[str, Path]) -> None:
-    """NCCL_NET_PLUGIN=evil names a file a user owns in the site's directory: not
-    counted (a container would load it, but a user chose it); the node injects none."""
+    """NCCL_NET_PLUGIN=evil names a file a user owns in the site's directory: never
+    analysed as the node's, and not "none" either (issue 47's review: a container may
+    load it): the node's injection is unknown."""
     files = {**stock_files(), "/etc/enroot/environ.d/50-nccl.env": b"NCCL_NET_PLUGIN=evil\n",
              "/etc/enroot/mounts.d/50-site.fstab":
                  b"/opt/site/lib /usr/lib/x86_64-linux-gnu/site none x-create=dir,rbind\n"}
@@ -95,6 +96,7 @@ def test_a_user_named_plugin_of_the_site_is_not_loaded_by_name(
     plant(root, "/opt/site/lib", plugins["v10"], mode=0o755, name="libnccl-net-evil.so")
     part = _probe(root)
     assert part["plugins"] == [] and part["net_plugin"] is None
+    assert "libnccl-net-evil.so: a file others can write" in part["unknown"]
 
 
 def test_the_choice_follows_the_linkers_order(tmp_path: Path, plugins: dict[str, Path]) -> None:
@@ -207,3 +209,101 @@ def test_fstab_lines_are_read_as_enroot_mount_reads_them(line: str, want: dict |
 ])
 def test_only_an_absolute_bind_source_brings_files_in(mount: dict, source: str | None) -> None:
     assert containers.bind_source(mount) == source
+
+
+def _scratch(root: Path) -> Path:
+    """A world-writable directory of the node (``/scratch``, mode 1777)."""
+    d = root / "scratch"
+    d.mkdir(mode=0o755)
+    os.chmod(d, 0o1777)
+    return d
+
+
+def test_a_users_link_on_the_way_to_a_bound_source_makes_it_unknown(
+        tmp_path: Path, plugins: dict[str, Path]) -> None:
+    """From issue 47's review: the site binds /scratch/site at /opt/site (its linker
+    path), and /scratch is 1777: a user's link /scratch/site -> /opt/hpcx-a chose which of
+    root's plugins the node was said to inject (or "none", pointing it at their own)."""
+    files: dict[str, Path | bytes] = {
+        **stock_files(), "/opt/hpcx-a/lib/libnccl-net.so": plugins["v6"],
+        "/etc/enroot/mounts.d/50-site.fstab": b"/scratch/site /opt/site none x-create=dir,rbind\n",
+        "/etc/enroot/environ.d/50-path.env": b"LD_LIBRARY_PATH=/opt/site/lib\n"}
+    root = _node(tmp_path, "n1", files)
+    link = _scratch(root) / "site"
+    link.symlink_to("../opt/hpcx-a")
+    os.lchown(link, USER, USER)
+    part = _probe(root)
+    assert part["net_plugin"] is None
+    assert "/opt/site: others can write it" in part["unknown"], part["unknown"]
+
+
+def test_a_directory_others_can_write_where_the_linker_looks_is_unknown(
+        tmp_path: Path, plugins: dict[str, Path]) -> None:
+    """From issue 47's review: /scratch/plugins (1777) bound at the injected linker
+    directory: whatever a user puts there is what a container loads first; the node's
+    answer is unknown, before and after a user plants anything."""
+    files: dict[str, Path | bytes] = {
+        **stock_files(), SITE: plugins["v6"],
+        "/etc/enroot/mounts.d/50-site.fstab": SITE_FSTAB,
+        "/etc/enroot/mounts.d/60-plugins.fstab": b"/scratch/plugins /opt/plugins none bind\n",
+        "/etc/enroot/environ.d/50-path.env": b"LD_LIBRARY_PATH=/opt/plugins\n"}
+    root = _node(tmp_path, "n1", files)
+    (_scratch(root) / "plugins").mkdir()
+    os.chmod(root / "scratch/plugins", 0o1777)
+    before = _probe(root)
+    plant(root, "/scratch/plugins", plugins["v10"])
+    after = _probe(root)
+    for part in (before, after):
+        assert part["net_plugin"] is None and "/opt/plugins: others can write it" in (
+            part["unknown"] or ""), part
+
+
+def test_a_users_file_first_on_the_linker_path_is_unknown(
+        tmp_path: Path, plugins: dict[str, Path]) -> None:
+    """From issue 47's review: a libnccl-net.so a user owns, first on the linker path,
+    was passed over and the next (the site's, later on the path) named."""
+    files: dict[str, Path | bytes] = {
+        **stock_files(), "/opt/sys/libnccl-net.so": plugins["v6"],
+        "/etc/enroot/mounts.d/50-site.fstab":
+            b"/opt/site/lib /opt/site/lib none rbind\n"
+            b"/opt/sys/libnccl-net.so /usr/lib/x86_64-linux-gnu/libnccl-net.so none bind\n",
+        "/etc/enroot/environ.d/50-path.env": b"LD_LIBRARY_PATH=/opt/site/lib\n"}
+    root = _node(tmp_path, "n1", files)
+    plant(root, "/opt/site/lib", plugins["v10"], mode=0o755)
+    part = _probe(root)
+    assert part["net_plugin"] is None and "/opt/site/lib/libnccl-net.so: others can write" in (
+        part["unknown"] or ""), part
+
+
+def test_a_linked_directory_on_the_linker_path_is_followed(
+        tmp_path: Path, plugins: dict[str, Path]) -> None:
+    """From issue 47's review (root's own configuration): /opt/site/lib -> lib64 on the
+    injected linker path was not walked, and the plugin of a later directory was named."""
+    files: dict[str, Path | bytes] = {
+        **stock_files(), "/opt/site/lib64/libnccl-net.so": plugins["v6"],
+        "/opt/site/lib2/libnccl-net.so": plugins["v10"],
+        "/etc/enroot/mounts.d/50-site.fstab": b"/opt/site /opt/site none x-create=dir,rbind\n",
+        "/etc/enroot/environ.d/50-path.env": b"LD_LIBRARY_PATH=/opt/site/lib:/opt/site/lib2\n"}
+    root = _node(tmp_path, "n1", files)
+    (root / "opt/site/lib").symlink_to("lib64")
+    part = _probe(root)
+    assert part["unknown"] is None and part["net_plugin"]["name"] == "IBext_v6", part
+
+
+def test_many_binds_of_one_big_directory_cost_one_walk(tmp_path: Path) -> None:
+    """From issue 47's review: 200 fstab lines binding one directory of 4,000 entries
+    took 12 s (each line walked it again); one walk, and one budget for the probe."""
+    import time
+
+    root = _node(tmp_path, "n1", {})
+    big = root / "opt/big"
+    big.mkdir(parents=True)
+    for i in range(4000):
+        (big / f"f{i}").write_bytes(b"")
+    lines = b"".join(b"/opt/big /opt/big%d none rbind\n" % i for i in range(200))
+    (root / "etc/enroot/mounts.d").mkdir(parents=True, exist_ok=True)
+    (root / "etc/enroot/mounts.d/50-big.fstab").write_bytes(lines)
+    t = time.monotonic()
+    part = _probe(root)
+    assert time.monotonic() - t < 3.0
+    assert part["unknown"] is None and part["net_plugin"] is None

@@ -36,12 +36,13 @@ import os
 import posixpath
 import re
 import stat
+from collections.abc import Sequence
 from typing import Any
 
 from inventoryd.filecache import FileCache
-from inventoryd.nodefs import ErrorLog, NodeFS
+from inventoryd.nodefs import MAX_SYMLINKS, ErrorLog, NodeFS
 from inventoryd.probes import plugins as plugin_probe
-from inventoryd.probes.nccl import untrusted
+from ncclguard.fileowner import owner
 
 PROBE = "containers"
 ENROOT = "/etc/enroot"
@@ -52,6 +53,8 @@ MAX_PLUGINS = 32
 MAX_READ = 64 * 1024
 MAX_WALK_DEPTH = 3  # a mounted directory is searched this deep (HPC-X: <dir>/<plugin>/lib)
 MAX_WALK = 4096  # entries looked at per mounted directory
+MAX_WALK_TOTAL = 16384  # entries looked at by one probe, every mount together
+REFUSED = "refused"  # a place others can write: what is there is a user's choice
 _PLUGIN_PATH = re.compile(r"(/[A-Za-z0-9_./+-]*/libnccl-[a-z]+[A-Za-z0-9_.+-]*\.so[0-9.]*)")
 #: The kernel's filesystems: enroot's stock ``10-system.fstab`` binds them into every
 #: container; no library lives there, and walking them costs time for nothing.
@@ -167,55 +170,128 @@ def parse_env(text: str) -> dict[str, str]:
     return out
 
 
-def _refused(fs: NodeFS, node_path: str) -> str | None:
-    """Why a mount source (or a file under one) is not read: in a kernel filesystem, or
-    (links resolved inside the node's root) not root's or writable by others up to ``/``."""
-    if any(node_path == k or node_path.startswith(k + "/") for k in KERNEL_FS):
-        return "a kernel filesystem"
+def _kernel(node_path: str) -> bool:
+    return any(node_path == k or node_path.startswith(k + "/") for k in KERNEL_FS)
+
+
+def _mode_why(node_path: str, st: os.stat_result) -> str | None:
+    if st.st_uid != 0:
+        return f"{node_path} is owned by {owner(st.st_uid)}, not root"
+    if st.st_mode & 0o022:
+        return f"{node_path} is writable by others (mode {oct(st.st_mode & 0o7777)})"
+    return None
+
+
+def trusted_path(fs: NodeFS, node_path: str) -> tuple[str | None, str | None]:
+    """``(the node path with its links resolved, None)`` when every directory the path
+    goes through (those holding its links too), up to ``/``, and what it names are root's
+    and writable by no one else, and none is in a kernel filesystem; else ``(None,
+    why)``. Checked component by component as the path is resolved (issue 47's review: a
+    link in a world-writable directory on the way let a user choose the file, which a
+    check of the final path alone did not see); nothing on such a path can change under
+    a non-root user between this check and the read."""
     try:
-        real = fs.resolve(node_path, strict=True)
+        why = _mode_why("/", os.lstat(fs.host("/")))
     except OSError as e:
-        return f"cannot resolve: {e.strerror or e}"
-    if real != node_path and any(real == k or real.startswith(k + "/") for k in KERNEL_FS):
-        return "a kernel filesystem"
-    return untrusted(fs, real)
+        return None, f"cannot stat /: {e.strerror or e}"
+    if why is not None:
+        return None, why
+    todo = [c for c in node_path.split("/") if c]
+    todo.reverse()  # a stack: the next component is last
+    done: list[str] = []
+    hops = 0
+    while todo:
+        part = todo.pop()
+        if part == ".":
+            continue
+        if part == "..":
+            if done:
+                done.pop()
+            continue
+        candidate = "/" + "/".join([*done, part])
+        if _kernel(candidate):
+            return None, "a kernel filesystem"
+        try:
+            st = os.lstat(fs.host(candidate))
+        except (OSError, ValueError) as e:
+            return None, f"cannot stat {candidate}: {getattr(e, 'strerror', None) or e}"
+        if stat.S_ISLNK(st.st_mode):  # its directory is checked: only root made it
+            hops += 1
+            if hops > MAX_SYMLINKS:
+                return None, f"{node_path}: too many levels of symbolic links"
+            target = os.readlink(fs.host(candidate))
+            if target.startswith("/"):
+                done = []
+            todo.extend(reversed([c for c in target.split("/") if c]))
+            continue
+        why = _mode_why(candidate, st)
+        if why is not None:
+            return None, why
+        done.append(part)
+    return "/" + "/".join(done), None
 
 
-def _private_dir(fs: NodeFS, node_path: str) -> bool:
-    """A real directory (not a link) that root owns and no one else can write."""
-    try:
-        st = os.lstat(fs.host(node_path))
-    except OSError:
-        return False
-    return stat.S_ISDIR(st.st_mode) and st.st_uid == 0 and not st.st_mode & 0o022
+Found = tuple[list[tuple[str, str]], list[str], str | None]
 
 
-def plugin_files(fs: NodeFS, source: str) -> tuple[list[tuple[str, str]], str | None]:
-    """``([(node path, name)], why the walk is incomplete)``: the NCCL plugin files a
-    mount source brings in that a container could load (see the module's docstring)."""
-    if _refused(fs, source) is not None:
-        return [], None
-    name = source.rsplit("/", 1)[-1]
-    if plugin_probe._kind_of(source) is not None:
-        return [(source, name)], None
-    out: list[tuple[str, str]] = []
-    if not fs.is_dir(source):
-        return out, None
-    todo = [(source.rstrip("/") or "/", 0)]
-    seen = 0
-    while todo:  # breadth first, MAX_WALK_DEPTH levels, MAX_WALK entries in all
-        d, depth = todo.pop(0)
-        for n in fs.list_dir(d) or []:
-            seen += 1
-            if seen > MAX_WALK:
-                return out, f"{source}: more than {MAX_WALK} entries; the walk stopped"
-            p = f"{d}/{n}"
-            if n.startswith("libnccl-") and ".so" in n:
-                if _refused(fs, p) is None:
-                    out.append((p, n))
-            elif depth < MAX_WALK_DEPTH and _private_dir(fs, p):
-                todo.append((p, depth + 1))
-    return out, None
+class Walk:
+    """What the mounts bring in: the plugin files a container could load and the places
+    where a user decides what is there (refused), within one budget of entries for the
+    whole probe (issue 47's review: a 64 KiB fstab binding one big directory ran past
+    100 s). Each source is walked once, however many lines bind it."""
+
+    def __init__(self, fs: NodeFS) -> None:
+        self.fs = fs
+        self.left = MAX_WALK_TOTAL
+        self.cut: str | None = None
+        self._done: dict[str, Found] = {}
+
+    def source(self, source: str) -> Found:
+        """``(plugin files (node path, name), refused node paths, why the walk stopped)``
+        of a bind source."""
+        if source not in self._done:
+            self._done[source] = self._walk(source)
+        return self._done[source]
+
+    def _walk(self, source: str) -> Found:
+        fs = self.fs
+        try:  # not there at all (a link that leads nowhere is there: it is checked)
+            os.lstat(fs.host(source))
+        except (OSError, ValueError):  # ValueError: a NUL in the path, no usable bind
+            return [], [], None
+        if _kernel(source):
+            return [], [], None
+        real, _why = trusted_path(fs, source)
+        if real is None:
+            return [], [source], None  # a user may decide what is there
+        if plugin_probe._kind_of(source) is not None:
+            return [(source, source.rsplit("/", 1)[-1])], [], None
+        out: list[tuple[str, str]] = []
+        refused: list[str] = []
+        if not fs.is_dir(real):
+            return out, refused, None
+        todo = [(source.rstrip("/") or "/", real, 0)]
+        seen = 0
+        while todo:  # breadth first, MAX_WALK_DEPTH levels, MAX_WALK entries a source
+            d, d_real, depth = todo.pop(0)
+            for n in fs.list_dir(d_real) or []:
+                seen += 1
+                self.left -= 1
+                if seen > MAX_WALK or self.left < 0:
+                    self.cut = (f"{source}: the walk of the injected directories stopped at "
+                                f"{MAX_WALK} entries a source, {MAX_WALK_TOTAL} in all")
+                    return out, refused, self.cut
+                p = f"{d}/{n}"
+                r, _why = trusted_path(fs, f"{d_real}/{n}")
+                if n.startswith("libnccl-") and ".so" in n:
+                    (refused.append(p) if r is None else out.append((p, n)))
+                elif depth >= MAX_WALK_DEPTH or _kernel(f"{d_real}/{n}"):
+                    continue
+                elif r is not None and fs.is_dir(r):  # links to root's directories too
+                    todo.append((p, r, depth + 1))
+                elif r is None and fs.is_dir(f"{d_real}/{n}"):
+                    refused.append(p)  # a directory others can write inside a bound one
+        return out, refused, None
 
 
 def probe(fs: NodeFS, errors: ErrorLog, cache: FileCache) -> dict[str, Any]:
@@ -255,37 +331,40 @@ def probe(fs: NodeFS, errors: ErrorLog, cache: FileCache) -> dict[str, Any]:
     out["apptainer_binds"] = binds
     why += [f"cannot read {e['path']}: {e['error']}" for e in errors.for_probe(PROBE)[before:]]
 
-    # the plugin files brought in, with where the container sees them, in mount order
+    # the plugin files brought in, with where the container sees them, in mount order;
+    # "refused": a place a user decides what is in (a source others can write)
+    walk = Walk(fs)
     found: list[tuple[str, str, str]] = []  # (node path, target, via)
+
+    def bring(source: str, target: str, via: str) -> None:
+        files, refused, cut = walk.source(source)
+        why.extend([cut] if cut and cut not in why else [])
+        for path, via_ in [*((f, via) for f, _n in files), *((r, REFUSED) for r in refused)]:
+            t = target
+            if path != source:
+                t = f"{target.rstrip('/')}{path[len(source.rstrip('/')):]}"
+            elif via_ != REFUSED and plugin_probe._kind_of(target) is None:
+                t = f"{target.rstrip('/')}/{path.rsplit('/', 1)[-1]}"
+            found.append((path, posixpath.normpath(t), via_))
+
     for m in mounts:
         source = bind_source(m)
-        if source is None:
-            continue
-        files, cut = plugin_files(fs, source)
-        why += [cut] if cut else []
-        for path, name in files:
-            target = m["target"]
-            if path != source:
-                target = f"{target.rstrip('/')}{path[len(source.rstrip('/')):]}"
-            elif plugin_probe._kind_of(target) is None:
-                target = f"{target.rstrip('/')}/{name}"
-            found.append((path, posixpath.normpath(target), f"enroot:{m['file']}"))
+        if source is not None:
+            bring(source, m["target"], f"enroot:{m['file']}")
     for b in binds:
         src, _, dst = b.partition(":")
-        if not src.startswith("/"):
-            continue
-        src = posixpath.normpath(src)
-        files, cut = plugin_files(fs, src)
-        why += [cut] if cut else []
-        for path, _name in files:
-            found.append((path, posixpath.normpath((dst or src) + path[len(src):]), "apptainer"))
+        if src.startswith("/"):
+            src = posixpath.normpath(src)
+            bring(src, dst or src, "apptainer")
     for p in hook_paths:
         p = posixpath.normpath(p)
-        if plugin_probe._kind_of(p) is not None and fs.exists(p) and _refused(fs, p) is None:
-            found.append((p, p, "enroot-hook"))
+        if plugin_probe._kind_of(p) is not None and fs.exists(p):
+            found.append((p, p, "enroot-hook" if trusted_path(fs, p)[0] else REFUSED))
     # a later mount at the same target hides the earlier one
     last = {target: i for i, (_, target, _) in enumerate(found)}
     found = [f for i, f in enumerate(found) if last[f[1]] == i]
+    refused_targets = [t for _, t, via in found if via == REFUSED]
+    found = [f for f in found if f[2] != REFUSED]
     if len(found) > MAX_PLUGINS:
         why.append(f"more than {MAX_PLUGINS} plugin files injected; only the first analysed")
     plugins = []
@@ -297,7 +376,7 @@ def probe(fs: NodeFS, errors: ErrorLog, cache: FileCache) -> dict[str, Any]:
                         "sha256": rec.get("sha256"), "error": rec.get("error")})
     plugins.sort(key=lambda r: (r["target"], r["path"]))
     out["plugins"] = plugins
-    net, unknown = choose_net(plugins, environ)
+    net, unknown = choose_net(plugins, environ, refused_targets)
     out["net_plugin"] = net
     if unknown:
         why.append(unknown)
@@ -328,23 +407,35 @@ def linker_dirs(environ: dict[str, str]) -> list[str]:
     return list(dict.fromkeys([*dirs, *SYSTEM_DIRS]))
 
 
-def choose_net(plugins: list[dict[str, Any]], environ: dict[str, str]
-               ) -> tuple[dict[str, Any] | None, str | None]:
+def choose_net(plugins: list[dict[str, Any]], environ: dict[str, str],
+               refused: Sequence[str] = ()) -> tuple[dict[str, Any] | None, str | None]:
     """``(the net plugin a container loads, why that is not known)``: the wanted file in
-    the first linker directory that holds one. A wanted file injected only off those
-    directories (or by a hook, whose target is not known) makes the answer unknown when
-    none is on them: the image's own linker path decides."""
+    the first linker directory that holds one. Not known: a place others can write
+    (``refused``: a bound source, or a file or directory in one) that the linker would
+    reach first (issue 47's review: a user's file there was passed over, and the node
+    said "none" or named the next plugin, while the container loads the user's); a wanted
+    file injected only off those directories, or named by a hook, whose target is not
+    known, when none is on them: the image's own linker path decides."""
     wanted = _wanted(environ)
     if wanted is None:
         return None, None
     names, path = wanted
     nets = [p for p in plugins if p["kind"] == "net"]
+
+    def user_owned(target: str) -> str | None:
+        return next((r for r in refused if target == r or target.startswith(r + "/")), None)
+
     if path is not None:
+        if (r := user_owned(path)) is not None:
+            return None, f"{r}: others can write it, and NCCL_NET_PLUGIN names {path} there"
         hits = [p for p in nets if p["target"] == path]
         return (_summary(hits[0]), None) if hits else (None, None)
     matching = [p for p in nets if p["target"].rsplit("/", 1)[-1] in names]
     for d in linker_dirs(environ):
         for name in names:
+            if (r := user_owned(f"{d}/{name}")) is not None:
+                return None, (f"{r}: others can write it, and the linker looks for {name} "
+                              f"there ({d}) first: a user decides what a container loads")
             for p in matching:
                 if p["via"] != "enroot-hook" and p["target"] == f"{d}/{name}":
                     if p.get("error"):
@@ -355,6 +446,10 @@ def choose_net(plugins: list[dict[str, Any]], environ: dict[str, str]
         where = "by a hook" if p["via"] == "enroot-hook" else f"at {p['target']}"
         return None, (f"{p['path']} is injected {where}: whether a container loads it "
                       "depends on the image's own linker path")
+    theirs = next((r for r in refused if r.rsplit("/", 1)[-1] in names), None)
+    if theirs is not None:
+        return None, (f"{theirs}: a file others can write is injected there: whether a "
+                      "container loads it depends on the image's own linker path")
     return None, None
 
 
