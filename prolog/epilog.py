@@ -11,6 +11,8 @@ the job's start, and appends one record ``{"action": "diagnose", ...}`` to the a
 trail, so that ``ncclguard decisions --job ID`` shows it.
 
 Bounded and fail-safe: reading stops at ``--budget`` seconds (default 20) and says so;
+the reading runs in a child process that is killed :data:`GRACE_S` seconds later if a
+read never returns (a file on a stalled FUSE mount);
 every error is logged to stderr and recorded when possible; the exit status is always 0,
 so that the hook can never hold a job, a node or the controller.
 """
@@ -25,6 +27,7 @@ from collections.abc import Mapping
 from typing import Any
 
 DEFAULT_BUDGET_S = 20.0
+GRACE_S = 5.0  # past the budget, before the reading process is killed
 MAX_RECORD_DIAGNOSES = 3  # the audit line stays small (audit.MAX_LINE is 64 KiB)
 
 
@@ -98,14 +101,60 @@ def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) ->
     env = os.environ if env is None else env
     t0 = time.monotonic()
     job_id = env.get("SLURM_JOB_ID", "")
+    if not job_id.isdigit():
+        print("ncclguard-epilog: no SLURM_JOB_ID; nothing to do", file=sys.stderr)
+        return 0
+    pid = os.fork()
+    if pid == 0:  # the child reads; the parent holds the hard deadline
+        try:
+            _safe_run(a, env, job_id, t0)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
+    return _wait(pid, a, job_id, t0 + max(a.budget, 1.0) + GRACE_S)
+
+
+def _safe_run(a: argparse.Namespace, env: Mapping[str, str], job_id: str, t0: float) -> None:
     try:
-        return _run(a, env, job_id, t0)
+        _run(a, env, job_id, t0)
     except Exception as e:  # fail-safe: never hold a job over a diagnosis
         from ncclguard.text import safe  # a path or a log line of the job's: one line
 
         print(f"ncclguard-epilog: job {safe(job_id) or '?'}: {type(e).__name__}: "
               f"{safe(str(e))}", file=sys.stderr)
-        return 0
+
+
+def _wait(pid: int, a: argparse.Namespace, job_id: str, limit: float) -> int:
+    """Wait for the reading child until ``limit``, then kill it (SIGKILL: a read of a
+    file on a stalled FUSE mount ends only on a fatal signal, issue 47's review: the
+    deadline, checked between reads, held the Epilog for good) and record that."""
+    import signal
+
+    while True:
+        done, _status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return 0
+        if time.monotonic() > limit:
+            break
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    why = (f"stopped: a read of the job's output did not return within the budget "
+           f"({a.budget:g} s) and {GRACE_S:g} s more; the reading process was killed")
+    print(f"ncclguard-epilog: job {job_id}: {why}", file=sys.stderr)
+    try:
+        from ncclguard import audit
+        from ncclguard.policy import load_config
+
+        cfg = load_config(a.config)
+        audit.append(cfg.gate.audit_path(cfg.inventory),
+                     {"job": job_id, "action": "diagnose", "decision": "diagnosis",
+                      "error": why})
+    except Exception as e:  # fail-safe
+        print(f"ncclguard-epilog: job {job_id}: cannot record it: {type(e).__name__}: {e}",
+              file=sys.stderr)
+    return 0
 
 
 def _run(a: argparse.Namespace, env: Mapping[str, str], job_id: str, t0: float) -> int:
@@ -114,9 +163,6 @@ def _run(a: argparse.Namespace, env: Mapping[str, str], job_id: str, t0: float) 
     from ncclguard.diagnose.logparse import LogError
     from ncclguard.policy import load_config
 
-    if not job_id.isdigit():
-        print("ncclguard-epilog: no SLURM_JOB_ID; nothing to do", file=sys.stderr)
-        return 0
     is_failed = failed(env)
     if is_failed is False and not a.always:
         return 0

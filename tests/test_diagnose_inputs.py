@@ -8,6 +8,7 @@ import gzip
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -458,3 +459,43 @@ def test_a_long_read_shows_progress_on_a_terminal_only(tmp_path):
     assert "lines read" not in text and first is None
     piped = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert piped.returncode == 0 and "lines read" not in piped.stderr
+
+
+def test_a_read_that_never_returns_is_killed_past_the_budget(tmp_path, monkeypatch):
+    """Issue 47's review: a file on a stalled FUSE mount held the Epilog for good (the
+    deadline is checked between reads, and only a fatal signal ends such a read). The
+    reading runs in a child, killed GRACE_S past the budget, and the trail says so. The
+    stuck read is the child sleeping: what it reads does not matter to the parent."""
+    from ncclguard import audit
+    from prolog import epilog
+
+    audit_path = tmp_path / "decisions.jsonl"
+    conf = tmp_path / "c.toml"
+    conf.write_text(f'[gate]\naudit_log = "{audit_path}"\n[inventory]\ndb = "{tmp_path}/no.db"\n')
+    monkeypatch.setattr(epilog, "GRACE_S", 0.5)
+    monkeypatch.setattr(epilog, "_run", lambda *a: time.sleep(3600))
+    t0 = time.monotonic()
+    env = {"SLURM_JOB_ID": "91", "SLURM_JOB_EXIT_CODE": "256"}
+    assert epilog.main(["--config", str(conf), "--budget", "1"], env=env) == 0
+    assert time.monotonic() - t0 < 4.0
+    (rec,) = audit.read(audit_path, job=91)
+    assert "did not return within the budget" in rec["error"]
+
+
+def test_the_jobs_own_file_on_fuse_is_not_read(tmp_path, monkeypatch):
+    """Issue 47's review: a user's FUSE mount (``allow_other``) can make a read stall for
+    good; the job's own files are not read from one (a file an admin names is)."""
+    from ncclguard.diagnose import logparse
+
+    log = tmp_path / "slurm-1.out"
+    log.write_text("x\n")
+    fd = os.open(log, os.O_RDONLY)
+    try:
+        kind = logparse.fs_type(fd)
+        assert kind and not kind.startswith("fuse"), kind
+    finally:
+        os.close(fd)
+    monkeypatch.setattr(logparse, "fs_type", lambda fd: "fuse.sshfs")
+    with pytest.raises(logparse.LogError, match="on a FUSE filesystem"):
+        logparse.LogReader(log, owner_uid=os.getuid())
+    logparse.LogReader(log).close()  # named by an admin: read

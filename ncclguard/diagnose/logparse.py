@@ -159,11 +159,33 @@ def _open_log(p: Path, uid: int | None) -> io.BufferedReader:
         if uid is not None and st.st_uid != uid:
             raise LogError(f"{p}: owned by {owner(st.st_uid)}, not by the job's user "
                            f"(uid {uid}); not read")
+        if uid is not None and (fs_type(fd) or "").startswith("fuse"):
+            raise LogError(f"{p}: on a FUSE filesystem ({fs_type(fd)}), which its owner "
+                           "can make stall a read for good; not read")
         os.set_blocking(fd, True)
         return open(fd, "rb", closefd=True)
     except BaseException:
         os.close(fd)
         raise
+
+
+def fs_type(fd: int) -> str | None:
+    """The type of the filesystem an open file is on (``ext4``, ``fuse.sshfs``), from
+    ``/proc/self/fdinfo`` (its ``mnt_id``) and ``/proc/self/mountinfo``; None when not
+    known."""
+    try:
+        with open(f"/proc/self/fdinfo/{fd}") as f:
+            mnt = next((ln.split()[1] for ln in f if ln.startswith("mnt_id:")), None)
+        if mnt is None:
+            return None
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                fields = line.split()
+                if fields and fields[0] == mnt and " - " in line:
+                    return line.split(" - ", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+    return None
 
 
 def _kind(mode: int) -> str:
