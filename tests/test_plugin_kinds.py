@@ -266,6 +266,21 @@ def test_rma_v16_only_from_2_32(node, so) -> None:
     assert eff(named, "rma") == ("rma", 16, "Rma16")
 
 
+def test_rma_list_keeps_12_items_from_2_32(node, so) -> None:
+    """rma.cc v2.32.3-1 reserves four places (GIN's library, the net plugin's, internal IB
+    and the new internal Socket RMA): NCCL_RMA_PLUGIN keeps 12 items, 13 before."""
+    r13 = so("r13-x", rma_abis=[13], rma_name="Rma13", filename="libnccl-rma-x.so")
+    conf = "NCCL_RMA_PLUGIN=" + ",".join([f"p{i}" for i in range(12)] + ["x"]) + "\n"
+    files = {f"{LIBDIR}/libnccl-rma-x.so": r13}
+    assert eff(node("n1", "2.30.7", files, conf=conf), "rma") == ("rma", 13, "Rma13")
+    fp = node("n2", "2.32.3", files, conf=conf)
+    rma = fp["effective"]["rma"]
+    assert (rma["plugin"], rma["abi"]) == (None, None)
+    assert "libnccl-rma-p11.so not found" in rma["reason"]
+    assert "libnccl-rma-x.so" not in rma["reason"]
+    assert all(p["path"] != f"{LIBDIR}/libnccl-rma-x.so" for p in fp["plugins"])
+
+
 # ---- the policy, diff, show, classes and metrics ---------------------------------------
 
 
