@@ -3,8 +3,9 @@
 One table, :data:`ROWS`, keyed by the first release each change holds for; every row
 cites the NVIDIA/nccl tag (or commit) and the source files it was read from, and the
 strings of the real ``libnccl.so.2`` of the nvidia-nccl wheels agree with it
-(``tests/test_loading_rules.py``, ``python -m devtools.ncclwheels sweep``). docs/fingerprint.md ("Loading rules by release")
-shows the same table. :func:`rules_for` folds the rows up to a release into :class:`Rules`;
+(``tests/test_loading_rules.py``, ``python -m devtools.ncclwheels sweep``).
+docs/fingerprint.md ("Loading rules by release") shows the same table.
+:func:`rules_for` folds the rows up to a release into :class:`Rules`;
 :func:`own_names` turns a value of ``NCCL_<KIND>_PLUGIN`` into the names NCCL ``dlopen``s.
 The plugin probe (``inventoryd/probes/plugins.py``) decides which plugin is in force from
 these alone; which ABI a library speaks comes from its strings and symbols
