@@ -29,7 +29,9 @@ The expected values come from each library's own strings (``tests/test_probe_ncc
 - ``src/plugin/rma.cc`` (v2.30.7-1): ``NCCL_RMA_PLUGIN``, default ``libnccl-rma.so``, then
   the net plugin's library (GIN's is listed before it, but ``src/init.cc`` runs
   ``ncclRmaInit`` before ``ncclGinInit``, so it is never open yet);
-  ``rma/rma_v13.cc`` takes ``ncclGinPlugin_v13`` when ``ncclRmaPlugin_v13`` is missing.
+  ``rma/rma_v13.cc`` takes ``ncclGinPlugin_v13`` when ``ncclRmaPlugin_v13`` is missing;
+  v2.32.3-1 (NVIDIA/nccl commit 12df1a11, no tag fetched): four places reserved, so
+  ``NCCL_RMA_PLUGIN`` keeps 12 items (13 before), and RMA v16..v13.
 
 Over 500 lines: one gcc-built plugin library per kind and ABI, against every NCCL
 release's loading rules; the kinds share the builder and the real libnccl files.
