@@ -103,17 +103,17 @@ def _r(release: str, source: str, static: bool | None = None, opener: str | None
     return Row((a, b, c), source, {**({"*": every} if every else {}), **kinds}, static, opener)
 
 
+#: Releases read at a commit rather than a tag (the fetched NVIDIA/nccl has no tag past
+#: v2.30.7-1): the commit whose ``makefiles/version.mk`` says that release.
+V2_31_2 = "889806836097808572f87a2019eefd01f27aae68"
+V2_32_3 = "12df1a11afad322be5a204a2db890161cbf8131d"
+
 #: The loading rules, oldest first. A row states what changes from that release on; the
 #: rules of a release are all rows up to it (:func:`rules_for`). Each row was read in
 #: NVIDIA/nccl at the tag named (``git show <tag>:<file>``), or for 2.31.2 and 2.32.3 at
 #: the commit named, and checked against the strings of the wheels' ``libnccl.so.2``
 #: (docs/fingerprint.md, "Loading rules by release"). ``"*"`` changes every kind known at
 #: that row; a row may change no field (2.31.2: what it changes, the table cannot show).
-#: Releases read at a commit rather than a tag (the fetched NVIDIA/nccl has no tag past
-#: v2.30.7-1): the commit whose ``makefiles/version.mk`` says that release.
-V2_31_2 = "889806836097808572f87a2019eefd01f27aae68"
-V2_32_3 = "12df1a11afad322be5a204a2db890161cbf8131d"
-
 ROWS: tuple[Row, ...] = (
     _r("2.10.3", "v2.10.3-1: src/init.cc (dlopen(\"libnccl-net.so\"), no variable)",
        opener="per kind", static=False,
