@@ -77,10 +77,19 @@ def test_a_kind_the_table_does_not_know_is_reported(lib_bytes) -> None:
 def test_rows_are_ordered_and_cite_their_evidence() -> None:
     releases = [r.release for r in ROWS]
     assert releases == sorted(set(releases))
-    for r in ROWS[:-1]:
+    for r in ROWS:
         assert re.match(rf"v{re.escape(r.label)}-1[:, ]", r.source), r.source  # its own tag
         assert re.search(r"src/\S+\.cc", r.source), r.source
-    assert "strings" in ROWS[-1].source  # no source tag for 2.31/2.32 in the fetched tree
+
+
+def test_the_newest_rows_cite_the_commit_they_were_read_at() -> None:
+    """No v2.31/v2.32 tag in NVIDIA/nccl as fetched: 2.31.2 and 2.32.3 were read at the
+    commits whose makefiles/version.mk say so (889806836, 12df1a11)."""
+    by = {r.label: r.source for r in ROWS}
+    assert by["2.31.2"].startswith(
+        "v2.31.2-1 (commit 889806836097808572f87a2019eefd01f27aae68): src/plugin/rma.cc")
+    assert by["2.32.3"].startswith(
+        "v2.32.3-1 (commit 12df1a11afad322be5a204a2db890161cbf8131d): src/plugin/rma.cc")
 
 
 def test_docs_show_every_row() -> None:
@@ -110,6 +119,11 @@ def test_docs_show_every_row() -> None:
         ((2, 29, 3), "gin", (None, loading.BOTH_UNLESS, (loading.NET,))),
         ((2, 29, 7), "gin", ("libnccl-gin.so", loading.BOTH_UNLESS, (loading.NET,))),
         ((2, 30, 7), "rma", ("libnccl-rma.so", loading.BOTH_UNLESS, (loading.NET,))),
+        # rma.cc v2.31.2-1 and v2.32.3-1: GIN's library is listed before the net plugin's,
+        # but init.cc (v2.31.2-1) runs ncclRmaInit before ncclGinInit: never open then
+        ((2, 31, 2), "rma", ("libnccl-rma.so", loading.BOTH_UNLESS, (loading.NET,))),
+        ((2, 32, 3), "rma", ("libnccl-rma.so", loading.BOTH_UNLESS, (loading.NET,))),
+        ((2, 32, 3), "gin", ("libnccl-gin.so", loading.BOTH_UNLESS, (loading.NET,))),
     ],
 )
 def test_rules_per_release(v, kind, want) -> None:
@@ -127,7 +141,8 @@ def test_external_rma_and_own_gin_by_release() -> None:
 
 
 def test_caveats_name_the_rows_used() -> None:
-    assert rules_for((2, 31, 2)).caveat is None and rules_for((2, 31, 2)).row == "2.30.7"
+    assert rules_for((2, 31, 2)).caveat is None and rules_for((2, 31, 2)).row == "2.31.2"
+    assert rules_for((2, 31, 9)).row == "2.31.2" and rules_for((2, 32, 2)).row == "2.31.2"
     assert rules_for((2, 32, 3)).caveat is None
     newer = rules_for((2, 32, 6))
     assert newer.row == "2.32.3" and newer.kinds == rules_for((2, 32, 3)).kinds
@@ -166,13 +181,19 @@ def test_own_names(kind, value, v, want) -> None:
 
 
 def test_lists_keep_what_nccl_keeps() -> None:
-    """net.cc/gin.cc/rma.cc: at most 14 / 15 (2.29.7) / 13 (2.30.7) items; an item of 255
-    bytes or more is skipped and does not count."""
+    """net.cc/gin.cc/rma.cc: at most 14 / 15 (2.29.7) / 13 (2.30.7) items, RMA 12 from
+    2.32.3 (rma.cc v2.32.3-1: four places reserved, NCCL_RMA_MAX_PLUGINS 16); an item of
+    255 bytes or more is skipped and does not count."""
     many = ",".join(f"p{i}" for i in range(20))
     assert len(own_names("net", many, rules_for((2, 30, 7))) or []) == 14
     assert len(own_names("gin", many, rules_for((2, 29, 7))) or []) == 15
     assert len(own_names("gin", many, rules_for((2, 30, 7))) or []) == 13
     assert len(own_names("rma", many, rules_for((2, 30, 7))) or []) == 13
+    assert len(own_names("rma", many, rules_for((2, 31, 2))) or []) == 13
+    twelve = own_names("rma", many, rules_for((2, 32, 3))) or []
+    assert len(twelve) == 12 and twelve[-1] == ["p11", "libnccl-rma-p11.so"]
+    assert len(own_names("gin", many, rules_for((2, 32, 3))) or []) == 13
+    assert len(own_names("net", many, rules_for((2, 32, 3))) or []) == 14
     long = "x" * 255
     assert own_names("net", f"{long},a", rules_for((2, 30, 7))) == [["a", "libnccl-net-a.so"]]
     assert own_names("net", f"{long[:-1]}", rules_for((2, 30, 7))) == [

@@ -29,7 +29,9 @@ The expected values come from each library's own strings (``tests/test_probe_ncc
 - ``src/plugin/rma.cc`` (v2.30.7-1): ``NCCL_RMA_PLUGIN``, default ``libnccl-rma.so``, then
   the net plugin's library (GIN's is listed before it, but ``src/init.cc`` runs
   ``ncclRmaInit`` before ``ncclGinInit``, so it is never open yet);
-  ``rma/rma_v13.cc`` takes ``ncclGinPlugin_v13`` when ``ncclRmaPlugin_v13`` is missing.
+  ``rma/rma_v13.cc`` takes ``ncclGinPlugin_v13`` when ``ncclRmaPlugin_v13`` is missing;
+  v2.32.3-1 (NVIDIA/nccl commit 12df1a11, no tag fetched): four places reserved, so
+  ``NCCL_RMA_PLUGIN`` keeps 12 items (13 before), and RMA v16..v13.
 
 Over 500 lines: one gcc-built plugin library per kind and ABI, against every NCCL
 release's loading rules; the kinds share the builder and the real libnccl files.
@@ -264,6 +266,21 @@ def test_rma_v16_only_from_2_32(node, so) -> None:
     named = node("n3", "2.32.3", {f"{LIBDIR}/libnccl-rma-x.so": r16},
                  conf="NCCL_RMA_PLUGIN=x\n")
     assert eff(named, "rma") == ("rma", 16, "Rma16")
+
+
+def test_rma_list_keeps_12_items_from_2_32(node, so) -> None:
+    """rma.cc v2.32.3-1 reserves four places (GIN's library, the net plugin's, internal IB
+    and the new internal Socket RMA): NCCL_RMA_PLUGIN keeps 12 items, 13 before."""
+    r13 = so("r13-x", rma_abis=[13], rma_name="Rma13", filename="libnccl-rma-x.so")
+    conf = "NCCL_RMA_PLUGIN=" + ",".join([f"p{i}" for i in range(12)] + ["x"]) + "\n"
+    files = {f"{LIBDIR}/libnccl-rma-x.so": r13}
+    assert eff(node("n1", "2.30.7", files, conf=conf), "rma") == ("rma", 13, "Rma13")
+    fp = node("n2", "2.32.3", files, conf=conf)
+    rma = fp["effective"]["rma"]
+    assert (rma["plugin"], rma["abi"]) == (None, None)
+    assert "libnccl-rma-p11.so not found" in rma["reason"]
+    assert "libnccl-rma-x.so" not in rma["reason"]
+    assert all(p["path"] != f"{LIBDIR}/libnccl-rma-x.so" for p in fp["plugins"])
 
 
 # ---- the policy, diff, show, classes and metrics ---------------------------------------

@@ -14,6 +14,7 @@ from inventoryd.filecache import FileCache
 from inventoryd.nodefs import ErrorLog, NodeFS
 from inventoryd.probes import nccl, plugins
 from ncclguard.config import InventorydConfig
+from ncclguard.fingerprint.abi import exported, highest_common
 
 MULTIARCH = "/usr/lib/x86_64-linux-gnu"
 
@@ -61,6 +62,24 @@ def test_exports_and_names(tmp_path: Path, reloc: str, executable: bool, writabl
                             "env": [], "gin": [], "rma": []}
     assert facts["names"] == {"net": "IBext_v8", "collnet": "SHARP", "tuner": "ExtTuner",
                               "profiler": "testprof"}
+
+
+def test_abis_of_2_32_and_after(tmp_path: Path) -> None:
+    """The ABIs 2.32.3 added (RMA v16, v15: rma.cc at NVIDIA/nccl 12df1a11) and those the
+    2.32.6 wheel looks up beyond it (GIN v15, profiler v8, RMA v17, tuner v7) are read from
+    the plugin's symbols like any other: no list of known versions to extend."""
+    so = build_plugin(tmp_path, rma_abis=[17, 16, 15], rma_name="NewRma", gin_abis=[15, 13],
+                      gin_name="NewGin", tuner_abis=[7], profiler_abis=[8],
+                      filename="libnccl-rma.so")
+    with open(so, "rb") as f:
+        facts = plugins.analyze(f, "/x/libnccl-rma.so")
+    assert facts["error"] is None
+    assert facts["abis"] == {"net": [], "collnet": [], "tuner": [7], "profiler": [8],
+                             "env": [], "gin": [15, 13], "rma": [17, 16, 15]}
+    assert facts["names"]["rma"] == "NewRma" and facts["names"]["gin"] == "NewGin"
+    # RMA v13 from GIN v13 (rma_v13.cc v2.30.7-1, v2.31.2-1): 2.32.3 (v16..v13) uses v16
+    assert exported(facts["abis"], "rma") == [17, 16, 15, 13]
+    assert highest_common([16, 15, 14, 13], exported(facts["abis"], "rma")) == 16
 
 
 def test_name_of_the_highest_abi(tmp_path: Path) -> None:

@@ -192,8 +192,9 @@ def _in_force(
 
 _UNUSED = {
     "net": "NCCL ignores it and uses its internal transports",
-    # tuner.cc/profiler.cc at v2.30.7-1: a library that opens without a known symbol is
-    # "unsupported" (goto fail): there is no second try in the net plugin's library
+    # tuner.cc/profiler.cc at v2.30.7-1 (tuner.cc the same at v2.32.3-1, NVIDIA/nccl
+    # 12df1a11): a library that opens without a known symbol is "unsupported" (goto fail):
+    # there is no second try in the net plugin's library
     "tuner": "NCCL loads no tuner (a tuner library that opens is not followed by the net "
              "plugin's)",
     "profiler": "NCCL loads no profiler (nor the net plugin's)",

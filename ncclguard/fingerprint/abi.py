@@ -4,8 +4,13 @@ NCCL looks up a plugin's exported ``<symbol>_vN`` structs newest first and uses 
 it knows (docs/nccl.md, "Plugins NCCL loads"): the ABI in use is the highest N that
 both the libnccl (its string literals) and the plugin (its dynamic symbols) name; with none
 in common NCCL does not use that library for that kind. One exception: the RMA loader
-of 2.30 takes ``ncclGinPlugin_v13`` when there is no ``ncclRmaPlugin_v13``
-(``src/plugin/rma/rma_v13.cc`` at v2.30.7-1), so a GIN v13 plugin is an RMA v13 one too.
+takes ``ncclGinPlugin_v13`` when there is no ``ncclRmaPlugin_v13``
+(``src/plugin/rma/rma_v13.cc`` at v2.30.7-1 and at v2.31.2-1, NVIDIA/nccl commit
+889806836; 2.32.3's ``rma.cc`` still ends its list with ``getNcclRma_v13``, and its
+``rma_v13.cc``, of which the store read holds no copy at that commit, is taken as at
+2.31.2), so a GIN v13 plugin is an RMA v13 one too. No version is listed here: the ABIs
+a release looks for are read from its library, those a plugin offers from its symbols,
+so RMA v16 (2.32.3) or v17 (2.32.6) needs no change.
 
 Standard library only: the gate's path imports it.
 """

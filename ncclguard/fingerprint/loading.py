@@ -1,10 +1,11 @@
 """Which library NCCL opens for each plugin kind, release by release: the loading rules.
 
 One table, :data:`ROWS`, keyed by the first release each change holds for; every row
-cites the NVIDIA/nccl tag and the source files it was read from, and the strings of the
-real ``libnccl.so.2`` of the nvidia-nccl wheels agree with it (``tests/test_loading_rules.py``,
-``python -m devtools.ncclwheels sweep``). docs/fingerprint.md ("Loading rules by release")
-shows the same table. :func:`rules_for` folds the rows up to a release into :class:`Rules`;
+cites the NVIDIA/nccl tag (or commit) and the source files it was read from, and the
+strings of the real ``libnccl.so.2`` of the nvidia-nccl wheels agree with it
+(``tests/test_loading_rules.py``, ``python -m devtools.ncclwheels sweep``).
+docs/fingerprint.md ("Loading rules by release") shows the same table.
+:func:`rules_for` folds the rows up to a release into :class:`Rules`;
 :func:`own_names` turns a value of ``NCCL_<KIND>_PLUGIN`` into the names NCCL ``dlopen``s.
 The plugin probe (``inventoryd/probes/plugins.py``) decides which plugin is in force from
 these alone; which ABI a library speaks comes from its strings and symbols
@@ -102,11 +103,17 @@ def _r(release: str, source: str, static: bool | None = None, opener: str | None
     return Row((a, b, c), source, {**({"*": every} if every else {}), **kinds}, static, opener)
 
 
+#: Releases read at a commit rather than a tag (the fetched NVIDIA/nccl has no tag past
+#: v2.30.7-1): the commit whose ``makefiles/version.mk`` says that release.
+V2_31_2 = "889806836097808572f87a2019eefd01f27aae68"
+V2_32_3 = "12df1a11afad322be5a204a2db890161cbf8131d"
+
 #: The loading rules, oldest first. A row states what changes from that release on; the
 #: rules of a release are all rows up to it (:func:`rules_for`). Each row was read in
-#: NVIDIA/nccl at the tags named (``git show <tag>:<file>``) and checked against the
-#: strings of the wheels' ``libnccl.so.2`` (docs/fingerprint.md, "Loading rules by
-#: release"). ``"*"`` changes every kind known at that row.
+#: NVIDIA/nccl at the tag named (``git show <tag>:<file>``), or for 2.31.2 and 2.32.3 at
+#: the commit named, and checked against the strings of the wheels' ``libnccl.so.2``
+#: (docs/fingerprint.md, "Loading rules by release"). ``"*"`` changes every kind known at
+#: that row; a row may change no field (2.31.2: what it changes, the table cannot show).
 ROWS: tuple[Row, ...] = (
     _r("2.10.3", "v2.10.3-1: src/init.cc (dlopen(\"libnccl-net.so\"), no variable)",
        opener="per kind", static=False,
@@ -171,10 +178,24 @@ ROWS: tuple[Row, ...] = (
        gin={"listed": 13},
        rma=Kind(var="NCCL_RMA_PLUGIN", default="libnccl-rma.so", names=BOTH_UNLESS,
                 listed=13, empty=EMPTY_NONE, off=OFF_LIST, fallbacks=(NET,), unusable=NEXT)),
-    _r("2.32.3", "no v2.31/v2.32 tag in NVIDIA/nccl as fetched: the strings of the "
-       "nvidia-nccl-cu12 2.31.2 and 2.32.3 wheels name the same libraries and variables "
-       "as 2.30.7 (and no other NCCL_*_PLUGIN); the dev branch (2.31.0a7, commit "
-       "86fa684d) loads as v2.30.7-1"),
+    _r("2.31.2", f"v2.31.2-1 (commit {V2_31_2}): src/plugin/rma.cc (looks for "
+       "ncclRmaPlugin_v15..v13; the same list of at most 13, default and order as 2.30.7), "
+       "src/plugin/rma/rma_v13.cc (ncclGinPlugin_v13 still serves as RMA v13), "
+       "src/plugin/gin.cc (the same list of at most 13, default libnccl-gin.so, then the "
+       "net plugin's library; new: every usable library of a GIN type not taken yet "
+       "becomes a backend, no longer only the first, and the default backend is chosen "
+       "by type at run time), src/plugin/profiler.cc (ncclProfiler_v7..v1, same names "
+       "and fallback), src/init.cc (ncclRmaInit still before ncclGinInit); the wheel's "
+       "strings agree"),
+    _r("2.32.3", f"v2.32.3-1 (commit {V2_32_3}): src/plugin/rma.cc "
+       "(ncclRmaPlugin_v16..v13; NCCL_RMA_NUM_RESERVED_PLUGINS 4: a list of at most "
+       "NCCL_RMA_MAX_PLUGINS - 4 = 12, src/include/plugin/nccl_rma.h; then GIN's library, "
+       "still never open then, the net plugin's, internal IB and a new internal Socket "
+       "RMA), src/plugin/tuner.cc, src/plugin/env.cc (the same loading as 2.30.7); "
+       "gin.cc, net.cc, profiler.cc, plugin_open.cc and init.cc have no copy at that "
+       "commit in the store read, so they are taken as at v2.31.2-1, and the wheel's "
+       "strings agree",
+       rma={"listed": 12}),
 )
 
 
