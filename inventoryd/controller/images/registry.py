@@ -57,6 +57,7 @@ MAX_CONFIG = 8 << 20  # bytes of an image config
 MAX_TOKEN = 1 << 20
 MAX_LAYERS = 256
 MAX_IMAGE_KEPT_BYTES = 64 << 20  # bytes of paths the summaries of one image keep, in all
+MAX_IMAGE_KEPT = 500_000  # entries the summaries of one image keep, in all
 MAX_REDIRECTS = 5
 USER_AGENT = "ncclguard-collector"
 
@@ -565,7 +566,7 @@ def read_image(
                                       f"{MAX_LAYERS}")
     summaries: list[dict[str, Any]] = []
     layer_info: list[dict[str, Any]] = []
-    kept = 0
+    kept = entries = 0
     for i, d in enumerate(layers):
         digest, size, media = _descriptor(d, f"layer {i}", client)
         if media not in LAYER_TYPES:
@@ -584,12 +585,18 @@ def read_image(
                                label=f"{client.ref.key} layer {i} ({digest})")
             finally:
                 r.close()
-            store(s)
         assert s is not None
+        # the image's bounds before its layer is stored (or kept for the union)
         kept += int(s.get("kept_bytes") or 0)
+        entries += len(s["ops"])
         if kept > MAX_IMAGE_KEPT_BYTES:
             raise ImageError(client.ref.key, f"its layers keep more than {MAX_IMAGE_KEPT_BYTES} "
                                              "bytes of paths the fingerprint reads")
+        if entries > MAX_IMAGE_KEPT:
+            raise ImageError(client.ref.key, f"its layers keep more than {MAX_IMAGE_KEPT} "
+                                             "entries the fingerprint reads")
+        if not hit:
+            store(s)
         summaries.append(s)
         layer_info.append({"digest": digest, "size": size, "media_type": media,
                            "cached": hit})

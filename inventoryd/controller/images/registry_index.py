@@ -31,6 +31,7 @@ from typing import Any
 
 from inventoryd.controller.audit_tail import AuditTail
 from inventoryd.controller.images.registry import (
+    MAX_IMAGE_KEPT_BYTES,
     Client,
     Credentials,
     RegistryError,
@@ -230,7 +231,11 @@ class RegistryIndex:
     def _keep(self, s: dict[str, Any], batch: Batch) -> None:
         batch.layers.append(s)
         self._layers[s["digest"]] = s
-        while len(self._layers) > CACHE_LAYERS:
+        # at most CACHE_LAYERS, and at most one image's bound of path bytes in all
+        while len(self._layers) > CACHE_LAYERS or (
+                len(self._layers) > 1 and sum(int(x.get("kept_bytes") or 0)
+                                              for x in self._layers.values())
+                > MAX_IMAGE_KEPT_BYTES):
             self._layers.popitem(last=False)
 
     def _one(self, key: str, old: Any, configured: bool, read: set[str], creds: Credentials,
