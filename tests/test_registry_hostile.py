@@ -8,10 +8,16 @@ from __future__ import annotations
 import hashlib
 import io
 import tarfile
+import threading
 import time
+import urllib.parse
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from helpers.registry import Registry
 
 from inventoryd.controller.images.layers import (
     MAX_KEPT,
@@ -19,8 +25,10 @@ from inventoryd.controller.images.layers import (
     LayeredImage,
     read_layer,
 )
+from inventoryd.controller.images.registry import Client, Credentials, RegistryError, resolve
 from inventoryd.controller.images.squashfs import MAX_DEPTH
 from inventoryd.controller.images.tree import ImageError
+from ncclguard.fingerprint.imageref import parse
 
 TAR = "application/vnd.oci.image.layer.v1.tar"
 
@@ -86,3 +94,72 @@ def test_the_collectors_unit_bounds_its_memory_and_tasks() -> None:
     lines = [x.strip() for x in unit.read_text().splitlines()
              if x.strip() and not x.startswith("#")]
     assert "MemoryMax=2G" in lines and "TasksMax=64" in lines
+
+
+# ---- 3. a bearer realm on another host, a scope of the registry's choosing
+
+
+@contextmanager
+def _challenger(challenge: str) -> Iterator[int]:
+    """A hostile registry on loopback: every request answered 401 with ``challenge``."""
+
+    class H(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(401)
+            self.send_header("WWW-Authenticate", challenge)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *a: object) -> None:
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        yield srv.server_address[1]
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_credentials_go_to_a_token_realm_only_on_a_host_the_admin_named(
+        tmp_path: Path) -> None:
+    """A registry with a credentials line (here ``localhost``) answers 401 with a realm on
+    another host that has one (the real token service on 127.0.0.1) and a scope of its
+    choosing: the realm is asked anonymously, for the reference's own pull scope. Once the
+    admin names that realm for the registry, its credentials go there, for that scope."""
+    with Registry(tmp_path / "reg", auth="token", users={"bob": "pw"}) as victim:
+        svc = victim.token_service
+        assert svc is not None
+        realm = urllib.parse.urlsplit(svc.url).netloc
+        wanted = 'repository:secret/weights:pull,push,delete'
+        with _challenger(f'Bearer realm="{svc.url}",service="{victim.service}",'
+                         f'scope="{wanted}"') as port:
+            host = f"localhost:{port}"
+            creds = Credentials({"localhost": ("mallory", "m"), "127.0.0.1": ("bob", "pw")})
+
+            def client(**kw: object) -> Client:
+                return Client(parse(f"{host}#ml/train:v1"),
+                              deadline=time.monotonic() + 20, credentials=creds,
+                              insecure=(host, realm), **kw)  # type: ignore[arg-type]
+            with pytest.raises(RegistryError):
+                resolve(client(), "linux/amd64")
+            asked = list(svc.requests)
+            assert asked and all(r.authorization is None for r in asked), asked
+            assert all(r.scopes == ["repository:ml/train:pull"] for r in asked), asked
+            svc.requests.clear()
+            with pytest.raises(RegistryError):
+                resolve(client(token_realms={"localhost": ("127.0.0.1",)}), "linux/amd64")
+            asked = list(svc.requests)
+            assert asked and all(r.user == "bob" for r in asked), asked
+            assert all(r.scopes == ["repository:ml/train:pull"] for r in asked), asked
+
+
+def test_token_realms_is_a_table_of_lists_of_hosts() -> None:
+    from ncclguard.config import ConfigError, from_dict
+
+    cfg = from_dict({"registry": {"token_realms": {"nvcr.io": ["authn.nvidia.com"]}}})
+    assert cfg.registry.token_realms == {"nvcr.io": ("authn.nvidia.com",)}
+    with pytest.raises(ConfigError, match="token_realms"):
+        from_dict({"registry": {"token_realms": {"nvcr.io": "authn.nvidia.com"}}})

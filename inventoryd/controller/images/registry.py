@@ -97,6 +97,11 @@ class Credentials:
         return self.hosts.get(host.rsplit(":", 1)[0] if _has_port(host) else host)
 
 
+def _bare(host: str) -> str:
+    """``host`` without its port."""
+    return host.rsplit(":", 1)[0] if _has_port(host) else host
+
+
 def _has_port(host: str) -> bool:
     return bool(re.fullmatch(r".+:[0-9]+", host)) and not host.startswith("[")
 
@@ -231,8 +236,13 @@ class Client:
     """One registry, one deadline: requests with auth as enroot does (module docstring)."""
 
     def __init__(self, ref: Reference, *, deadline: float, credentials: Credentials,
-                 insecure: tuple[str, ...] = (), ca_file: str = "") -> None:
+                 insecure: tuple[str, ...] = (), ca_file: str = "",
+                 token_realms: Mapping[str, tuple[str, ...]] | None = None) -> None:
         self.ref, self.deadline, self.creds = ref, deadline, credentials
+        #: the realm hosts that get this registry's credentials (besides its own host)
+        own = _bare(ref.registry)
+        realms = token_realms or {}
+        self.realms = {own, *realms.get(ref.registry, ()), *realms.get(own, ())}
         self.scheme = "http" if ref.registry in insecure else "https"
         self.insecure = insecure
         self.ssl = ssl.create_default_context(cafile=ca_file or None)
@@ -342,20 +352,29 @@ class Client:
         parts = urllib.parse.urlsplit(realm)
         if parts.scheme not in ("http", "https") or not parts.netloc:
             raise self._fail("refused", f"a bearer challenge with no usable realm ({realm!r})")
-        query = {k: v for k, v in challenge.items() if k in ("service", "scope")}
+        # the scope is the reference's pull, never the server's: a registry must not have
+        # the collector ask for push or delete, or for another repository
+        query = {"scope": f"repository:{self.ref.repository}:pull"}
+        if "service" in challenge:
+            query = {"service": challenge["service"], **query}
         url = realm + ("&" if parts.query else "?") + urllib.parse.urlencode(query)
         headers = {}
-        # as enroot: credentials only for an image whose own registry has a line, and
-        # then the realm host's own line (a registry cannot have the collector log in to
-        # another registry's token service: the realm is what the registry says)
-        creds = self.creds.get(parts.netloc) if self.creds.get(self.ref.registry) else None
+        # credentials only for an image whose own registry has a line (enroot's rule), and
+        # only to a realm on the registry's own host or one the admin named for it
+        # (registry.token_realms): the realm is what the registry says, and a hostile one
+        # would have the collector log in to another registry's token service
+        named = parts.netloc in self.realms or (parts.hostname or "") in self.realms
+        creds = (self.creds.get(parts.netloc)
+                 if named and self.creds.get(self.ref.registry) else None)
         if creds is not None:
             headers["Authorization"] = _basic(creds)
         r = self._open("GET", url, headers)
         if r.status != 200:
             r.close()
-            who = f"as {creds[0]}" if creds else "anonymously (no credentials for " \
-                                                 f"{parts.netloc.rsplit(':', 1)[0]})"
+            who = f"as {creds[0]}" if creds else (
+                "anonymously (no credentials for "
+                f"{_bare(parts.netloc)})" if named else "anonymously (not a realm "
+                f"registry.token_realms names for {self.ref.registry})")
             raise self._fail("refused", f"the token service {parts.netloc} answered "
                                         f"{r.status} {r.resp.reason} {who}")
         try:

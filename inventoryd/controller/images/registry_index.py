@@ -246,7 +246,7 @@ class RegistryIndex:
                                "retry_at": None}
         client = Client(ref, deadline=time.monotonic() + self.rcfg.timeout_s,
                         credentials=creds, insecure=self.rcfg.insecure,
-                        ca_file=self.rcfg.ca_file)
+                        ca_file=self.rcfg.ca_file, token_realms=self.rcfg.token_realms)
         try:
             self._resolve_and_read(key, tag, old, client, read, inv, batch)
         except Exception as e:  # a bug, or a shape nobody foresaw: this reference only
