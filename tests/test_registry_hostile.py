@@ -17,7 +17,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from helpers.registry import Registry
+from helpers.registry import File, Registry, image_blobs, layer_tar, push_image
 
 from inventoryd.controller.images.layers import (
     MAX_KEPT,
@@ -28,7 +28,10 @@ from inventoryd.controller.images.layers import (
 from inventoryd.controller.images.registry import Client, Credentials, RegistryError, resolve
 from inventoryd.controller.images.squashfs import MAX_DEPTH
 from inventoryd.controller.images.tree import ImageError
+from ncclguard import config as configmod
 from ncclguard.fingerprint.imageref import parse
+from ncclguard.policy import GATE_VALUES
+from ncclguard.store import Inventory
 
 TAR = "application/vnd.oci.image.layer.v1.tar"
 
@@ -163,3 +166,183 @@ def test_token_realms_is_a_table_of_lists_of_hosts() -> None:
     assert cfg.registry.token_realms == {"nvcr.io": ("authn.nvidia.com",)}
     with pytest.raises(ConfigError, match="token_realms"):
         from_dict({"registry": {"token_realms": {"nvcr.io": "authn.nvidia.com"}}})
+
+
+# ---- 2. poisoning: nothing about a blob decided before its digest is verified
+
+
+@contextmanager
+def _serving(routes: dict[str, tuple[str, bytes]]) -> Iterator[str]:
+    """A registry on loopback that serves fixed bodies (path -> (content type, body)),
+    404 otherwise; its host:port."""
+
+    class H(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            kind, body = routes.get(self.path, ("text/plain", b""))
+            self.send_response(200 if self.path in routes else 404)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a: object) -> None:
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        yield f"127.0.0.1:{srv.server_address[1]}"
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def _index_config(tmp_path: Path, refs: list[str], insecure: tuple[str, ...]
+                  ) -> configmod.Config:
+    cfg = configmod.Config()
+    reg = cfg.registry.replace(enabled=True, insecure=insecure, platform="linux/amd64",
+                               refs=refs, timeout_s=30.0)
+    inv = cfg.inventory.replace(db=str(tmp_path / "inv.db"))
+    gate = cfg.gate.replace(audit_log=str(tmp_path / "audit.jsonl"))
+    return cfg.replace(registry=reg, inventory=inv, gate=gate)
+
+
+def _honest_image() -> tuple[list[bytes], bytes]:
+    return [layer_tar([File("/etc/nccl.conf", b"NCCL_PROTO=Simple\n")])], b""
+
+
+def test_a_hostile_registry_serving_an_honest_digest_with_a_garbage_layer_poisons_nothing(
+        tmp_path: Path) -> None:
+    """A hostile allowed registry serves the honest image's manifest bytes (same digest)
+    and garbage (not even gzip) for its layer, and is read first: that is the hostile
+    registry's failure, on its own tag; the honest tag of the same digest is read and
+    judged in the same pass. Before, the zlib error was filed as the digest's content
+    before the blob's sha256 was checked, for every registry, and never read again."""
+    layers, _ = _honest_image()
+    manifest, cfg_blob, lbs = image_blobs(layers)
+    with Registry(tmp_path / "honest") as honest:
+        digest = push_image(honest, "ml/train", "v1", layers, via="http")
+        assert digest == manifest.digest
+        garbage = bytes((i * 7 + 3) % 251 for i in range(len(lbs[0].data)))
+        routes = {
+            "/v2/ml/train/manifests/v1": (manifest.media_type, manifest.data),
+            f"/v2/ml/train/blobs/{cfg_blob.digest}": (cfg_blob.media_type, cfg_blob.data),
+            f"/v2/ml/train/blobs/{lbs[0].digest}": ("application/octet-stream", garbage),
+        }
+        with _serving(routes) as hostile:
+            bad, good = f"{hostile}#ml/train:v1", f"{honest.host}#ml/train:v1"
+            cfg = _index_config(tmp_path, [bad, good], (hostile, honest.host))
+            from inventoryd.controller.images.registry_index import RegistryIndex, write_batches
+
+            index = RegistryIndex(cfg)
+            with Inventory(tmp_path / "inv.db", config=cfg.inventory,
+                           values=GATE_VALUES) as inv:
+                index.run_pass()
+                write_batches(inv, index.drain())
+                rows = {r["ref"]: r for r in inv.registry_images()}
+    h, g = rows[f"{hostile}/ml/train:v1"], rows[f"{honest.host}/ml/train:v1"]
+    assert g["digest"] == h["digest"] == digest
+    assert g["image_error"] is None and g["record_hash"] is not None, g
+    assert h["error"] and "does not match its digest" in h["error"], h
+
+
+def test_the_collectors_own_disk_failing_is_not_the_images_content(tmp_path: Path) -> None:
+    """A libnccl streamed to a tmp_dir that fails (gone here; ENOSPC alike): tried again,
+    never stored as the image's content (before: `cannot be decompressed`)."""
+    from inventoryd.controller.images.tree import ImageTransient
+
+    info = tarfile.TarInfo("usr/lib/libnccl.so.2")
+    info.size = 4096
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as t:
+        t.addfile(info, io.BytesIO(b"\0" * 4096))
+    blob = buf.getvalue()
+    gone = tmp_path / "gone"
+    with pytest.raises(ImageTransient, match=r"temporary directory .*not the image's content"):
+        read_layer(io.BytesIO(blob), digest="sha256:" + hashlib.sha256(blob).hexdigest(),
+                   size=len(blob), media_type=TAR, deadline=time.monotonic() + 30,
+                   max_bytes=1 << 30, max_unpacked=1 << 30, max_read_bytes=1 << 30,
+                   tmpdir=str(gone))
+
+
+def test_a_good_read_replaces_a_stored_error(tmp_path: Path) -> None:
+    """A digest stored unreadable (by an older collector, or a hostile registry before
+    this fix) is read again when its tag is next due, and the good read replaces it."""
+    from inventoryd.controller.images.registry_index import RegistryIndex, write_batches
+
+    layers, _ = _honest_image()
+    with Registry(tmp_path / "honest") as honest:
+        digest = push_image(honest, "ml/train", "v1", layers, via="http")
+        ref = f"{honest.host}#ml/train:v1"
+        cfg = _index_config(tmp_path, [ref], (honest.host,))
+        key = f"{honest.host}/ml/train:v1"
+        with Inventory(tmp_path / "inv.db", config=cfg.inventory, values=GATE_VALUES) as inv:
+            inv.write_registry([{"ref": key, "digest": digest, "state": "ok", "source":
+                                 "config", "attempts": 1}],
+                               [{"digest": digest, "platform": "linux/amd64",
+                                 "error": "poisoned"}], now=time.time() - 86400)
+            index = RegistryIndex(cfg)
+            index.run_pass()
+            write_batches(inv, index.drain())
+            row = next(r for r in inv.registry_images() if r["ref"] == key)
+    assert row["image_error"] is None and row["record_hash"] is not None, row
+
+
+# ---- 8. a FIFO at the credentials path; enroot's own credentials file
+
+
+def test_a_fifo_at_the_credentials_path_is_refused_without_blocking(tmp_path: Path) -> None:
+    import os
+
+    from inventoryd.controller.images.registry import load_credentials
+
+    fifo = tmp_path / "credentials"
+    os.mkfifo(fifo, 0o600)
+    got: list[object] = []
+
+    def load() -> None:
+        try:
+            got.append(load_credentials(str(fifo)))
+        except ValueError as e:
+            got.append(e)
+
+    t = threading.Thread(target=load, daemon=True)
+    t.start()
+    t.join(5)
+    if t.is_alive():  # blocked in open(): unblock it, then fail
+        with open(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK), "wb"):
+            pass
+        t.join(5)
+        pytest.fail("load_credentials blocked on a FIFO")
+    assert isinstance(got[0], ValueError) and "not a regular file" in str(got[0])
+
+
+ENROOT_DOC = """\
+# NVIDIA GPU Cloud (both endpoints are required)
+machine nvcr.io login $oauthtoken password KEY
+machine authn.nvidia.com login $oauthtoken password KEY
+"""
+
+
+def test_enroots_documented_credentials_file_is_read(tmp_path: Path) -> None:
+    """enroot's doc/cmd/import.md, copied: a comment line, then NGC's two lines; quoted
+    passwords and ``default`` as curl (enroot's reader) and Python's netrc read them."""
+    import netrc
+
+    from inventoryd.controller.images.registry import load_credentials
+
+    f = tmp_path / "credentials"
+    f.write_text(ENROOT_DOC)
+    f.chmod(0o600)
+    creds = load_credentials(str(f))
+    assert creds.get("nvcr.io") == ("$oauthtoken", "KEY")
+    assert creds.get("authn.nvidia.com") == ("$oauthtoken", "KEY")
+    f.write_text(ENROOT_DOC + 'machine registry.example.org login "a b" password '
+                 '"p w#1\\"x" # the site\'s\n'
+                 "macdef init\ncd /\n\ndefault login anon password guest\n")
+    creds = load_credentials(str(f))
+    py = netrc.netrc(str(f))
+    assert creds.get("registry.example.org") == ("a b", 'p w#1"x')
+    assert py.authenticators("registry.example.org") == ("a b", "", 'p w#1"x')
+    assert creds.get("other.example.org:5000") == ("anon", "guest")  # default, as curl

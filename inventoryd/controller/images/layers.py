@@ -20,7 +20,14 @@ bytes (what the manifest says, and the configured maximum), the unpacked bytes (
 the compressed size, and the maximum), the entries, one file's size, the bytes analysed,
 a member's depth (:data:`~.squashfs.MAX_DEPTH`, as a squashfs image's), and the image's
 deadline; the directories a member implies count as entries and path bytes as named
-ones do; the blob's sha256 must be the digest it was asked by.
+ones do; the blob's sha256 must be the digest it was asked by, and is checked before any
+of these is said of its content (on an error the rest of the blob is hashed first): a
+blob that is not its digest's is :class:`~.tree.ImageUnverified`, the serving registry's
+failure; the collector's own temporary directory failing is :class:`~.tree.ImageTransient`.
+
+Over 500 lines: the streaming read (its bounds, and the digest verified before anything
+is said of the content) and the union read back from its summaries share one summary
+format; split, each half would define it again.
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ from inventoryd.controller.images.tree import (
     ImagePathError,
     ImageTransient,
     ImageTree,
+    ImageUnverified,
 )
 from inventoryd.probes import nccl as nccl_probe
 from inventoryd.probes import plugins as plugin_probe
@@ -289,28 +297,56 @@ def read_layer(
         # the rest of the blob (tar padding, the compressor's end), for its digest
         while stream.read(1 << 20):
             pass
-        while raw.read(1 << 20):
-            pass
-    except ImageError:
+    except ImageTransient:
         raise
-    except Exception as e:  # the tar reader's, gzip's (OSError, EOFError, zlib) and zstd's
+    except Exception as e:
+        cause = _content_cause(e, media_type)
+        if cause is None:  # a bug: the caller's internal error, never the image's content
+            raise
         if raw.eof and raw.count < size:  # the blob ended early: the connection
             raise ImageTransient(label, f"the blob ended after {raw.count} of {size} bytes "
                                         f"({type(e).__name__}: {e})") from None
-        if isinstance(e, TarError):
-            raise ImageError(label, f"not a tar archive this reader takes: {e}") from None
-        if isinstance(e, OSError | EOFError | zlib.error) or type(e).__name__ == "ZstdError":
-            raise ImageError(label, f"cannot be decompressed ({media_type}): "
-                                    f"{type(e).__name__}: {e}") from None
-        raise
-    if raw.count != size:
-        raise ImageTransient(label, f"{raw.count} of {size} bytes (the blob ended early)")
-    if f"sha256:{hasher.hexdigest()}" != digest:
-        raise ImageError(label, "the blob's content does not match its digest")
+        # nothing about the content is decided before its digest is verified: a registry
+        # serving garbage under an honest digest is that registry's failure
+        _verified(raw, size, hasher, digest, label)
+        raise ImageError(label, cause) from None
+    _verified(raw, size, hasher, digest, label)
     out["unpacked"] = stream.count
     out["kept_bytes"] = names
     out["seconds"] = round(time.monotonic() - t0, 3)
     return out
+
+
+def _content_cause(e: Exception, media_type: str) -> str | None:
+    """What an error while reading says of the layer's content (once its digest is
+    verified); None for an error that says nothing of it (a bug)."""
+    if isinstance(e, ImageError):
+        return e.cause
+    if isinstance(e, TarError):
+        return f"not a tar archive this reader takes: {e}"
+    if isinstance(e, OSError | EOFError | zlib.error) or type(e).__name__ == "ZstdError":
+        return f"cannot be decompressed ({media_type}): {type(e).__name__}: {e}"
+    return None
+
+
+def _verified(raw: _Bounded, size: int, hasher: Any, digest: str, label: str) -> None:
+    """Read the rest of the blob (hashed, within its size and the deadline) and check
+    that it is ``digest``'s: else ImageUnverified (that registry's failure) or
+    ImageTransient (the connection)."""
+    if raw.count > size:
+        raise ImageUnverified(label, f"the blob is longer than its descriptor says ({size} "
+                                     "bytes); its digest cannot be verified")
+    try:
+        while raw.read(1 << 20):
+            pass
+    except ImageTransient:
+        raise
+    except ImageError as e:  # longer than its descriptor says
+        raise ImageUnverified(label, f"{e.cause}; its digest cannot be verified") from None
+    if raw.count != size:
+        raise ImageTransient(label, f"{raw.count} of {size} bytes (the blob ended early)")
+    if f"sha256:{hasher.hexdigest()}" != digest:
+        raise ImageUnverified(label, "the blob's content does not match its digest")
 
 
 def _read_all(tar: TarReader, size: int) -> bytes:
@@ -329,13 +365,26 @@ def _analyze_member(tar: TarReader, size: int, kind: str, path: str, read_left: 
         return {"error": f"{path}: {size} bytes, more than the {max(read_left, 0)} left of "
                          f"this layer's read budget (at most {MAX_EXPANSION}x its size, "
                          "registry.max_read_bytes); not read"}
-    with tempfile.TemporaryFile(dir=tmpdir) as f:
-        while chunk := tar.read(1 << 20):
-            f.write(chunk)
+    try:  # the collector's own disk failing (ENOSPC, a tmp_dir gone): not the image's
+        f = tempfile.TemporaryFile(dir=tmpdir)  # noqa: SIM115 - closed below
+    except OSError as e:
+        raise _local(e, tmpdir, label) from None
+    with f:
+        while chunk := tar.read(1 << 20):  # the layer's errors pass; the disk's are named
+            try:
+                f.write(chunk)
+            except OSError as e:
+                raise _local(e, tmpdir, label) from None
         if f.tell() != size:
             return {"error": f"{path}: {f.tell()} of {size} bytes in the layer"}
         f.seek(0)
         return {kind: ANALYZERS[kind](cast(Any, f), f"{label}:{path}")}
+
+
+def _local(e: OSError, tmpdir: str | None, label: str) -> ImageTransient:
+    where = tmpdir or tempfile.gettempdir()
+    return ImageTransient(label, f"the collector's temporary directory {where} (registry."
+                                 f"tmp_dir): {e.strerror or e}; not the image's content")
 
 
 def summary_ok(s: Any) -> bool:

@@ -94,7 +94,8 @@ class Credentials:
     source: str = ""
 
     def get(self, host: str) -> tuple[str, str] | None:
-        return self.hosts.get(host.rsplit(":", 1)[0] if _has_port(host) else host)
+        """The line of ``host`` (its port aside), else the ``default`` line (curl's)."""
+        return self.hosts.get(_bare(host)) or self.hosts.get(DEFAULT)
 
 
 def _bare(host: str) -> str:
@@ -109,10 +110,54 @@ def _has_port(host: str) -> bool:
 MAX_CREDENTIALS = 1 << 20
 
 
+#: the host ``default`` (curl's, enroot's reader's) gives credentials for
+DEFAULT = ""
+
+
+def _tokens(text: str) -> list[str]:
+    """netrc's tokens as curl and Python's ``netrc`` read them: white space between them,
+    ``"..."`` quoted with backslash escapes, a ``#`` starting a token comments out the rest
+    of the line, a ``macdef`` body runs to the next empty line."""
+    out: list[str] = []
+    i, n = 0, len(text)
+    while i < n:
+        c = text[i]
+        if c.isspace():
+            i += 1
+        elif c == "#":
+            i = text.find("\n", i)
+            i = n if i < 0 else i
+        elif c == '"':
+            tok, i = [], i + 1
+            while i < n and text[i] != '"':
+                if text[i] == "\\" and i + 1 < n:
+                    i += 1
+                tok.append(text[i])
+                i += 1
+            if i >= n:
+                raise ValueError("a quoted token without its closing quote")
+            out.append("".join(tok))
+            i += 1
+        else:
+            j = i
+            while j < n and not text[j].isspace():
+                j += 1
+            out.append(text[i:j])
+            if text[i:j] == "macdef":  # its name, then its body up to an empty line
+                end = text.find("\n\n", j)
+                name = text[j:end if end >= 0 else n].split(None, 1)
+                out.append(name[0] if name else "")
+                j = n if end < 0 else end + 2
+            i = j
+    return out
+
+
 def _netrc(text: str) -> dict[str, tuple[str, str]]:
     """host -> (login, password) of netrc text (``machine``, ``login``, ``password``,
-    ``account``, ``default``, ``macdef``); the first entry of a host wins, as curl's."""
-    tokens = text.split()
+    ``account``, ``default`` under the host :data:`DEFAULT`, ``macdef`` skipped;
+    comments and quoted tokens as :func:`_tokens`); the first entry of a host wins, as
+    curl's."""
+    tokens = _tokens(text)
     out: dict[str, tuple[str, str]] = {}
     i, host, login, password = 0, None, "", ""
 
@@ -123,10 +168,10 @@ def _netrc(text: str) -> dict[str, tuple[str, str]]:
         t = tokens[i]
         if t in ("machine", "default"):
             done()
-            host, login, password = (tokens[i + 1] if t == "machine" and i + 1 < len(tokens)
-                                     else None if t == "default" else ""), "", ""
             if t == "machine" and i + 1 >= len(tokens):
                 raise ValueError("machine without a host")
+            host = tokens[i + 1] if t == "machine" else DEFAULT
+            login, password = "", ""
             i += 2 if t == "machine" else 1
         elif t in ("login", "password", "account"):
             if i + 1 >= len(tokens):
@@ -137,7 +182,9 @@ def _netrc(text: str) -> dict[str, tuple[str, str]]:
                 password = tokens[i + 1]
             i += 2
         elif t == "macdef":
-            raise ValueError("macdef is not read")
+            done()
+            host = None
+            i += 2
         else:
             raise ValueError(f"unexpected token {t[:40]!r}")
     done()
@@ -154,7 +201,9 @@ def load_credentials(path: str, env: Mapping[str, str] | None = None) -> Credent
         return Credentials()
     env = os.environ if env is None else env
     try:  # one open, no symlink followed: what is checked is what is read
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        # O_NONBLOCK: a FIFO there must not block the worker for good (it is refused
+        # below as not a regular file); a regular file reads as ever
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as e:
         raise ValueError(f"{path}: {e.strerror or e} (a symlink is not followed)") from None
     with os.fdopen(fd, "rb") as f:

@@ -4,11 +4,13 @@
 The references are those ``[registry] refs`` lists and those the gate saw jobs use (the
 ``image`` of its audit records that is not a path). One worker thread resolves each every
 ``resolve_interval_s``, and reads the image a reference resolves to when that digest
-was never read (or failed for a cause not about its content). Reading a multi-GiB image
-takes minutes: it never runs in the collector's loop, and the node records never wait
-for it. The worker only reads the inventory (its own read-only connection); what it
-finds is handed to the loop (:meth:`RegistryIndex.drain`), which writes it, the
-inventory's one writer.
+was never read well: an error about its content (its digest verified first) is read
+again when the tag is next due, after its back-off, and a good read replaces it; a
+registry's failure (a blob not its digest's included) is that tag's, never the
+digest's. Reading a multi-GiB image takes minutes: it never runs in the collector's
+loop, and the node records never wait for it. The worker only reads the inventory (its
+own read-only connection); what it finds is handed to the loop
+(:meth:`RegistryIndex.drain`), which writes it, the inventory's one writer.
 
 Fair and bounded: references never resolved first, then the longest unchecked; one image
 at a time, each within ``timeout_s``; a reference failing again and again backs off
@@ -41,7 +43,7 @@ from inventoryd.controller.images.registry import (
     read_image,
     resolve,
 )
-from inventoryd.controller.images.tree import ImageError, ImageTransient
+from inventoryd.controller.images.tree import ImageError, ImageTransient, ImageUnverified
 from ncclguard import config as configmod
 from ncclguard.fingerprint.imageref import RefError, parse
 from ncclguard.policy.rules.container import configured_registries, is_path_image
@@ -159,9 +161,10 @@ class RegistryIndex:
         try:
             with Inventory(self.db, readonly=True, config=self.cfg.inventory) as inv:
                 known = inv.registry_tags()
+                # the digests read well: an error stored for a digest is read again when a
+                # tag of it is next due (its back-off), and a good read replaces it
                 read = {r["digest"] for r in inv.registry_images() if r["digest"]
-                        and (r["nccl_version"] is not None or r["image_error"] is not None
-                             or r["record_hash"] is not None)}
+                        and r["record_hash"] is not None}
                 configured = []
                 hosts = []
                 for text in self.rcfg.refs:
@@ -195,7 +198,7 @@ class RegistryIndex:
         return batch
 
     def _interval(self, old: Any) -> float:
-        if old.state == "ok":
+        if old.state == "ok" and not old.attempts:
             return self.rcfg.resolve_interval_s
         return backoff_s(old.attempts, self.rcfg.resolve_interval_s)
 
@@ -283,13 +286,16 @@ class RegistryIndex:
             # (the gate calls it not read yet, never judges it by the old image), and it is
             # read again after a back-off
             state = e.state if isinstance(e, RegistryError) else (
+                "invalid" if isinstance(e, ImageUnverified) else
                 "timeout" if "time limit" in e.cause else "unreachable")
             tag.update(error=f"reading {res.digest} ({state}): {e.cause}",
                        attempts=(old.attempts if old else 0) + 1)
             log.warning("registry: %s (%s) not read (%s): %s", key, res.digest, state,
                         e.cause)
             return
-        except ImageError as e:  # its content: stored with the cause, read again if it moves
+        except ImageError as e:  # its content, verified: stored with the cause, read again
+            # after the tag's back-off (a good read then replaces it)
+            tag.update(attempts=(old.attempts if old else 0) + 1)
             batch.images.append({"digest": res.digest, "platform": self.platform,
                                  "error": e.cause})
             read.add(res.digest)
