@@ -17,7 +17,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from helpers.registry import File, Registry, image_blobs, layer_tar, push_image
+from helpers.registry import File, Registry, image_blobs, layer_tar, push_image, push_raw
 
 from inventoryd.controller.images.layers import (
     MAX_KEPT,
@@ -34,6 +34,7 @@ from ncclguard.policy import GATE_VALUES
 from ncclguard.store import Inventory
 
 TAR = "application/vnd.oci.image.layer.v1.tar"
+GZ = "application/vnd.oci.image.layer.v1.tar+gzip"
 
 
 def _dirs(paths: list[str]) -> bytes:
@@ -346,3 +347,34 @@ def test_enroots_documented_credentials_file_is_read(tmp_path: Path) -> None:
     assert creds.get("registry.example.org") == ("a b", 'p w#1"x')
     assert py.authenticators("registry.example.org") == ("a b", "", 'p w#1"x')
     assert creds.get("other.example.org:5000") == ("anon", "guest")  # default, as curl
+
+
+# ---- 9. JSON bounded by depth and count as well as bytes
+
+
+@pytest.mark.parametrize("shape", ["wide", "deep"])
+def test_a_config_of_nested_lists_is_refused_before_it_is_parsed(
+        tmp_path: Path, shape: str) -> None:
+    """An 8 MiB config of 2.8 million empty lists (200 MB while parsed, before), or lists
+    500 deep (under the parser's recursion limit): refused by count or depth, named."""
+    import resource
+
+    from inventoryd.controller.images.registry import MAX_CONFIG, RegistryLimits, read_image
+
+    if shape == "wide":
+        n = (MAX_CONFIG - 2) // 3
+        config = b"[" + b"[]," * (n - 1) + b"[]]"
+    else:
+        config = b"[" * 500 + b"]" * 500
+    layer = layer_tar([File("/etc/hostname", b"x\n")])
+    with Registry(tmp_path / "reg") as reg:
+        push_raw(reg, "ml/cfg", shape, [layer], [GZ], ["sha256:" + "0" * 64], config=config)
+        client = Client(parse(f"{reg.host}#ml/cfg:{shape}"), deadline=time.monotonic() + 30,
+                        credentials=Credentials(), insecure=(reg.host,))
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        with pytest.raises(RegistryError) as e:
+            read_image(client, "linux/amd64", RegistryLimits(), cached=lambda d: None)
+        grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    assert e.value.state == "invalid", e.value
+    assert ("more than" if shape == "wide" else "deeper than") in e.value.cause, e.value
+    assert grown < 60_000, f"peak RSS grew {grown} KB"

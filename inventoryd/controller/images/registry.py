@@ -427,9 +427,9 @@ class Client:
             raise self._fail("refused", f"the token service {parts.netloc} answered "
                                         f"{r.status} {r.resp.reason} {who}")
         try:
-            data = json.loads(self._body(r, MAX_TOKEN, "token"))
+            data = bounded_json(self._body(r, MAX_TOKEN, "token"))
             token = data.get("token") or data.get("access_token")
-        except (ValueError, AttributeError, RecursionError):
+        except (ValueError, AttributeError):
             token = None
         if not isinstance(token, str) or not token or not token.isprintable():
             raise self._fail("refused", f"the token service {parts.netloc} gave no token")
@@ -490,9 +490,9 @@ class Client:
             raise self._fail("invalid", f"{what}: its content does not match the "
                                         f"Docker-Content-Digest {header[:80]}")
         try:
-            doc = json.loads(body)
-        except (ValueError, RecursionError):
-            raise self._fail("invalid", f"{what}: not JSON (or nested too deep)") from None
+            doc = bounded_json(body)
+        except ValueError as e:
+            raise self._fail("invalid", f"{what}: {e}") from None
         if not isinstance(doc, dict):
             raise self._fail("invalid", f"{what}: not a JSON object")
         media = str(doc.get("mediaType") or media)
@@ -512,6 +512,33 @@ class Client:
     def blob_stream(self, digest: str, what: str) -> tuple[_Body, Response]:
         r = self._checked(self.get(f"blobs/{digest}"), what)
         return _Body(r, self.deadline, f"{self.ref.key} {what}"), r
+
+
+MAX_JSON_DEPTH = 32  # arrays and objects inside each other (a config: 4 or 5)
+MAX_JSON_VALUES = 100_000  # arrays, objects and commas (a config: a few thousand)
+#: a string, or an unterminated one to the end: always a match, so the scan is linear
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"?', re.DOTALL)
+_JSON_BRACKETS = re.compile(rb"[\[\]{}]")
+
+
+def bounded_json(body: bytes) -> Any:
+    """``json.loads`` of a document checked first, in linear time and without building
+    it, for at most :data:`MAX_JSON_VALUES` containers and separators and
+    :data:`MAX_JSON_DEPTH` levels: the bytes' bound alone let an 8 MiB config of empty
+    lists cost 200 MB while parsed. Raises ValueError naming the cause."""
+    bare = _JSON_STRING.sub(b'""', body)  # what is inside strings is not structure
+    values = bare.count(b"[") + bare.count(b"{") + bare.count(b",")
+    if values > MAX_JSON_VALUES:
+        raise ValueError(f"more than {MAX_JSON_VALUES} JSON values")
+    depth = 0
+    for m in _JSON_BRACKETS.finditer(bare):
+        depth += 1 if m.group() in b"[{" else -1
+        if depth > MAX_JSON_DEPTH:
+            raise ValueError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError) as e:
+        raise ValueError(f"not JSON: {str(e)[:200]}") from None
 
 
 def _close(conn: http.client.HTTPConnection | None) -> None:
@@ -624,10 +651,9 @@ def read_image(
     if cfg_size > MAX_CONFIG:
         raise client._fail("invalid", f"an image config of {cfg_size} bytes")
     try:
-        config = json.loads(client.blob(cfg_digest, MAX_CONFIG, "config"))
-    except (ValueError, RecursionError):
-        raise client._fail("invalid", "the image config is not JSON (or nested too "
-                                      "deep)") from None
+        config = bounded_json(client.blob(cfg_digest, MAX_CONFIG, "config"))
+    except ValueError as e:
+        raise client._fail("invalid", f"the image config: {e}") from None
     layers = m.get("layers")
     if not isinstance(layers, list) or len(layers) > MAX_LAYERS:
         raise client._fail("invalid", f"the manifest has no layers list of at most "
