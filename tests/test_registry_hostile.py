@@ -173,12 +173,15 @@ def test_token_realms_is_a_table_of_lists_of_hosts() -> None:
 
 
 @contextmanager
-def _serving(routes: dict[str, tuple[str, bytes]]) -> Iterator[str]:
+def _serving(routes: dict[str, tuple[str, bytes]], seen: list[str] | None = None
+             ) -> Iterator[str]:
     """A registry on loopback that serves fixed bodies (path -> (content type, body)),
-    404 otherwise; its host:port."""
+    404 otherwise; its host:port. ``seen`` gets each path asked."""
 
     class H(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
+            if seen is not None:
+                seen.append(self.path)
             kind, body = routes.get(self.path, ("text/plain", b""))
             self.send_response(200 if self.path in routes else 404)
             self.send_header("Content-Type", kind)
@@ -378,3 +381,66 @@ def test_a_config_of_nested_lists_is_refused_before_it_is_parsed(
     assert e.value.state == "invalid", e.value
     assert ("more than" if shape == "wide" else "deeper than") in e.value.cause, e.value
     assert grown < 60_000, f"peak RSS grew {grown} KB"
+
+
+# ---- 7. layers no image holds are dropped
+
+
+def test_layers_no_stored_image_holds_are_dropped(tmp_path: Path) -> None:
+    """Two tags sharing a base layer; one forgotten: its own layer's summary goes, the
+    shared one and the other tag's stay (before: every summary stayed for good)."""
+    from inventoryd.controller.images.registry_index import RegistryIndex, write_batches
+
+    base = layer_tar([File("/etc/nccl.conf", b"NCCL_PROTO=Simple\n")])
+    own = [layer_tar([File(f"/etc/rc.{n}", n.encode())]) for n in ("a", "b")]
+    with Registry(tmp_path / "reg") as reg:
+        refs = []
+        for n, top in zip("ab", own, strict=True):
+            push_image(reg, "ml/train", n, [base, top], via="http")
+            refs.append(f"{reg.host}#ml/train:{n}")
+        cfg = _index_config(tmp_path, refs, (reg.host,))
+        with Inventory(tmp_path / "inv.db", config=cfg.inventory, values=GATE_VALUES) as inv:
+            index = RegistryIndex(cfg)
+            index.run_pass()
+            write_batches(inv, index.drain())
+            digests = [image_blobs([base, top])[2] for top in own]
+            held = [[b.digest for b in lbs] for lbs in digests]
+            assert all(inv.registry_layer(d) for d in {*held[0], *held[1]})
+            inv.forget_registry([f"{reg.host}/ml/train:a"], layer_grace_s=0.0)
+            assert inv.registry_layer(held[0][1]) is None
+            assert inv.registry_layer(held[0][0]) is not None  # the shared base
+            assert inv.registry_layer(held[1][1]) is not None
+
+
+# ---- 6. disk pressure: the worker paused, its queue bounded
+
+
+def test_a_writer_that_does_not_drain_pauses_the_worker(tmp_path: Path) -> None:
+    """The collector's loop stops draining the worker (disk pressure): the worker's queue
+    stays within its bound and the worker waits instead of resolving everything again;
+    held by the loop, it asks nothing at all (before: a batch queued and every
+    reference asked again at every pass, the queue without bound)."""
+    from inventoryd.controller.images.registry_index import QUEUE_MAX, RegistryIndex
+
+    seen: list[str] = []
+    with _serving({}, seen) as host:
+        refs = [f"{host}#ml/t{i}:v1" for i in range(3)]
+        cfg = _index_config(tmp_path, refs, (host,))
+        cfg = cfg.replace(registry=cfg.registry.replace(resolve_interval_s=0.05))
+        with Inventory(tmp_path / "inv.db", config=cfg.inventory, values=GATE_VALUES):
+            pass
+        index = RegistryIndex(cfg)
+        index.start()
+        try:
+            time.sleep(1.5)
+            assert index.out.qsize() <= QUEUE_MAX
+            asked = len(seen)
+            assert asked <= 3 * (QUEUE_MAX + 2), asked
+            index.hold("disk pressure: 10 bytes free")
+            index.drain()
+            time.sleep(0.3)
+            asked = len(seen)
+            time.sleep(1.0)
+            assert len(seen) == asked and index.out.qsize() <= 1  # the one in hand
+        finally:
+            index.stop()

@@ -51,6 +51,8 @@ from ncclguard.policy.rules.container import configured_registries, is_path_imag
 log = logging.getLogger("ncclguard.collector.registry")  # the collector's log, escaped
 
 MAX_BACKOFF_S = 86400.0
+QUEUE_MAX = 4  # batches handed to the writer and not yet drained: past it, the worker waits
+SWEEP_S = 3600.0  # how often the images and layers no tag holds are dropped, at least
 CACHE_LAYERS = 16  # layer summaries kept in memory between the worker's read and the write
 
 
@@ -62,6 +64,7 @@ class Batch:
     images: list[dict[str, Any]] = field(default_factory=list)
     layers: list[dict[str, Any]] = field(default_factory=list)
     forget: list[str] = field(default_factory=list)
+    sweep: bool = False  # drop the images and layers no tag holds (forget_registry)
 
 
 def backoff_s(attempts: int, interval: float) -> float:
@@ -80,7 +83,10 @@ class RegistryIndex:
             timeout_s=self.rcfg.timeout_s, max_layer_bytes=self.rcfg.max_layer_bytes,
             max_unpacked_bytes=self.rcfg.max_unpacked_bytes,
             max_read_bytes=self.rcfg.max_read_bytes, tmp_dir=self.rcfg.tmp_dir)
-        self.out: queue.Queue[Batch] = queue.Queue()
+        self.out: queue.Queue[Batch] = queue.Queue(QUEUE_MAX)
+        self._held: str | None = None  # why the writer cannot take batches now
+        #: ref key -> when its batch was handed to the writer (not yet in the inventory)
+        self._handed: dict[str, float] = {}
         self.used: dict[str, float] = {}  # ref key -> when a job last used it (audit)
         self._layers: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._stop = threading.Event()
@@ -89,6 +95,7 @@ class RegistryIndex:
         self._thread: threading.Thread | None = None
         self._hosts: tuple[str, ...] = configured_registries(self.rcfg.refs)
         self.passes = 0
+        self._swept = 0.0  # when the last sweep was handed to the writer
 
     # ---- the loop's side ------------------------------------------------------------
 
@@ -102,6 +109,17 @@ class RegistryIndex:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+
+    def hold(self, reason: str | None) -> None:
+        """The writer cannot take batches now (``reason``: disk pressure), or again
+        (None): while held the worker resolves and reads nothing. Logged once a change."""
+        if reason != self._held:
+            if reason:
+                log.warning("registry: paused: %s", reason)
+            else:
+                log.info("registry: resumed")
+            self._held = reason
+            self._wake.set()
 
     def drain(self) -> list[Batch]:
         out = []
@@ -133,6 +151,10 @@ class RegistryIndex:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            if self._held is not None:  # the writer cannot take what a pass would find
+                self._wake.wait(5.0)
+                self._wake.clear()
+                continue
             try:
                 self.run_pass()
             except Exception:  # a bug must not end the thread: the next pass tries again
@@ -178,17 +200,26 @@ class RegistryIndex:
                 self._hosts = tuple(hosts)
                 wanted = self._wanted(configured, known, now, batch)
                 creds = self._credentials()
-                if batch.forget:
-                    self.out.put(Batch(forget=batch.forget))
+                # what no tag holds (an image a tag moved off, its layers) is dropped
+                # with the forgotten tags, and at least once an hour
+                sweep = now - self._swept >= SWEEP_S
+                if (batch.forget or sweep) and self._put(Batch(forget=batch.forget,
+                                                               sweep=True)):
+                    self._swept = now
                 for key in wanted:
-                    if self._stop.is_set():
+                    if self._stop.is_set() or self._held is not None:
                         break
                     old = known.get(key)
                     if old is not None and old.checked_at + self._interval(old) > now:
                         continue
+                    handed = self._handed.get(key)  # queued, not written yet
+                    if handed is not None and now - handed < self.rcfg.resolve_interval_s:
+                        continue
                     one = Batch()
                     self._one(key, old, key in configured, read, creds, inv, one)
-                    self.out.put(one)
+                    if not self._put(one):
+                        break
+                    self._handed[key] = now
                     if keep:
                         batch.tags += one.tags
                         batch.images += one.images
@@ -196,6 +227,17 @@ class RegistryIndex:
         except InventoryError as e:
             log.warning("registry: the inventory cannot be read: %s", e)
         return batch
+
+    def _put(self, batch: Batch) -> bool:
+        """Hand a batch to the writer, waiting while its queue is full (the writer
+        behind, or held): False when the thread is stopped meanwhile."""
+        while not self._stop.is_set():
+            try:
+                self.out.put(batch, timeout=0.5)
+                return True
+            except queue.Full:
+                continue
+        return False
 
     def _interval(self, old: Any) -> float:
         if old.state == "ok" and not old.attempts:
@@ -317,6 +359,6 @@ def write_batches(inv: Any, batches: list[Batch]) -> int:
         if b.tags or b.images or b.layers:
             inv.write_registry(b.tags, b.images, b.layers)
             n += len(b.tags)
-        if b.forget:
+        if b.forget or b.sweep:
             inv.forget_registry(b.forget)
     return n
