@@ -1,6 +1,10 @@
 """Registry images under attack (issue 41): each case a reproduction of the hostile review,
 scaled down to run in seconds, that failed before its fix. Layers are real tar streams;
 the cases that need a registry use the real one on loopback (tests/helpers/registry.py).
+
+Over 500 lines: one set of hostile servers (a challenger, a fixed-body registry, a
+proxy) and one index configuration serve every case of the issue; split, each part
+would build them again.
 """
 
 from __future__ import annotations
@@ -444,3 +448,180 @@ def test_a_writer_that_does_not_drain_pauses_the_worker(tmp_path: Path) -> None:
             assert len(seen) == asked and index.out.qsize() <= 1  # the one in hand
         finally:
             index.stop()
+
+
+# ---- 4 and 5. starvation and eviction
+
+
+def _two_passes(tmp_path: Path, honest: Registry, first: configmod.Config,
+                second: configmod.Config) -> tuple[list[dict], float]:
+    """Pass 1 with ``first`` (the honest tag read and written), then, a resolve interval
+    later, pass 2 with ``second``: its tags and how long it took."""
+    from inventoryd.controller.images.registry_index import RegistryIndex, write_batches
+
+    with Inventory(tmp_path / "inv.db", config=first.inventory, values=GATE_VALUES) as inv:
+        index = RegistryIndex(first)
+        index.run_pass()
+        write_batches(inv, index.drain())
+        index = RegistryIndex(second)
+        t0 = time.monotonic()
+        batch = index.run_pass(now=time.time() + first.registry.resolve_interval_s + 1,
+                               keep=True)
+        took = time.monotonic() - t0
+        write_batches(inv, index.drain())
+    return batch.tags, took
+
+
+def test_slow_fresh_tags_cannot_age_a_tag_in_use(tmp_path: Path) -> None:
+    """Three fresh tags on a registry that accepts and never answers, and an honest tag
+    in use: the honest one is resolved first, and the silent registry costs one time
+    limit a pass, not one per tag (before: never-resolved first, each its time limit)."""
+    from helpers.registry import HangingServer
+
+    layers, _ = _honest_image()
+    with Registry(tmp_path / "honest") as honest, \
+            HangingServer("accept-and-silence") as silent:
+        push_image(honest, "ml/train", "v1", layers, via="http")
+        good = f"{honest.host}#ml/train:v1"
+        slow = [f"{silent.host}#ml/t{i}:v1" for i in range(3)]
+        first = _index_config(tmp_path, [good], (honest.host, silent.host))
+        first = first.replace(registry=first.registry.replace(timeout_s=1.5))
+        second = first.replace(registry=first.registry.replace(refs=(*slow, good)))
+        tags, took = _two_passes(tmp_path, honest, first, second)
+    assert tags[0]["ref"] == f"{honest.host}/ml/train:v1" and tags[0]["state"] == "ok"
+    assert silent.connections == 1 and took < 4.0, (silent.connections, took)
+
+
+def test_fresh_tags_cannot_push_a_tag_in_use_out_of_max_refs(tmp_path: Path) -> None:
+    """max_refs = 2; the honest tag, used by a job 100 s ago, is in the index; jobs then
+    name four fresh tags: the honest one keeps its place (before: most recent use first,
+    it was dropped from the passes until too old to judge)."""
+    import json
+
+    layers, _ = _honest_image()
+    seen: list[str] = []
+    with Registry(tmp_path / "honest") as honest, _serving({}, seen) as other:
+        push_image(honest, "ml/train", "v1", layers, via="http")
+        good = f"{honest.host}#ml/train:v1"
+        now = time.time()
+        audit = tmp_path / "audit.jsonl"
+        audit.write_text(json.dumps({"ts": now - 100, "job": 1, "image": good}) + "\n")
+        cfg = _index_config(tmp_path, [], (honest.host, other))
+        cfg = cfg.replace(registry=cfg.registry.replace(
+            registries=(honest.host, other), max_refs=2))
+        from inventoryd.controller.images.registry_index import RegistryIndex, write_batches
+
+        with Inventory(tmp_path / "inv.db", config=cfg.inventory, values=GATE_VALUES) as inv:
+            index = RegistryIndex(cfg)
+            index.run_pass()
+            write_batches(inv, index.drain())
+            with audit.open("a") as f:
+                for i in range(4):
+                    f.write(json.dumps({"ts": now, "job": 2 + i,
+                                        "image": f"{other}#ml/new{i}:v1"}) + "\n")
+            index = RegistryIndex(cfg)
+            batch = index.run_pass(now=now + cfg.registry.resolve_interval_s + 1, keep=True)
+    refs = [t["ref"] for t in batch.tags]
+    assert f"{honest.host}/ml/train:v1" in refs, refs
+    assert len(refs) == 2
+
+
+# ---- proxies, as curl and enroot take them, through a real proxy on loopback
+
+
+@contextmanager
+def _tinyproxy(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """Debian's tinyproxy on 127.0.0.1, in the foreground; (its host:port, its log)."""
+    import shutil
+    import socket
+    import subprocess
+
+    from helpers.parts import unavailable
+
+    if shutil.which("tinyproxy") is None:
+        unavailable("tinyproxy is not installed (apt-get install tinyproxy)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    conf = tmp_path / "tinyproxy.conf"
+    conf.write_text(f"Port {port}\nListen 127.0.0.1\nTimeout 30\nMaxClients 20\n"
+                    "Allow 127.0.0.1\nLogLevel Connect\nDisableViaHeader Yes\n")
+    log = tmp_path / "tinyproxy.log"
+    with log.open("wb") as out:
+        p = subprocess.Popen(["tinyproxy", "-d", "-c", str(conf)], stdout=out,
+                             stderr=subprocess.STDOUT)
+    try:
+        for _ in range(100):
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.05)
+        yield f"127.0.0.1:{port}", log
+    finally:
+        p.terminate()
+        p.wait(10)
+
+
+def test_a_registry_is_read_through_a_proxy_as_curl_takes_it(tmp_path: Path) -> None:
+    """HTTP_PROXY of the environment, and [registry] proxy: every request goes through
+    the proxy (its log has them); NO_PROXY naming the registry: none does; the proxy
+    gone: `unreachable`, naming it (before: the environment was ignored, and the key
+    did not exist)."""
+    from inventoryd.controller.images.registry import Proxies, RegistryLimits, read_image
+    from inventoryd.controller.images.registry_index import RegistryIndex
+
+    layers, _ = _honest_image()
+    with Registry(tmp_path / "reg") as reg, _tinyproxy(tmp_path) as (proxy, log):
+        push_image(reg, "ml/train", "v1", layers, via="http")
+
+        def read(proxies: Proxies) -> dict:
+            client = Client(parse(f"{reg.host}#ml/train:v1"),
+                            deadline=time.monotonic() + 20, credentials=Credentials(),
+                            insecure=(reg.host,), proxy=proxies)
+            try:
+                return read_image(client, "linux/amd64", RegistryLimits(),
+                                  cached=lambda d: None)
+            finally:
+                client.close()
+
+        rec = read(Proxies.from_env(env={"HTTP_PROXY": f"http://{proxy}"}))
+        assert rec["nccl_conf"]["present"]
+        time.sleep(0.2)
+        asked = log.read_text()
+        assert f"GET http://{reg.host}/v2/ml/train/manifests/v1" in asked, asked[-2000:]
+        assert f"GET http://{reg.host}/v2/ml/train/blobs/sha256:" in asked
+        n = asked.count("GET http://")
+        read(Proxies.from_env(env={"http_proxy": f"http://{proxy}",
+                                   "NO_PROXY": "localhost,127.0.0.1"}))
+        time.sleep(0.2)
+        assert log.read_text().count("GET http://") == n
+        cfg = _index_config(tmp_path, [f"{reg.host}#ml/train:v1"], (reg.host,))
+        cfg = cfg.replace(registry=cfg.registry.replace(proxy=f"http://{proxy}"))
+        with Inventory(tmp_path / "inv.db", config=cfg.inventory, values=GATE_VALUES):
+            pass
+        batch = RegistryIndex(cfg).run_pass(keep=True)
+        assert batch.images and "record" in batch.images[0], batch
+        time.sleep(0.2)
+        assert log.read_text().count("GET http://") > n
+    with pytest.raises(RegistryError) as e:  # the proxy is gone
+        read(Proxies.from_env(env={"HTTPS_PROXY": "", "HTTP_PROXY": f"http://{proxy}"}))
+    assert e.value.state == "unreachable" and f"through the proxy {proxy}" in e.value.cause
+
+
+def test_no_proxy_and_the_proxy_key_as_curl_reads_them() -> None:
+    from inventoryd.controller.images.registry import Proxies
+    from ncclguard.config import ConfigError, from_dict
+
+    p = Proxies.from_env(env={"HTTPS_PROXY": "http://u:p%40w@proxy:3128",
+                              "NO_PROXY": ".corp.example, registry:5000"})
+    assert p.url_for("https", "nvcr.io") == ("proxy:3128", {
+        "Proxy-Authorization": "Basic dTpwQHc="})
+    assert p.url_for("http", "nvcr.io") is None  # HTTP_PROXY unset
+    assert p.url_for("https", "reg.corp.example:443") is None
+    assert p.url_for("https", "registry:5000") is None
+    assert p.url_for("https", "registry:5001") is not None
+    assert Proxies.from_env(env={"NO_PROXY": "*", "HTTPS_PROXY": "http://p:1"}).url_for(
+        "https", "x") is None
+    assert Proxies.from_env("http://p:8080", env={}).url_for("http", "x") == ("p:8080", {})
+    with pytest.raises(ConfigError, match="proxy"):
+        from_dict({"registry": {"proxy": "socks5://p:1080"}})

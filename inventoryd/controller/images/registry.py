@@ -237,6 +237,55 @@ def load_credentials(path: str, env: Mapping[str, str] | None = None) -> Credent
 
 
 @dataclass
+class Proxies:
+    """The HTTP proxies as curl (enroot's client) takes them: ``proxy`` (``[registry]
+    proxy``, curl's ``--proxy``) for every scheme, else ``https_proxy``/``HTTPS_PROXY``
+    and ``http_proxy``/``HTTP_PROXY`` of the environment; ``no_proxy``/``NO_PROXY``: hosts
+    (a domain's suffix, ``.`` or not; a port optional) and ``*`` reached directly. An
+    ``http://[user:password@]host:port`` proxy only."""
+
+    https: str = ""
+    http: str = ""
+    no_proxy: tuple[str, ...] = ()
+
+    @classmethod
+    def from_env(cls, proxy: str = "", env: Mapping[str, str] | None = None) -> Proxies:
+        env = os.environ if env is None else env
+
+        def var(name: str) -> str:
+            return env.get(name.lower()) or env.get(name.upper()) or ""
+        no = tuple(h.strip().lower() for h in var("no_proxy").split(",") if h.strip())
+        return cls(proxy or var("https_proxy"), proxy or var("http_proxy"), no)
+
+    def url_for(self, scheme: str, netloc: str) -> tuple[str, dict[str, str]] | None:
+        """(proxy host:port, its Proxy-Authorization header) for a request to
+        ``netloc``, or None: directly. Raises ValueError for a proxy it cannot use."""
+        url = self.https if scheme == "https" else self.http
+        if not url or self._bypass(netloc):
+            return None
+        p = urllib.parse.urlsplit(url if "://" in url else f"http://{url}")
+        if p.scheme != "http" or not p.hostname:
+            raise ValueError(f"proxy {url[:200]!r}: only an http:// proxy is taken")
+        where = f"{p.hostname}:{p.port or 1080}"
+        auth = {}
+        if p.username is not None:
+            login = (urllib.parse.unquote(p.username), urllib.parse.unquote(p.password or ""))
+            auth["Proxy-Authorization"] = _basic(login)
+        return where, auth
+
+    def _bypass(self, netloc: str) -> bool:
+        host = _bare(netloc).strip("[]").lower()
+        for entry in self.no_proxy:
+            if entry == "*":
+                return True
+            name = _bare(entry).lstrip(".")
+            if (name == host or host.endswith("." + name)) and (
+                    not _has_port(entry) or entry == netloc.lower()):
+                return True
+        return False
+
+
+@dataclass
 class Response:
     status: int
     headers: http.client.HTTPMessage
@@ -286,8 +335,10 @@ class Client:
 
     def __init__(self, ref: Reference, *, deadline: float, credentials: Credentials,
                  insecure: tuple[str, ...] = (), ca_file: str = "",
-                 token_realms: Mapping[str, tuple[str, ...]] | None = None) -> None:
+                 token_realms: Mapping[str, tuple[str, ...]] | None = None,
+                 proxy: Proxies | None = None) -> None:
         self.ref, self.deadline, self.creds = ref, deadline, credentials
+        self.proxy = proxy or Proxies()
         #: the realm hosts that get this registry's credentials (besides its own host)
         own = _bare(ref.registry)
         realms = token_realms or {}
@@ -345,27 +396,41 @@ class Client:
             if parts.netloc != origin:
                 hdrs.pop("Authorization", None)
             self.requests += 1
+            name = parts.netloc  # in messages: the registry, and the proxy it is asked by
             try:
-                if parts.scheme == "https":
+                proxy = self.proxy.url_for(parts.scheme, parts.netloc)
+                target = path or "/"
+                if proxy is not None:  # as curl: CONNECT for https, absolute-form for http
+                    where, auth = proxy
+                    name = f"{parts.netloc} (through the proxy {where})"
+                    if parts.scheme == "https":
+                        conn = http.client.HTTPSConnection(where, timeout=timeout,
+                                                           context=self.ssl)
+                        conn.set_tunnel(parts.netloc, headers=auth)
+                    else:
+                        conn = http.client.HTTPConnection(where, timeout=timeout)
+                        target = f"http://{parts.netloc}{target}"
+                        hdrs.update(auth)
+                elif parts.scheme == "https":
                     conn = http.client.HTTPSConnection(parts.netloc, timeout=timeout,
                                                        context=self.ssl)
                 else:
                     conn = http.client.HTTPConnection(parts.netloc, timeout=timeout)
                 self._open_conns.append(conn)
-                conn.request(method, path or "/", headers=hdrs)
+                conn.request(method, target, headers=hdrs)
                 resp = conn.getresponse()
             except TimeoutError:
                 _close(conn)
-                raise self._fail("timeout", f"{parts.netloc}: no answer within the time "
+                raise self._fail("timeout", f"{name}: no answer within the time "
                                             "limit") from None
             except ssl.SSLError as e:
                 _close(conn)
-                raise self._fail("unreachable", f"{parts.netloc}: TLS: {e.reason or e}") from None
+                raise self._fail("unreachable", f"{name}: TLS: {e.reason or e}") from None
             except (OSError, http.client.HTTPException, ValueError) as e:  # InvalidURL too
                 _close(conn)
                 if time.monotonic() >= self.deadline:  # the watchdog shut it
-                    raise self._fail("timeout", f"{parts.netloc}: time limit reached") from None
-                raise self._fail("unreachable", f"{parts.netloc}: {type(e).__name__}: "
+                    raise self._fail("timeout", f"{name}: time limit reached") from None
+                raise self._fail("unreachable", f"{name}: {type(e).__name__}: "
                                                 f"{getattr(e, 'strerror', None) or e}") from None
             r = Response(resp.status, resp.headers, conn, resp, url)
             if resp.status in (301, 302, 303, 307, 308) and r.header("Location"):

@@ -12,11 +12,17 @@ loop, and the node records never wait for it. The worker only reads the inventor
 own read-only connection); what it finds is handed to the loop
 (:meth:`RegistryIndex.drain`), which writes it, the inventory's one writer.
 
-Fair and bounded: references never resolved first, then the longest unchecked; one image
-at a time, each within ``timeout_s``; a reference failing again and again backs off
-(doubling from ``resolve_interval_s``, at most a day); at most ``max_refs`` references
-(the configured ones first, then by last use); one no job used for ``keep_unused_s`` and
-not configured is dropped.
+Fair and bounded: each pass resolves every due reference first (a manifest or two, at
+most RESOLVE_TIMEOUT_S each), those last resolved well first, so that the tags in use stay
+fresh whatever new ones cost; a registry that times out, or spends its share of the
+pass's budget (``resolve_interval_s``), is left for the next pass. Then the new images
+are read, one at a time, each within ``timeout_s``, in turn by registry, while the
+budget lasts. A reference failing again and again backs off (doubling from
+``resolve_interval_s``, at most a day); at most ``max_refs`` references (the configured
+ones first, then those the index holds that a job used within ``max_age_s``, then by
+last use); one no job used for ``keep_unused_s`` and not configured is dropped. The
+writer's queue holds at most QUEUE_MAX batches; under disk pressure the loop holds the
+worker (:meth:`RegistryIndex.hold`).
 """
 
 from __future__ import annotations
@@ -36,8 +42,10 @@ from inventoryd.controller.images.registry import (
     MAX_IMAGE_KEPT_BYTES,
     Client,
     Credentials,
+    Proxies,
     RegistryError,
     RegistryLimits,
+    Resolved,
     default_platform,
     load_credentials,
     read_image,
@@ -51,6 +59,7 @@ from ncclguard.policy.rules.container import configured_registries, is_path_imag
 log = logging.getLogger("ncclguard.collector.registry")  # the collector's log, escaped
 
 MAX_BACKOFF_S = 86400.0
+RESOLVE_TIMEOUT_S = 60.0  # one resolution at most (a manifest or two): cheap, or skipped
 QUEUE_MAX = 4  # batches handed to the writer and not yet drained: past it, the worker waits
 SWEEP_S = 3600.0  # how often the images and layers no tag holds are dropped, at least
 CACHE_LAYERS = 16  # layer summaries kept in memory between the worker's read and the write
@@ -83,7 +92,7 @@ class RegistryIndex:
             timeout_s=self.rcfg.timeout_s, max_layer_bytes=self.rcfg.max_layer_bytes,
             max_unpacked_bytes=self.rcfg.max_unpacked_bytes,
             max_read_bytes=self.rcfg.max_read_bytes, tmp_dir=self.rcfg.tmp_dir)
-        self.out: queue.Queue[Batch] = queue.Queue(QUEUE_MAX)
+        self.out: queue.Queue[Batch] = queue.Queue()  # the worker bounds it (_put)
         self._held: str | None = None  # why the writer cannot take batches now
         #: ref key -> when its batch was handed to the writer (not yet in the inventory)
         self._handed: dict[str, float] = {}
@@ -94,6 +103,7 @@ class RegistryIndex:
         self._tail = AuditTail(config.gate.audit_path(config.inventory), sink=self._seen)
         self._thread: threading.Thread | None = None
         self._hosts: tuple[str, ...] = configured_registries(self.rcfg.refs)
+        self.proxies = Proxies.from_env(self.rcfg.proxy)
         self.passes = 0
         self._swept = 0.0  # when the last sweep was handed to the writer
 
@@ -206,38 +216,88 @@ class RegistryIndex:
                 if (batch.forget or sweep) and self._put(Batch(forget=batch.forget,
                                                                sweep=True)):
                     self._swept = now
-                for key in wanted:
-                    if self._stop.is_set() or self._held is not None:
-                        break
-                    old = known.get(key)
-                    if old is not None and old.checked_at + self._interval(old) > now:
-                        continue
-                    handed = self._handed.get(key)  # queued, not written yet
-                    if handed is not None and now - handed < self.rcfg.resolve_interval_s:
-                        continue
-                    one = Batch()
-                    self._one(key, old, key in configured, read, creds, inv, one)
-                    if not self._put(one):
-                        break
-                    self._handed[key] = now
-                    if keep:
-                        batch.tags += one.tags
-                        batch.images += one.images
-                        batch.layers += one.layers
+                due = [k for k in wanted if self._due(k, known.get(k), now)]
+                self._pass(due, known, configured, read, creds, inv, now, batch, keep)
         except InventoryError as e:
             log.warning("registry: the inventory cannot be read: %s", e)
         return batch
 
-    def _put(self, batch: Batch) -> bool:
-        """Hand a batch to the writer, waiting while its queue is full (the writer
-        behind, or held): False when the thread is stopped meanwhile."""
-        while not self._stop.is_set():
-            try:
-                self.out.put(batch, timeout=0.5)
-                return True
-            except queue.Full:
+    def _due(self, key: str, old: Any, now: float) -> bool:
+        if old is not None and old.checked_at + self._interval(old) > now:
+            return False
+        handed = self._handed.get(key)  # queued, not written yet
+        return handed is None or now - handed >= self.rcfg.resolve_interval_s
+
+    def _pass(self, due: list[str], known: Mapping[str, Any], configured: list[str],
+              read: set[str], creds: Credentials, inv: Any, now: float, batch: Batch,
+              keep: bool) -> None:
+        """Resolve every due reference first (cheap: a manifest each, at most
+        RESOLVE_TIMEOUT_S), those last resolved well first, so that tags in use stay
+        fresh whatever new ones ask; then read the new images, in turn by registry,
+        while the pass's budget (``resolve_interval_s``) lasts. A registry that fails
+        a resolution by its time limit, or spends its share of the budget, is left
+        for the next pass (its references stay due)."""
+        t0 = time.monotonic()
+        budget = self.rcfg.resolve_interval_s
+        order = sorted(due, key=lambda k: (0 if known.get(k) is not None
+                                           and known[k].state == "ok" else 1))
+        registries = {parse(k).registry for k in order}
+        share = budget / max(len(registries), 1)
+        spent: dict[str, float] = {}
+        slow: set[str] = set()
+        reads: dict[str, list[tuple[str, dict[str, Any], Any, Resolved]]] = {}
+        for key in order:
+            if self._stop.is_set() or self._held is not None:
+                return
+            reg = parse(key).registry
+            if reg in slow or spent.get(reg, 0.0) > share:
                 continue
-        return False
+            t = time.monotonic()
+            old = known.get(key)
+            one = Batch()
+            res = self._one(key, old, key in configured, read, creds, inv, one)
+            spent[reg] = spent.get(reg, 0.0) + time.monotonic() - t
+            if one.tags and one.tags[0].get("state") == "timeout":
+                slow.add(reg)
+            if res is not None:  # a new image: read in the second half, with its tag
+                reads.setdefault(reg, []).append((key, one.tags[0], old, res))
+                continue
+            if not self._hand(key, one, now, batch, keep):
+                return
+        queues = list(reads.values())
+        while queues:  # in turn by registry
+            for q in list(queues):
+                if not q:
+                    queues.remove(q)
+                    continue
+                key, tag, old, res = q.pop(0)
+                one = Batch(tags=[tag])
+                if (time.monotonic() - t0 <= budget and not self._stop.is_set()
+                        and self._held is None and res.digest not in read):
+                    self._read(key, tag, old, res, creds, read, inv, one)
+                if not self._hand(key, one, now, batch, keep):
+                    return
+
+    def _hand(self, key: str, one: Batch, now: float, batch: Batch, keep: bool) -> bool:
+        if not self._put(one):
+            return False
+        self._handed[key] = now
+        if keep:
+            batch.tags += one.tags
+            batch.images += one.images
+            batch.layers += one.layers
+        return True
+
+    def _put(self, batch: Batch) -> bool:
+        """Hand a batch to the writer; the worker thread waits while QUEUE_MAX are not
+        drained (the writer behind, or held): False when it is stopped meanwhile. A pass
+        run by its caller (``collect --once``, a test) is drained after it: never waits."""
+        if threading.current_thread() is self._thread:
+            while self.out.qsize() >= QUEUE_MAX:
+                if self._stop.wait(0.2):
+                    return False
+        self.out.put(batch)
+        return True
 
     def _interval(self, old: Any) -> float:
         if old.state == "ok" and not old.attempts:
@@ -256,8 +316,14 @@ class RegistryIndex:
             return self.rcfg.allows(parse(k).registry, self._hosts)
         batch.forget = sorted(k for k, t in known.items() if k not in configured and (
             now - (used.get(k) or t.checked_at) > keep or not allowed(k)))
+        # a reference the index holds and a job used within max_age_s (the gate judges
+        # it now) is kept ahead of new ones, whatever their number: fresh tags named by
+        # jobs must not push a tag in use out of max_refs
+        in_use = self.rcfg.max_age_s
         others = sorted((k for k in used if k not in configured and k not in batch.forget
-                         and now - used[k] <= keep), key=lambda k: -used[k])
+                         and now - used[k] <= keep),
+                        key=lambda k: (0 if k in known and now - used[k] <= in_use else 1,
+                                       -used[k]))
         chosen = list(dict.fromkeys([*configured, *others]))[:self.rcfg.max_refs]
         self._used_now = used
 
@@ -283,41 +349,57 @@ class RegistryIndex:
                 > MAX_IMAGE_KEPT_BYTES):
             self._layers.popitem(last=False)
 
+    def _client(self, key: str, creds: Credentials, timeout: float) -> Client:
+        return Client(parse(key), deadline=time.monotonic() + timeout,
+                      credentials=creds, insecure=self.rcfg.insecure,
+                      ca_file=self.rcfg.ca_file, token_realms=self.rcfg.token_realms,
+                      proxy=self.proxies)
+
     def _one(self, key: str, old: Any, configured: bool, read: set[str], creds: Credentials,
-             inv: Any, batch: Batch) -> None:
-        ref = parse(key)
+             inv: Any, batch: Batch) -> Resolved | None:
+        """Resolve one reference (its tag in ``batch``); the resolution when its image
+        is to be read, else None."""
         tag: dict[str, Any] = {"ref": key, "source": "config" if configured else "audit",
                                "used_at": self._used_now.get(key), "attempts": 0,
                                "retry_at": None}
-        client = Client(ref, deadline=time.monotonic() + self.rcfg.timeout_s,
-                        credentials=creds, insecure=self.rcfg.insecure,
-                        ca_file=self.rcfg.ca_file, token_realms=self.rcfg.token_realms)
-        try:
-            self._resolve_and_read(key, tag, old, client, read, inv, batch)
-        except Exception as e:  # a bug, or a shape nobody foresaw: this reference only
-            tag.update(state="invalid", error=f"internal error: {type(e).__name__}: "
-                                              f"{str(e)[:300]}", digest=None,
-                       attempts=(old.attempts if old else 0) + 1)
-            if tag not in batch.tags:
-                batch.tags.append(tag)
-            log.exception("registry: %s: internal error; tried again after a back-off", key)
-        finally:
-            client.close()
-
-    def _resolve_and_read(self, key: str, tag: dict[str, Any], old: Any, client: Client,
-                          read: set[str], inv: Any, batch: Batch) -> None:
+        batch.tags.append(tag)
+        client = self._client(key, creds, min(self.rcfg.timeout_s, RESOLVE_TIMEOUT_S))
         try:
             res = resolve(client, self.platform)
         except RegistryError as e:
             tag.update(state=e.state, error=e.cause, digest=None,
                        attempts=(old.attempts if old else 0) + 1)
             log.warning("registry: %s not resolved (%s): %s", key, e.state, e.cause)
-            batch.tags.append(tag)
-            return
+            return None
+        except Exception as e:  # a bug, or a shape nobody foresaw: this reference only
+            self._internal(key, tag, old, e)
+            return None
+        finally:
+            client.close()
         tag.update(state="ok", error=None, digest=res.digest, index_digest=res.index_digest)
-        batch.tags.append(tag)
-        if res.digest in read:
-            return
+        return None if res.digest in read else res
+
+    def _internal(self, key: str, tag: dict[str, Any], old: Any, e: Exception) -> None:
+        tag.update(state="invalid", error=f"internal error: {type(e).__name__}: "
+                                          f"{str(e)[:300]}", digest=None,
+                   attempts=(old.attempts if old else 0) + 1)
+        log.error("registry: %s: internal error; tried again after a back-off", key,
+                  exc_info=e)
+
+    def _read(self, key: str, tag: dict[str, Any], old: Any, res: Resolved,
+              creds: Credentials, read: set[str], inv: Any, batch: Batch) -> None:
+        client = self._client(key, creds, self.rcfg.timeout_s)
+        try:
+            self._read_image(key, tag, old, client, res, read, inv, batch)
+        except Exception as e:  # a bug, or a shape nobody foresaw: this reference only
+            self._internal(key, tag, old, e)
+            batch.images.clear()
+            batch.layers.clear()
+        finally:
+            client.close()
+
+    def _read_image(self, key: str, tag: dict[str, Any], old: Any, client: Client,
+                    res: Resolved, read: set[str], inv: Any, batch: Batch) -> None:
         t0 = time.monotonic()
         try:
             record = read_image(client, self.platform, self.limits,
