@@ -249,6 +249,16 @@ def test_a_hostile_registry_serving_an_honest_digest_with_a_garbage_layer_poison
                 index.run_pass()
                 write_batches(inv, index.drain())
                 rows = {r["ref"]: r for r in inv.registry_images()}
+                # a long run: pass after pass the honest tag stays judged by the gate
+                from ncclguard.policy.rules.container import registry_image
+
+                for n in range(1, 4):
+                    later = time.time() + n * (cfg.registry.resolve_interval_s + 1)
+                    index.run_pass(now=later)
+                    write_batches(inv, index.drain())
+                    got = registry_image(inv.load_registry_values(
+                        f"{honest.host}/ml/train:v1"), time.time(), cfg.registry, honest.host)
+                    assert got is not None and got[0] is not None, got
     h, g = rows[f"{hostile}/ml/train:v1"], rows[f"{honest.host}/ml/train:v1"]
     assert g["digest"] == h["digest"] == digest
     assert g["image_error"] is None and g["record_hash"] is not None, g
@@ -625,3 +635,30 @@ def test_no_proxy_and_the_proxy_key_as_curl_reads_them() -> None:
     assert Proxies.from_env("http://p:8080", env={}).url_for("http", "x") == ("p:8080", {})
     with pytest.raises(ConfigError, match="proxy"):
         from_dict({"registry": {"proxy": "socks5://p:1080"}})
+
+
+def test_a_long_gzip_file_name_is_not_read_a_byte_a_call() -> None:
+    """A gzip header with a 2 MB file name: Python's gzip reads it a byte at a time;
+    each byte was one read of the registry's stream (a socket timeout set, a recv: 8.5 s
+    of CPU in the review). Now the stream is read 1 MiB at a time whatever gzip asks."""
+    import gzip as gz
+
+    inner = io.BytesIO()
+    with tarfile.open(fileobj=inner, mode="w") as t:
+        t.addfile(tarfile.TarInfo("etc/x"), io.BytesIO(b""))
+    out = io.BytesIO()
+    with gz.GzipFile(filename="n" * (2 << 20), mode="wb", fileobj=out, mtime=0) as g:
+        g.write(inner.getvalue())
+    blob = out.getvalue()
+
+    class Counted(io.BytesIO):
+        calls = 0
+
+        def read(self, n: int | None = -1) -> bytes:
+            Counted.calls += 1
+            return super().read(n)
+
+    read_layer(Counted(blob), digest="sha256:" + hashlib.sha256(blob).hexdigest(),
+               size=len(blob), media_type=GZ, deadline=time.monotonic() + 60,
+               max_bytes=1 << 30, max_unpacked=1 << 30, max_read_bytes=1 << 30)
+    assert Counted.calls < 64, Counted.calls

@@ -105,28 +105,36 @@ def analyzer_for(name: str) -> str | None:
 
 class _Bounded:
     """A file-like read of ``source`` that stops at ``limit`` bytes (``what`` names the
-    bound in the error) and at the deadline, hashing what passes when asked."""
+    bound in the error) and at the deadline, hashing what passes when asked. The source
+    is read 1 MiB at a time whatever the caller asks: gzip reads a header's file name a
+    byte at a time, and a byte a read of the registry's stream cost 4.3 us a byte."""
 
     def __init__(self, source: Any, limit: int, deadline: float, label: str, what: str,
                  hasher: Any = None) -> None:
         self.source, self.limit, self.deadline = source, limit, deadline
         self.label, self.what, self.hasher = label, what, hasher
-        self.count = 0
+        self.count = 0  # bytes taken from the source
         self.eof = False  # the source has ended
+        self.buf, self.pos = b"", 0
 
     def read(self, n: int = -1) -> bytes:
         if time.monotonic() > self.deadline:
             raise ImageTransient(self.label, "time limit reached")
         n = 1 << 20 if n is None or n < 0 else min(n, 1 << 20)
-        chunk: bytes = self.source.read(n)
-        if not chunk:
-            self.eof = True
-        self.count += len(chunk)
-        if self.count > self.limit:
-            raise ImageError(self.label, f"{self.what}: more than {self.limit} bytes")
-        if self.hasher is not None:
-            self.hasher.update(chunk)
-        return chunk
+        if self.pos >= len(self.buf):
+            chunk: bytes = self.source.read(1 << 20)
+            if not chunk:
+                self.eof = True
+                return b""
+            self.count += len(chunk)
+            if self.count > self.limit:
+                raise ImageError(self.label, f"{self.what}: more than {self.limit} bytes")
+            if self.hasher is not None:
+                self.hasher.update(chunk)
+            self.buf, self.pos = chunk, 0
+        out = self.buf[self.pos:self.pos + n]
+        self.pos += len(out)
+        return out
 
     def readable(self) -> bool:
         return True
