@@ -662,3 +662,26 @@ def test_a_long_gzip_file_name_is_not_read_a_byte_a_call() -> None:
                size=len(blob), media_type=GZ, deadline=time.monotonic() + 60,
                max_bytes=1 << 30, max_unpacked=1 << 30, max_read_bytes=1 << 30)
     assert Counted.calls < 64, Counted.calls
+
+
+def test_one_user_naming_many_fresh_tags_takes_one_place_a_turn(tmp_path: Path) -> None:
+    """max_refs = 3; user mallory's jobs name five fresh tags, after alice's one: alice's
+    tag is among the three (before: the most recent use first, mallory's took them all)."""
+    import json
+
+    seen: list[str] = []
+    with _serving({}, seen) as other:
+        now = time.time()
+        lines = [{"ts": now - 50, "job": 1, "user": "alice", "image": f"{other}#a/x:v1"}]
+        lines += [{"ts": now - i, "job": 2 + i, "user": "mallory",
+                   "image": f"{other}#m/x{i}:v1"} for i in range(5)]
+        (tmp_path / "audit.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+        cfg = _index_config(tmp_path, [], (other,))
+        cfg = cfg.replace(registry=cfg.registry.replace(registries=(other,), max_refs=3))
+        from inventoryd.controller.images.registry_index import RegistryIndex
+
+        with Inventory(tmp_path / "inv.db", config=cfg.inventory, values=GATE_VALUES):
+            pass
+        batch = RegistryIndex(cfg).run_pass(keep=True)
+    refs = [t["ref"] for t in batch.tags]
+    assert f"{other}/a/x:v1" in refs and len(refs) == 3, refs

@@ -19,10 +19,11 @@ pass's budget (``resolve_interval_s``), is left for the next pass. Then the new 
 are read, one at a time, each within ``timeout_s``, in turn by registry, while the
 budget lasts. A reference failing again and again backs off (doubling from
 ``resolve_interval_s``, at most a day); at most ``max_refs`` references (the configured
-ones first, then those the index holds that a job used within ``max_age_s``, then by
-last use); one no job used for ``keep_unused_s`` and not configured is dropped. The
-writer's queue holds at most QUEUE_MAX batches; under disk pressure the loop holds the
-worker (:meth:`RegistryIndex.hold`).
+ones first, then those the index holds that a job used within ``max_age_s``, then the
+others in turns by user, each one's most recent first); one no job used for
+``keep_unused_s`` and not configured is dropped. The writer's queue holds at most
+QUEUE_MAX batches; under disk pressure the loop holds the worker
+(:meth:`RegistryIndex.hold`).
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ class RegistryIndex:
         #: ref key -> when its batch was handed to the writer (not yet in the inventory)
         self._handed: dict[str, float] = {}
         self.used: dict[str, float] = {}  # ref key -> when a job last used it (audit)
+        self.user_of: dict[str, str] = {}  # ref key -> the user whose job named it first
         self._layers: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -155,9 +157,12 @@ class RegistryIndex:
         when = float(ts) if isinstance(ts, int | float) and not isinstance(ts, bool) \
             else time.time()
         self.used[key] = max(self.used.get(key, 0.0), when)
+        user = rec.get("user")
+        self.user_of.setdefault(key, user if isinstance(user, str) else "")
         if len(self.used) > 4 * self.rcfg.max_refs:  # the least recently used go first
             for k in sorted(self.used, key=self.used.__getitem__)[:len(self.used) // 2]:
                 del self.used[k]
+                self.user_of.pop(k, None)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -319,11 +324,20 @@ class RegistryIndex:
         # a reference the index holds and a job used within max_age_s (the gate judges
         # it now) is kept ahead of new ones, whatever their number: fresh tags named by
         # jobs must not push a tag in use out of max_refs
+        # The others in turns by user (each one's most recent first): one user naming
+        # many fresh tags takes one place a turn, not every place.
         in_use = self.rcfg.max_age_s
         others = sorted((k for k in used if k not in configured and k not in batch.forget
-                         and now - used[k] <= keep),
-                        key=lambda k: (0 if k in known and now - used[k] <= in_use else 1,
-                                       -used[k]))
+                         and now - used[k] <= keep), key=lambda k: -used[k])
+        turn: dict[str, int] = {}
+        rank: dict[str, int] = {}
+        for k in others:
+            if k in known and now - used[k] <= in_use:
+                rank[k] = -1
+            else:
+                who = self.user_of.get(k, "")
+                rank[k] = turn[who] = turn.get(who, -1) + 1
+        others.sort(key=lambda k: rank[k])  # stable: by last use within a turn
         chosen = list(dict.fromkeys([*configured, *others]))[:self.rcfg.max_refs]
         self._used_now = used
 
