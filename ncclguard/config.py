@@ -263,6 +263,13 @@ class RegistryConfig(_Settings):
     credentials: str = ""  # enroot's .credentials (netrc) file; empty: anonymous only
     insecure: tuple[str, ...] = ()  # host:port reached over plain HTTP (loopback tests)
     ca_file: str = ""  # a CA bundle for the registries' TLS; empty: the system's
+    #: registry -> the hosts of its bearer-token realms that get credentials (the
+    #: registry's own host always does): {"nvcr.io" = ["authn.nvidia.com"]}; another
+    #: realm a registry names is asked anonymously
+    token_realms: dict[str, tuple[str, ...]] = {}  # noqa: RUF012 - copied per instance
+    #: an http:// proxy for every registry (curl's --proxy); empty: HTTPS_PROXY,
+    #: HTTP_PROXY of the collector's environment; NO_PROXY applies to both
+    proxy: str = ""
     resolve_interval_s: float = 300.0  # how often each reference is resolved again
     max_age_s: float = 3600.0  # the gate judges a tag by a resolution at most this old
     keep_unused_s: float = 30 * 86400.0  # a reference no job used for this long is dropped
@@ -392,7 +399,7 @@ def _check(section: str, key: str, typ: Any, value: Any, where: str) -> Any:
     typ = str(typ)
     if key == "severity":
         return _severity(value, where)
-    if key == "addresses":
+    if key in ("addresses", "token_realms"):
         return _addresses(value, where)
     if typ == "bool":
         if not isinstance(value, bool):
@@ -426,6 +433,10 @@ def _check(section: str, key: str, typ: Any, value: Any, where: str) -> Any:
     if typ == "str":
         if not isinstance(value, str):
             raise ConfigError(f"{where}: expected a string")
+        if (section, key) == ("registry", "proxy") and value and not value.startswith(
+                "http://"):
+            raise ConfigError(f"{where}: expected an http://[user:password@]host:port "
+                              "proxy (or empty: the environment's)")
         choices = _CHOICES.get((section, key))
         if choices and value not in choices:
             raise ConfigError(f"{where}: expected one of {', '.join(choices)}")

@@ -11,11 +11,12 @@ need_apt=()
 # prometheus: promtool (the alert rules' unit tests) and the server (scraping the collector);
 # lua5.1: job_submit.lua's logic run outside slurmctld (tests/test_lua_submit.py);
 # docker-registry, skopeo: a real OCI registry on loopback and what pushes the test's
-# images to it, for the image client's tests (tests/helpers/registry.py)
+# images to it, for the image client's tests (tests/helpers/registry.py); tinyproxy: a
+# real HTTP proxy on loopback that registries are reached through (test_registry_hostile.py)
 for cmd in slurmctld:slurm-wlm slurmd:slurm-wlm munged:munge gcc:gcc systemd-analyze:systemd \
            ldconfig:libc-bin python3:python3 promtool:prometheus prometheus:prometheus \
            mksquashfs:squashfs-tools unsquashfs:squashfs-tools lua5.1:lua5.1 \
-           docker-registry:docker-registry skopeo:skopeo; do
+           docker-registry:docker-registry skopeo:skopeo tinyproxy:tinyproxy; do
     command -v "${cmd%%:*}" >/dev/null 2>&1 || need_apt+=("${cmd##*:}")
 done
 # the stub SPANK plugin of the container tests is compiled against <slurm/spank.h>

@@ -268,6 +268,8 @@ class Collector:
         if self.pressure is None:  # neither grows the inventory under disk pressure
             self._extra(lambda: self._images(t0, should_stop))
             self._extra(self._registry)
+        elif self.registry is not None:  # the worker waits: nothing it reads is written
+            self.registry.hold(self.pressure)
         self._extra(lambda: self._container_records(should_stop))
         self.disk.stamp(self.inv, t0, result.written)
         result.seconds = time.monotonic() - t0
@@ -306,6 +308,7 @@ class Collector:
         """Write what the registry worker found since the last scan."""
         if self.registry is None:
             return
+        self.registry.hold(None)
         from inventoryd.controller.images.registry_index import write_batches
 
         n = write_batches(self.inv, self.registry.drain())

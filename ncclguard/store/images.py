@@ -278,10 +278,14 @@ class RegistryTables(Database):
 
         self._retrying(self._conn, body, f"write {len(tags)} registry tags")
 
-    def forget_registry(self, refs: Sequence[str]) -> None:
+    def forget_registry(self, refs: Sequence[str], *, layer_grace_s: float = 86400.0,
+                        now: float | None = None) -> None:
         """Drop tags no job used for long and that the config no longer lists, then the
-        images and layers no tag reaches any longer."""
+        images and layers no tag reaches any longer: a layer summary no stored image's
+        record holds, read more than ``layer_grace_s`` ago (a younger one may be of an
+        image whose read failed part-way, and is read again next)."""
         self._require_rw()
+        cutoff = (time.time() if now is None else float(now)) - layer_grace_s
 
         def body(conn: sqlite3.Connection) -> None:
             for chunk in chunks(list(refs)):
@@ -289,6 +293,11 @@ class RegistryTables(Database):
                              "(SELECT value FROM json_each(?))", (json.dumps(chunk),))
             conn.execute("DELETE FROM registry_images WHERE digest NOT IN "
                          "(SELECT digest FROM registry_tags WHERE digest IS NOT NULL)")
+            conn.execute(
+                "DELETE FROM registry_layers WHERE read_at <= ? AND digest NOT IN ("
+                "SELECT json_extract(l.value, '$.digest') FROM registry_images i, "
+                "json_each(i.record, '$.image.layers') l WHERE i.record IS NOT NULL "
+                "AND json_valid(i.record))", (cutoff,))
 
         self._retrying(self._conn, body, f"forget {len(refs)} registry tags")
 

@@ -57,6 +57,7 @@ MAX_CONFIG = 8 << 20  # bytes of an image config
 MAX_TOKEN = 1 << 20
 MAX_LAYERS = 256
 MAX_IMAGE_KEPT_BYTES = 64 << 20  # bytes of paths the summaries of one image keep, in all
+MAX_IMAGE_KEPT = 500_000  # entries the summaries of one image keep, in all
 MAX_REDIRECTS = 5
 USER_AGENT = "ncclguard-collector"
 
@@ -93,7 +94,13 @@ class Credentials:
     source: str = ""
 
     def get(self, host: str) -> tuple[str, str] | None:
-        return self.hosts.get(host.rsplit(":", 1)[0] if _has_port(host) else host)
+        """The line of ``host`` (its port aside), else the ``default`` line (curl's)."""
+        return self.hosts.get(_bare(host)) or self.hosts.get(DEFAULT)
+
+
+def _bare(host: str) -> str:
+    """``host`` without its port."""
+    return host.rsplit(":", 1)[0] if _has_port(host) else host
 
 
 def _has_port(host: str) -> bool:
@@ -103,10 +110,54 @@ def _has_port(host: str) -> bool:
 MAX_CREDENTIALS = 1 << 20
 
 
+#: the host ``default`` (curl's, enroot's reader's) gives credentials for
+DEFAULT = ""
+
+
+def _tokens(text: str) -> list[str]:
+    """netrc's tokens as curl and Python's ``netrc`` read them: white space between them,
+    ``"..."`` quoted with backslash escapes, a ``#`` starting a token comments out the rest
+    of the line, a ``macdef`` body runs to the next empty line."""
+    out: list[str] = []
+    i, n = 0, len(text)
+    while i < n:
+        c = text[i]
+        if c.isspace():
+            i += 1
+        elif c == "#":
+            i = text.find("\n", i)
+            i = n if i < 0 else i
+        elif c == '"':
+            tok, i = [], i + 1
+            while i < n and text[i] != '"':
+                if text[i] == "\\" and i + 1 < n:
+                    i += 1
+                tok.append(text[i])
+                i += 1
+            if i >= n:
+                raise ValueError("a quoted token without its closing quote")
+            out.append("".join(tok))
+            i += 1
+        else:
+            j = i
+            while j < n and not text[j].isspace():
+                j += 1
+            out.append(text[i:j])
+            if text[i:j] == "macdef":  # its name, then its body up to an empty line
+                end = text.find("\n\n", j)
+                name = text[j:end if end >= 0 else n].split(None, 1)
+                out.append(name[0] if name else "")
+                j = n if end < 0 else end + 2
+            i = j
+    return out
+
+
 def _netrc(text: str) -> dict[str, tuple[str, str]]:
     """host -> (login, password) of netrc text (``machine``, ``login``, ``password``,
-    ``account``, ``default``, ``macdef``); the first entry of a host wins, as curl's."""
-    tokens = text.split()
+    ``account``, ``default`` under the host :data:`DEFAULT`, ``macdef`` skipped;
+    comments and quoted tokens as :func:`_tokens`); the first entry of a host wins, as
+    curl's."""
+    tokens = _tokens(text)
     out: dict[str, tuple[str, str]] = {}
     i, host, login, password = 0, None, "", ""
 
@@ -117,10 +168,10 @@ def _netrc(text: str) -> dict[str, tuple[str, str]]:
         t = tokens[i]
         if t in ("machine", "default"):
             done()
-            host, login, password = (tokens[i + 1] if t == "machine" and i + 1 < len(tokens)
-                                     else None if t == "default" else ""), "", ""
             if t == "machine" and i + 1 >= len(tokens):
                 raise ValueError("machine without a host")
+            host = tokens[i + 1] if t == "machine" else DEFAULT
+            login, password = "", ""
             i += 2 if t == "machine" else 1
         elif t in ("login", "password", "account"):
             if i + 1 >= len(tokens):
@@ -131,7 +182,9 @@ def _netrc(text: str) -> dict[str, tuple[str, str]]:
                 password = tokens[i + 1]
             i += 2
         elif t == "macdef":
-            raise ValueError("macdef is not read")
+            done()
+            host = None
+            i += 2
         else:
             raise ValueError(f"unexpected token {t[:40]!r}")
     done()
@@ -148,7 +201,9 @@ def load_credentials(path: str, env: Mapping[str, str] | None = None) -> Credent
         return Credentials()
     env = os.environ if env is None else env
     try:  # one open, no symlink followed: what is checked is what is read
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        # O_NONBLOCK: a FIFO there must not block the worker for good (it is refused
+        # below as not a regular file); a regular file reads as ever
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as e:
         raise ValueError(f"{path}: {e.strerror or e} (a symlink is not followed)") from None
     with os.fdopen(fd, "rb") as f:
@@ -179,6 +234,55 @@ def load_credentials(path: str, env: Mapping[str, str] | None = None) -> Credent
 
 
 # --------------------------------------------------------------------- HTTP
+
+
+@dataclass
+class Proxies:
+    """The HTTP proxies as curl (enroot's client) takes them: ``proxy`` (``[registry]
+    proxy``, curl's ``--proxy``) for every scheme, else ``https_proxy``/``HTTPS_PROXY``
+    and ``http_proxy``/``HTTP_PROXY`` of the environment; ``no_proxy``/``NO_PROXY``: hosts
+    (a domain's suffix, ``.`` or not; a port optional) and ``*`` reached directly. An
+    ``http://[user:password@]host:port`` proxy only."""
+
+    https: str = ""
+    http: str = ""
+    no_proxy: tuple[str, ...] = ()
+
+    @classmethod
+    def from_env(cls, proxy: str = "", env: Mapping[str, str] | None = None) -> Proxies:
+        env = os.environ if env is None else env
+
+        def var(name: str) -> str:
+            return env.get(name.lower()) or env.get(name.upper()) or ""
+        no = tuple(h.strip().lower() for h in var("no_proxy").split(",") if h.strip())
+        return cls(proxy or var("https_proxy"), proxy or var("http_proxy"), no)
+
+    def url_for(self, scheme: str, netloc: str) -> tuple[str, dict[str, str]] | None:
+        """(proxy host:port, its Proxy-Authorization header) for a request to
+        ``netloc``, or None: directly. Raises ValueError for a proxy it cannot use."""
+        url = self.https if scheme == "https" else self.http
+        if not url or self._bypass(netloc):
+            return None
+        p = urllib.parse.urlsplit(url if "://" in url else f"http://{url}")
+        if p.scheme != "http" or not p.hostname:
+            raise ValueError(f"proxy {url[:200]!r}: only an http:// proxy is taken")
+        where = f"{p.hostname}:{p.port or 1080}"
+        auth = {}
+        if p.username is not None:
+            login = (urllib.parse.unquote(p.username), urllib.parse.unquote(p.password or ""))
+            auth["Proxy-Authorization"] = _basic(login)
+        return where, auth
+
+    def _bypass(self, netloc: str) -> bool:
+        host = _bare(netloc).strip("[]").lower()
+        for entry in self.no_proxy:
+            if entry == "*":
+                return True
+            name = _bare(entry).lstrip(".")
+            if (name == host or host.endswith("." + name)) and (
+                    not _has_port(entry) or entry == netloc.lower()):
+                return True
+        return False
 
 
 @dataclass
@@ -230,8 +334,15 @@ class Client:
     """One registry, one deadline: requests with auth as enroot does (module docstring)."""
 
     def __init__(self, ref: Reference, *, deadline: float, credentials: Credentials,
-                 insecure: tuple[str, ...] = (), ca_file: str = "") -> None:
+                 insecure: tuple[str, ...] = (), ca_file: str = "",
+                 token_realms: Mapping[str, tuple[str, ...]] | None = None,
+                 proxy: Proxies | None = None) -> None:
         self.ref, self.deadline, self.creds = ref, deadline, credentials
+        self.proxy = proxy or Proxies()
+        #: the realm hosts that get this registry's credentials (besides its own host)
+        own = _bare(ref.registry)
+        realms = token_realms or {}
+        self.realms = {own, *realms.get(ref.registry, ()), *realms.get(own, ())}
         self.scheme = "http" if ref.registry in insecure else "https"
         self.insecure = insecure
         self.ssl = ssl.create_default_context(cafile=ca_file or None)
@@ -285,27 +396,41 @@ class Client:
             if parts.netloc != origin:
                 hdrs.pop("Authorization", None)
             self.requests += 1
+            name = parts.netloc  # in messages: the registry, and the proxy it is asked by
             try:
-                if parts.scheme == "https":
+                proxy = self.proxy.url_for(parts.scheme, parts.netloc)
+                target = path or "/"
+                if proxy is not None:  # as curl: CONNECT for https, absolute-form for http
+                    where, auth = proxy
+                    name = f"{parts.netloc} (through the proxy {where})"
+                    if parts.scheme == "https":
+                        conn = http.client.HTTPSConnection(where, timeout=timeout,
+                                                           context=self.ssl)
+                        conn.set_tunnel(parts.netloc, headers=auth)
+                    else:
+                        conn = http.client.HTTPConnection(where, timeout=timeout)
+                        target = f"http://{parts.netloc}{target}"
+                        hdrs.update(auth)
+                elif parts.scheme == "https":
                     conn = http.client.HTTPSConnection(parts.netloc, timeout=timeout,
                                                        context=self.ssl)
                 else:
                     conn = http.client.HTTPConnection(parts.netloc, timeout=timeout)
                 self._open_conns.append(conn)
-                conn.request(method, path or "/", headers=hdrs)
+                conn.request(method, target, headers=hdrs)
                 resp = conn.getresponse()
             except TimeoutError:
                 _close(conn)
-                raise self._fail("timeout", f"{parts.netloc}: no answer within the time "
+                raise self._fail("timeout", f"{name}: no answer within the time "
                                             "limit") from None
             except ssl.SSLError as e:
                 _close(conn)
-                raise self._fail("unreachable", f"{parts.netloc}: TLS: {e.reason or e}") from None
+                raise self._fail("unreachable", f"{name}: TLS: {e.reason or e}") from None
             except (OSError, http.client.HTTPException, ValueError) as e:  # InvalidURL too
                 _close(conn)
                 if time.monotonic() >= self.deadline:  # the watchdog shut it
-                    raise self._fail("timeout", f"{parts.netloc}: time limit reached") from None
-                raise self._fail("unreachable", f"{parts.netloc}: {type(e).__name__}: "
+                    raise self._fail("timeout", f"{name}: time limit reached") from None
+                raise self._fail("unreachable", f"{name}: {type(e).__name__}: "
                                                 f"{getattr(e, 'strerror', None) or e}") from None
             r = Response(resp.status, resp.headers, conn, resp, url)
             if resp.status in (301, 302, 303, 307, 308) and r.header("Location"):
@@ -341,26 +466,35 @@ class Client:
         parts = urllib.parse.urlsplit(realm)
         if parts.scheme not in ("http", "https") or not parts.netloc:
             raise self._fail("refused", f"a bearer challenge with no usable realm ({realm!r})")
-        query = {k: v for k, v in challenge.items() if k in ("service", "scope")}
+        # the scope is the reference's pull, never the server's: a registry must not have
+        # the collector ask for push or delete, or for another repository
+        query = {"scope": f"repository:{self.ref.repository}:pull"}
+        if "service" in challenge:
+            query = {"service": challenge["service"], **query}
         url = realm + ("&" if parts.query else "?") + urllib.parse.urlencode(query)
         headers = {}
-        # as enroot: credentials only for an image whose own registry has a line, and
-        # then the realm host's own line (a registry cannot have the collector log in to
-        # another registry's token service: the realm is what the registry says)
-        creds = self.creds.get(parts.netloc) if self.creds.get(self.ref.registry) else None
+        # credentials only for an image whose own registry has a line (enroot's rule), and
+        # only to a realm on the registry's own host or one the admin named for it
+        # (registry.token_realms): the realm is what the registry says, and a hostile one
+        # would have the collector log in to another registry's token service
+        named = parts.netloc in self.realms or (parts.hostname or "") in self.realms
+        creds = (self.creds.get(parts.netloc)
+                 if named and self.creds.get(self.ref.registry) else None)
         if creds is not None:
             headers["Authorization"] = _basic(creds)
         r = self._open("GET", url, headers)
         if r.status != 200:
             r.close()
-            who = f"as {creds[0]}" if creds else "anonymously (no credentials for " \
-                                                 f"{parts.netloc.rsplit(':', 1)[0]})"
+            who = f"as {creds[0]}" if creds else (
+                "anonymously (no credentials for "
+                f"{_bare(parts.netloc)})" if named else "anonymously (not a realm "
+                f"registry.token_realms names for {self.ref.registry})")
             raise self._fail("refused", f"the token service {parts.netloc} answered "
                                         f"{r.status} {r.resp.reason} {who}")
         try:
-            data = json.loads(self._body(r, MAX_TOKEN, "token"))
+            data = bounded_json(self._body(r, MAX_TOKEN, "token"))
             token = data.get("token") or data.get("access_token")
-        except (ValueError, AttributeError, RecursionError):
+        except (ValueError, AttributeError):
             token = None
         if not isinstance(token, str) or not token or not token.isprintable():
             raise self._fail("refused", f"the token service {parts.netloc} gave no token")
@@ -421,9 +555,9 @@ class Client:
             raise self._fail("invalid", f"{what}: its content does not match the "
                                         f"Docker-Content-Digest {header[:80]}")
         try:
-            doc = json.loads(body)
-        except (ValueError, RecursionError):
-            raise self._fail("invalid", f"{what}: not JSON (or nested too deep)") from None
+            doc = bounded_json(body)
+        except ValueError as e:
+            raise self._fail("invalid", f"{what}: {e}") from None
         if not isinstance(doc, dict):
             raise self._fail("invalid", f"{what}: not a JSON object")
         media = str(doc.get("mediaType") or media)
@@ -443,6 +577,33 @@ class Client:
     def blob_stream(self, digest: str, what: str) -> tuple[_Body, Response]:
         r = self._checked(self.get(f"blobs/{digest}"), what)
         return _Body(r, self.deadline, f"{self.ref.key} {what}"), r
+
+
+MAX_JSON_DEPTH = 32  # arrays and objects inside each other (a config: 4 or 5)
+MAX_JSON_VALUES = 100_000  # arrays, objects and commas (a config: a few thousand)
+#: a string, or an unterminated one to the end: always a match, so the scan is linear
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"?', re.DOTALL)
+_JSON_BRACKETS = re.compile(rb"[\[\]{}]")
+
+
+def bounded_json(body: bytes) -> Any:
+    """``json.loads`` of a document checked first, in linear time and without building
+    it, for at most :data:`MAX_JSON_VALUES` containers and separators and
+    :data:`MAX_JSON_DEPTH` levels: the bytes' bound alone let an 8 MiB config of empty
+    lists cost 200 MB while parsed. Raises ValueError naming the cause."""
+    bare = _JSON_STRING.sub(b'""', body)  # what is inside strings is not structure
+    values = bare.count(b"[") + bare.count(b"{") + bare.count(b",")
+    if values > MAX_JSON_VALUES:
+        raise ValueError(f"more than {MAX_JSON_VALUES} JSON values")
+    depth = 0
+    for m in _JSON_BRACKETS.finditer(bare):
+        depth += 1 if m.group() in b"[{" else -1
+        if depth > MAX_JSON_DEPTH:
+            raise ValueError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError) as e:
+        raise ValueError(f"not JSON: {str(e)[:200]}") from None
 
 
 def _close(conn: http.client.HTTPConnection | None) -> None:
@@ -555,17 +716,16 @@ def read_image(
     if cfg_size > MAX_CONFIG:
         raise client._fail("invalid", f"an image config of {cfg_size} bytes")
     try:
-        config = json.loads(client.blob(cfg_digest, MAX_CONFIG, "config"))
-    except (ValueError, RecursionError):
-        raise client._fail("invalid", "the image config is not JSON (or nested too "
-                                      "deep)") from None
+        config = bounded_json(client.blob(cfg_digest, MAX_CONFIG, "config"))
+    except ValueError as e:
+        raise client._fail("invalid", f"the image config: {e}") from None
     layers = m.get("layers")
     if not isinstance(layers, list) or len(layers) > MAX_LAYERS:
         raise client._fail("invalid", f"the manifest has no layers list of at most "
                                       f"{MAX_LAYERS}")
     summaries: list[dict[str, Any]] = []
     layer_info: list[dict[str, Any]] = []
-    kept = 0
+    kept = entries = 0
     for i, d in enumerate(layers):
         digest, size, media = _descriptor(d, f"layer {i}", client)
         if media not in LAYER_TYPES:
@@ -584,12 +744,18 @@ def read_image(
                                label=f"{client.ref.key} layer {i} ({digest})")
             finally:
                 r.close()
-            store(s)
         assert s is not None
+        # the image's bounds before its layer is stored (or kept for the union)
         kept += int(s.get("kept_bytes") or 0)
+        entries += len(s["ops"])
         if kept > MAX_IMAGE_KEPT_BYTES:
             raise ImageError(client.ref.key, f"its layers keep more than {MAX_IMAGE_KEPT_BYTES} "
                                              "bytes of paths the fingerprint reads")
+        if entries > MAX_IMAGE_KEPT:
+            raise ImageError(client.ref.key, f"its layers keep more than {MAX_IMAGE_KEPT} "
+                                             "entries the fingerprint reads")
+        if not hit:
+            store(s)
         summaries.append(s)
         layer_info.append({"digest": digest, "size": size, "media_type": media,
                            "cached": hit})

@@ -4,17 +4,26 @@
 The references are those ``[registry] refs`` lists and those the gate saw jobs use (the
 ``image`` of its audit records that is not a path). One worker thread resolves each every
 ``resolve_interval_s``, and reads the image a reference resolves to when that digest
-was never read (or failed for a cause not about its content). Reading a multi-GiB image
-takes minutes: it never runs in the collector's loop, and the node records never wait
-for it. The worker only reads the inventory (its own read-only connection); what it
-finds is handed to the loop (:meth:`RegistryIndex.drain`), which writes it, the
-inventory's one writer.
+was never read well: an error about its content (its digest verified first) is read
+again when the tag is next due, after its back-off, and a good read replaces it; a
+registry's failure (a blob not its digest's included) is that tag's, never the
+digest's. Reading a multi-GiB image takes minutes: it never runs in the collector's
+loop, and the node records never wait for it. The worker only reads the inventory (its
+own read-only connection); what it finds is handed to the loop
+(:meth:`RegistryIndex.drain`), which writes it, the inventory's one writer.
 
-Fair and bounded: references never resolved first, then the longest unchecked; one image
-at a time, each within ``timeout_s``; a reference failing again and again backs off
-(doubling from ``resolve_interval_s``, at most a day); at most ``max_refs`` references
-(the configured ones first, then by last use); one no job used for ``keep_unused_s`` and
-not configured is dropped.
+Fair and bounded: each pass resolves every due reference first (a manifest or two, at
+most RESOLVE_TIMEOUT_S each), those last resolved well first, so that the tags in use stay
+fresh whatever new ones cost; a registry that times out, or spends its share of the
+pass's budget (``resolve_interval_s``), is left for the next pass. Then the new images
+are read, one at a time, each within ``timeout_s``, in turn by registry, while the
+budget lasts. A reference failing again and again backs off (doubling from
+``resolve_interval_s``, at most a day); at most ``max_refs`` references (the configured
+ones first, then those the index holds that a job used within ``max_age_s``, then the
+others in turns by user, each one's most recent first); one no job used for
+``keep_unused_s`` and not configured is dropped. The writer's queue holds at most
+QUEUE_MAX batches; under disk pressure the loop holds the worker
+(:meth:`RegistryIndex.hold`).
 """
 
 from __future__ import annotations
@@ -31,16 +40,19 @@ from typing import Any
 
 from inventoryd.controller.audit_tail import AuditTail
 from inventoryd.controller.images.registry import (
+    MAX_IMAGE_KEPT_BYTES,
     Client,
     Credentials,
+    Proxies,
     RegistryError,
     RegistryLimits,
+    Resolved,
     default_platform,
     load_credentials,
     read_image,
     resolve,
 )
-from inventoryd.controller.images.tree import ImageError, ImageTransient
+from inventoryd.controller.images.tree import ImageError, ImageTransient, ImageUnverified
 from ncclguard import config as configmod
 from ncclguard.fingerprint.imageref import RefError, parse
 from ncclguard.policy.rules.container import configured_registries, is_path_image
@@ -48,6 +60,9 @@ from ncclguard.policy.rules.container import configured_registries, is_path_imag
 log = logging.getLogger("ncclguard.collector.registry")  # the collector's log, escaped
 
 MAX_BACKOFF_S = 86400.0
+RESOLVE_TIMEOUT_S = 60.0  # one resolution at most (a manifest or two): cheap, or skipped
+QUEUE_MAX = 4  # batches handed to the writer and not yet drained: past it, the worker waits
+SWEEP_S = 3600.0  # how often the images and layers no tag holds are dropped, at least
 CACHE_LAYERS = 16  # layer summaries kept in memory between the worker's read and the write
 
 
@@ -59,6 +74,7 @@ class Batch:
     images: list[dict[str, Any]] = field(default_factory=list)
     layers: list[dict[str, Any]] = field(default_factory=list)
     forget: list[str] = field(default_factory=list)
+    sweep: bool = False  # drop the images and layers no tag holds (forget_registry)
 
 
 def backoff_s(attempts: int, interval: float) -> float:
@@ -77,15 +93,21 @@ class RegistryIndex:
             timeout_s=self.rcfg.timeout_s, max_layer_bytes=self.rcfg.max_layer_bytes,
             max_unpacked_bytes=self.rcfg.max_unpacked_bytes,
             max_read_bytes=self.rcfg.max_read_bytes, tmp_dir=self.rcfg.tmp_dir)
-        self.out: queue.Queue[Batch] = queue.Queue()
+        self.out: queue.Queue[Batch] = queue.Queue()  # the worker bounds it (_put)
+        self._held: str | None = None  # why the writer cannot take batches now
+        #: ref key -> when its batch was handed to the writer (not yet in the inventory)
+        self._handed: dict[str, float] = {}
         self.used: dict[str, float] = {}  # ref key -> when a job last used it (audit)
+        self.user_of: dict[str, str] = {}  # ref key -> the user whose job named it first
         self._layers: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._tail = AuditTail(config.gate.audit_path(config.inventory), sink=self._seen)
         self._thread: threading.Thread | None = None
         self._hosts: tuple[str, ...] = configured_registries(self.rcfg.refs)
+        self.proxies = Proxies.from_env(self.rcfg.proxy)
         self.passes = 0
+        self._swept = 0.0  # when the last sweep was handed to the writer
 
     # ---- the loop's side ------------------------------------------------------------
 
@@ -99,6 +121,17 @@ class RegistryIndex:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+
+    def hold(self, reason: str | None) -> None:
+        """The writer cannot take batches now (``reason``: disk pressure), or again
+        (None): while held the worker resolves and reads nothing. Logged once a change."""
+        if reason != self._held:
+            if reason:
+                log.warning("registry: paused: %s", reason)
+            else:
+                log.info("registry: resumed")
+            self._held = reason
+            self._wake.set()
 
     def drain(self) -> list[Batch]:
         out = []
@@ -124,12 +157,19 @@ class RegistryIndex:
         when = float(ts) if isinstance(ts, int | float) and not isinstance(ts, bool) \
             else time.time()
         self.used[key] = max(self.used.get(key, 0.0), when)
+        user = rec.get("user")
+        self.user_of.setdefault(key, user if isinstance(user, str) else "")
         if len(self.used) > 4 * self.rcfg.max_refs:  # the least recently used go first
             for k in sorted(self.used, key=self.used.__getitem__)[:len(self.used) // 2]:
                 del self.used[k]
+                self.user_of.pop(k, None)
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            if self._held is not None:  # the writer cannot take what a pass would find
+                self._wake.wait(5.0)
+                self._wake.clear()
+                continue
             try:
                 self.run_pass()
             except Exception:  # a bug must not end the thread: the next pass tries again
@@ -158,9 +198,10 @@ class RegistryIndex:
         try:
             with Inventory(self.db, readonly=True, config=self.cfg.inventory) as inv:
                 known = inv.registry_tags()
+                # the digests read well: an error stored for a digest is read again when a
+                # tag of it is next due (its back-off), and a good read replaces it
                 read = {r["digest"] for r in inv.registry_images() if r["digest"]
-                        and (r["nccl_version"] is not None or r["image_error"] is not None
-                             or r["record_hash"] is not None)}
+                        and r["record_hash"] is not None}
                 configured = []
                 hosts = []
                 for text in self.rcfg.refs:
@@ -174,27 +215,97 @@ class RegistryIndex:
                 self._hosts = tuple(hosts)
                 wanted = self._wanted(configured, known, now, batch)
                 creds = self._credentials()
-                if batch.forget:
-                    self.out.put(Batch(forget=batch.forget))
-                for key in wanted:
-                    if self._stop.is_set():
-                        break
-                    old = known.get(key)
-                    if old is not None and old.checked_at + self._interval(old) > now:
-                        continue
-                    one = Batch()
-                    self._one(key, old, key in configured, read, creds, inv, one)
-                    self.out.put(one)
-                    if keep:
-                        batch.tags += one.tags
-                        batch.images += one.images
-                        batch.layers += one.layers
+                # what no tag holds (an image a tag moved off, its layers) is dropped
+                # with the forgotten tags, and at least once an hour
+                sweep = now - self._swept >= SWEEP_S
+                if (batch.forget or sweep) and self._put(Batch(forget=batch.forget,
+                                                               sweep=True)):
+                    self._swept = now
+                due = [k for k in wanted if self._due(k, known.get(k), now)]
+                self._pass(due, known, configured, read, creds, inv, now, batch, keep)
         except InventoryError as e:
             log.warning("registry: the inventory cannot be read: %s", e)
         return batch
 
+    def _due(self, key: str, old: Any, now: float) -> bool:
+        if old is not None and old.checked_at + self._interval(old) > now:
+            return False
+        handed = self._handed.get(key)  # queued, not written yet
+        return handed is None or now - handed >= self.rcfg.resolve_interval_s
+
+    def _pass(self, due: list[str], known: Mapping[str, Any], configured: list[str],
+              read: set[str], creds: Credentials, inv: Any, now: float, batch: Batch,
+              keep: bool) -> None:
+        """Resolve every due reference first (cheap: a manifest each, at most
+        RESOLVE_TIMEOUT_S), those last resolved well first, so that tags in use stay
+        fresh whatever new ones ask; then read the new images, in turn by registry,
+        while the pass's budget (``resolve_interval_s``) lasts. A registry that fails
+        a resolution by its time limit, or spends its share of the budget, is left
+        for the next pass (its references stay due)."""
+        t0 = time.monotonic()
+        budget = self.rcfg.resolve_interval_s
+        order = sorted(due, key=lambda k: (0 if known.get(k) is not None
+                                           and known[k].state == "ok" else 1))
+        registries = {parse(k).registry for k in order}
+        share = budget / max(len(registries), 1)
+        spent: dict[str, float] = {}
+        slow: set[str] = set()
+        reads: dict[str, list[tuple[str, dict[str, Any], Any, Resolved]]] = {}
+        for key in order:
+            if self._stop.is_set() or self._held is not None:
+                return
+            reg = parse(key).registry
+            if reg in slow or spent.get(reg, 0.0) > share:
+                continue
+            t = time.monotonic()
+            old = known.get(key)
+            one = Batch()
+            res = self._one(key, old, key in configured, read, creds, inv, one)
+            spent[reg] = spent.get(reg, 0.0) + time.monotonic() - t
+            if one.tags and one.tags[0].get("state") == "timeout":
+                slow.add(reg)
+            if res is not None:  # a new image: read in the second half, with its tag
+                reads.setdefault(reg, []).append((key, one.tags[0], old, res))
+                continue
+            if not self._hand(key, one, now, batch, keep):
+                return
+        queues = list(reads.values())
+        while queues:  # in turn by registry
+            for q in list(queues):
+                if not q:
+                    queues.remove(q)
+                    continue
+                key, tag, old, res = q.pop(0)
+                one = Batch(tags=[tag])
+                if (time.monotonic() - t0 <= budget and not self._stop.is_set()
+                        and self._held is None and res.digest not in read):
+                    self._read(key, tag, old, res, creds, read, inv, one)
+                if not self._hand(key, one, now, batch, keep):
+                    return
+
+    def _hand(self, key: str, one: Batch, now: float, batch: Batch, keep: bool) -> bool:
+        if not self._put(one):
+            return False
+        self._handed[key] = now
+        if keep:
+            batch.tags += one.tags
+            batch.images += one.images
+            batch.layers += one.layers
+        return True
+
+    def _put(self, batch: Batch) -> bool:
+        """Hand a batch to the writer; the worker thread waits while QUEUE_MAX are not
+        drained (the writer behind, or held): False when it is stopped meanwhile. A pass
+        run by its caller (``collect --once``, a test) is drained after it: never waits."""
+        if threading.current_thread() is self._thread:
+            while self.out.qsize() >= QUEUE_MAX:
+                if self._stop.wait(0.2):
+                    return False
+        self.out.put(batch)
+        return True
+
     def _interval(self, old: Any) -> float:
-        if old.state == "ok":
+        if old.state == "ok" and not old.attempts:
             return self.rcfg.resolve_interval_s
         return backoff_s(old.attempts, self.rcfg.resolve_interval_s)
 
@@ -210,8 +321,23 @@ class RegistryIndex:
             return self.rcfg.allows(parse(k).registry, self._hosts)
         batch.forget = sorted(k for k, t in known.items() if k not in configured and (
             now - (used.get(k) or t.checked_at) > keep or not allowed(k)))
+        # a reference the index holds and a job used within max_age_s (the gate judges
+        # it now) is kept ahead of new ones, whatever their number: fresh tags named by
+        # jobs must not push a tag in use out of max_refs
+        # The others in turns by user (each one's most recent first): one user naming
+        # many fresh tags takes one place a turn, not every place.
+        in_use = self.rcfg.max_age_s
         others = sorted((k for k in used if k not in configured and k not in batch.forget
                          and now - used[k] <= keep), key=lambda k: -used[k])
+        turn: dict[str, int] = {}
+        rank: dict[str, int] = {}
+        for k in others:
+            if k in known and now - used[k] <= in_use:
+                rank[k] = -1
+            else:
+                who = self.user_of.get(k, "")
+                rank[k] = turn[who] = turn.get(who, -1) + 1
+        others.sort(key=lambda k: rank[k])  # stable: by last use within a turn
         chosen = list(dict.fromkeys([*configured, *others]))[:self.rcfg.max_refs]
         self._used_now = used
 
@@ -230,44 +356,64 @@ class RegistryIndex:
     def _keep(self, s: dict[str, Any], batch: Batch) -> None:
         batch.layers.append(s)
         self._layers[s["digest"]] = s
-        while len(self._layers) > CACHE_LAYERS:
+        # at most CACHE_LAYERS, and at most one image's bound of path bytes in all
+        while len(self._layers) > CACHE_LAYERS or (
+                len(self._layers) > 1 and sum(int(x.get("kept_bytes") or 0)
+                                              for x in self._layers.values())
+                > MAX_IMAGE_KEPT_BYTES):
             self._layers.popitem(last=False)
 
+    def _client(self, key: str, creds: Credentials, timeout: float) -> Client:
+        return Client(parse(key), deadline=time.monotonic() + timeout,
+                      credentials=creds, insecure=self.rcfg.insecure,
+                      ca_file=self.rcfg.ca_file, token_realms=self.rcfg.token_realms,
+                      proxy=self.proxies)
+
     def _one(self, key: str, old: Any, configured: bool, read: set[str], creds: Credentials,
-             inv: Any, batch: Batch) -> None:
-        ref = parse(key)
+             inv: Any, batch: Batch) -> Resolved | None:
+        """Resolve one reference (its tag in ``batch``); the resolution when its image
+        is to be read, else None."""
         tag: dict[str, Any] = {"ref": key, "source": "config" if configured else "audit",
                                "used_at": self._used_now.get(key), "attempts": 0,
                                "retry_at": None}
-        client = Client(ref, deadline=time.monotonic() + self.rcfg.timeout_s,
-                        credentials=creds, insecure=self.rcfg.insecure,
-                        ca_file=self.rcfg.ca_file)
-        try:
-            self._resolve_and_read(key, tag, old, client, read, inv, batch)
-        except Exception as e:  # a bug, or a shape nobody foresaw: this reference only
-            tag.update(state="invalid", error=f"internal error: {type(e).__name__}: "
-                                              f"{str(e)[:300]}", digest=None,
-                       attempts=(old.attempts if old else 0) + 1)
-            if tag not in batch.tags:
-                batch.tags.append(tag)
-            log.exception("registry: %s: internal error; tried again after a back-off", key)
-        finally:
-            client.close()
-
-    def _resolve_and_read(self, key: str, tag: dict[str, Any], old: Any, client: Client,
-                          read: set[str], inv: Any, batch: Batch) -> None:
+        batch.tags.append(tag)
+        client = self._client(key, creds, min(self.rcfg.timeout_s, RESOLVE_TIMEOUT_S))
         try:
             res = resolve(client, self.platform)
         except RegistryError as e:
             tag.update(state=e.state, error=e.cause, digest=None,
                        attempts=(old.attempts if old else 0) + 1)
             log.warning("registry: %s not resolved (%s): %s", key, e.state, e.cause)
-            batch.tags.append(tag)
-            return
+            return None
+        except Exception as e:  # a bug, or a shape nobody foresaw: this reference only
+            self._internal(key, tag, old, e)
+            return None
+        finally:
+            client.close()
         tag.update(state="ok", error=None, digest=res.digest, index_digest=res.index_digest)
-        batch.tags.append(tag)
-        if res.digest in read:
-            return
+        return None if res.digest in read else res
+
+    def _internal(self, key: str, tag: dict[str, Any], old: Any, e: Exception) -> None:
+        tag.update(state="invalid", error=f"internal error: {type(e).__name__}: "
+                                          f"{str(e)[:300]}", digest=None,
+                   attempts=(old.attempts if old else 0) + 1)
+        log.error("registry: %s: internal error; tried again after a back-off", key,
+                  exc_info=e)
+
+    def _read(self, key: str, tag: dict[str, Any], old: Any, res: Resolved,
+              creds: Credentials, read: set[str], inv: Any, batch: Batch) -> None:
+        client = self._client(key, creds, self.rcfg.timeout_s)
+        try:
+            self._read_image(key, tag, old, client, res, read, inv, batch)
+        except Exception as e:  # a bug, or a shape nobody foresaw: this reference only
+            self._internal(key, tag, old, e)
+            batch.images.clear()
+            batch.layers.clear()
+        finally:
+            client.close()
+
+    def _read_image(self, key: str, tag: dict[str, Any], old: Any, client: Client,
+                    res: Resolved, read: set[str], inv: Any, batch: Batch) -> None:
         t0 = time.monotonic()
         try:
             record = read_image(client, self.platform, self.limits,
@@ -278,13 +424,16 @@ class RegistryIndex:
             # (the gate calls it not read yet, never judges it by the old image), and it is
             # read again after a back-off
             state = e.state if isinstance(e, RegistryError) else (
+                "invalid" if isinstance(e, ImageUnverified) else
                 "timeout" if "time limit" in e.cause else "unreachable")
             tag.update(error=f"reading {res.digest} ({state}): {e.cause}",
                        attempts=(old.attempts if old else 0) + 1)
             log.warning("registry: %s (%s) not read (%s): %s", key, res.digest, state,
                         e.cause)
             return
-        except ImageError as e:  # its content: stored with the cause, read again if it moves
+        except ImageError as e:  # its content, verified: stored with the cause, read again
+            # after the tag's back-off (a good read then replaces it)
+            tag.update(attempts=(old.attempts if old else 0) + 1)
             batch.images.append({"digest": res.digest, "platform": self.platform,
                                  "error": e.cause})
             read.add(res.digest)
@@ -306,6 +455,6 @@ def write_batches(inv: Any, batches: list[Batch]) -> int:
         if b.tags or b.images or b.layers:
             inv.write_registry(b.tags, b.images, b.layers)
             n += len(b.tags)
-        if b.forget:
+        if b.forget or b.sweep:
             inv.forget_registry(b.forget)
     return n

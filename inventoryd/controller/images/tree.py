@@ -36,6 +36,13 @@ class ImageTransient(ImageError):
     what the image is."""
 
 
+class ImageUnverified(ImageTransient):
+    """A blob whose bytes are not its digest's (or that runs past its descriptor's size):
+    what one registry served, not what the image is; that registry's failure, tried again
+    after a back-off, never stored as the digest's content (issue 41: a hostile registry
+    serving an honest digest with garbage)."""
+
+
 class ImagePathError(ImageError):
     """One path inside a readable image is missing, not a file, or loops."""
 
