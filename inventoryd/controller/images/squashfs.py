@@ -30,6 +30,7 @@ import resource
 import secrets
 import select
 import shutil
+import struct
 import subprocess
 import tempfile
 import time
@@ -64,6 +65,8 @@ MAX_READ_BYTES = 3 << 30  # streamed out of one image in all (the libnccl a job 
 #: larger than 64x the whole image is mostly sparse or zeros, never a library
 MAX_EXPANSION = 64
 STDERR_KEEP = 4096
+#: a squashfs 4 superblock: ``bytes_used``, the image's length, is the u64 at byte 40
+SUPERBLOCK_BYTES = 96
 
 _ALLOWED_NAME = re.compile(r"[\x20-\x7e]+")
 
@@ -72,6 +75,26 @@ def wanted(name: str) -> bool:
     """The file names the image fingerprint reads (everything else is only counted)."""
     return (name.startswith("libnccl") or name in ("nccl.conf", "environment", "rc",
                                                    "ld.so.conf") or name.endswith(".conf"))
+
+
+def image_bytes(path: str) -> int:
+    """What an image file holds, for its read bound: the least of its size, the blocks it
+    has on disk (``st_blocks``) and its superblock's ``bytes_used`` (the image proper).
+    ``truncate -s 64G`` on a small image made its ``st_size`` claim 64 GiB: 2 GiB were
+    streamed out of it, and written to the controller's tmp, each pass (issue 48)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        n = st.st_size
+        if st.st_blocks:  # 0 on a file system that does not count blocks: the size
+            n = min(n, st.st_blocks * 512)
+        head = os.pread(fd, SUPERBLOCK_BYTES, 0)
+    finally:
+        os.close(fd)
+    if len(head) >= SUPERBLOCK_BYTES and head[:4] in (b"hsqs", b"sqsh"):
+        order = "<" if head[:4] == b"hsqs" else ">"
+        n = min(n, struct.unpack_from(order + "Q", head, 40)[0])
+    return n
 
 
 def unsquashfs_path(configured: str = "") -> str:
@@ -112,7 +135,7 @@ class SquashImage(ImageTree):
     ) -> None:
         # what may still be streamed out of this image (copy_file): the work one image
         # may cost is bounded by its own size, not by what its listing claims
-        self.read_left = min(max_read_bytes, MAX_EXPANSION * os.stat(path).st_size + (1 << 20))
+        self.read_left = min(max_read_bytes, MAX_EXPANSION * image_bytes(path) + (1 << 20))
         self.deadline = deadline if deadline is not None else time.monotonic() + timeout_s
         self.program = unsquashfs_path(unsquashfs)
         self.keep = keep
@@ -129,6 +152,7 @@ class SquashImage(ImageTree):
     # ---- running unsquashfs ----------------------------------------------------------
 
     def _left(self) -> float:
+        assert self.deadline is not None  # always set here (__init__)
         left = self.deadline - time.monotonic()
         if left <= 0:
             raise ImageError(self.path, "time limit reached")
@@ -199,7 +223,9 @@ class SquashImage(ImageTree):
             rb"(?P<kind>[-dlbcps])[-rwxsStT]{9} \d+/\d+ +(?P<size>\d+|\d+, *\d+) "
             rb"\d{4}-\d\d-\d\d \d\d:\d\d " + re.escape(token.encode()) + rb"(?P<rest>/.*)?")
         current: list[bytes] | None = None  # kind, size, rest of the entry being read
-        for raw in data.removesuffix(b"\n").split(b"\n"):
+        for k, raw in enumerate(data.removesuffix(b"\n").split(b"\n")):
+            if k % 4096 == 0:
+                self.check()
             m = line.fullmatch(raw)
             if m is None:  # a name holding a newline: the rest of the previous entry
                 if current is not None:

@@ -10,6 +10,7 @@ root, ``..`` never climbs above it, and at most :data:`MAX_HOPS` links are follo
 from __future__ import annotations
 
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import IO, Any, BinaryIO
@@ -49,7 +50,13 @@ class Entry:
 
 class ImageTree:
     """``entries`` (path -> Entry) and ``dirs`` (directory -> the names kept in it), filled
-    by the subclass; ``copy_file`` and ``read_small`` are the subclass's."""
+    by the subclass; ``copy_file`` and ``read_small`` are the subclass's.
+
+    ``deadline`` (``time.monotonic()``; None: none) bounds the whole image: every loop of
+    the fingerprint over the tree calls :meth:`check`, and a file's analysis runs with a
+    :data:`inventoryd.nodefs.progress` callback that checks it too (issue 48)."""
+
+    deadline: float | None = None
 
     def __init__(self, path: str) -> None:
         self.path = path  # what the image is called in messages
@@ -58,6 +65,11 @@ class ImageTree:
         self.listed = 0  # every entry of the image, kept or not
         self.odd_names = 0  # names with control characters or over the bounds: skipped
         self.memo: dict[tuple[str, Any], Any] = {}  # (real path, analyzer) -> its result
+
+    def check(self) -> None:
+        """Raise ImageError ``time limit reached`` once the image's deadline has passed."""
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            raise ImageError(self.path, "time limit reached")
 
     def resolve(self, path: str) -> str:
         """The path inside the image that ``path`` names, with every symlink followed
@@ -122,11 +134,27 @@ class ImageTree:
     def analyze(self, path: str, analyze: Analyzer, tmpdir: str) -> tuple[str, Any]:
         """(real path, facts) of one file, each real file analysed once: streamed out
         into an unlinked temporary file and read there."""
+        from inventoryd.nodefs import TimeLimit, progress
+
         real = self.resolve(path)
         if (real, analyze) in self.memo:
             return real, self.memo[real, analyze]
         with tempfile.TemporaryFile(dir=tmpdir) as f:
             real, _ = self.copy_file(path, f)
             f.seek(0)
-            self.memo[real, analyze] = facts = analyze(f, f"{self.path}:{real}")
+            outer = progress.get()
+
+            def tick() -> None:  # the analysis of one file is under the image's deadline
+                if self.deadline is not None and time.monotonic() > self.deadline:
+                    raise TimeLimit(f"{self.path}:{real}")
+                if outer is not None:
+                    outer()
+
+            token = progress.set(tick)
+            try:
+                self.memo[real, analyze] = facts = analyze(f, f"{self.path}:{real}")
+            except TimeLimit:
+                raise ImageError(self.path, f"analysing {real}: time limit reached") from None
+            finally:
+                progress.reset(token)
             return real, facts

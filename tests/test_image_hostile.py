@@ -1,0 +1,272 @@
+"""A user's own squashfs image against the image reader (issue 48): images built with the
+real ``mksquashfs``, ELF files from gcc, each reproduction of the issue scaled down to a
+few seconds and each failing before its fix (docs/threat-model.md, "Container images")."""
+
+from __future__ import annotations
+
+import io
+import os
+import struct
+import time
+import tracemalloc
+from pathlib import Path
+
+import pytest
+from helpers.parts import build_shared_lib, unavailable
+
+from devtools import images
+from devtools.ncclwheels import PartUnavailable
+from inventoryd.controller.images import fingerprint
+from inventoryd.controller.images.fingerprint import read_tree, scan_image
+from inventoryd.controller.images.squashfs import ImageError, SquashImage
+
+
+def _pack(tree: Path, out: Path) -> Path:
+    try:
+        return images.pack(tree, out)
+    except PartUnavailable as e:
+        unavailable(str(e))
+
+
+def _files(d: Path, names: list[str], data: bytes = b"") -> None:
+    d.mkdir(parents=True, exist_ok=True)
+    for n in names:
+        (d / n).write_bytes(data)
+
+
+def _spellings(n: int) -> list[str]:
+    """``n`` distinct spellings of ``/p`` that only the image's tree resolves
+    (``/p/../q/../p``...): ``..`` may cross a symlink, so no spelling is simplified."""
+    out = []
+    for i in range(n):
+        parts = []
+        while i:
+            parts.append("/q/.." if i & 1 else "/p/..")
+            i >>= 1
+        out.append("".join(parts) + "//./p")
+    return out
+
+
+def test_one_directory_named_many_ways_is_listed_once(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 48, item 1: ``ld.so.conf.d`` naming one directory of many files under 2,000
+    spellings. Before: the directory was listed (and sorted) once per spelling, 42 s for
+    100,000 files; now the search directories are resolved inside the image and each
+    real directory is searched once, at most ``MAX_SEARCH_DIRS`` named."""
+    tree = tmp_path / "t"
+    _files(tree / "p", [f"libnccl-x{i}" for i in range(2000)])
+    (tree / "q").mkdir()
+    spell = _spellings(2000)
+    assert len(set(spell)) == 2000
+    (tree / "etc" / "ld.so.conf.d").mkdir(parents=True)
+    for k in range(4):
+        (tree / "etc" / "ld.so.conf.d" / f"{k}.conf").write_text(
+            "\n".join(spell[k::4]) + "\n")
+    img = _pack(tree, tmp_path / "s.sqsh")
+    listed: list[str] = []
+    real = SquashImage.children
+
+    def spy(self: SquashImage, d: str) -> list[str]:
+        listed.append(d if self.entry(d) is None else self.resolve(d))
+        return real(self, d)
+
+    monkeypatch.setattr(SquashImage, "children", spy)
+    t = time.monotonic()
+    rec = scan_image(str(img))
+    took = time.monotonic() - t
+    assert listed.count("/p") == 1, listed.count("/p")
+    assert took < 3.0, took
+    assert any("search directories" in e["error"] for e in rec["errors"]), rec["errors"]
+
+
+def test_every_loop_of_the_tree_reader_is_under_the_deadline(tmp_path: Path) -> None:
+    """Issue 48, item 1: the loops over the search directories and their names ran with
+    no deadline check (a pure-Python loop of 10 min 42 s): with nothing to stream out,
+    a deadline already past was never noticed. Now it is, in every loop."""
+    tree = tmp_path / "t"
+    _files(tree / "usr" / "lib", [f"libnccl-x{i}" for i in range(3000)])
+    img = _pack(tree, tmp_path / "d.sqsh")
+    im = SquashImage(str(img))
+    im.deadline = time.monotonic() - 1
+    with pytest.raises(ImageError, match="time limit reached"):
+        read_tree(im)
+
+
+def test_the_plugin_list_stops_at_its_cap_while_it_is_built(tmp_path: Path) -> None:
+    """Issue 48, item 3: 20 directories of 1,000 ``libnccl-net-*.so`` with long names,
+    each on ``LD_LIBRARY_PATH``: before, every one was listed as a plugin and the list cut
+    to ``MAX_PLUGINS`` only after (6.2 GB for 400,000 files named 328 ways); now the list
+    stops at its cap, with an error that says so."""
+    tree = tmp_path / "t"
+    pad = "x" * 180
+    dirs = [f"/d{j:02d}" for j in range(20)]
+    for d in dirs:
+        _files(tree / d.lstrip("/"), [f"libnccl-net-{pad}{i:04d}.so" for i in range(1000)])
+    (tree / "etc").mkdir()
+    (tree / "etc" / "environment").write_text("LD_LIBRARY_PATH=" + ":".join(dirs) + "\n")
+    img = _pack(tree, tmp_path / "m.sqsh")
+    im = SquashImage(str(img))
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        base = tracemalloc.get_traced_memory()[0]
+        rec = read_tree(im)
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    assert len(rec["plugins"]) <= fingerprint.MAX_PLUGINS
+    assert any("plugins" in e["field"] and f"more than {fingerprint.MAX_PLUGINS}" in e["error"]
+               for e in rec["errors"]), rec["errors"]
+    assert peak < 5_000_000, peak  # before: 10 MB of candidates for 20,000 files
+
+
+def test_many_distinct_conf_directories_are_capped_in_linear_time(tmp_path: Path) -> None:
+    """Issue 48, item 4: ``ld.so.conf.d`` files of 64 KiB of distinct directories. Before:
+    kept in lists searched by membership (quadratic: 63 s a pass for 64 such files) and
+    all searched; now the named directories are deduplicated with a set and capped."""
+    tree = tmp_path / "t"
+    conf = tree / "etc" / "ld.so.conf.d"
+    conf.mkdir(parents=True)
+    for f in range(2):
+        lines = [f"/d{f}/{i:06d}" for i in range(6500)]
+        (conf / f"{f}.conf").write_text("\n".join(lines)[: 64 * 1024 - 1] + "\n")
+    img = _pack(tree, tmp_path / "c.sqsh")
+    t = time.monotonic()
+    rec = scan_image(str(img))
+    assert time.monotonic() - t < 3.0
+    assert any(e["field"] == "linker" and "search directories" in e["error"]
+               for e in rec["errors"]), rec["errors"]
+
+
+def _section_bomb(src: Path, out: Path, count: int) -> Path:
+    """``src`` (a real ELF64 LE file) with its section header table replaced by one of
+    ``count`` entries in ELF's extended numbering: ``e_shnum`` 0, the count in the
+    ``sh_size`` of section 0; the original sections keep their indexes."""
+    data = bytearray(src.read_bytes())
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
+    assert shentsize == 64
+    table = bytearray(data[shoff : shoff + shnum * 64])
+    struct.pack_into("<Q", table, 32, count)  # sh_size of section 0
+    table += bytes(64 * (count - shnum))
+    data += bytes(-len(data) % 8)
+    struct.pack_into("<Q", data, 0x28, len(data))
+    struct.pack_into("<H", data, 0x3C, 0)  # e_shnum 0: the count is in section 0
+    out.write_bytes(bytes(data + table))
+    return out
+
+
+def test_an_elf_section_bomb_is_refused_before_its_sections_are_read(tmp_path: Path) -> None:
+    """Issue 48, item 2: a real shared object (gcc) whose section header table holds
+    60,000 entries in extended numbering passed the header check (``e_shnum`` 0) and
+    every entry was read (4M sections: 232 s and 347 MB for one image). Now the count is
+    read from section 0 and bounded before any section is."""
+    from inventoryd.elf import MAX_SECTIONS, ElfError, ElfReader
+    from inventoryd.probes import nccl
+
+    so = build_shared_lib(tmp_path / "libx.so", "libnccl.so.2",
+                          'const char *v = "NCCL version 2.21.5+cuda12.4";\n')
+    bomb = _section_bomb(so, tmp_path / "libnccl.so.2", 60_000)
+    assert MAX_SECTIONS < 60_000
+    t = time.monotonic()
+    with open(bomb, "rb") as f:
+        facts = nccl.analyze(f, str(bomb))
+    assert time.monotonic() - t < 2.0
+    assert facts["version"] is None
+    assert f"more than {MAX_SECTIONS} section headers" in facts["version_error"]
+    with open(bomb, "rb") as f, pytest.raises(ElfError, match=r"libnccl\.so\.2: .*60000"):
+        ElfReader(f, str(bomb))
+    # the same file under the bound: read as before, its banner found
+    small = _section_bomb(so, tmp_path / "ok.so", 100)
+    with open(small, "rb") as f:
+        assert nccl.analyze(f, str(small))["version"] == "2.21.5"
+
+
+def test_the_skipped_ranges_are_merged_and_found_by_bisection() -> None:
+    """Issue 48, item 2: ``scan`` tested every skipped range for every 1 MiB chunk (4M
+    ranges: a linear search per chunk). The ranges are merged, then found by bisection;
+    what is skipped is the same."""
+    from inventoryd.probes import nccl
+
+    chunk = nccl.CHUNK
+    data = bytearray(4 * chunk)
+    data[10:40] = b"NCCL version 2.18.3+cuda12.2\0"
+    data[chunk + 10 : chunk + 40] = b"NCCL version 9.9.9+cuda99.9\0"
+    ranges = [(chunk + i, chunk + i + 1000) for i in range(0, chunk, 500)]  # overlapping
+    ranges += [(0, 5)] * 1000
+    assert nccl.merge_ranges(ranges) == [(0, 5), (chunk, 2 * chunk + 500)]
+    s = nccl.scan(io.BytesIO(bytes(data)), ranges)
+    assert s["banner"] == (2, 18, 3, 12, 2)
+    data[10:40] = bytes(30)
+    s = nccl.scan(io.BytesIO(bytes(data)), ranges)
+    assert s["banner"] is None  # the second chunk lies wholly in a skipped range
+
+
+def test_a_sparse_image_file_gets_the_read_bound_of_what_it_holds(tmp_path: Path) -> None:
+    """Issue 48, item 5: an image file made 4 GiB with ``truncate``: the read bound was
+    64x its ``st_size`` (2 GiB streamed out and written to the controller's tmp each
+    pass for 64 GiB); now 64x the smaller of the blocks it has on disk and the squashfs
+    superblock's ``bytes_used``."""
+    big = tmp_path / "big"
+    with open(big, "wb") as f:
+        f.truncate(48 << 20)  # zeros: a few KB in the image
+    tree = tmp_path / "t"
+    (tree / "usr" / "lib").mkdir(parents=True)
+    os.link(big, tree / "usr" / "lib" / "libnccl.so.2")
+    img = _pack(tree, tmp_path / "sp.sqsh")
+    used = img.stat().st_size
+    os.truncate(img, 4 << 30)
+    if img.stat().st_blocks * 512 >= 1 << 30:
+        pytest.skip("this file system does not keep files sparse")
+    im = SquashImage(str(img))
+    assert im.read_left <= 64 * used + (1 << 20), (im.read_left, used)
+    rec = read_tree(im)
+    (lib,) = rec["libnccl"]
+    assert lib["sha256"] is None and "read budget" in lib["version_error"]
+
+
+def test_the_walk_reads_a_huge_directory_lazily_and_goes_on_to_the_next(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 48, items 6 and 10: a user's directory of many entries under a root, met
+    first. Before: listed and sorted whole before the walk's bound applied (1M hard links
+    with long names: 835 MB), and it spent the whole bound, so another user's image next
+    to it was never found. Now each directory is read lazily, at most ``max_images``
+    entries of it, and the walk goes on to the next."""
+    from inventoryd.controller.images import index
+    from ncclguard.config import ImagesConfig
+
+    root = tmp_path / "r"
+    _files(root / "a-flood", [f"{i:05d}-{'y' * 100}" for i in range(600)])
+    (root / "b").mkdir()
+    (root / "b" / "good.sqsh").write_bytes(b"x")
+    pulled = 0
+    real = os.scandir
+
+    class Counting:
+        def __init__(self, path: str) -> None:
+            self.it = real(path)
+
+        def __enter__(self) -> Counting:
+            return self
+
+        def __exit__(self, *a: object) -> None:
+            self.it.close()
+
+        def __iter__(self) -> Counting:
+            return self
+
+        def __next__(self) -> os.DirEntry[str]:
+            nonlocal pulled
+            e = next(self.it)
+            pulled += 1
+            return e
+
+        def close(self) -> None:
+            self.it.close()
+
+    monkeypatch.setattr(index.os, "scandir", Counting)
+    cfg = ImagesConfig(roots=(str(root),), max_images=20)  # 200 entries a walk
+    found, complete = index.find_images(cfg)
+    assert [p for p, _ in found] == [str(root / "b" / "good.sqsh")]
+    assert not complete  # the flood was not read whole: its images may be missed
+    assert pulled <= 3 * cfg.max_images, pulled  # before: all 600, sorted
