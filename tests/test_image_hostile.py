@@ -182,6 +182,28 @@ def test_an_elf_section_bomb_is_refused_before_its_sections_are_read(tmp_path: P
         assert nccl.analyze(f, str(small))["version"] == "2.21.5"
 
 
+def test_the_elf_analysis_is_under_the_image_deadline(tmp_path: Path) -> None:
+    """Issue 48, item 2: no deadline was checked inside the ELF analysis (the section
+    and symbol loops): now they call the reader's progress callback, which an image's
+    analysis sets to check its deadline, and its ``TimeLimit`` is not taken for a
+    malformed file."""
+    from inventoryd.nodefs import TimeLimit, progress
+    from inventoryd.probes import nccl
+
+    so = build_shared_lib(tmp_path / "libx.so", "libnccl.so.2")
+    many = _section_bomb(so, tmp_path / "libnccl.so.2", 3000)  # under the bound
+
+    def late() -> None:
+        raise TimeLimit("late")
+
+    token = progress.set(late)
+    try:
+        with open(many, "rb") as f, pytest.raises(TimeLimit):
+            nccl.analyze(f, str(many))
+    finally:
+        progress.reset(token)
+
+
 def test_the_skipped_ranges_are_merged_and_found_by_bisection() -> None:
     """Issue 48, item 2: ``scan`` tested every skipped range for every 1 MiB chunk (4M
     ranges: a linear search per chunk). The ranges are merged, then found by bisection;
@@ -194,7 +216,8 @@ def test_the_skipped_ranges_are_merged_and_found_by_bisection() -> None:
     data[chunk + 10 : chunk + 40] = b"NCCL version 9.9.9+cuda99.9\0"
     ranges = [(chunk + i, chunk + i + 1000) for i in range(0, chunk, 500)]  # overlapping
     ranges += [(0, 5)] * 1000
-    assert nccl.merge_ranges(ranges) == [(0, 5), (chunk, 2 * chunk + 500)]
+    last = max(range(0, chunk, 500))
+    assert nccl.merge_ranges(ranges) == [(0, 5), (chunk, chunk + last + 1000)]
     s = nccl.scan(io.BytesIO(bytes(data)), ranges)
     assert s["banner"] == (2, 18, 3, 12, 2)
     data[10:40] = bytes(30)
