@@ -28,10 +28,16 @@ import hashlib
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 from inventoryd.controller.images.squashfs import SquashImage
-from inventoryd.controller.images.tree import ImageError, ImagePathError, ImageTree
+from inventoryd.controller.images.tree import (
+    ImageError,
+    ImagePathError,
+    ImageStopped,
+    ImageTree,
+)
 from inventoryd.probes import nccl as nccl_probe
 from inventoryd.probes import ncclconf
 from inventoryd.probes import plugins as plugin_probe
@@ -262,6 +268,7 @@ def read_tree(image: ImageTree, *, tmpdir: str | None = None,
 def scan_image(
     path: str, *, unsquashfs: str = "", timeout_s: float = 30.0, tmpdir: str | None = None,
     max_file_bytes: int | None = None, max_read_bytes: int | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> dict[str, Any]:
     """The image record of the squashfs file at ``path``. Raises ImageError when the image
     as a whole cannot be read (the cause names it); one unreadable file inside costs its
@@ -279,7 +286,7 @@ def scan_image(
         kw["max_file_bytes"] = max_file_bytes
     if max_read_bytes is not None:
         kw["max_read_bytes"] = max_read_bytes
-    image = SquashImage(path, deadline=t0 + timeout_s, unsquashfs=unsquashfs, **kw)
+    image = SquashImage(path, deadline=t0 + timeout_s, unsquashfs=unsquashfs, stop=stop, **kw)
     facts = read_tree(image, tmpdir=tmpdir)
     st2 = os.stat(path)
     if (st.st_ino, st.st_size, st.st_mtime_ns) != (st2.st_ino, st2.st_size, st2.st_mtime_ns):
@@ -319,6 +326,8 @@ def _library(image: ImageTree, rec: dict[str, Any], tmp: str,
     except ImageError as e:
         if "no such file" in e.cause:
             return None  # a dangling link: not loadable
+        if isinstance(e, ImageStopped):
+            raise
         errors.append(_error("libnccl", p, e.cause))
         if "time limit" in e.cause:
             raise
@@ -336,6 +345,8 @@ def _plugin(image: ImageTree, kind: str, p: str, tmp: str,
     except ImageError as e:
         if "no such file" in e.cause:
             return None
+        if isinstance(e, ImageStopped):
+            raise
         errors.append(_error(f"plugins.{kind}", p, e.cause))
         if "time limit" in e.cause:
             raise

@@ -15,11 +15,13 @@ import logging
 import os
 import stat
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from inventoryd.controller.images.fingerprint import scan_image
 from inventoryd.controller.images.squashfs import ImageError
+from inventoryd.controller.images.tree import ImageStopped
 from ncclguard.config import ImagesConfig
 from ncclguard.store import Inventory
 
@@ -48,25 +50,41 @@ def find_images(cfg: ImagesConfig) -> tuple[list[tuple[str, os.stat_result]], bo
     """``(images, complete)``: (path, stat) of every regular ``*.sqsh`` file under the
     roots, without following symlinks, at most ``max_depth`` levels down, looking at no
     more than ``SEEN_PER_IMAGE * max_images`` directory entries of any kind
-    (``complete``: the walk reached its end within that)."""
+    (``complete``: the walk reached its end within that).
+
+    Each directory is read lazily (never listed whole: a directory of 1M hard links with
+    long names cost 835 MB, issue 48), in name order among what was read of it, and at
+    most what is left of the walk's entries less ``max_images`` (or half of what is left,
+    when that is less): a directory one user floods leaves the others room."""
     found: list[tuple[str, os.stat_result]] = []
-    left = SEEN_PER_IMAGE * cfg.max_images
+    total = SEEN_PER_IMAGE * cfg.max_images
+    left = total
+    complete = True
     for root in cfg.roots:
         stack: list[tuple[str, int]] = [(root, 0)]
         while stack:
+            if left <= 0:
+                log.warning("images: more than %d entries under the roots: the walk "
+                            "stopped there", total)
+                return found, False
             d, depth = stack.pop()
+            cap = left - min(left // 2, cfg.max_images)
+            entries: list[os.DirEntry[str]] = []
             try:
                 with os.scandir(d) as it:
-                    entries = sorted(it, key=lambda e: e.name)
+                    for ent in it:
+                        if len(entries) >= cap:
+                            complete = False
+                            log.warning("images: more than %d entries in %s: the rest of "
+                                        "it not looked at", cap, d)
+                            break
+                        entries.append(ent)
             except OSError as err:
                 log.warning("images: cannot list %s: %s", d, err.strerror or err)
                 continue
+            left -= len(entries)
+            entries.sort(key=lambda e: e.name)
             for ent in reversed(entries):
-                if left <= 0:
-                    log.warning("images: more than %d entries under the roots: the walk "
-                                "stopped there", SEEN_PER_IMAGE * cfg.max_images)
-                    return found, False
-                left -= 1
                 try:
                     st = ent.stat(follow_symlinks=False)
                 except OSError:
@@ -76,7 +94,7 @@ def find_images(cfg: ImagesConfig) -> tuple[list[tuple[str, os.stat_result]], bo
                         stack.append((ent.path, depth + 1))
                 elif stat.S_ISREG(st.st_mode) and ent.name.endswith(SUFFIXES):
                     found.append((ent.path, st))
-    return found, True
+    return found, complete
 
 
 def _passing(cause: str) -> bool:
@@ -109,7 +127,8 @@ def _order(todo: list[tuple[str, os.stat_result, int]]) -> list[tuple[str, os.st
 
 
 def update_index(inv: Inventory, cfg: ImagesConfig, budget_s: float | None = None,
-                 now: float | None = None) -> IndexResult:
+                 now: float | None = None,
+                 should_stop: Callable[[], bool] | None = None) -> IndexResult:
     """One pass: scan what changed and what is due again, fairly (:func:`_order`), within
     the budget, and drop what is gone.
 
@@ -117,7 +136,9 @@ def update_index(inv: Inventory, cfg: ImagesConfig, budget_s: float | None = Non
     (at most ``timeout_s``), and none is started with less than :data:`MIN_SLICE_S` left,
     except the first of a pass, which may take the whole budget. An image cut short by
     the budget rather than by its own ``timeout_s`` is left for the next pass, not
-    counted as a failure."""
+    counted as a failure. ``should_stop`` (the collector's SIGTERM) is checked in every
+    loop of the image being read: once it says stop, the read is given up within about a
+    second, nothing is stored for that image, and the pass ends with what it wrote."""
     t0 = time.monotonic()
     wall = time.time() if now is None else now
     budget = cfg.scan_budget_s if budget_s is None else budget_s
@@ -149,12 +170,13 @@ def update_index(inv: Inventory, cfg: ImagesConfig, budget_s: float | None = Non
     for path, st, attempts in _order(todo):
         left = budget - (time.monotonic() - t0)
         first = not rows
-        if not first and left < MIN_SLICE_S:
+        if (should_stop is not None and should_stop()) or (not first and left < MIN_SLICE_S):
             res.left += 1
             continue
         slice_s = cfg.timeout_s if first and budget <= 0 else min(cfg.timeout_s, max(left, 0.0))
         # the first image of a pass had the whole budget: its time limit is a failure
-        row = _scan_one(path, st, attempts, slice_s, cfg, res, can_defer=not first)
+        row = _scan_one(path, st, attempts, slice_s, cfg, res, can_defer=not first,
+                        stop=should_stop)
         if row is None:  # cut short by the budget: the next pass
             res.left += 1
             continue
@@ -171,7 +193,8 @@ def update_index(inv: Inventory, cfg: ImagesConfig, budget_s: float | None = Non
 
 
 def _scan_one(path: str, st: os.stat_result, attempts: int, slice_s: float,
-              cfg: ImagesConfig, res: IndexResult, *, can_defer: bool) -> dict[str, Any] | None:
+              cfg: ImagesConfig, res: IndexResult, *, can_defer: bool,
+              stop: Callable[[], bool] | None = None) -> dict[str, Any] | None:
     """The row of one image scanned within ``slice_s``; None (``can_defer``) when it ran
     out of a slice shorter than its own ``timeout_s``: what was left of the pass's
     budget, not the image, was short."""
@@ -181,10 +204,12 @@ def _scan_one(path: str, st: os.stat_result, attempts: int, slice_s: float,
     try:
         row["record"] = scan_image(path, unsquashfs=cfg.unsquashfs, timeout_s=slice_s,
                                    tmpdir=cfg.tmp_dir or None,
-                                   max_read_bytes=cfg.max_read_bytes)
+                                   max_read_bytes=cfg.max_read_bytes, stop=stop)
         row["attempts"] = 0
         res.scanned.append(path)
         return row
+    except ImageStopped:
+        return None  # the collector is stopping: read again after its restart
     except ImageError as e:
         if can_defer and e.cause.endswith("time limit reached") and slice_s < cfg.timeout_s:
             return None

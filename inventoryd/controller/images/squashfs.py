@@ -42,6 +42,7 @@ from inventoryd.controller.images.tree import (
     Entry,
     ImageError,
     ImagePathError,
+    ImageStopped,
     ImageTree,
 )
 
@@ -132,11 +133,13 @@ class SquashImage(ImageTree):
         child_memory: int = CHILD_MEMORY_BYTES,
         timeout_s: float = TIMEOUT_S,
         max_read_bytes: int = MAX_READ_BYTES,
+        stop: Callable[[], bool] | None = None,
     ) -> None:
         # what may still be streamed out of this image (copy_file): the work one image
         # may cost is bounded by its own size, not by what its listing claims
         self.read_left = min(max_read_bytes, MAX_EXPANSION * image_bytes(path) + (1 << 20))
         self.deadline = deadline if deadline is not None else time.monotonic() + timeout_s
+        self.stop = stop
         self.program = unsquashfs_path(unsquashfs)
         self.keep = keep
         self.max_entries = max_entries
@@ -152,7 +155,11 @@ class SquashImage(ImageTree):
     # ---- running unsquashfs ----------------------------------------------------------
 
     def _left(self) -> float:
+        """What is left of the deadline (raises at it, or once asked to stop: the
+        stream loop calls this at least once a second)."""
         assert self.deadline is not None  # always set here (__init__)
+        if self.stop is not None and self.stop():
+            self.check()
         left = self.deadline - time.monotonic()
         if left <= 0:
             raise ImageError(self.path, "time limit reached")
@@ -192,6 +199,8 @@ class SquashImage(ImageTree):
                 rc = p.wait(timeout=max(0.1, self._left()))
             except subprocess.TimeoutExpired:
                 raise ImageError(self.path, f"{what}: time limit reached") from None
+            except ImageStopped:
+                raise
             except ImageError as e:
                 if e.cause == "time limit reached":
                     raise ImageError(self.path, f"{what}: time limit reached") from None

@@ -37,6 +37,10 @@ class ImageTransient(ImageError):
     what the image is."""
 
 
+class ImageStopped(ImageTransient):
+    """The collector is stopping (SIGTERM): the read was given up, nothing is stored."""
+
+
 class ImagePathError(ImageError):
     """One path inside a readable image is missing, not a file, or loops."""
 
@@ -57,6 +61,8 @@ class ImageTree:
     :data:`inventoryd.nodefs.progress` callback that checks it too (issue 48)."""
 
     deadline: float | None = None
+    #: the collector's "stop now?" (SIGTERM): checked where the deadline is (issue 48)
+    stop: Callable[[], bool] | None = None
 
     def __init__(self, path: str) -> None:
         self.path = path  # what the image is called in messages
@@ -67,7 +73,10 @@ class ImageTree:
         self.memo: dict[tuple[str, Any], Any] = {}  # (real path, analyzer) -> its result
 
     def check(self) -> None:
-        """Raise ImageError ``time limit reached`` once the image's deadline has passed."""
+        """Raise ImageError ``time limit reached`` once the image's deadline has passed,
+        ImageStopped once the collector is asked to stop."""
+        if self.stop is not None and self.stop():
+            raise ImageStopped(self.path, "not read: the collector is stopping")
         if self.deadline is not None and time.monotonic() > self.deadline:
             raise ImageError(self.path, "time limit reached")
 
@@ -145,7 +154,8 @@ class ImageTree:
             outer = progress.get()
 
             def tick() -> None:  # the analysis of one file is under the image's deadline
-                if self.deadline is not None and time.monotonic() > self.deadline:
+                if (self.deadline is not None and time.monotonic() > self.deadline) or (
+                        self.stop is not None and self.stop()):
                     raise TimeLimit(f"{self.path}:{real}")
                 if outer is not None:
                     outer()
@@ -154,6 +164,7 @@ class ImageTree:
             try:
                 self.memo[real, analyze] = facts = analyze(f, f"{self.path}:{real}")
             except TimeLimit:
+                self.check()  # stopping: ImageStopped
                 raise ImageError(self.path, f"analysing {real}: time limit reached") from None
             finally:
                 progress.reset(token)
