@@ -332,3 +332,25 @@ def test_sigterm_stops_the_image_reader_whatever_it_reads(tmp_path: Path) -> Non
         assert inv.images() == []  # not stored as unreadable: read after the restart
         res = update_index(inv, cfg)
         assert res.scanned == [str(img)]
+
+
+def test_a_stray_pip_libnccl_is_not_the_default_over_the_system_one(tmp_path: Path) -> None:
+    """Issue 48, item 11: any ``site-packages/nvidia/nccl/lib/libnccl.so.2`` anywhere in
+    an image was taken as what a job loads, over the system's. PyTorch, JAX and CuPy load
+    pip's copy from the ``site-packages`` they are installed in: only such a copy is the
+    default; a stray one is listed, and the linker's ``libnccl.so.2`` is the default."""
+    sp = "/home/u/junk/lib/python3.10/site-packages"
+    files = {"/usr/lib/libnccl.so.2": b"\x7fELF system",
+             f"{sp}/nvidia/nccl/lib/libnccl.so.2": b"\x7fELF stray"}
+    try:
+        stray = images.build_image(tmp_path / "stray.sqsh", files)
+        loaded = images.build_image(tmp_path / "torch.sqsh",
+                                    {**files, f"{sp}/torch/__init__.py": b""})
+    except PartUnavailable as e:
+        unavailable(str(e))
+    rec = scan_image(str(stray))
+    assert {r["path"]: r["default"] for r in rec["libnccl"]} == {
+        "/usr/lib/libnccl.so.2": True, f"{sp}/nvidia/nccl/lib/libnccl.so.2": False}
+    rec = scan_image(str(loaded))  # torch beside it loads it (RPATH, _load_global_deps)
+    assert {r["path"]: r["default"] for r in rec["libnccl"]} == {
+        "/usr/lib/libnccl.so.2": False, f"{sp}/nvidia/nccl/lib/libnccl.so.2": True}

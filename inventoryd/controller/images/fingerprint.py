@@ -12,8 +12,9 @@ What (docs/containers.md):
   settings of ``/etc/environment`` (enroot's image format: the container's environment),
   and the head of ``/etc/rc`` (enroot's entrypoint script: where the image came from).
 
-Which libnccl the job loads (``default``): pip's copy when the image has one (PyTorch and
-JAX load it by their RPATH), else what the linker finds for ``libnccl.so.2`` first.
+Which libnccl the job loads (``default``): pip's copy where a framework in the same
+``site-packages`` loads it (PyTorch by its RUNPATH, JAX's CUDA plugin, CuPy), else what
+the linker finds for ``libnccl.so.2`` first, else any pip copy.
 Which net plugin: ``NCCL_NET_PLUGIN`` from the environment, then ``/etc/nccl.conf``,
 expanded with the default libnccl's rules, else ``libnccl-net.so``, searched in the same
 directories.
@@ -56,6 +57,8 @@ MAX_SEARCH_DIRS = 1024
 MAX_PIP_DIRS = 16  # site-packages/nvidia/nccl/lib directories searched at most
 CHECK_EVERY = 1024  # names between two checks of the image's deadline
 PIP_SUFFIXES = ("/site-packages/nvidia/nccl/lib", "/dist-packages/nvidia/nccl/lib")
+#: packages that load pip's libnccl from their own site-packages (:func:`_default_lib`)
+FRAMEWORKS = ("torch", "jax_plugins", "cupy")
 ENV_FILE = "/etc/environment"
 RC_FILE = "/etc/rc"
 PLUGIN_PREFIX = "libnccl-"
@@ -198,6 +201,7 @@ def read_tree(image: ImageTree, *, tmpdir: str | None = None,
         del pip_named[MAX_PIP_DIRS:]
     pip_search = _search(image, pip_named)
     pip_dirs = [d for d, _ in pip_search]
+    loaded = {d for d in pip_dirs if _loaded_by_a_framework(image, d)}
     pip_real = {real for _, real in pip_search}
     search_dirs = [*pip_search, *(
         (d, real) for d, real in _search(image, [*named, *standard_dirs()])
@@ -239,10 +243,10 @@ def read_tree(image: ImageTree, *, tmpdir: str | None = None,
     with tempfile.TemporaryDirectory(dir=tmpdir, prefix="ncclguard-image-") as tmp:
         # read in the order the gate needs them; listed in the search order
         read: dict[int, dict[str, Any] | None] = {}
-        for i in sorted(range(len(libs)), key=lambda i: _default_rank(libs[i])):
+        for i in sorted(range(len(libs)), key=lambda i: _default_rank(libs[i], loaded)):
             read[i] = _library(image, libs[i], tmp, errors)
         out_libs = [r for i in range(len(libs)) if (r := read[i]) is not None]
-        default = _default_lib(out_libs, pip_dirs)
+        default = _default_lib(out_libs, loaded)
         for rec in out_libs:
             rec["default"] = rec["path"] == default
         plugins = []
@@ -358,22 +362,34 @@ def _plugin(image: ImageTree, kind: str, p: str, tmp: str,
     return rec
 
 
-def _default_rank(lib: dict[str, Any]) -> int:
+def _loaded_by_a_framework(image: ImageTree, pip_dir: str) -> bool:
+    """Whether a framework that loads pip's libnccl is installed beside it, in the same
+    ``site-packages``: PyTorch (its libraries' RUNPATH ``$ORIGIN/../../nvidia/nccl/lib``
+    and ``_load_global_deps``), JAX's CUDA plugin, CuPy."""
+    site = pip_dir[: -len("/nvidia/nccl/lib")]
+    return any(image.is_dir(f"{site}/{name}") for name in FRAMEWORKS)
+
+
+def _default_rank(lib: dict[str, Any], loaded: set[str]) -> int:
     """How likely a listed libnccl is the one a job loads (:func:`_default_lib`): pip's
-    ``libnccl.so.2``, then the linker's, then the other names."""
+    ``libnccl.so.2`` beside a framework, then the linker's, then other pip copies, then
+    the other names."""
     if not lib["path"].endswith("/libnccl.so.2"):
-        return 2
-    return 0 if lib["origin"] == "pip" else 1
+        return 3
+    if lib["origin"] != "pip":
+        return 1
+    return 0 if lib["path"].rsplit("/", 1)[0] in loaded else 2
 
 
-def _default_lib(libs: list[dict[str, Any]], pip_dirs: list[str]) -> str | None:
-    pip = [r for r in libs if r["origin"] == "pip" and r["path"].endswith("/libnccl.so.2")]
-    if pip:
-        return str(pip[0]["path"])
-    for r in libs:  # search order: libs were listed directory by directory
-        if r["path"].endswith("/libnccl.so.2"):
-            return str(r["path"])
-    return None
+def _default_lib(libs: list[dict[str, Any]], loaded: set[str]) -> str | None:
+    """The libnccl a job loads, as the loader finds it: pip's copy where a framework
+    beside it loads it (``loaded``: those directories), else the linker's first
+    ``libnccl.so.2`` (libs are listed directory by directory, in search order), else a
+    pip copy (a framework this reader does not know). A stray pip copy anywhere in the
+    image is not what the linker loads (issue 48)."""
+    so2 = [r for r in libs if r["path"].endswith("/libnccl.so.2")]
+    best = min(so2, key=lambda r: _default_rank(r, loaded), default=None)
+    return None if best is None else str(best["path"])
 
 
 def _net_plugin(image: ImageTree, env: dict[str, str], conf: dict[str, Any],
