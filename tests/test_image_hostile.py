@@ -354,3 +354,81 @@ def test_a_stray_pip_libnccl_is_not_the_default_over_the_system_one(tmp_path: Pa
     rec = scan_image(str(loaded))  # torch beside it loads it (RPATH, _load_global_deps)
     assert {r["path"]: r["default"] for r in rec["libnccl"]} == {
         "/usr/lib/libnccl.so.2": False, f"{sp}/nvidia/nccl/lib/libnccl.so.2": True}
+
+
+def test_a_directory_swapped_for_a_symlink_after_the_walk_indexes_no_decoy(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 48, item 8: the user's directory swapped for a symlink to a decoy between
+    the walk's ``lstat`` and the read. Before: the decoy's content was stored under the
+    user's path, with the walk's identity, for good. Now the image is opened from the
+    root one component at a time with ``O_NOFOLLOW``, checked against the walk's
+    identity, and unsquashfs reads that descriptor."""
+    from inventoryd.controller.images import index
+    from ncclguard.config import ImagesConfig
+    from ncclguard.policy import GATE_VALUES
+    from ncclguard.store import Inventory
+
+    root = tmp_path / "r"
+    (root / "u").mkdir(parents=True)
+    decoy = tmp_path / "decoy"
+    decoy.mkdir()
+    try:
+        img = images.build_image(root / "u" / "a.sqsh", {"/etc/rc": "mine\n"})
+        images.build_image(decoy / "a.sqsh", {"/etc/rc": "decoy\n"})
+    except PartUnavailable as e:
+        unavailable(str(e))
+    walk = index.find_images
+
+    def swap_after_walk(cfg: ImagesConfig) -> tuple[list, bool]:
+        out = walk(cfg)
+        os.rename(root / "u", tmp_path / "u-moved")
+        os.symlink(decoy, root / "u")
+        return out
+
+    monkeypatch.setattr(index, "find_images", swap_after_walk)
+    with Inventory(tmp_path / "inv.db", values=GATE_VALUES) as inv:
+        res = index.update_index(inv, ImagesConfig(roots=(str(root),)))
+        assert res.scanned == [] and list(res.failed) == [str(img)]
+        assert "symlink" in res.failed[str(img)], res.failed
+        row = inv.image(str(img))
+        assert row is not None and row["record"] is None  # no decoy's content stored
+    # the same file read by descriptor: its record is its own
+    rec = scan_image(str(tmp_path / "u-moved" / "a.sqsh"))
+    assert rec["rc"] == "mine\n"
+
+
+def test_an_owner_who_filled_the_index_first_leaves_a_waiting_owner_a_share(
+        tmp_path: Path) -> None:
+    """Issue 48, item 9: images already indexed kept their room for ever, so a user who
+    filled ``max_images`` first kept every later user's image out. Now each file owner
+    has a fair share of ``max_images`` (max-min: what an owner does not need goes to the
+    others); an owner over it gives up its last images (by path) to an owner waiting."""
+    from inventoryd.controller.images.index import update_index
+    from ncclguard.config import ImagesConfig
+    from ncclguard.policy import GATE_VALUES
+    from ncclguard.store import Inventory
+
+    root = tmp_path / "r"
+    (root / "a").mkdir(parents=True)
+    (root / "b").mkdir()
+    try:
+        first = images.build_image(tmp_path / "x.sqsh", {"/etc/rc": "x\n"})
+    except PartUnavailable as e:
+        unavailable(str(e))
+    data = first.read_bytes()
+    for i in range(4):
+        p = root / "a" / f"{i}.sqsh"
+        p.write_bytes(data)
+        os.chown(p, 65534, 65534)
+    cfg = ImagesConfig(roots=(str(root),), max_images=4)
+    with Inventory(tmp_path / "inv.db", values=GATE_VALUES) as inv:
+        assert len(update_index(inv, cfg).scanned) == 4  # user a fills the index
+        late = root / "b" / "mine.sqsh"
+        late.write_bytes(data)  # another owner's (the test's uid)
+        res = update_index(inv, cfg)
+        assert res.scanned == [str(late)], res.scanned
+        assert res.gone == [str(root / "a" / "3.sqsh")]  # a's last, over its share of 3
+        assert sorted(r["path"] for r in inv.images()) == sorted(
+            [*(str(root / "a" / f"{i}.sqsh") for i in range(3)), str(late)])
+        again = update_index(inv, cfg)  # stable: nobody's share changed
+        assert again.scanned == [] and again.gone == []

@@ -272,7 +272,7 @@ def read_tree(image: ImageTree, *, tmpdir: str | None = None,
 def scan_image(
     path: str, *, unsquashfs: str = "", timeout_s: float = 30.0, tmpdir: str | None = None,
     max_file_bytes: int | None = None, max_read_bytes: int | None = None,
-    stop: Callable[[], bool] | None = None,
+    stop: Callable[[], bool] | None = None, fd: int | None = None,
 ) -> dict[str, Any]:
     """The image record of the squashfs file at ``path``. Raises ImageError when the image
     as a whole cannot be read (the cause names it); one unreadable file inside costs its
@@ -282,17 +282,20 @@ def scan_image(
     candidates, in its order), then the net plugins; the other libraries and plugins
     only while the image's read budget lasts (``max_read_bytes``, and at most
     ``MAX_EXPANSION`` times the image's own size: a sparse member is never read whole);
-    those past it are listed with the reason."""
-    st = os.stat(path)
+    those past it are listed with the reason. ``fd``: the image opened by the caller
+    (:func:`.squashfs.open_image`): what is read, and the identity recorded, are that
+    file's."""
+    st = os.stat(path) if fd is None else os.fstat(fd)
     t0 = time.monotonic()
     kw: dict[str, Any] = {}
     if max_file_bytes is not None:
         kw["max_file_bytes"] = max_file_bytes
     if max_read_bytes is not None:
         kw["max_read_bytes"] = max_read_bytes
-    image = SquashImage(path, deadline=t0 + timeout_s, unsquashfs=unsquashfs, stop=stop, **kw)
+    image = SquashImage(path, deadline=t0 + timeout_s, unsquashfs=unsquashfs, stop=stop,
+                        fd=fd, **kw)
     facts = read_tree(image, tmpdir=tmpdir)
-    st2 = os.stat(path)
+    st2 = os.stat(path) if fd is None else os.fstat(fd)
     if (st.st_ino, st.st_size, st.st_mtime_ns) != (st2.st_ino, st2.st_size, st2.st_mtime_ns):
         raise ImageError(path, "changed while it was read; read again at the next scan")
     return {

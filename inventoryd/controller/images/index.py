@@ -4,7 +4,9 @@ changed ones within a time budget, and hand the results to the inventory's one w
 
 An image is known by its path and identified by (inode, size, mtime_ns): an image that
 is replaced or rewritten is scanned again; one whose identity did not change is not.
-Symlinks are not followed (a user could point one anywhere), nor are directories deeper
+Symlinks are not followed (a user could point one anywhere), neither by the walk nor when
+an image is opened to be read (from the root, ``O_NOFOLLOW`` at each component, checked
+against the walk's identity: :func:`.squashfs.open_image`), nor are directories deeper
 than ``[images] max_depth`` searched. An image that cannot be read is stored with its
 cause (``ncclguard images`` shows it; the gate calls a job using it "unknown").
 """
@@ -20,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from inventoryd.controller.images.fingerprint import scan_image
-from inventoryd.controller.images.squashfs import ImageError
+from inventoryd.controller.images.squashfs import ImageError, open_image
 from inventoryd.controller.images.tree import ImageStopped
 from ncclguard.config import ImagesConfig
 from ncclguard.store import Inventory
@@ -102,6 +104,7 @@ def _passing(cause: str) -> bool:
     limit on a loaded machine, a signal): the image is tried again after a back-off
     instead of staying unreadable until it changes."""
     return (cause.startswith("cannot run ") or cause.endswith("time limit reached")
+            or cause.endswith("read again at the next pass")
             or "signal" in cause or "killed" in cause.lower())
 
 
@@ -126,6 +129,23 @@ def _order(todo: list[tuple[str, os.stat_result, int]]) -> list[tuple[str, os.st
     return [item for _, item in sorted(keyed, key=lambda kv: kv[0])]
 
 
+def _shares(owners: list[int], total: int) -> dict[int, int]:
+    """How many images each file owner may have in the index: a max-min fair share of
+    ``total`` over the owners of the images found (an owner needing less than an equal
+    share leaves the rest to the others). One user filling ``max_images`` first kept
+    every later user's image out, for good (issue 48)."""
+    demand: dict[int, int] = {}
+    for uid in owners:
+        demand[uid] = demand.get(uid, 0) + 1
+    out: dict[int, int] = {}
+    left = total
+    order = sorted(demand, key=lambda u: (demand[u], u))
+    for i, uid in enumerate(order):
+        out[uid] = min(demand[uid], left // (len(order) - i))
+        left -= out[uid]
+    return out
+
+
 def update_index(inv: Inventory, cfg: ImagesConfig, budget_s: float | None = None,
                  now: float | None = None,
                  should_stop: Callable[[], bool] | None = None) -> IndexResult:
@@ -148,15 +168,34 @@ def update_index(inv: Inventory, cfg: ImagesConfig, budget_s: float | None = Non
     found, complete = find_images(cfg)
     present = {path for path, _ in found}
     # at most max_images in the index: images already in it are kept (and read again
-    # when they change); new ones fill the room left, one file owner's at a time
+    # when they change) within their owner's share; new ones fill the room left, one
+    # file owner's at a time, each owner up to its share
     new = [(p, st) for p, st in found if p not in known]
     room = cfg.max_images - len(present & known.keys())
+    evicted: list[str] = []
     if len(new) > room:
+        shares = _shares([st.st_uid for _, st in found], cfg.max_images)
+        held: dict[int, int] = {}
+        for p, st in sorted(found, key=lambda f: f[0]):
+            if p in known:
+                held[st.st_uid] = held.get(st.st_uid, 0) + 1
+                if held[st.st_uid] > shares[st.st_uid]:
+                    evicted.append(p)  # over its owner's share: room for one waiting
+        room += len(evicted)
         log.warning("images: %d new images and room for %d under max_images (%d): one file "
-                    "owner's at a time in turn, the rest not indexed", len(new), max(room, 0),
-                    cfg.max_images)
-        admitted = {p for p, _, _ in _order([(p, st, 0) for p, st in new])[:max(room, 0)]}
-        found = [(p, st) for p, st in found if p in known or p in admitted]
+                    "owner's at a time in turn, each up to its share, the rest not indexed; "
+                    "%d indexed images over their owner's share dropped", len(new),
+                    max(room, 0), cfg.max_images, len(evicted))
+        admitted: set[str] = set()
+        for p, st, _ in _order([(p, st, 0) for p, st in new]):
+            if len(admitted) >= room:
+                break
+            if held.get(st.st_uid, 0) < shares[st.st_uid]:
+                held[st.st_uid] = held.get(st.st_uid, 0) + 1
+                admitted.add(p)
+        out = set(evicted)
+        found = [(p, st) for p, st in found
+                 if (p in known and p not in out) or p in admitted]
     for path, st in found:
         # the later of mtime and ctime: a user who can write the roots can set an image's
         # mtime back after changing it (touch -d), never its ctime
@@ -184,8 +223,8 @@ def update_index(inv: Inventory, cfg: ImagesConfig, budget_s: float | None = Non
             row["retry_at"] = wall + backoff_s(row["attempts"], cfg)
         rows.append(row)
     # gone: not found; when the walk stopped short, only what is really no longer there
-    res.gone = sorted(p for p in set(known) - present
-                      if complete or not os.path.lexists(p))
+    res.gone = sorted([*(p for p in set(known) - present
+                         if complete or not os.path.lexists(p)), *evicted])
     if rows or res.gone:
         inv.write_images(rows, res.gone)
     res.seconds = time.monotonic() - t0
@@ -201,10 +240,17 @@ def _scan_one(path: str, st: os.stat_result, attempts: int, slice_s: float,
     row: dict[str, Any] = {"path": path, "inode": st.st_ino, "size": st.st_size,
                            "mtime_ns": max(st.st_mtime_ns, st.st_ctime_ns),
                            "attempts": attempts + 1, "retry_at": None}
+    root = next((r for r in cfg.roots if path.startswith(r.rstrip("/") + "/")), None)
+    fd = None
     try:
+        if root is None:
+            raise ImageError(path, "not under any of [images] roots")
+        # opened from the root without following a symlink, and checked to be the file
+        # the walk saw: a directory swapped for a link to a decoy is refused (issue 48)
+        fd = open_image(root, path, st)
         row["record"] = scan_image(path, unsquashfs=cfg.unsquashfs, timeout_s=slice_s,
                                    tmpdir=cfg.tmp_dir or None,
-                                   max_read_bytes=cfg.max_read_bytes, stop=stop)
+                                   max_read_bytes=cfg.max_read_bytes, stop=stop, fd=fd)
         row["attempts"] = 0
         res.scanned.append(path)
         return row
@@ -221,6 +267,9 @@ def _scan_one(path: str, st: os.stat_result, attempts: int, slice_s: float,
     except Exception as e:  # a bug on one image must not stop the index (nor the collector)
         row["error"] = f"internal error reading the image: {type(e).__name__}: {e}"
         log.exception("image %s: internal error", path)
+    finally:
+        if fd is not None:
+            os.close(fd)
     res.failed[path] = row["error"]
     log.warning("image %s not indexed (failure %d in a row): %s", path, row["attempts"],
                 row["error"])

@@ -24,12 +24,14 @@ names :func:`wanted` accepts), so a 1 GB image with 100,000 files costs a few MB
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import resource
 import secrets
 import select
 import shutil
+import stat
 import struct
 import subprocess
 import tempfile
@@ -78,12 +80,14 @@ def wanted(name: str) -> bool:
                                                    "ld.so.conf") or name.endswith(".conf"))
 
 
-def image_bytes(path: str) -> int:
+def image_bytes(path: str, fd: int | None = None) -> int:
     """What an image file holds, for its read bound: the least of its size, the blocks it
     has on disk (``st_blocks``) and its superblock's ``bytes_used`` (the image proper).
     ``truncate -s 64G`` on a small image made its ``st_size`` claim 64 GiB: 2 GiB were
     streamed out of it, and written to the controller's tmp, each pass (issue 48)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    own = fd is None
+    if fd is None:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)
         n = st.st_size
@@ -91,11 +95,55 @@ def image_bytes(path: str) -> int:
             n = min(n, st.st_blocks * 512)
         head = os.pread(fd, SUPERBLOCK_BYTES, 0)
     finally:
-        os.close(fd)
+        if own:
+            os.close(fd)
     if len(head) >= SUPERBLOCK_BYTES and head[:4] in (b"hsqs", b"sqsh"):
         order = "<" if head[:4] == b"hsqs" else ">"
         n = min(n, struct.unpack_from(order + "Q", head, 40)[0])
     return n
+
+
+def open_image(root: str, path: str, expect: os.stat_result) -> int:
+    """A descriptor of the image at ``path`` under ``root``, opened from the root one
+    component at a time with ``O_NOFOLLOW`` (a directory swapped for a symlink after the
+    walk is refused, not followed to a decoy), and checked to be the file the walk saw
+    (``expect``: its device and inode). Raises ImageError naming the cause."""
+    rel = os.path.relpath(path, root)
+    parts = rel.split(os.sep)
+    if rel.startswith("..") or not parts or "" in parts:
+        raise ImageError(path, f"not under the root {root}")
+    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
+    try:
+        d = os.open(root, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECTORY)
+    except OSError as e:
+        raise ImageError(path, f"cannot open the root {root}: {e.strerror or e}") from None
+    try:
+        for part in parts[:-1]:
+            try:
+                nd = os.open(part, flags | os.O_DIRECTORY, dir_fd=d)
+            except OSError as e:
+                raise ImageError(path, f"{part}: {_open_error(e)}; read again at the next "
+                                       "pass") from None
+            os.close(d)
+            d = nd
+        try:
+            fd = os.open(parts[-1], flags | os.O_NONBLOCK, dir_fd=d)
+        except OSError as e:
+            raise ImageError(path, f"{_open_error(e)}; read again at the next pass") from None
+    finally:
+        os.close(d)
+    st = os.fstat(fd)
+    if (st.st_dev, st.st_ino) != (expect.st_dev, expect.st_ino) or not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise ImageError(path, "replaced by another file between the walk and the read; "
+                               "read again at the next pass")
+    return fd
+
+
+def _open_error(e: OSError) -> str:
+    if e.errno in (errno.ELOOP, errno.ENOTDIR):
+        return "a symlink (or not a directory) in its path since the walk: not followed"
+    return f"cannot open: {e.strerror or e}"
 
 
 def unsquashfs_path(configured: str = "") -> str:
@@ -134,10 +182,15 @@ class SquashImage(ImageTree):
         timeout_s: float = TIMEOUT_S,
         max_read_bytes: int = MAX_READ_BYTES,
         stop: Callable[[], bool] | None = None,
+        fd: int | None = None,
     ) -> None:
         # what may still be streamed out of this image (copy_file): the work one image
         # may cost is bounded by its own size, not by what its listing claims
-        self.read_left = min(max_read_bytes, MAX_EXPANSION * image_bytes(path) + (1 << 20))
+        # ``fd``: the image opened by the caller (:func:`open_image`): unsquashfs reads
+        # that file through /proc/self/fd, whatever ``path`` names by then
+        self.fd = fd
+        self.source = path if fd is None else f"/proc/self/fd/{fd}"
+        self.read_left = min(max_read_bytes, MAX_EXPANSION * image_bytes(path, fd) + (1 << 20))
         self.deadline = deadline if deadline is not None else time.monotonic() + timeout_s
         self.stop = stop
         self.program = unsquashfs_path(unsquashfs)
@@ -173,6 +226,7 @@ class SquashImage(ImageTree):
             try:
                 p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                      stderr=err, env={"PATH": os.defpath, "LC_ALL": "C"},
+                                     pass_fds=() if self.fd is None else (self.fd,),
                                      preexec_fn=_limit_child(self.child_memory))
             except OSError as e:
                 raise ImageError(self.path, f"cannot run {self.program}: "
@@ -226,7 +280,7 @@ class SquashImage(ImageTree):
         token = "/ncg" + secrets.token_hex(12)
         args = ["-no-progress", "-da", str(QUEUE_MB), "-fr", str(QUEUE_MB), "-UTC", "-d", token,
                 "-max-depth", str(self.max_depth + 1),
-                "-lln", self.path]
+                "-lln", self.source]
         data = self._run(args, None, MAX_LISTING_BYTES, "listing")
         line = re.compile(
             rb"(?P<kind>[-dlbcps])[-rwxsStT]{9} \d+/\d+ +(?P<size>\d+|\d+, *\d+) "
@@ -304,7 +358,7 @@ class SquashImage(ImageTree):
                                  "images.max_read_bytes); not read")
         self.read_left -= e.size
         self._run(["-no-progress", "-no-wildcards", "-da", str(QUEUE_MB), "-fr", str(QUEUE_MB),
-                   "-cat", self.path, real.lstrip("/")],
+                   "-cat", self.source, real.lstrip("/")],
                   out, e.size, f"reading {real}")
         if out.tell() != e.size:
             raise ImagePathError(self.path, f"{real}: {out.tell()} of {e.size} bytes read "
