@@ -432,3 +432,32 @@ def test_an_owner_who_filled_the_index_first_leaves_a_waiting_owner_a_share(
             [*(str(root / "a" / f"{i}.sqsh") for i in range(3)), str(late)])
         again = update_index(inv, cfg)  # stable: nobody's share changed
         assert again.scanned == [] and again.gone == []
+
+
+def test_an_indexed_image_the_walk_did_not_reach_is_checked_again(tmp_path: Path) -> None:
+    """Issue 48, item 7: after a walk cut short, the images it did not reach kept their
+    record without a check: one replaced meanwhile was judged by the old file's NCCL.
+    Now each indexed image the walk missed is looked at by its path (``lstat``, no link
+    followed at the end) and read again when its identity changed."""
+    from inventoryd.controller.images.index import update_index
+    from ncclguard.config import ImagesConfig
+    from ncclguard.policy import GATE_VALUES
+    from ncclguard.store import Inventory
+
+    root = tmp_path / "r"
+    (root / "z").mkdir(parents=True)
+    try:
+        img = images.build_image(root / "z" / "a.sqsh", {"/etc/rc": "old\n"})
+        images.build_image(tmp_path / "new.sqsh", {"/etc/rc": "new\n"})
+    except PartUnavailable as e:
+        unavailable(str(e))
+    cfg = ImagesConfig(roots=(str(root),), max_images=2)  # 20 entries a walk
+    with Inventory(tmp_path / "inv.db", values=GATE_VALUES) as inv:
+        assert update_index(inv, cfg).scanned == [str(img)]
+        for d in ("0", "1", "2"):  # met first: the walk stops before z/
+            _files(root / f"{d}flood", [f"{i:03d}" for i in range(40)])
+        os.replace(tmp_path / "new.sqsh", img)
+        res = update_index(inv, cfg)
+        assert res.scanned == [str(img)] and res.gone == [], (res.scanned, res.gone)
+        row = inv.image(str(img))
+        assert row is not None and row["record"]["rc"] == "new\n"

@@ -167,6 +167,18 @@ def update_index(inv: Inventory, cfg: ImagesConfig, budget_s: float | None = Non
     todo: list[tuple[str, os.stat_result, int]] = []
     found, complete = find_images(cfg)
     present = {path for path, _ in found}
+    if not complete:
+        # what a walk cut short did not reach is looked at by its path: one replaced
+        # meanwhile is read again, never judged by the old file's record (issue 48)
+        for path in sorted(known.keys() - present):
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue  # gone, or not reachable: decided below
+            if stat.S_ISREG(st.st_mode) and path.endswith(SUFFIXES) and any(
+                    path.startswith(r.rstrip("/") + "/") for r in cfg.roots):
+                found.append((path, st))
+                present.add(path)
     # at most max_images in the index: images already in it are kept (and read again
     # when they change) within their owner's share; new ones fill the room left, one
     # file owner's at a time, each owner up to its share
