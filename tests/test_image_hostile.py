@@ -461,3 +461,34 @@ def test_an_indexed_image_the_walk_did_not_reach_is_checked_again(tmp_path: Path
         assert res.scanned == [str(img)] and res.gone == [], (res.scanned, res.gone)
         row = inv.image(str(img))
         assert row is not None and row["record"]["rc"] == "new\n"
+
+
+def test_the_gate_reads_a_replaced_image_as_unknown(tmp_path: Path) -> None:
+    """Issue 48, item 7: the gate read an image's values by its path only: an image
+    replaced since it was indexed was judged by the old file's NCCL until the collector
+    read it again. Now the gate's read (``check_file``, also ``ncclguard check``)
+    compares the file's identity with the indexed one: a mismatch is unreadable for the
+    moment, so the job is ``image-unknown``."""
+    from inventoryd.controller.images.index import update_index
+    from ncclguard.config import ImagesConfig
+    from ncclguard.policy import GATE_VALUES
+    from ncclguard.store import Inventory
+
+    root = tmp_path / "r"
+    root.mkdir()
+    try:
+        img = images.build_image(root / "a.sqsh", {"/etc/rc": "old\n"})
+        images.build_image(tmp_path / "new.sqsh", {"/etc/rc": "new\n"})
+    except PartUnavailable as e:
+        unavailable(str(e))
+    with Inventory(tmp_path / "inv.db", values=GATE_VALUES) as inv:
+        assert update_index(inv, ImagesConfig(roots=(str(root),))).scanned == [str(img)]
+    with Inventory(tmp_path / "inv.db", readonly=True, values=GATE_VALUES) as ro:
+        assert ro.load_image_values(str(img), check_file=True) == ro.load_image_values(
+            str(img))
+        os.replace(tmp_path / "new.sqsh", img)  # not read again yet
+        values, why = ro.load_image_values(str(img), check_file=True)
+        assert values is None and "changed since it was indexed" in str(why)
+        img.unlink()
+        values, why = ro.load_image_values(str(img), check_file=True)
+        assert values is None and "cannot be looked at" in str(why)

@@ -37,12 +37,12 @@ class ImageTransient(ImageError):
     what the image is."""
 
 
-class ImageStopped(ImageTransient):
-    """The collector is stopping (SIGTERM): the read was given up, nothing is stored."""
-
-
 class ImagePathError(ImageError):
     """One path inside a readable image is missing, not a file, or loops."""
+
+
+class ImageStopped(ImageTransient):
+    """The collector is stopping (SIGTERM): the read was given up, nothing is stored."""
 
 
 @dataclass(frozen=True, slots=True)
