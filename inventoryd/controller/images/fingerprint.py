@@ -20,7 +20,11 @@ expanded with the default libnccl's rules, else ``libnccl-net.so``, searched in 
 directories.
 
 Every file is streamed out of the image into an unlinked temporary file and read there;
-the whole image shares one deadline (:mod:`inventoryd.controller.images.squashfs`).
+the whole image shares one deadline (:mod:`inventoryd.controller.images.squashfs`),
+checked in every loop here too. The search directories are normalized, resolved inside
+the image and each real directory searched once (at most :data:`MAX_SEARCH_DIRS` named),
+and the lists of libraries and plugins stop at their caps while they are built (issue 48;
+docs/containers.md, "The image reader's bounds").
 """
 
 from __future__ import annotations

@@ -14,8 +14,12 @@ What this module adds:
   image's root, ``..`` never climbs above it, and at most :data:`MAX_HOPS` links are
   followed (one squashfs library's own resolver looped for ever on a loop).
 - **Bounds**, each a clear :class:`ImageError` naming the image and the cause: entries
-  listed, listing bytes, tree depth, name length, the size of a file streamed out, and
-  the time of the whole image.
+  listed, listing bytes, tree depth, name length, the size of a file streamed out, what
+  may be streamed out in all (from what the image file holds: :func:`image_bytes`), and
+  the time of the whole image (checked in every loop, with the collector's SIGTERM).
+- **Opened by descriptor** (:func:`open_image`): the index opens an image from its root
+  without following a symlink, checks it is the file its walk saw, and unsquashfs reads
+  that descriptor.
 
 Only the entries the fingerprint can use are kept (directories, symlinks, and files whose
 names :func:`wanted` accepts), so a 1 GB image with 100,000 files costs a few MB.
@@ -87,7 +91,7 @@ def image_bytes(path: str, fd: int | None = None) -> int:
     streamed out of it, and written to the controller's tmp, each pass (issue 48)."""
     own = fd is None
     if fd is None:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)
         n = st.st_size
