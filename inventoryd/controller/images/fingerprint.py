@@ -242,7 +242,8 @@ def read_tree(image: ImageTree, *, tmpdir: str | None = None,
     for field, n in dropped.items():
         if n:
             cap = MAX_LIBRARIES if field == "libnccl" else MAX_PLUGINS
-            errors.append(_error(field, None, f"more than {cap} {field} files on the search "
+            what = "plugin" if field == "plugins" else field
+            errors.append(_error(field, None, f"more than {cap} {what} files on the search "
                                  f"path: {n} more not read"))
     with tempfile.TemporaryDirectory(dir=tmpdir, prefix="ncclguard-image-") as tmp:
         # read in the order the gate needs them; listed in the search order
