@@ -21,9 +21,17 @@ from typing import Any, BinaryIO
 
 from elftools.elf.elffile import ELFFile
 
+from inventoryd.nodefs import TimeLimit, progress
+
 MAX_SYMBOLS = 200_000  # more dynamic symbols than any real plugin; a bound against bad tables
 MAX_RELOCATIONS = 2_000_000
 MAX_NAME = 256  # a plugin name is short; a longer "string" is not one
+#: section and program headers read at most: a real libnccl has about 40 sections and 10
+#: segments. Counted before any is read, extended numbering included (``e_shnum`` 0 with
+#: the count in section 0: 4M sections took 232 s and 347 MB, issue 48)
+MAX_SECTIONS = 4096
+MAX_SEGMENTS = 4096
+TICK_EVERY = 1024  # entries between two calls of nodefs.progress (the image's deadline)
 
 # (e_machine, r_type) -> how the relocation computes the pointer
 _RELATIVE = {("EM_X86_64", 8), ("EM_AARCH64", 1027), ("EM_386", 8), ("EM_PPC64", 22)}
@@ -83,16 +91,41 @@ class ElfReader:
         else:
             phoff, shoff = struct.unpack_from(end + "II", head, 28)
             phentsize, phnum, shentsize, shnum = struct.unpack_from(end + "HHHH", head, 42)
+        # ELF's extended numbering: e_shnum 0 puts the section count in section 0's
+        # sh_size, e_phnum 0xffff the segment count in its sh_info
+        if shoff and (shnum == 0 or phnum == 0xFFFF):
+            first = self._section_zero(shoff, head[4] == 2, end)
+            if first is None:
+                return f"truncated: the section headers lie past byte {self._size}"
+            if shnum == 0:
+                shnum = first[0]
+            if phnum == 0xFFFF:
+                phnum = first[1]
+        if shnum > MAX_SECTIONS:
+            return f"more than {MAX_SECTIONS} section headers ({shnum}); not read"
+        if phnum > MAX_SEGMENTS:
+            return f"more than {MAX_SEGMENTS} program headers ({phnum}); not read"
         if phnum and not self._in_file(phoff, phnum * phentsize):
             return f"truncated: the program headers lie past byte {self._size}"
         if shoff and shnum and not self._in_file(shoff, shnum * shentsize):
             return f"truncated: the section headers lie past byte {self._size}"
         return None
 
+    def _section_zero(self, shoff: int, wide: bool, end: str) -> tuple[int, int] | None:
+        """``(sh_size, sh_info)`` of section 0 (the counts of extended numbering)."""
+        n = 64 if wide else 40
+        if not self._in_file(shoff, n):
+            return None
+        raw = self._read_at(shoff, n)
+        if wide:
+            return struct.unpack_from(end + "Q", raw, 32)[0], struct.unpack_from(end + "I",
+                                                                                 raw, 44)[0]
+        return struct.unpack_from(end + "I", raw, 20)[0], struct.unpack_from(end + "I", raw, 28)[0]
+
     def _guard(self, what: str, fn: Callable[[], Any]) -> Any:
         try:
             return fn()
-        except ElfError:
+        except (ElfError, TimeLimit):  # a deadline is not a malformed file
             raise
         except RecursionError:
             raise ElfError(f"{self.label}: malformed ELF {what}: recursion") from None
@@ -145,7 +178,10 @@ class ElfReader:
 
         def run() -> dict[str, DynSymbol]:
             out: dict[str, DynSymbol] = {}
+            tick = progress.get()
             for i, sym in enumerate(self._symbol_source()):
+                if tick is not None and i % TICK_EVERY == 0:
+                    tick()
                 if i >= MAX_SYMBOLS:
                     raise ElfError(f"{self.label}: more than {MAX_SYMBOLS} dynamic symbols")
                 if sym["st_shndx"] == "SHN_UNDEF":
@@ -283,11 +319,15 @@ class ElfReader:
         return self._guard("program headers", run)
 
     def section_ranges(self, names: frozenset[str]) -> list[tuple[int, int]]:
-        """File ranges ``(start, end)`` of the named sections that have contents."""
+        """File ranges ``(start, end)`` of the named sections that have contents, sorted
+        (at most :data:`MAX_SECTIONS` sections: the header check)."""
 
         def run() -> list[tuple[int, int]]:
             out = []
-            for sec in self._elf.iter_sections():
+            tick = progress.get()
+            for i, sec in enumerate(self._elf.iter_sections()):
+                if tick is not None and i % TICK_EVERY == 0:
+                    tick()
                 if sec.name in names and sec["sh_type"] != "SHT_NOBITS":
                     start, size = sec["sh_offset"], sec["sh_size"]
                     if self._in_file(start, size):

@@ -34,6 +34,12 @@ _KINDS = {
 #: does not, and the watchdog can tell them apart.
 progress: ContextVar[Callable[[], object] | None] = ContextVar("progress", default=None)
 
+
+class TimeLimit(Exception):
+    """Raised by a :data:`progress` callback whose reader's deadline has passed (an
+    image's: :meth:`inventoryd.controller.images.tree.ImageTree.analyze`): never taken
+    for a malformed file (:class:`inventoryd.elf.ElfReader` lets it through)."""
+
 MAX_LIBRARY_BYTES = 2 << 30  # a real libnccl is 0.2-0.6 GiB, a plugin far less
 READ_BUDGET_BYTES = 8 << 30  # library bytes one collection reads at most (cache misses)
 #: What is left of this collection's read budget (``collect()`` sets it): files that

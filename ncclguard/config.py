@@ -244,7 +244,7 @@ class ImagesConfig(_Settings):
     #                          left of scan_budget_s)
     max_read_bytes: int = 3221225472  # streamed out of one image at most (the libnccl a job
     #                                   loads first); also at most 64x the image's size
-    max_images: int = 10000  # images in the index at most (new ones: one file owner's at a time)
+    max_images: int = 10000  # images in the index at most (a fair share per file owner)
     max_depth: int = 8  # directory levels searched below each root
     unsquashfs: str = ""  # the program; empty: PATH, then /usr/bin/unsquashfs
     tmp_dir: str = ""  # where files are streamed out of an image; empty: the system's

@@ -276,7 +276,7 @@ def decide(run: Run, job: Job) -> int:
         with _inventory(run) as inv:
             records = inv.load_values(job.nodes)
             if image.startswith("/"):
-                image_values = inv.load_image_values(image)
+                image_values = inv.load_image_values(image, check_file=True)
             elif image and not is_path_image(image):  # a registry reference
                 from ncclguard.fingerprint.imageref import RefError, parse
 

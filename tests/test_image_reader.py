@@ -84,6 +84,9 @@ def test_pip_nccl_is_the_default_and_its_version_is_read_from_the_file(
     img = _image(tmp_path / "pip.sqsh", {
         "/usr/lib/x86_64-linux-gnu/libnccl.so.2": sys_lib,
         f"{pipdir}/libnccl.so.2": pip_lib,
+        # PyTorch beside it loads it (a stray pip copy is not the default: issue 48,
+        # tests/test_image_hostile.py)
+        "/usr/local/lib/python3.10/dist-packages/torch/__init__.py": b"",
         # a label that lies: never read
         "/etc/environment": "NCCL_VERSION=2.30.7\n"}, comp="zstd")
     rec = scan_image(str(img))

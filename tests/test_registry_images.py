@@ -75,8 +75,10 @@ def _linker_layer(lib: Path, version: str, compression: str = "gzip") -> bytes:
 
 @functools.lru_cache(maxsize=8)
 def _pip_layer(lib: Path, compression: str = "zstd") -> bytes:
-    return layer_tar([File(f"{PIP}/libnccl.so.2", lib)], compression,  # type: ignore[arg-type]
-                     level=1)
+    # PyTorch beside pip's libnccl loads it (a stray pip copy is not the default: issue 48)
+    torch = File(PIP.replace("/nvidia/nccl/lib", "/torch/__init__.py"), b"")
+    return layer_tar([File(f"{PIP}/libnccl.so.2", lib), torch],  # type: ignore[arg-type]
+                     compression, level=1)
 
 
 def _client(reg_host: str, repo: str, tag: str, *, creds: Credentials | None = None,

@@ -331,7 +331,7 @@ class Collector:
             return
         from inventoryd.controller.images.index import update_index
 
-        res = update_index(self.inv, cfg)
+        res = update_index(self.inv, cfg, should_stop=should_stop)
         # what is left is scanned at the next cycle, not after a whole interval
         self._images_at = now_mono if not res.left else -float("inf")
         if res.scanned or res.failed or res.gone:

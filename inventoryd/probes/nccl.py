@@ -24,6 +24,7 @@ a copy in a user's conda env under /home is read, never run.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import os
 import re
@@ -120,6 +121,24 @@ class _Scanner:
             self.abis[kind].add(int(m.group(1)))
 
 
+def merge_ranges(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``(start, end)`` ranges sorted, those that overlap or touch made one."""
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(ranges):
+        if out and a <= out[-1][1]:
+            if b > out[-1][1]:
+                out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
+def _inside(starts: list[int], ranges: list[tuple[int, int]], a: int, b: int) -> bool:
+    """Whether ``[a, b)`` lies wholly in one of the merged ``ranges`` (by bisection)."""
+    i = bisect.bisect_right(starts, a) - 1
+    return i >= 0 and b <= ranges[i][1]
+
+
 def scan(f: BinaryIO, skip: list[tuple[int, int]] | None = None) -> dict[str, Any]:
     """sha256, size, banner, git version and plugin ABIs of one open file, in one pass.
 
@@ -136,7 +155,10 @@ def scan(f: BinaryIO, skip: list[tuple[int, int]] | None = None) -> dict[str, An
     view = memoryview(buf)
     keep = 0
     pos = 0
-    ranges = skip or []
+    # merged, then found by bisection: each chunk tested against every range was a
+    # linear search per MiB (millions of sections, issue 48)
+    ranges = merge_ranges(skip or [])
+    starts = [a for a, _ in ranges]
     while True:
         n = f.readinto(view[keep : keep + CHUNK])  # type: ignore[attr-defined]
         if not n:
@@ -147,7 +169,7 @@ def scan(f: BinaryIO, skip: list[tuple[int, int]] | None = None) -> dict[str, An
         if tick is not None and chunks % PROGRESS_EVERY == 0:
             tick()
         start, pos = pos, pos + n
-        if any(a <= start and pos <= b for a, b in ranges):
+        if _inside(starts, ranges, start, pos):
             sc.feed(buf, keep, eof=True)  # the text before the skipped part ends here
             keep = 0
             continue

@@ -71,7 +71,7 @@ def check(hostlist: str, partition: str | None, image: str | None, as_json: bool
 
             image = os.path.abspath(image)
         if image.startswith("/"):
-            found = c.inv("load_image_values", image)
+            found = c.inv("load_image_values", image, check_file=True)
         else:  # a registry reference: judged as the gate judges it
             from ncclguard.fingerprint.imageref import RefError, parse
             from ncclguard.policy.rules.container import registry_image

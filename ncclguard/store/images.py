@@ -5,6 +5,7 @@ hook's verified records of what each container really had."""
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import time
 from collections.abc import Sequence
@@ -96,20 +97,29 @@ class ImageTables(Database):
         out["record"] = _decoded(out["record"], None) if out["record"] else None
         return out
 
-    def load_image_values(self, path: str) -> tuple[dict[str, Any] | None, str | None] | None:
+    def load_image_values(self, path: str, *, check_file: bool = False
+                          ) -> tuple[dict[str, Any] | None, str | None] | None:
         """The gate's read of one image: None when it is not indexed, else
         ``(image_values, error)`` (values None with the cause when it was unreadable).
-        A record that fails the check is computed again from the stored record."""
+        A record that fails the check is computed again from the stored record.
+        ``check_file`` (the gate, ``ncclguard check``): the file at ``path`` must still be
+        the one indexed (inode, size, the later of mtime and ctime, as the index keys
+        it), else values None with the cause (issue 48: a replaced image was judged by
+        the old file's NCCL until the collector read it again)."""
         from ncclguard.fingerprint.image import image_values, valid_image_values
 
         row = self._reading("read image", lambda c: c.execute(
-            "SELECT image_values, error, record FROM images WHERE path = ?",
-            (path,)).fetchone())
+            "SELECT image_values, error, record, inode, size, mtime_ns FROM images "
+            "WHERE path = ?", (path,)).fetchone())
         if row is None:
             return None
-        text, error, record = row
+        text, error, record, inode, size, mtime_ns = row
         if error is not None:
             return None, str(error)
+        if check_file:
+            why = _not_the_indexed_file(path, (inode, size, mtime_ns))
+            if why is not None:
+                return None, why
         try:
             values = json.loads(text)
             if valid_image_values(values):
@@ -382,3 +392,17 @@ class RegistryTables(Database):
         return {"digest": row[0], "resolved_at": row[1], "moved_at": row[2], "state": row[3],
                 "error": row[4], "values": values, "image_error": image_error,
                 "read": bool(row[7])}
+
+
+def _not_the_indexed_file(path: str, indexed: tuple[Any, Any, Any]) -> str | None:
+    """Why the file at ``path`` is not the one indexed as ``(inode, size, mtime_ns)``
+    (:func:`inventoryd.controller.images.index.update_index`'s identity), or None."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        return (f"the file cannot be looked at ({e.strerror or e}): it may not be the one "
+                "indexed")
+    if (st.st_ino, st.st_size, max(st.st_mtime_ns, st.st_ctime_ns)) != tuple(indexed):
+        return ("the file changed since it was indexed: read again at the collector's "
+                "next pass")
+    return None

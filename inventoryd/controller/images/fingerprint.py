@@ -12,14 +12,19 @@ What (docs/containers.md):
   settings of ``/etc/environment`` (enroot's image format: the container's environment),
   and the head of ``/etc/rc`` (enroot's entrypoint script: where the image came from).
 
-Which libnccl the job loads (``default``): pip's copy when the image has one (PyTorch and
-JAX load it by their RPATH), else what the linker finds for ``libnccl.so.2`` first.
+Which libnccl the job loads (``default``): pip's copy where a framework in the same
+``site-packages`` loads it (PyTorch by its RUNPATH, JAX's CUDA plugin, CuPy), else what
+the linker finds for ``libnccl.so.2`` first, else any pip copy.
 Which net plugin: ``NCCL_NET_PLUGIN`` from the environment, then ``/etc/nccl.conf``,
 expanded with the default libnccl's rules, else ``libnccl-net.so``, searched in the same
 directories.
 
 Every file is streamed out of the image into an unlinked temporary file and read there;
-the whole image shares one deadline (:mod:`inventoryd.controller.images.squashfs`).
+the whole image shares one deadline (:mod:`inventoryd.controller.images.squashfs`),
+checked in every loop here too. The search directories are normalized, resolved inside
+the image and each real directory searched once (at most :data:`MAX_SEARCH_DIRS` named),
+and the lists of libraries and plugins stop at their caps while they are built (issue 48;
+docs/containers.md, "The image reader's bounds").
 """
 
 from __future__ import annotations
@@ -28,10 +33,16 @@ import hashlib
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 from inventoryd.controller.images.squashfs import SquashImage
-from inventoryd.controller.images.tree import ImageError, ImageTree
+from inventoryd.controller.images.tree import (
+    ImageError,
+    ImagePathError,
+    ImageStopped,
+    ImageTree,
+)
 from inventoryd.probes import nccl as nccl_probe
 from inventoryd.probes import ncclconf
 from inventoryd.probes import plugins as plugin_probe
@@ -44,7 +55,14 @@ MAX_RC = 4096  # bytes of /etc/rc kept
 MAX_LIBRARIES = 64
 MAX_PLUGINS = 64
 MAX_CONF_FILES = 64
+#: directories named by LD_LIBRARY_PATH and ld.so.conf together (each spelling once),
+#: searched at most: the linker's own paths are searched after them in any case
+MAX_SEARCH_DIRS = 1024
+MAX_PIP_DIRS = 16  # site-packages/nvidia/nccl/lib directories searched at most
+CHECK_EVERY = 1024  # names between two checks of the image's deadline
 PIP_SUFFIXES = ("/site-packages/nvidia/nccl/lib", "/dist-packages/nvidia/nccl/lib")
+#: packages that load pip's libnccl from their own site-packages (:func:`_default_lib`)
+FRAMEWORKS = ("torch", "jax_plugins", "cupy")
 ENV_FILE = "/etc/environment"
 RC_FILE = "/etc/rc"
 PLUGIN_PREFIX = "libnccl-"
@@ -70,14 +88,21 @@ def parse_environment(data: bytes) -> dict[str, str]:
     return out
 
 
-def _conf_dirs(image: ImageTree, errors: list[dict[str, Any]]) -> list[str]:
+def _conf_dirs(image: ImageTree, errors: list[dict[str, Any]], room: int) -> list[str]:
     """Directories of the image's ``/etc/ld.so.conf`` (one ``include`` level of globs
-    in ``/etc/ld.so.conf.d``, as Debian and RHEL ship it)."""
+    in ``/etc/ld.so.conf.d``, as Debian and RHEL ship it), each spelling once (a dict:
+    a list's membership test made 64 files of 64 KiB a 63 s pass), at most ``room``."""
     files = ["/etc/ld.so.conf"]
-    files += [f"/etc/ld.so.conf.d/{n}" for n in image.children("/etc/ld.so.conf.d")
-              if n.endswith(".conf")][:MAX_CONF_FILES]
-    dirs: list[str] = []
+    for k, n in enumerate(image.children("/etc/ld.so.conf.d")):
+        if k % CHECK_EVERY == 0:
+            image.check()
+        if len(files) > MAX_CONF_FILES:
+            break
+        if n.endswith(".conf"):
+            files.append(f"/etc/ld.so.conf.d/{n}")
+    dirs: dict[str, None] = {}
     for f in files:
+        image.check()
         if image.entry(f) is None:
             continue
         try:
@@ -85,11 +110,42 @@ def _conf_dirs(image: ImageTree, errors: list[dict[str, Any]]) -> list[str]:
         except ImageError as e:
             errors.append(_error("linker", f, e.cause))
             continue
-        for line in data.decode("utf-8", "replace").splitlines():
+        for k, line in enumerate(data.decode("utf-8", "replace").splitlines()):
+            if k % CHECK_EVERY == 0:
+                image.check()
             line = line.split("#", 1)[0].strip()
-            if line.startswith("/") and line not in dirs:
-                dirs.append(line.rstrip("/") or "/")
-    return dirs
+            if line.startswith("/"):
+                d = _normal(line)
+                if d not in dirs and len(dirs) >= room:
+                    errors.append(_error("linker", f, f"more than {MAX_SEARCH_DIRS} search "
+                                         "directories named (LD_LIBRARY_PATH, ld.so.conf); "
+                                         "the rest are not searched"))
+                    return list(dirs)
+                dirs[d] = None
+    return list(dirs)
+
+
+def _normal(d: str) -> str:
+    """A directory's spelling without ``.``, repeated or trailing slashes (``..`` is
+    left to :meth:`ImageTree.resolve`: it depends on symlinks)."""
+    return "/" + "/".join(p for p in d.split("/") if p and p != ".")
+
+
+def _search(image: ImageTree, named: list[str]) -> list[tuple[str, str]]:
+    """``(spelling, real directory)`` of each directory of the image that ``named``
+    names, in order, each real directory once (40,000 spellings of one directory of
+    100,000 files listed it 40,000 times: 10 min 42 s)."""
+    out: dict[str, str] = {}  # real directory -> the first spelling that named it
+    for d in named:
+        image.check()
+        try:
+            real = image.resolve(d)
+        except ImagePathError:
+            continue
+        e = image.entries.get(real)
+        if e is not None and e.kind == "d":
+            out.setdefault(real, d)
+    return [(d, real) for real, d in out.items()]
 
 
 def _error(field: str, path: str | None, cause: str) -> dict[str, Any]:
@@ -125,36 +181,81 @@ def read_tree(image: ImageTree, *, tmpdir: str | None = None,
             errors.append(_error("rc", RC_FILE, e.cause))
     conf = _nccl_conf(image, errors)
 
-    ld_path = [d for d in env.get("LD_LIBRARY_PATH", "").split(":") if d.startswith("/")]
-    linker_dirs = _unique([*ld_path, *_conf_dirs(image, errors), *standard_dirs()])
-    pip_dirs = sorted(d for d in image.directories() if d.endswith(PIP_SUFFIXES))
-    search = _unique([*pip_dirs, *linker_dirs])
+    ld_path: dict[str, None] = {}
+    for d in env.get("LD_LIBRARY_PATH", "").split(":"):
+        if d.startswith("/"):
+            ld_path[_normal(d)] = None
+    named = list(ld_path)[:MAX_SEARCH_DIRS]
+    if len(ld_path) > MAX_SEARCH_DIRS:
+        errors.append(_error("linker", ENV_FILE, f"more than {MAX_SEARCH_DIRS} search "
+                             "directories named (LD_LIBRARY_PATH, ld.so.conf); the rest "
+                             "are not searched"))
+    named += _conf_dirs(image, errors, MAX_SEARCH_DIRS - len(named))
+    pip_named: list[str] = []
+    for k, d in enumerate(image.directories()):
+        if k % CHECK_EVERY == 0:
+            image.check()
+        if d.endswith(PIP_SUFFIXES):
+            pip_named.append(d)
+    pip_named.sort()
+    if len(pip_named) > MAX_PIP_DIRS:
+        errors.append(_error("linker", None, f"more than {MAX_PIP_DIRS} pip NCCL "
+                             "directories (site-packages/nvidia/nccl/lib); the rest are "
+                             "not searched"))
+        del pip_named[MAX_PIP_DIRS:]
+    pip_search = _search(image, pip_named)
+    pip_dirs = [d for d, _ in pip_search]
+    loaded = {d for d in pip_dirs if _loaded_by_a_framework(image, d)}
+    pip_real = {real for _, real in pip_search}
+    search_dirs = [*pip_search, *(
+        (d, real) for d, real in _search(image, [*named, *standard_dirs()])
+        if real not in pip_real)]
+    search = [d for d, _ in search_dirs]
 
     libs: list[dict[str, Any]] = []
-    plugin_files: list[tuple[str, str]] = []  # (path, directory)
-    for d in search:
-        for name in image.children(d):
+    nets: list[tuple[str, str]] = []  # (path, kind): read first
+    others: list[tuple[str, str]] = []
+    dropped = {"libnccl": 0, "plugins": 0}
+    for d, real in search_dirs:
+        for k, name in enumerate(image.children(real)):
+            if k % CHECK_EVERY == 0:
+                image.check()
             p = f"{d.rstrip('/')}/{name}"
             if name == "libnccl.so" or name.startswith("libnccl.so."):
                 if len(libs) < MAX_LIBRARIES:
                     libs.append({"path": p, "origin": "pip" if d in pip_dirs else "linker"})
+                else:
+                    dropped["libnccl"] += 1
             elif name.startswith(PLUGIN_PREFIX) and ".so" in name:
-                plugin_files.append((p, d))
+                kind = plugin_probe._kind_of(p)
+                if kind is None:
+                    continue
+                # stopped at the cap while listed: 400,000 files named 328 ways made a
+                # list of 6.2 GB before it was cut
+                keep = nets if kind == "net" else others
+                if len(keep) < MAX_PLUGINS:
+                    keep.append((p, kind))
+                else:
+                    dropped["plugins"] += 1
+    plugin_files = [*nets, *others][:MAX_PLUGINS]
+    dropped["plugins"] += len(nets) + len(others) - len(plugin_files)
+    for field, n in dropped.items():
+        if n:
+            cap = MAX_LIBRARIES if field == "libnccl" else MAX_PLUGINS
+            what = "plugin" if field == "plugins" else field
+            errors.append(_error(field, None, f"more than {cap} {what} files on the search "
+                                 f"path: {n} more not read"))
     with tempfile.TemporaryDirectory(dir=tmpdir, prefix="ncclguard-image-") as tmp:
         # read in the order the gate needs them; listed in the search order
         read: dict[int, dict[str, Any] | None] = {}
-        for i in sorted(range(len(libs)), key=lambda i: _default_rank(libs[i])):
+        for i in sorted(range(len(libs)), key=lambda i: _default_rank(libs[i], loaded)):
             read[i] = _library(image, libs[i], tmp, errors)
         out_libs = [r for i in range(len(libs)) if (r := read[i]) is not None]
-        default = _default_lib(out_libs, pip_dirs)
+        default = _default_lib(out_libs, loaded)
         for rec in out_libs:
             rec["default"] = rec["path"] == default
         plugins = []
-        for p, _d in sorted(plugin_files[:MAX_PLUGINS],
-                            key=lambda f: plugin_probe._kind_of(f[0]) != "net"):
-            kind = plugin_probe._kind_of(p)
-            if kind is None:
-                continue
+        for p, kind in plugin_files:
             prec = _plugin(image, kind, p, tmp, errors)
             if prec is not None:
                 plugins.append(prec)
@@ -176,6 +277,7 @@ def read_tree(image: ImageTree, *, tmpdir: str | None = None,
 def scan_image(
     path: str, *, unsquashfs: str = "", timeout_s: float = 30.0, tmpdir: str | None = None,
     max_file_bytes: int | None = None, max_read_bytes: int | None = None,
+    stop: Callable[[], bool] | None = None, fd: int | None = None,
 ) -> dict[str, Any]:
     """The image record of the squashfs file at ``path``. Raises ImageError when the image
     as a whole cannot be read (the cause names it); one unreadable file inside costs its
@@ -185,17 +287,20 @@ def scan_image(
     candidates, in its order), then the net plugins; the other libraries and plugins
     only while the image's read budget lasts (``max_read_bytes``, and at most
     ``MAX_EXPANSION`` times the image's own size: a sparse member is never read whole);
-    those past it are listed with the reason."""
-    st = os.stat(path)
+    those past it are listed with the reason. ``fd``: the image opened by the caller
+    (:func:`.squashfs.open_image`): what is read, and the identity recorded, are that
+    file's."""
+    st = os.stat(path) if fd is None else os.fstat(fd)
     t0 = time.monotonic()
     kw: dict[str, Any] = {}
     if max_file_bytes is not None:
         kw["max_file_bytes"] = max_file_bytes
     if max_read_bytes is not None:
         kw["max_read_bytes"] = max_read_bytes
-    image = SquashImage(path, deadline=t0 + timeout_s, unsquashfs=unsquashfs, **kw)
+    image = SquashImage(path, deadline=t0 + timeout_s, unsquashfs=unsquashfs, stop=stop,
+                        fd=fd, **kw)
     facts = read_tree(image, tmpdir=tmpdir)
-    st2 = os.stat(path)
+    st2 = os.stat(path) if fd is None else os.fstat(fd)
     if (st.st_ino, st.st_size, st.st_mtime_ns) != (st2.st_ino, st2.st_size, st2.st_mtime_ns):
         raise ImageError(path, "changed while it was read; read again at the next scan")
     return {
@@ -205,15 +310,6 @@ def scan_image(
         **facts,
         "scan_seconds": round(time.monotonic() - t0, 3),
     }
-
-
-def _unique(items: list[str]) -> list[str]:
-    out: list[str] = []
-    for i in items:
-        i = i.rstrip("/") or "/"
-        if i not in out:
-            out.append(i)
-    return out
 
 
 def _nccl_conf(image: ImageTree, errors: list[dict[str, Any]]) -> dict[str, Any]:
@@ -242,6 +338,8 @@ def _library(image: ImageTree, rec: dict[str, Any], tmp: str,
     except ImageError as e:
         if "no such file" in e.cause:
             return None  # a dangling link: not loadable
+        if isinstance(e, ImageStopped):
+            raise
         errors.append(_error("libnccl", p, e.cause))
         if "time limit" in e.cause:
             raise
@@ -259,6 +357,8 @@ def _plugin(image: ImageTree, kind: str, p: str, tmp: str,
     except ImageError as e:
         if "no such file" in e.cause:
             return None
+        if isinstance(e, ImageStopped):
+            raise
         errors.append(_error(f"plugins.{kind}", p, e.cause))
         if "time limit" in e.cause:
             raise
@@ -270,22 +370,34 @@ def _plugin(image: ImageTree, kind: str, p: str, tmp: str,
     return rec
 
 
-def _default_rank(lib: dict[str, Any]) -> int:
+def _loaded_by_a_framework(image: ImageTree, pip_dir: str) -> bool:
+    """Whether a framework that loads pip's libnccl is installed beside it, in the same
+    ``site-packages``: PyTorch (its libraries' RUNPATH ``$ORIGIN/../../nvidia/nccl/lib``
+    and ``_load_global_deps``), JAX's CUDA plugin, CuPy."""
+    site = pip_dir[: -len("/nvidia/nccl/lib")]
+    return any(image.is_dir(f"{site}/{name}") for name in FRAMEWORKS)
+
+
+def _default_rank(lib: dict[str, Any], loaded: set[str]) -> int:
     """How likely a listed libnccl is the one a job loads (:func:`_default_lib`): pip's
-    ``libnccl.so.2``, then the linker's, then the other names."""
+    ``libnccl.so.2`` beside a framework, then the linker's, then other pip copies, then
+    the other names."""
     if not lib["path"].endswith("/libnccl.so.2"):
-        return 2
-    return 0 if lib["origin"] == "pip" else 1
+        return 3
+    if lib["origin"] != "pip":
+        return 1
+    return 0 if lib["path"].rsplit("/", 1)[0] in loaded else 2
 
 
-def _default_lib(libs: list[dict[str, Any]], pip_dirs: list[str]) -> str | None:
-    pip = [r for r in libs if r["origin"] == "pip" and r["path"].endswith("/libnccl.so.2")]
-    if pip:
-        return str(pip[0]["path"])
-    for r in libs:  # search order: libs were listed directory by directory
-        if r["path"].endswith("/libnccl.so.2"):
-            return str(r["path"])
-    return None
+def _default_lib(libs: list[dict[str, Any]], loaded: set[str]) -> str | None:
+    """The libnccl a job loads, as the loader finds it: pip's copy where a framework
+    beside it loads it (``loaded``: those directories), else the linker's first
+    ``libnccl.so.2`` (libs are listed directory by directory, in search order), else a
+    pip copy (a framework this reader does not know). A stray pip copy anywhere in the
+    image is not what the linker loads (issue 48)."""
+    so2 = [r for r in libs if r["path"].endswith("/libnccl.so.2")]
+    best = min(so2, key=lambda r: _default_rank(r, loaded), default=None)
+    return None if best is None else str(best["path"])
 
 
 def _net_plugin(image: ImageTree, env: dict[str, str], conf: dict[str, Any],

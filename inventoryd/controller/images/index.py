@@ -4,7 +4,9 @@ changed ones within a time budget, and hand the results to the inventory's one w
 
 An image is known by its path and identified by (inode, size, mtime_ns): an image that
 is replaced or rewritten is scanned again; one whose identity did not change is not.
-Symlinks are not followed (a user could point one anywhere), nor are directories deeper
+Symlinks are not followed (a user could point one anywhere), neither by the walk nor when
+an image is opened to be read (from the root, ``O_NOFOLLOW`` at each component, checked
+against the walk's identity: :func:`.squashfs.open_image`), nor are directories deeper
 than ``[images] max_depth`` searched. An image that cannot be read is stored with its
 cause (``ncclguard images`` shows it; the gate calls a job using it "unknown").
 """
@@ -15,11 +17,13 @@ import logging
 import os
 import stat
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from inventoryd.controller.images.fingerprint import scan_image
-from inventoryd.controller.images.squashfs import ImageError
+from inventoryd.controller.images.squashfs import ImageError, open_image
+from inventoryd.controller.images.tree import ImageStopped
 from ncclguard.config import ImagesConfig
 from ncclguard.store import Inventory
 
@@ -48,25 +52,41 @@ def find_images(cfg: ImagesConfig) -> tuple[list[tuple[str, os.stat_result]], bo
     """``(images, complete)``: (path, stat) of every regular ``*.sqsh`` file under the
     roots, without following symlinks, at most ``max_depth`` levels down, looking at no
     more than ``SEEN_PER_IMAGE * max_images`` directory entries of any kind
-    (``complete``: the walk reached its end within that)."""
+    (``complete``: the walk reached its end within that).
+
+    Each directory is read lazily (never listed whole: a directory of 1M hard links with
+    long names cost 835 MB, issue 48), in name order among what was read of it, and at
+    most what is left of the walk's entries less ``max_images`` (or half of what is left,
+    when that is less): a directory one user floods leaves the others room."""
     found: list[tuple[str, os.stat_result]] = []
-    left = SEEN_PER_IMAGE * cfg.max_images
+    total = SEEN_PER_IMAGE * cfg.max_images
+    left = total
+    complete = True
     for root in cfg.roots:
         stack: list[tuple[str, int]] = [(root, 0)]
         while stack:
+            if left <= 0:
+                log.warning("images: more than %d entries under the roots: the walk "
+                            "stopped there", total)
+                return found, False
             d, depth = stack.pop()
+            cap = left - min(left // 2, cfg.max_images)
+            entries: list[os.DirEntry[str]] = []
             try:
                 with os.scandir(d) as it:
-                    entries = sorted(it, key=lambda e: e.name)
+                    for ent in it:
+                        if len(entries) >= cap:
+                            complete = False
+                            log.warning("images: more than %d entries in %s: the rest of "
+                                        "it not looked at", cap, d)
+                            break
+                        entries.append(ent)
             except OSError as err:
                 log.warning("images: cannot list %s: %s", d, err.strerror or err)
                 continue
+            left -= len(entries)
+            entries.sort(key=lambda e: e.name)
             for ent in reversed(entries):
-                if left <= 0:
-                    log.warning("images: more than %d entries under the roots: the walk "
-                                "stopped there", SEEN_PER_IMAGE * cfg.max_images)
-                    return found, False
-                left -= 1
                 try:
                     st = ent.stat(follow_symlinks=False)
                 except OSError:
@@ -76,7 +96,7 @@ def find_images(cfg: ImagesConfig) -> tuple[list[tuple[str, os.stat_result]], bo
                         stack.append((ent.path, depth + 1))
                 elif stat.S_ISREG(st.st_mode) and ent.name.endswith(SUFFIXES):
                     found.append((ent.path, st))
-    return found, True
+    return found, complete
 
 
 def _passing(cause: str) -> bool:
@@ -84,6 +104,7 @@ def _passing(cause: str) -> bool:
     limit on a loaded machine, a signal): the image is tried again after a back-off
     instead of staying unreadable until it changes."""
     return (cause.startswith("cannot run ") or cause.endswith("time limit reached")
+            or cause.endswith("read again at the next pass")
             or "signal" in cause or "killed" in cause.lower())
 
 
@@ -108,8 +129,26 @@ def _order(todo: list[tuple[str, os.stat_result, int]]) -> list[tuple[str, os.st
     return [item for _, item in sorted(keyed, key=lambda kv: kv[0])]
 
 
+def _shares(owners: list[int], total: int) -> dict[int, int]:
+    """How many images each file owner may have in the index: a max-min fair share of
+    ``total`` over the owners of the images found (an owner needing less than an equal
+    share leaves the rest to the others). One user filling ``max_images`` first kept
+    every later user's image out, for good (issue 48)."""
+    demand: dict[int, int] = {}
+    for uid in owners:
+        demand[uid] = demand.get(uid, 0) + 1
+    out: dict[int, int] = {}
+    left = total
+    order = sorted(demand, key=lambda u: (demand[u], u))
+    for i, uid in enumerate(order):
+        out[uid] = min(demand[uid], left // (len(order) - i))
+        left -= out[uid]
+    return out
+
+
 def update_index(inv: Inventory, cfg: ImagesConfig, budget_s: float | None = None,
-                 now: float | None = None) -> IndexResult:
+                 now: float | None = None,
+                 should_stop: Callable[[], bool] | None = None) -> IndexResult:
     """One pass: scan what changed and what is due again, fairly (:func:`_order`), within
     the budget, and drop what is gone.
 
@@ -117,7 +156,9 @@ def update_index(inv: Inventory, cfg: ImagesConfig, budget_s: float | None = Non
     (at most ``timeout_s``), and none is started with less than :data:`MIN_SLICE_S` left,
     except the first of a pass, which may take the whole budget. An image cut short by
     the budget rather than by its own ``timeout_s`` is left for the next pass, not
-    counted as a failure."""
+    counted as a failure. ``should_stop`` (the collector's SIGTERM) is checked in every
+    loop of the image being read: once it says stop, the read is given up within about a
+    second, nothing is stored for that image, and the pass ends with what it wrote."""
     t0 = time.monotonic()
     wall = time.time() if now is None else now
     budget = cfg.scan_budget_s if budget_s is None else budget_s
@@ -126,16 +167,47 @@ def update_index(inv: Inventory, cfg: ImagesConfig, budget_s: float | None = Non
     todo: list[tuple[str, os.stat_result, int]] = []
     found, complete = find_images(cfg)
     present = {path for path, _ in found}
+    if not complete:
+        # what a walk cut short did not reach is looked at by its path: one replaced
+        # meanwhile is read again, never judged by the old file's record (issue 48)
+        for path in sorted(known.keys() - present):
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue  # gone, or not reachable: decided below
+            if stat.S_ISREG(st.st_mode) and path.endswith(SUFFIXES) and any(
+                    path.startswith(r.rstrip("/") + "/") for r in cfg.roots):
+                found.append((path, st))
+                present.add(path)
     # at most max_images in the index: images already in it are kept (and read again
-    # when they change); new ones fill the room left, one file owner's at a time
+    # when they change) within their owner's share; new ones fill the room left, one
+    # file owner's at a time, each owner up to its share
     new = [(p, st) for p, st in found if p not in known]
     room = cfg.max_images - len(present & known.keys())
+    evicted: list[str] = []
     if len(new) > room:
+        shares = _shares([st.st_uid for _, st in found], cfg.max_images)
+        held: dict[int, int] = {}
+        for p, st in sorted(found, key=lambda f: f[0]):
+            if p in known:
+                held[st.st_uid] = held.get(st.st_uid, 0) + 1
+                if held[st.st_uid] > shares[st.st_uid]:
+                    evicted.append(p)  # over its owner's share: room for one waiting
+        room += len(evicted)
         log.warning("images: %d new images and room for %d under max_images (%d): one file "
-                    "owner's at a time in turn, the rest not indexed", len(new), max(room, 0),
-                    cfg.max_images)
-        admitted = {p for p, _, _ in _order([(p, st, 0) for p, st in new])[:max(room, 0)]}
-        found = [(p, st) for p, st in found if p in known or p in admitted]
+                    "owner's at a time in turn, each up to its share, the rest not indexed; "
+                    "%d indexed images over their owner's share dropped", len(new),
+                    max(room, 0), cfg.max_images, len(evicted))
+        admitted: set[str] = set()
+        for p, st, _ in _order([(p, st, 0) for p, st in new]):
+            if len(admitted) >= room:
+                break
+            if held.get(st.st_uid, 0) < shares[st.st_uid]:
+                held[st.st_uid] = held.get(st.st_uid, 0) + 1
+                admitted.add(p)
+        out = set(evicted)
+        found = [(p, st) for p, st in found
+                 if (p in known and p not in out) or p in admitted]
     for path, st in found:
         # the later of mtime and ctime: a user who can write the roots can set an image's
         # mtime back after changing it (touch -d), never its ctime
@@ -149,12 +221,13 @@ def update_index(inv: Inventory, cfg: ImagesConfig, budget_s: float | None = Non
     for path, st, attempts in _order(todo):
         left = budget - (time.monotonic() - t0)
         first = not rows
-        if not first and left < MIN_SLICE_S:
+        if (should_stop is not None and should_stop()) or (not first and left < MIN_SLICE_S):
             res.left += 1
             continue
         slice_s = cfg.timeout_s if first and budget <= 0 else min(cfg.timeout_s, max(left, 0.0))
         # the first image of a pass had the whole budget: its time limit is a failure
-        row = _scan_one(path, st, attempts, slice_s, cfg, res, can_defer=not first)
+        row = _scan_one(path, st, attempts, slice_s, cfg, res, can_defer=not first,
+                        stop=should_stop)
         if row is None:  # cut short by the budget: the next pass
             res.left += 1
             continue
@@ -162,8 +235,8 @@ def update_index(inv: Inventory, cfg: ImagesConfig, budget_s: float | None = Non
             row["retry_at"] = wall + backoff_s(row["attempts"], cfg)
         rows.append(row)
     # gone: not found; when the walk stopped short, only what is really no longer there
-    res.gone = sorted(p for p in set(known) - present
-                      if complete or not os.path.lexists(p))
+    res.gone = sorted([*(p for p in set(known) - present
+                         if complete or not os.path.lexists(p)), *evicted])
     if rows or res.gone:
         inv.write_images(rows, res.gone)
     res.seconds = time.monotonic() - t0
@@ -171,20 +244,30 @@ def update_index(inv: Inventory, cfg: ImagesConfig, budget_s: float | None = Non
 
 
 def _scan_one(path: str, st: os.stat_result, attempts: int, slice_s: float,
-              cfg: ImagesConfig, res: IndexResult, *, can_defer: bool) -> dict[str, Any] | None:
+              cfg: ImagesConfig, res: IndexResult, *, can_defer: bool,
+              stop: Callable[[], bool] | None = None) -> dict[str, Any] | None:
     """The row of one image scanned within ``slice_s``; None (``can_defer``) when it ran
     out of a slice shorter than its own ``timeout_s``: what was left of the pass's
     budget, not the image, was short."""
     row: dict[str, Any] = {"path": path, "inode": st.st_ino, "size": st.st_size,
                            "mtime_ns": max(st.st_mtime_ns, st.st_ctime_ns),
                            "attempts": attempts + 1, "retry_at": None}
+    root = next((r for r in cfg.roots if path.startswith(r.rstrip("/") + "/")), None)
+    fd = None
     try:
+        if root is None:
+            raise ImageError(path, "not under any of [images] roots")
+        # opened from the root without following a symlink, and checked to be the file
+        # the walk saw: a directory swapped for a link to a decoy is refused (issue 48)
+        fd = open_image(root, path, st)
         row["record"] = scan_image(path, unsquashfs=cfg.unsquashfs, timeout_s=slice_s,
                                    tmpdir=cfg.tmp_dir or None,
-                                   max_read_bytes=cfg.max_read_bytes)
+                                   max_read_bytes=cfg.max_read_bytes, stop=stop, fd=fd)
         row["attempts"] = 0
         res.scanned.append(path)
         return row
+    except ImageStopped:
+        return None  # the collector is stopping: read again after its restart
     except ImageError as e:
         if can_defer and e.cause.endswith("time limit reached") and slice_s < cfg.timeout_s:
             return None
@@ -196,6 +279,9 @@ def _scan_one(path: str, st: os.stat_result, attempts: int, slice_s: float,
     except Exception as e:  # a bug on one image must not stop the index (nor the collector)
         row["error"] = f"internal error reading the image: {type(e).__name__}: {e}"
         log.exception("image %s: internal error", path)
+    finally:
+        if fd is not None:
+            os.close(fd)
     res.failed[path] = row["error"]
     log.warning("image %s not indexed (failure %d in a row): %s", path, row["attempts"],
                 row["error"])

@@ -14,8 +14,12 @@ What this module adds:
   image's root, ``..`` never climbs above it, and at most :data:`MAX_HOPS` links are
   followed (one squashfs library's own resolver looped for ever on a loop).
 - **Bounds**, each a clear :class:`ImageError` naming the image and the cause: entries
-  listed, listing bytes, tree depth, name length, the size of a file streamed out, and
-  the time of the whole image.
+  listed, listing bytes, tree depth, name length, the size of a file streamed out, what
+  may be streamed out in all (from what the image file holds: :func:`image_bytes`), and
+  the time of the whole image (checked in every loop, with the collector's SIGTERM).
+- **Opened by descriptor** (:func:`open_image`): the index opens an image from its root
+  without following a symlink, checks it is the file its walk saw, and unsquashfs reads
+  that descriptor.
 
 Only the entries the fingerprint can use are kept (directories, symlinks, and files whose
 names :func:`wanted` accepts), so a 1 GB image with 100,000 files costs a few MB.
@@ -24,12 +28,15 @@ names :func:`wanted` accepts), so a 1 GB image with 100,000 files costs a few MB
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import resource
 import secrets
 import select
 import shutil
+import stat
+import struct
 import subprocess
 import tempfile
 import time
@@ -41,6 +48,7 @@ from inventoryd.controller.images.tree import (
     Entry,
     ImageError,
     ImagePathError,
+    ImageStopped,
     ImageTree,
 )
 
@@ -64,6 +72,8 @@ MAX_READ_BYTES = 3 << 30  # streamed out of one image in all (the libnccl a job 
 #: larger than 64x the whole image is mostly sparse or zeros, never a library
 MAX_EXPANSION = 64
 STDERR_KEEP = 4096
+#: a squashfs 4 superblock: ``bytes_used``, the image's length, is the u64 at byte 40
+SUPERBLOCK_BYTES = 96
 
 _ALLOWED_NAME = re.compile(r"[\x20-\x7e]+")
 
@@ -72,6 +82,72 @@ def wanted(name: str) -> bool:
     """The file names the image fingerprint reads (everything else is only counted)."""
     return (name.startswith("libnccl") or name in ("nccl.conf", "environment", "rc",
                                                    "ld.so.conf") or name.endswith(".conf"))
+
+
+def image_bytes(path: str, fd: int | None = None) -> int:
+    """What an image file holds, for its read bound: the least of its size, the blocks it
+    has on disk (``st_blocks``) and its superblock's ``bytes_used`` (the image proper).
+    ``truncate -s 64G`` on a small image made its ``st_size`` claim 64 GiB: 2 GiB were
+    streamed out of it, and written to the controller's tmp, each pass (issue 48)."""
+    own = fd is None
+    if fd is None:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        n = st.st_size
+        if st.st_blocks:  # 0 on a file system that does not count blocks: the size
+            n = min(n, st.st_blocks * 512)
+        head = os.pread(fd, SUPERBLOCK_BYTES, 0)
+    finally:
+        if own:
+            os.close(fd)
+    if len(head) >= SUPERBLOCK_BYTES and head[:4] in (b"hsqs", b"sqsh"):
+        order = "<" if head[:4] == b"hsqs" else ">"
+        n = min(n, struct.unpack_from(order + "Q", head, 40)[0])
+    return n
+
+
+def open_image(root: str, path: str, expect: os.stat_result) -> int:
+    """A descriptor of the image at ``path`` under ``root``, opened from the root one
+    component at a time with ``O_NOFOLLOW`` (a directory swapped for a symlink after the
+    walk is refused, not followed to a decoy), and checked to be the file the walk saw
+    (``expect``: its device and inode). Raises ImageError naming the cause."""
+    rel = os.path.relpath(path, root)
+    parts = rel.split(os.sep)
+    if rel.startswith("..") or not parts or "" in parts:
+        raise ImageError(path, f"not under the root {root}")
+    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
+    try:
+        d = os.open(root, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECTORY)
+    except OSError as e:
+        raise ImageError(path, f"cannot open the root {root}: {e.strerror or e}") from None
+    try:
+        for part in parts[:-1]:
+            try:
+                nd = os.open(part, flags | os.O_DIRECTORY, dir_fd=d)
+            except OSError as e:
+                raise ImageError(path, f"{part}: {_open_error(e)}; read again at the next "
+                                       "pass") from None
+            os.close(d)
+            d = nd
+        try:
+            fd = os.open(parts[-1], flags | os.O_NONBLOCK, dir_fd=d)
+        except OSError as e:
+            raise ImageError(path, f"{_open_error(e)}; read again at the next pass") from None
+    finally:
+        os.close(d)
+    st = os.fstat(fd)
+    if (st.st_dev, st.st_ino) != (expect.st_dev, expect.st_ino) or not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise ImageError(path, "replaced by another file between the walk and the read; "
+                               "read again at the next pass")
+    return fd
+
+
+def _open_error(e: OSError) -> str:
+    if e.errno in (errno.ELOOP, errno.ENOTDIR):
+        return "a symlink (or not a directory) in its path since the walk: not followed"
+    return f"cannot open: {e.strerror or e}"
 
 
 def unsquashfs_path(configured: str = "") -> str:
@@ -109,11 +185,18 @@ class SquashImage(ImageTree):
         child_memory: int = CHILD_MEMORY_BYTES,
         timeout_s: float = TIMEOUT_S,
         max_read_bytes: int = MAX_READ_BYTES,
+        stop: Callable[[], bool] | None = None,
+        fd: int | None = None,
     ) -> None:
         # what may still be streamed out of this image (copy_file): the work one image
         # may cost is bounded by its own size, not by what its listing claims
-        self.read_left = min(max_read_bytes, MAX_EXPANSION * os.stat(path).st_size + (1 << 20))
+        # ``fd``: the image opened by the caller (:func:`open_image`): unsquashfs reads
+        # that file through /proc/self/fd, whatever ``path`` names by then
+        self.fd = fd
+        self.source = path if fd is None else f"/proc/self/fd/{fd}"
+        self.read_left = min(max_read_bytes, MAX_EXPANSION * image_bytes(path, fd) + (1 << 20))
         self.deadline = deadline if deadline is not None else time.monotonic() + timeout_s
+        self.stop = stop
         self.program = unsquashfs_path(unsquashfs)
         self.keep = keep
         self.max_entries = max_entries
@@ -129,6 +212,11 @@ class SquashImage(ImageTree):
     # ---- running unsquashfs ----------------------------------------------------------
 
     def _left(self) -> float:
+        """What is left of the deadline (raises at it, or once asked to stop: the
+        stream loop calls this at least once a second)."""
+        assert self.deadline is not None  # always set here (__init__)
+        if self.stop is not None and self.stop():
+            self.check()
         left = self.deadline - time.monotonic()
         if left <= 0:
             raise ImageError(self.path, "time limit reached")
@@ -142,6 +230,7 @@ class SquashImage(ImageTree):
             try:
                 p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                      stderr=err, env={"PATH": os.defpath, "LC_ALL": "C"},
+                                     pass_fds=() if self.fd is None else (self.fd,),
                                      preexec_fn=_limit_child(self.child_memory))
             except OSError as e:
                 raise ImageError(self.path, f"cannot run {self.program}: "
@@ -168,6 +257,8 @@ class SquashImage(ImageTree):
                 rc = p.wait(timeout=max(0.1, self._left()))
             except subprocess.TimeoutExpired:
                 raise ImageError(self.path, f"{what}: time limit reached") from None
+            except ImageStopped:
+                raise
             except ImageError as e:
                 if e.cause == "time limit reached":
                     raise ImageError(self.path, f"{what}: time limit reached") from None
@@ -193,13 +284,15 @@ class SquashImage(ImageTree):
         token = "/ncg" + secrets.token_hex(12)
         args = ["-no-progress", "-da", str(QUEUE_MB), "-fr", str(QUEUE_MB), "-UTC", "-d", token,
                 "-max-depth", str(self.max_depth + 1),
-                "-lln", self.path]
+                "-lln", self.source]
         data = self._run(args, None, MAX_LISTING_BYTES, "listing")
         line = re.compile(
             rb"(?P<kind>[-dlbcps])[-rwxsStT]{9} \d+/\d+ +(?P<size>\d+|\d+, *\d+) "
             rb"\d{4}-\d\d-\d\d \d\d:\d\d " + re.escape(token.encode()) + rb"(?P<rest>/.*)?")
         current: list[bytes] | None = None  # kind, size, rest of the entry being read
-        for raw in data.removesuffix(b"\n").split(b"\n"):
+        for k, raw in enumerate(data.removesuffix(b"\n").split(b"\n")):
+            if k % 4096 == 0:
+                self.check()
             m = line.fullmatch(raw)
             if m is None:  # a name holding a newline: the rest of the previous entry
                 if current is not None:
@@ -269,7 +362,7 @@ class SquashImage(ImageTree):
                                  "images.max_read_bytes); not read")
         self.read_left -= e.size
         self._run(["-no-progress", "-no-wildcards", "-da", str(QUEUE_MB), "-fr", str(QUEUE_MB),
-                   "-cat", self.path, real.lstrip("/")],
+                   "-cat", self.source, real.lstrip("/")],
                   out, e.size, f"reading {real}")
         if out.tell() != e.size:
             raise ImagePathError(self.path, f"{real}: {out.tell()} of {e.size} bytes read "

@@ -10,6 +10,7 @@ root, ``..`` never climbs above it, and at most :data:`MAX_HOPS` links are follo
 from __future__ import annotations
 
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import IO, Any, BinaryIO
@@ -47,6 +48,10 @@ class ImagePathError(ImageError):
     """One path inside a readable image is missing, not a file, or loops."""
 
 
+class ImageStopped(ImageTransient):
+    """The collector is stopping (SIGTERM): the read was given up, nothing is stored."""
+
+
 @dataclass(frozen=True, slots=True)
 class Entry:
     kind: str  # "d" directory, "l" symlink, "-" regular file, others as ls prints them
@@ -56,7 +61,15 @@ class Entry:
 
 class ImageTree:
     """``entries`` (path -> Entry) and ``dirs`` (directory -> the names kept in it), filled
-    by the subclass; ``copy_file`` and ``read_small`` are the subclass's."""
+    by the subclass; ``copy_file`` and ``read_small`` are the subclass's.
+
+    ``deadline`` (``time.monotonic()``; None: none) bounds the whole image: every loop of
+    the fingerprint over the tree calls :meth:`check`, and a file's analysis runs with a
+    :data:`inventoryd.nodefs.progress` callback that checks it too (issue 48)."""
+
+    deadline: float | None = None
+    #: the collector's "stop now?" (SIGTERM): checked where the deadline is (issue 48)
+    stop: Callable[[], bool] | None = None
 
     def __init__(self, path: str) -> None:
         self.path = path  # what the image is called in messages
@@ -65,6 +78,14 @@ class ImageTree:
         self.listed = 0  # every entry of the image, kept or not
         self.odd_names = 0  # names with control characters or over the bounds: skipped
         self.memo: dict[tuple[str, Any], Any] = {}  # (real path, analyzer) -> its result
+
+    def check(self) -> None:
+        """Raise ImageError ``time limit reached`` once the image's deadline has passed,
+        ImageStopped once the collector is asked to stop."""
+        if self.stop is not None and self.stop():
+            raise ImageStopped(self.path, "not read: the collector is stopping")
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            raise ImageError(self.path, "time limit reached")
 
     def resolve(self, path: str) -> str:
         """The path inside the image that ``path`` names, with every symlink followed
@@ -129,11 +150,29 @@ class ImageTree:
     def analyze(self, path: str, analyze: Analyzer, tmpdir: str) -> tuple[str, Any]:
         """(real path, facts) of one file, each real file analysed once: streamed out
         into an unlinked temporary file and read there."""
+        from inventoryd.nodefs import TimeLimit, progress
+
         real = self.resolve(path)
         if (real, analyze) in self.memo:
             return real, self.memo[real, analyze]
         with tempfile.TemporaryFile(dir=tmpdir) as f:
             real, _ = self.copy_file(path, f)
             f.seek(0)
-            self.memo[real, analyze] = facts = analyze(f, f"{self.path}:{real}")
+            outer = progress.get()
+
+            def tick() -> None:  # the analysis of one file is under the image's deadline
+                if (self.deadline is not None and time.monotonic() > self.deadline) or (
+                        self.stop is not None and self.stop()):
+                    raise TimeLimit(f"{self.path}:{real}")
+                if outer is not None:
+                    outer()
+
+            token = progress.set(tick)
+            try:
+                self.memo[real, analyze] = facts = analyze(f, f"{self.path}:{real}")
+            except TimeLimit:
+                self.check()  # stopping: ImageStopped
+                raise ImageError(self.path, f"analysing {real}: time limit reached") from None
+            finally:
+                progress.reset(token)
             return real, facts
