@@ -235,7 +235,8 @@ class NodeFS:
         except OSError:
             return False
 
-    def resolve(self, node_path: str, strict: bool = False) -> str:
+    def resolve(self, node_path: str, strict: bool = False,
+                visit: Callable[[str, os.stat_result], None] | None = None) -> str:
         """The node path with every symlink resolved *inside the node root*.
 
         An absolute link target is taken relative to the root (as on the node itself),
@@ -244,7 +245,9 @@ class NodeFS:
 
         ``strict=False`` keeps missing components as they are (like ``realpath -m``);
         ``strict=True`` raises ENOENT for a missing component and ENOTDIR for a
-        non-directory in the middle of the path.
+        non-directory in the middle of the path. ``visit(node path, lstat)`` is called on
+        every component that is not a link, as it is reached (a check that raises stops
+        the resolution: the containers probe's trust of every directory on the way).
         """
         if not node_path.startswith("/"):
             raise ValueError(f"node paths are absolute: {node_path!r}")
@@ -271,6 +274,8 @@ class NodeFS:
             if not stat.S_ISLNK(st.st_mode):
                 if strict and todo and not stat.S_ISDIR(st.st_mode):
                     raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), candidate)
+                if visit is not None:
+                    visit(candidate, st)
                 done.append(part)
                 continue
             hops += 1

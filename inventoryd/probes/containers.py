@@ -35,12 +35,11 @@ import hashlib
 import os
 import posixpath
 import re
-import stat
 from collections.abc import Sequence
 from typing import Any
 
 from inventoryd.filecache import FileCache
-from inventoryd.nodefs import MAX_SYMLINKS, ErrorLog, NodeFS
+from inventoryd.nodefs import ErrorLog, NodeFS
 from inventoryd.probes import plugins as plugin_probe
 from ncclguard.fileowner import owner
 
@@ -182,6 +181,10 @@ def _mode_why(node_path: str, st: os.stat_result) -> str | None:
     return None
 
 
+class _Untrusted(Exception):
+    pass
+
+
 def trusted_path(fs: NodeFS, node_path: str) -> tuple[str | None, str | None]:
     """``(the node path with its links resolved, None)`` when every directory the path
     goes through (those holding its links too), up to ``/``, and what it names are root's
@@ -190,45 +193,19 @@ def trusted_path(fs: NodeFS, node_path: str) -> tuple[str | None, str | None]:
     link in a world-writable directory on the way let a user choose the file, which a
     check of the final path alone did not see); nothing on such a path can change under
     a non-root user between this check and the read."""
-    try:
-        why = _mode_why("/", os.lstat(fs.host("/")))
-    except OSError as e:
-        return None, f"cannot stat /: {e.strerror or e}"
-    if why is not None:
-        return None, why
-    todo = [c for c in node_path.split("/") if c]
-    todo.reverse()  # a stack: the next component is last
-    done: list[str] = []
-    hops = 0
-    while todo:
-        part = todo.pop()
-        if part == ".":
-            continue
-        if part == "..":
-            if done:
-                done.pop()
-            continue
-        candidate = "/" + "/".join([*done, part])
-        if _kernel(candidate):
-            return None, "a kernel filesystem"
-        try:
-            st = os.lstat(fs.host(candidate))
-        except (OSError, ValueError) as e:
-            return None, f"cannot stat {candidate}: {getattr(e, 'strerror', None) or e}"
-        if stat.S_ISLNK(st.st_mode):  # its directory is checked: only root made it
-            hops += 1
-            if hops > MAX_SYMLINKS:
-                return None, f"{node_path}: too many levels of symbolic links"
-            target = os.readlink(fs.host(candidate))
-            if target.startswith("/"):
-                done = []
-            todo.extend(reversed([c for c in target.split("/") if c]))
-            continue
-        why = _mode_why(candidate, st)
+
+    def visit(path: str, st: os.stat_result) -> None:
+        why = "a kernel filesystem" if _kernel(path) else _mode_why(path, st)
         if why is not None:
-            return None, why
-        done.append(part)
-    return "/" + "/".join(done), None
+            raise _Untrusted(why)
+
+    try:
+        visit("/", os.lstat(fs.host("/")))
+        return fs.resolve(node_path, strict=True, visit=visit), None
+    except _Untrusted as e:
+        return None, str(e)
+    except (OSError, ValueError) as e:  # ValueError: a NUL in the path
+        return None, f"cannot resolve {node_path}: {getattr(e, 'strerror', None) or e}"
 
 
 Found = tuple[list[tuple[str, str]], list[str], str | None]
