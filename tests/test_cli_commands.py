@@ -9,19 +9,16 @@ import json
 import os
 import re
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from click.testing import Result
-from helpers.cli import run_cli
+from helpers.cli import Run, ok, run_cli, runner
 from helpers.inventory import NodeSpec, build, standard
 
 from ncclguard import audit
 from ncclguard.hostlist import expand
 from ncclguard.timeparse import parse_iso
-
-Run = Callable[..., Result]
 
 
 @pytest.fixture(scope="module")
@@ -36,17 +33,8 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 @pytest.fixture
 def run(env: tuple[Path, Path]) -> Run:
-    db, cfg = env
+    return runner(*env)
 
-    def invoke(*args: str) -> Result:
-        return run_cli(*args, db=db, config=cfg)
-
-    return invoke
-
-
-def ok(r: Result, code: int = 0) -> Result:
-    assert r.exit_code == code, (r.exit_code, r.output, r.exception)
-    return r
 
 
 def js(r: Result) -> dict:

@@ -4,15 +4,11 @@ cannot be opened saying why, counts as English reads them, one rendering of a re
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from click.testing import Result
-from helpers.cli import run_cli
+from helpers.cli import Run, ok, run_cli, runner
 from helpers.inventory import build, standard
-
-Run = Callable[..., Result]
 
 
 @pytest.fixture(scope="module")
@@ -26,17 +22,8 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 @pytest.fixture
 def run(env: tuple[Path, Path]) -> Run:
-    db, cfg = env
+    return runner(*env)
 
-    def invoke(*args: str) -> Result:
-        return run_cli(*args, db=db, config=cfg)
-
-    return invoke
-
-
-def ok(r: Result, code: int = 0) -> Result:
-    assert r.exit_code == code, (r.output, r.exception)
-    return r
 
 
 def test_usage_errors_take_the_projects_form(run: Run) -> None:

@@ -3,7 +3,7 @@ click's test runner, with the inventory and the config file it is given."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from click.testing import CliRunner, Result
@@ -18,3 +18,21 @@ def run_cli(*args: str, db: Path | str | None = None, config: Path | str | None 
     opts = [*(("--db", str(db)) if db is not None else ()),
             *(("--config", str(config)) if config is not None else ())]
     return CliRunner().invoke(main, [*opts, *args], env=env)
+
+
+#: A bound runner: ``run(*args)`` with a test module's own inventory and config.
+Run = Callable[..., Result]
+
+
+def runner(db: Path | str, config: Path | str) -> Run:
+    """``run(*args)``: :func:`run_cli` with this inventory and config."""
+    def invoke(*args: str) -> Result:
+        return run_cli(*args, db=db, config=config)
+
+    return invoke
+
+
+def ok(r: Result, code: int = 0) -> Result:
+    """``r``, once its exit code is ``code`` (the output in the failure's message)."""
+    assert r.exit_code == code, (r.exit_code, r.output, r.exception)
+    return r
