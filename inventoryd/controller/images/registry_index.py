@@ -61,6 +61,7 @@ log = logging.getLogger("ncclguard.collector.registry")  # the collector's log, 
 
 MAX_BACKOFF_S = 86400.0
 RESOLVE_TIMEOUT_S = 60.0  # one resolution at most (a manifest or two): cheap, or skipped
+MIN_PASS_S = 60.0  # a pass's budget at least, whatever resolve_interval_s
 QUEUE_MAX = 4  # batches handed to the writer and not yet drained: past it, the worker waits
 SWEEP_S = 3600.0  # how often the images and layers no tag holds are dropped, at least
 CACHE_LAYERS = 16  # layer summaries kept in memory between the worker's read and the write
@@ -239,11 +240,14 @@ class RegistryIndex:
         """Resolve every due reference first (cheap: a manifest each, at most
         RESOLVE_TIMEOUT_S), those last resolved well first, so that tags in use stay
         fresh whatever new ones ask; then read the new images, in turn by registry,
-        while the pass's budget (``resolve_interval_s``) lasts. A registry that fails
+        while the pass's budget (``resolve_interval_s``, at least :data:`MIN_PASS_S`)
+        lasts. A registry that fails
         a resolution by its time limit, or spends its share of the budget, is left
         for the next pass (its references stay due)."""
         t0 = time.monotonic()
-        budget = self.rcfg.resolve_interval_s
+        # resolve_interval_s, but never less than MIN_PASS_S: with 0 ("resolve every
+        # pass"), a pass resolved one reference and read nothing
+        budget = max(self.rcfg.resolve_interval_s, MIN_PASS_S)
         order = sorted(due, key=lambda k: (0 if known.get(k) is not None
                                            and known[k].state == "ok" else 1))
         registries = {parse(k).registry for k in order}
