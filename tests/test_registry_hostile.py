@@ -164,6 +164,27 @@ def test_credentials_go_to_a_token_realm_only_on_a_host_the_admin_named(
             assert all(r.scopes == ["repository:ml/train:pull"] for r in asked), asked
 
 
+def test_a_long_challenge_is_refused_in_linear_time() -> None:
+    """Issue 41's hostile review: a 401 whose ``WWW-Authenticate`` holds a long run of
+    letters with no ``=`` made the parameter regex backtrack quadratically, holding the
+    GIL: one 65 KB header froze the whole collector (node records, the watchdog, SIGTERM)
+    for 27 s past the read's deadline."""
+    with _challenger("Bearer " + "a" * 60000) as port:
+        host = f"127.0.0.1:{port}"
+        t = time.monotonic()
+        with pytest.raises(RegistryError, match="no challenge this client takes"):
+            resolve(Client(parse(f"{host}#ml/train:v1"), deadline=time.monotonic() + 10,
+                           credentials=Credentials(), insecure=(host,)), "linux/amd64")
+        assert time.monotonic() - t < 2.0
+    from inventoryd.controller.images.registry import _challenge
+
+    # a real challenge reads as before (docker-registry's token realm)
+    assert _challenge('Bearer realm="https://auth.example/token",service="reg",'
+                      'scope="repository:ml/train:pull"') == (
+        "bearer", {"realm": "https://auth.example/token", "service": "reg",
+                   "scope": "repository:ml/train:pull"})
+
+
 def test_token_realms_is_a_table_of_lists_of_hosts() -> None:
     from ncclguard.config import ConfigError, from_dict
 

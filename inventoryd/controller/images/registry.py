@@ -615,11 +615,21 @@ def _basic(creds: tuple[str, str]) -> str:
     return "Basic " + base64.b64encode(f"{creds[0]}:{creds[1]}".encode()).decode()
 
 
+MAX_CHALLENGE = 4096  # bytes of a WWW-Authenticate header (a real one is a few hundred)
+# a parameter's name starts where no name letter is before it: unanchored, a run of
+# letters with no "=" was tried from each of its letters (quadratic, holding the GIL:
+# one 65 KB header froze the whole collector for 27 s, issue 41's hostile review)
+_PARAM = re.compile(r'(?<![A-Za-z_])([A-Za-z_]+)=(?:"([^"]*)"|([^,\s]*))')
+
+
 def _challenge(header: str) -> tuple[str, dict[str, str]]:
-    """(scheme, params) of a ``WWW-Authenticate`` header (RFC 7235 quoted pairs)."""
+    """(scheme, params) of a ``WWW-Authenticate`` header (RFC 7235 quoted pairs). A
+    header over :data:`MAX_CHALLENGE` bytes is no challenge (no scheme, no params)."""
+    if len(header) > MAX_CHALLENGE:
+        return "", {}
     scheme, _, rest = header.strip().partition(" ")
     params = {m.group(1).lower(): m.group(2) if m.group(2) is not None else m.group(3)
-              for m in re.finditer(r'([A-Za-z_]+)=(?:"([^"]*)"|([^,\s]*))', rest)}
+              for m in _PARAM.finditer(rest)}
     return scheme.lower(), params
 
 
