@@ -104,6 +104,27 @@ def test_the_collectors_unit_bounds_its_memory_and_tasks() -> None:
     assert "MemoryMax=2G" in lines and "TasksMax=64" in lines
 
 
+def test_a_layer_of_many_conf_files_keeps_what_the_fingerprint_reads() -> None:
+    """Issue 41's hostile review: a layer of 6,000 ``ld.so.conf.d`` files of 64 KiB (8.2
+    MB of gzip) kept every file's content: 500 MB of summaries, 1.57 GB of peak memory.
+    The layer keeps the first 65 by name, as many as the fingerprint reads, their bytes
+    counted against the layer's bound; a file named by a later member still wins."""
+    import tarfile
+
+    keep = 65  # the fingerprint's 64 (MAX_CONF_FILES) and /etc/ld.so.conf's place
+    raw = io.BytesIO()
+    body = (b"/opt/x\n" * 9400)[:65536]
+    with tarfile.open(fileobj=raw, mode="w", format=tarfile.GNU_FORMAT) as t:
+        for i in reversed(range(300)):  # the last by name first: each later one evicts
+            info = tarfile.TarInfo(f"etc/ld.so.conf.d/{i:04d}.conf")
+            info.size = len(body)
+            t.addfile(info, io.BytesIO(body))
+    s = _summary(raw.getvalue())
+    kept = sorted(s["small"])
+    assert kept == [f"/etc/ld.so.conf.d/{i:04d}.conf" for i in range(keep)]
+    assert s["kept_bytes"] >= sum(map(len, s["small"].values()))
+
+
 # ---- 3. a bearer realm on another host, a scope of the registry's choosing
 
 
