@@ -495,3 +495,37 @@ def test_the_gate_reads_a_replaced_image_as_unknown(tmp_path: Path) -> None:
         img.unlink()
         values, why = ro.load_image_values(str(img), check_file=True)
         assert values is None and "cannot be looked at" in str(why)
+
+
+def test_an_image_rewritten_under_a_future_mtime_is_no_longer_the_indexed_one(
+        tmp_path: Path) -> None:
+    """Issue 48's hostile review: the identity took the later of mtime and ctime, so an
+    image whose mtime was set to 2100 and then rewritten in place (same inode, same size,
+    another NCCL; the mtime set to 2100 again) kept its identity: the index never read it
+    again and the gate judged it by the old NCCL. The identity takes the ctime alone."""
+    from inventoryd.controller.images.index import update_index
+    from ncclguard.config import ImagesConfig
+    from ncclguard.policy import GATE_VALUES
+    from ncclguard.store import Inventory
+
+    root = tmp_path / "r"
+    root.mkdir()
+    try:
+        img = images.build_image(root / "a.sqsh", {"/etc/rc": "old\n"})
+    except PartUnavailable as e:
+        unavailable(str(e))
+    future = 4102444800 * 10**9  # 2100-01-01
+    os.utime(img, ns=(future, future))
+    with Inventory(tmp_path / "inv.db", values=GATE_VALUES) as inv:
+        assert update_index(inv, ImagesConfig(roots=(str(root),))).scanned == [str(img)]
+    time.sleep(0.01)
+    with open(img, "r+b") as f:  # rewritten in place: the same inode and size
+        f.seek(-1, os.SEEK_END)
+        f.write(b"\x01")
+    os.utime(img, ns=(future, future))
+    with Inventory(tmp_path / "inv.db", readonly=True, values=GATE_VALUES) as ro:
+        values, why = ro.load_image_values(str(img), check_file=True)
+        assert values is None and "changed since it was indexed" in str(why)
+    with Inventory(tmp_path / "inv.db", values=GATE_VALUES) as inv:
+        assert update_index(inv, ImagesConfig(roots=(str(root),))).scanned == [str(img)]
+

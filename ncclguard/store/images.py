@@ -103,7 +103,7 @@ class ImageTables(Database):
         ``(image_values, error)`` (values None with the cause when it was unreadable).
         A record that fails the check is computed again from the stored record.
         ``check_file`` (the gate, ``ncclguard check``): the file at ``path`` must still be
-        the one indexed (inode, size, the later of mtime and ctime, as the index keys
+        the one indexed (:func:`image_identity`, as the index keys
         it), else values None with the cause (issue 48: a replaced image was judged by
         the old file's NCCL until the collector read it again)."""
         from ncclguard.fingerprint.image import image_values, valid_image_values
@@ -394,15 +394,26 @@ class RegistryTables(Database):
                 "read": bool(row[7])}
 
 
+def image_identity(st: os.stat_result) -> tuple[int, int, int]:
+    """An image file's identity, the one the index keys and the gate compares: (inode,
+    size, change time). The change time (ctime), never the mtime: a user who can write a
+    root sets an image's mtime at will (``touch -d``), back, or forward past any later
+    write (issue 48's hostile review: mtime set to 2100, the file rewritten in place
+    with another NCCL, and the later of the two never moved); every write, rename, link
+    and chmod moves the ctime, which only the kernel sets. Stored in the ``images``
+    table's ``mtime_ns`` column."""
+    return st.st_ino, st.st_size, st.st_ctime_ns
+
+
 def _not_the_indexed_file(path: str, indexed: tuple[Any, Any, Any]) -> str | None:
-    """Why the file at ``path`` is not the one indexed as ``(inode, size, mtime_ns)``
-    (:func:`inventoryd.controller.images.index.update_index`'s identity), or None."""
+    """Why the file at ``path`` is not the one indexed as :func:`image_identity`, or
+    None."""
     try:
         st = os.stat(path)
     except OSError as e:
         return (f"the file cannot be looked at ({e.strerror or e}): it may not be the one "
                 "indexed")
-    if (st.st_ino, st.st_size, max(st.st_mtime_ns, st.st_ctime_ns)) != tuple(indexed):
+    if image_identity(st) != tuple(indexed):
         return ("the file changed since it was indexed: read again at the collector's "
                 "next pass")
     return None

@@ -2,8 +2,9 @@
 changed ones within a time budget, and hand the results to the inventory's one writer
 (the collector, :meth:`ncclguard.store.Inventory.write_images`).
 
-An image is known by its path and identified by (inode, size, mtime_ns): an image that
-is replaced or rewritten is scanned again; one whose identity did not change is not.
+An image is known by its path and identified by (inode, size, ctime: ``image_identity``,
+which no user can set): an image that is replaced or rewritten is scanned again; one whose
+identity did not change is not.
 Symlinks are not followed (a user could point one anywhere), neither by the walk nor when
 an image is opened to be read (from the root, ``O_NOFOLLOW`` at each component, checked
 against the walk's identity: :func:`.squashfs.open_image`), nor are directories deeper
@@ -26,6 +27,7 @@ from inventoryd.controller.images.squashfs import ImageError, open_image
 from inventoryd.controller.images.tree import ImageStopped
 from ncclguard.config import ImagesConfig
 from ncclguard.store import Inventory
+from ncclguard.store.images import image_identity
 
 log = logging.getLogger("ncclguard.collector.images")  # the collector's log, escaped
 
@@ -209,9 +211,7 @@ def update_index(inv: Inventory, cfg: ImagesConfig, budget_s: float | None = Non
         found = [(p, st) for p, st in found
                  if (p in known and p not in out) or p in admitted]
     for path, st in found:
-        # the later of mtime and ctime: a user who can write the roots can set an image's
-        # mtime back after changing it (touch -d), never its ctime
-        ident = (st.st_ino, st.st_size, max(st.st_mtime_ns, st.st_ctime_ns))
+        ident = image_identity(st)  # the gate compares the same
         old = known.get(path)
         if old is not None and old.ident == ident and (
                 old.retry_at is None or old.retry_at > wall):
@@ -250,7 +250,7 @@ def _scan_one(path: str, st: os.stat_result, attempts: int, slice_s: float,
     out of a slice shorter than its own ``timeout_s``: what was left of the pass's
     budget, not the image, was short."""
     row: dict[str, Any] = {"path": path, "inode": st.st_ino, "size": st.st_size,
-                           "mtime_ns": max(st.st_mtime_ns, st.st_ctime_ns),
+                           "mtime_ns": image_identity(st)[2],
                            "attempts": attempts + 1, "retry_at": None}
     root = next((r for r in cfg.roots if path.startswith(r.rstrip("/") + "/")), None)
     fd = None
