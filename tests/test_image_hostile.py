@@ -1,6 +1,9 @@
 """A user's own squashfs image against the image reader (issue 48): images built with the
 real ``mksquashfs``, ELF files from gcc, each reproduction of the issue scaled down to a
-few seconds and each failing before its fix (docs/threat-model.md, "Container images")."""
+few seconds and each failing before its fix (docs/threat-model.md, "Container images").
+
+Over 500 lines: one test per reproduction of the issue and of its hostile review, each
+with the images it builds; split, they would share nothing but this module's helpers."""
 
 from __future__ import annotations
 
