@@ -272,8 +272,33 @@ class Walk:
 
 
 def probe(fs: NodeFS, errors: ErrorLog, cache: FileCache) -> dict[str, Any]:
-    out = empty()
     why: list[str] = []  # what makes the answer not known
+    out = _configuration(fs, errors, why)
+    found, refused = _brought_in(fs, out, why)
+    if len(found) > MAX_PLUGINS:
+        why.append(f"more than {MAX_PLUGINS} plugin files injected; only the first analysed")
+    plugins = []
+    for path, target, via in found[:MAX_PLUGINS]:
+        kind = plugin_probe._kind_of(path) or "net"
+        rec = plugin_probe.describe(fs, errors, kind, path, via, cache)
+        plugins.append({"target": target, "via": via, "kind": kind, "path": path,
+                        "name": rec.get("name"), "abis": rec.get("abis"),
+                        "sha256": rec.get("sha256"), "error": rec.get("error")})
+    plugins.sort(key=lambda r: (r["target"], r["path"]))
+    out["plugins"] = plugins
+    net, unknown = choose_net(plugins, out["enroot"]["environ"], refused)
+    out["net_plugin"] = net
+    if unknown:
+        why.append(unknown)
+    out["unknown"] = "; ".join(why) if why else None
+    return out
+
+
+def _configuration(fs: NodeFS, errors: ErrorLog, why: list[str]) -> dict[str, Any]:
+    """The part without its plugins: enroot's mounts, environment and hooks (with the
+    plugin paths the hooks' text names, ``hook_paths``, not published), pyxis's lines,
+    Apptainer's binds. A file that cannot be read is added to ``why``."""
+    out = empty()
     before = len(errors.for_probe(PROBE))
     mounts: list[dict[str, str]] = []
     for f in _files(fs, errors, f"{ENROOT}/mounts.d", ".fstab", why):
@@ -290,28 +315,29 @@ def probe(fs: NodeFS, errors: ErrorLog, cache: FileCache) -> dict[str, Any]:
         hooks.append({"path": f, "sha256": hashlib.sha256(data).hexdigest() if got else None})
         hook_paths += _PLUGIN_PATH.findall(data.decode("utf-8", "replace"))
     out["enroot"] = {"mounts": mounts, "environ": environ, "hooks": hooks}
-
-    pyxis = []
+    out["hook_paths"] = hook_paths
     for f in [PLUGSTACK, *_files(fs, errors, PLUGSTACK + ".d", ".conf", why)]:
         for line in (_text(fs, errors, f, why) or "").splitlines():
             words = line.split("#", 1)[0].split()
             if len(words) >= 2 and "spank_pyxis" in words[1]:
-                pyxis.append({"file": f, "plugin": words[1], "args": words[2:]})
-    out["pyxis"] = pyxis
-
-    binds: list[str] = []
+                out["pyxis"].append({"file": f, "plugin": words[1], "args": words[2:]})
     for f in APPTAINER_CONFS:
         for line in (_text(fs, errors, f, why) or "").splitlines():
             key, eq, value = line.partition("=")
             if eq and key.strip().lower() == "bind path":
-                binds.append(value.strip())
-    out["apptainer_binds"] = binds
+                out["apptainer_binds"].append(value.strip())
     why += [f"cannot read {e['path']}: {e['error']}" for e in errors.for_probe(PROBE)[before:]]
+    return out
 
-    # the plugin files brought in, with where the container sees them, in mount order;
-    # "refused": a place a user decides what is in (a source others can write)
+
+def _brought_in(fs: NodeFS, part: dict[str, Any], why: list[str]
+                ) -> tuple[list[tuple[str, str, str]], list[str]]:
+    """``([(node path, target, via)], refused targets)``: the plugin files the mounts,
+    binds and hooks bring in, where the container sees them, in mount order (a later
+    mount at a target hides the earlier one), and the targets that are places others can
+    write (a user decides what is there). Takes ``hook_paths`` out of ``part``."""
     walk = Walk(fs)
-    found: list[tuple[str, str, str]] = []  # (node path, target, via)
+    found: list[tuple[str, str, str]] = []
 
     def bring(source: str, target: str, via: str) -> None:
         files, refused, cut = walk.source(source)
@@ -324,41 +350,23 @@ def probe(fs: NodeFS, errors: ErrorLog, cache: FileCache) -> dict[str, Any]:
                 t = f"{target.rstrip('/')}/{path.rsplit('/', 1)[-1]}"
             found.append((path, posixpath.normpath(t), via_))
 
-    for m in mounts:
+    for m in part["enroot"]["mounts"]:
         source = bind_source(m)
         if source is not None:
             bring(source, m["target"], f"enroot:{m['file']}")
-    for b in binds:
+    for b in part["apptainer_binds"]:
         src, _, dst = b.partition(":")
         if src.startswith("/"):
             src = posixpath.normpath(src)
             bring(src, dst or src, "apptainer")
-    for p in hook_paths:
+    for p in part.pop("hook_paths"):
         p = posixpath.normpath(p)
         if plugin_probe._kind_of(p) is not None and fs.exists(p):
             found.append((p, p, "enroot-hook" if trusted_path(fs, p)[0] else REFUSED))
-    # a later mount at the same target hides the earlier one
     last = {target: i for i, (_, target, _) in enumerate(found)}
     found = [f for i, f in enumerate(found) if last[f[1]] == i]
-    refused_targets = [t for _, t, via in found if via == REFUSED]
-    found = [f for f in found if f[2] != REFUSED]
-    if len(found) > MAX_PLUGINS:
-        why.append(f"more than {MAX_PLUGINS} plugin files injected; only the first analysed")
-    plugins = []
-    for path, target, via in found[:MAX_PLUGINS]:
-        kind = plugin_probe._kind_of(path) or "net"
-        rec = plugin_probe.describe(fs, errors, kind, path, via, cache)
-        plugins.append({"target": target, "via": via, "kind": kind, "path": path,
-                        "name": rec.get("name"), "abis": rec.get("abis"),
-                        "sha256": rec.get("sha256"), "error": rec.get("error")})
-    plugins.sort(key=lambda r: (r["target"], r["path"]))
-    out["plugins"] = plugins
-    net, unknown = choose_net(plugins, environ, refused_targets)
-    out["net_plugin"] = net
-    if unknown:
-        why.append(unknown)
-    out["unknown"] = "; ".join(why) if why else None
-    return out
+    return ([f for f in found if f[2] != REFUSED],
+            [t for _, t, via in found if via == REFUSED])
 
 
 def _wanted(environ: dict[str, str]) -> tuple[list[str], str | None] | None:
