@@ -90,8 +90,11 @@ def test_the_jobs_own_file_on_fuse_is_not_read(tmp_path, monkeypatch):
     log.write_text("x\n")
     fd = os.open(log, os.O_RDONLY)
     try:
+        # None where /proc/self/mountinfo does not show the mount (in a chroot: the
+        # Slurm roots' runs); the job's file is then read, and the Epilog's child is
+        # killed past its budget if a read stalls
         kind = logparse.fs_type(fd)
-        assert kind and not kind.startswith("fuse"), kind
+        assert kind is None or not kind.startswith("fuse"), kind
     finally:
         os.close(fd)
     monkeypatch.setattr(logparse, "fs_type", lambda fd: "fuse.sshfs")
