@@ -129,6 +129,19 @@ def test_a_layer_of_many_conf_files_keeps_what_the_fingerprint_reads() -> None:
 
 
 @contextmanager
+def _loopback(handler: type[BaseHTTPRequestHandler]) -> Iterator[int]:
+    """``handler`` served on loopback in a thread, for as long as the block runs: its port."""
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        yield srv.server_address[1]
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+@contextmanager
 def _challenger(challenge: str) -> Iterator[int]:
     """A hostile registry on loopback: every request answered 401 with ``challenge``."""
 
@@ -142,14 +155,8 @@ def _challenger(challenge: str) -> Iterator[int]:
         def log_message(self, *a: object) -> None:
             pass
 
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
-    try:
-        yield srv.server_address[1]
-    finally:
-        srv.shutdown()
-        srv.server_close()
+    with _loopback(H) as port:
+        yield port
 
 
 def test_credentials_go_to_a_token_realm_only_on_a_host_the_admin_named(
@@ -238,14 +245,8 @@ def _serving(routes: dict[str, tuple[str, bytes]], seen: list[str] | None = None
         def log_message(self, *a: object) -> None:
             pass
 
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
-    try:
-        yield f"127.0.0.1:{srv.server_address[1]}"
-    finally:
-        srv.shutdown()
-        srv.server_close()
+    with _loopback(H) as port:
+        yield f"127.0.0.1:{port}"
 
 
 def _index_config(tmp_path: Path, refs: list[str], insecure: tuple[str, ...]
