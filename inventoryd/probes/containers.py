@@ -35,6 +35,7 @@ import hashlib
 import os
 import posixpath
 import re
+import stat
 from collections.abc import Sequence
 from typing import Any
 
@@ -259,9 +260,12 @@ class Walk:
                                 f"{MAX_WALK} entries a source, {MAX_WALK_TOTAL} in all")
                     return out, refused, self.cut
                 p = f"{d}/{n}"
-                r, _why = trusted_path(fs, f"{d_real}/{n}")
+                r = self._entry(f"{d_real}/{n}")
                 if n.startswith("libnccl-") and ".so" in n:
-                    (refused.append(p) if r is None else out.append((p, n)))
+                    if r is None:
+                        refused.append(p)
+                    else:
+                        out.append((p, n))
                 elif depth >= MAX_WALK_DEPTH or _kernel(f"{d_real}/{n}"):
                     continue
                 elif r is not None and fs.is_dir(r):  # links to root's directories too
@@ -269,6 +273,17 @@ class Walk:
                 elif r is None and fs.is_dir(f"{d_real}/{n}"):
                     refused.append(p)  # a directory others can write inside a bound one
         return out, refused, None
+
+    def _entry(self, node_path: str) -> str | None:
+        """:func:`trusted_path` of an entry of a directory already trusted (its real
+        path): only the entry itself is checked, unless it is a link to follow."""
+        try:
+            st = os.lstat(self.fs.host(node_path))
+        except (OSError, ValueError):
+            return None
+        if stat.S_ISLNK(st.st_mode):
+            return trusted_path(self.fs, node_path)[0]
+        return None if _kernel(node_path) or _mode_why(node_path, st) else node_path
 
 
 def probe(fs: NodeFS, errors: ErrorLog, cache: FileCache) -> dict[str, Any]:

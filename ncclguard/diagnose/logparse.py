@@ -159,9 +159,10 @@ def _open_log(p: Path, uid: int | None) -> io.BufferedReader:
         if uid is not None and st.st_uid != uid:
             raise LogError(f"{p}: owned by {owner(st.st_uid)}, not by the job's user "
                            f"(uid {uid}); not read")
-        if uid is not None and (fs_type(fd) or "").startswith("fuse"):
-            raise LogError(f"{p}: on a FUSE filesystem ({fs_type(fd)}), which its owner "
-                           "can make stall a read for good; not read")
+        kind = fs_type(fd) if uid is not None else None
+        if kind is not None and kind.startswith("fuse"):
+            raise LogError(f"{p}: on a FUSE filesystem ({kind}), which its owner can make "
+                           "stall a read for good; not read")
         os.set_blocking(fd, True)
         return open(fd, "rb", closefd=True)
     except BaseException:
