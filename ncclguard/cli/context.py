@@ -269,6 +269,11 @@ def known_partition(c: Ctx, partition: str) -> list[str] | None:
         click.echo(f"warning: --partition {partition}: not checked, Slurm is not reachable "
                    f"({e})", err=True)
         return None
+    return _members_of(parts, partition)
+
+
+def _members_of(parts: Mapping[str, list[str]], partition: str) -> list[str]:
+    """The nodes of ``partition``; an unknown one is the one error every command gives."""
     if partition not in parts:
         known = ", ".join(sorted(parts)) or "none"
         fail(f"--partition {partition}: no such partition in Slurm (known: {known})")
@@ -303,10 +308,7 @@ def resolve_sets(c: Ctx, partition: str | None, nodes_opt: str | None,
         return [NodeSet("inventory", c.inv("hosts"), "inventory",
                         note=f"Slurm not reachable: {e}")]
     if partition is not None:
-        if partition not in parts:
-            known = ", ".join(sorted(parts)) or "none"
-            fail(f"--partition {partition}: no such partition in Slurm (known: {known})")
-        return [NodeSet(partition, parts[partition], "slurm")]
+        return [NodeSet(partition, _members_of(parts, partition), "slurm")]
     guarded = c.config.policy.partitions
     names = [p for p in sorted(parts) if not guarded or p in guarded]
     return [NodeSet(p, parts[p], "slurm") for p in names]
