@@ -178,8 +178,7 @@ class Scanner:
         self._nodes = None if hosts is None else frozenset(short(h) for h in hosts)
         self._max_keys = max(MAX_HOSTS, 2 * len(self._nodes or ()))
         self._keys: set[str] = set()  # host keys attributed so far
-        self._rank_keys: set[str] = set()  # #rank keys (a rank whose host is not known)
-        self._rank_key_of: dict[int, str] = {}  # one string per rank, shared by signatures
+        self._rank_key_of: dict[int, str] = {}  # #rank keys attributed, one string a rank
         #: matches not attributed: their host past the bounds (or not the job's), their
         #: value past MAX_VALUES
         self.cut = {"hosts": 0, "values": 0}
@@ -436,23 +435,18 @@ class Scanner:
             self._settled.clear()
             self._cached = 0
 
-    def _rank_key(self, rank: int) -> str:
+    def _rank_key(self, rank: int) -> str | None:
+        """The key of a rank whose host is not known (yet), shared by the signatures;
+        None past :data:`MAX_RANK_KEYS` ranks (not attributed)."""
         key = self._rank_key_of.get(rank)
-        if key is None:
-            key = f"#rank{rank}"
-            if len(self._rank_key_of) < MAX_RANK_KEYS:
-                self._rank_key_of[rank] = key
+        if key is None and len(self._rank_key_of) < MAX_RANK_KEYS:
+            key = self._rank_key_of[rank] = f"#rank{rank}"
         return key
 
     def _attributed(self, key: str | None) -> bool:
-        """Whether matches of this host (or ``#rankN``) key are attributed: one of the
-        job's nodes when they are known, and within the bound on distinct keys."""
+        """Whether matches of this host are attributed: one of the job's nodes when they
+        are known, and within the bound on distinct host names."""
         if key is None or key in self._keys:
-            return True
-        if key.startswith("#rank"):  # a rank whose host is not known (yet): its own bound
-            if len(self._rank_keys) >= MAX_RANK_KEYS:
-                return False
-            self._rank_keys.add(key)
             return True
         if self._nodes is not None and short(key) not in self._nodes:
             return False
@@ -547,8 +541,12 @@ class Scanner:
             rec = RawMatch(name, lineno, _clip(raw), host, pid, tr)
             if len(st.samples) < MAX_SAMPLES:
                 st.samples.append(rec)
-            key = host if host is not None else (self._rank_key(tr) if tr is not None else None)
-            if not self._attributed(key):
+            if host is not None or tr is None:
+                key, kept = host, self._attributed(host)
+            else:  # a rank's own bound, so that ranks never crowd out the hosts
+                key = self._rank_key(tr)
+                kept = key is not None
+            if not kept:
                 self.cut["hosts"] += 1
                 continue
             if key not in st.printers:
