@@ -17,17 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
+from ncclguard.fileowner import kind as file_kind
 from ncclguard.fingerprint.shape import ProbeError
 
 MAX_SMALL_READ = 64 * 1024  # sysfs/procfs attributes are tiny; never read more
 MAX_SYMLINKS = 40  # as the kernel's own limit (ELOOP)
 
-_KINDS = {
-    stat.S_IFIFO: "a FIFO",
-    stat.S_IFSOCK: "a socket",
-    stat.S_IFCHR: "a character device",
-    stat.S_IFBLK: "a block device",
-}
 
 #: Called now and then while a long file is read (``ncclguard-inventoryd run`` sets it to
 #: pet systemd's watchdog): a collection that reads gigabytes makes progress, a hung one
@@ -126,7 +121,7 @@ class NodeFS:
             if stat.S_ISDIR(mode):
                 raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR))
             if not stat.S_ISREG(mode):
-                kind = _KINDS.get(stat.S_IFMT(mode), "not a regular file")
+                kind = file_kind(mode)
                 raise OSError(f"not a regular file ({kind})")
         except BaseException:
             os.close(fd)

@@ -11,6 +11,7 @@ known instead: a user this process cannot see.
 from __future__ import annotations
 
 import functools
+import stat
 from pathlib import Path
 
 UID_MAP = Path("/proc/self/uid_map")
@@ -62,3 +63,17 @@ def owner(uid: int, *, uid_map: tuple[tuple[int, int, int], ...] | None = None,
                 f"maps only root and the unit's user; the kernel shows every other owner "
                 f"as uid {overflow})")
     return f"uid {uid}"
+
+
+_KINDS = {
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+}
+
+
+def kind(mode: int) -> str:
+    """What a file that is not a regular one is, for a message that refuses it (``a
+    FIFO``, ``a character device``): the node daemon's reads and diagnose's alike."""
+    return _KINDS.get(stat.S_IFMT(mode), "not a regular file")

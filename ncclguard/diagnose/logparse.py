@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ncclguard.fileowner import owner
+from ncclguard.fileowner import kind, owner
 
 MAX_LINE = 64 * 1024  # bytes kept of one line
 GZIP_MAGIC = b"\x1f\x8b"
@@ -155,13 +155,13 @@ def _open_log(p: Path, uid: int | None) -> io.BufferedReader:
         if stat.S_ISDIR(st.st_mode):
             raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR))
         if not stat.S_ISREG(st.st_mode):
-            raise LogError(f"{p}: not a regular file ({_kind(st.st_mode)}); not read")
+            raise LogError(f"{p}: not a regular file ({kind(st.st_mode)}); not read")
         if uid is not None and st.st_uid != uid:
             raise LogError(f"{p}: owned by {owner(st.st_uid)}, not by the job's user "
                            f"(uid {uid}); not read")
-        kind = fs_type(fd) if uid is not None else None
-        if kind is not None and kind.startswith("fuse"):
-            raise LogError(f"{p}: on a FUSE filesystem ({kind}), which its owner can make "
+        fstype = fs_type(fd) if uid is not None else None
+        if fstype is not None and fstype.startswith("fuse"):
+            raise LogError(f"{p}: on a FUSE filesystem ({fstype}), which its owner can make "
                            "stall a read for good; not read")
         os.set_blocking(fd, True)
         return open(fd, "rb", closefd=True)
@@ -187,11 +187,6 @@ def fs_type(fd: int) -> str | None:
     except (OSError, IndexError):
         return None
     return None
-
-
-def _kind(mode: int) -> str:
-    return {stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a character "
-            "device", stat.S_IFBLK: "a block device"}.get(stat.S_IFMT(mode), "not a file")
 
 
 class LogReader:
