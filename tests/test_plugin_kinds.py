@@ -301,12 +301,14 @@ def test_rules_on_real_nodes(node, so, tmp_path: Path) -> None:
         "n3": node("n3", "2.32.3", {ENV: e2}),
     }
     v = evaluate(fps, PolicyConfig())
-    assert rules(v) == {"env-plugin": "refuse"} and v.decision == "refuse"
-    assert v.odd_nodes == ["n3"]
+    # node-adds too: a job that brings its own NCCL (2.28.9 on) loads that env plugin
+    assert rules(v) == {"env-plugin": "refuse", "node-adds": "refuse"}
+    assert v.decision == "refuse" and v.odd_nodes == ["n3"]
     r13 = so("r13", rma_abis=[13], rma_name="Rma13", filename="libnccl-rma.so")
     fps["n3"] = node("n3", "2.32.3", {TUNER: t6, GIN: g13, RMA: r13})
     v = evaluate(fps, PolicyConfig())
-    assert rules(v) == {"tuner": "warn", "gin-rma": "warn"} and v.decision == "warn"
+    assert rules(v) == {"tuner": "warn", "gin-rma": "warn", "node-adds": "warn"}
+    assert v.decision == "warn"
     text = v.format_text()
     assert "tuner NewTuner v6" in text and "GIN plugin Gin13 v13" in text
     # diff: the fingerprint fields, each with its rule
@@ -486,8 +488,8 @@ def _probe_as(root: Path, fp: dict[str, Any], version: str) -> tuple[dict, dict]
     only its version changed."""
     libs = [dict(x, version=version) if x["default"] else x for x in fp["libnccl"]]
     errors = ErrorLog()
-    _, net, effective = plugins.probe(NodeFS(root), errors, InventorydConfig(), {}, libs,
-                                      FileCache(None))
+    _, net, effective, _ = plugins.probe(NodeFS(root), errors, InventorydConfig(), {}, libs,
+                                         FileCache(None))
     return net, effective
 
 

@@ -41,7 +41,8 @@ def container_record(rootfs: str, host: str, job: str, step: str) -> dict[str, A
     cache = FileCache(None)
     libs = nccl.probe(fs, errors, cfg, cache)
     conf = ncclconf.probe(fs, errors)
-    found, net, _ = plugins.probe(fs, errors, cfg, conf.get("settings") or {}, libs, cache)
+    found, net, _, _ = plugins.probe(fs, errors, cfg, conf.get("settings") or {}, libs, cache,
+                                     with_offers=False)
     used = next((p for p in found if p.get("path") == net.get("plugin")), None)
     return {
         "ncclguard_container_record": RECORD_VERSION, "host": host, "job": job, "step": step,

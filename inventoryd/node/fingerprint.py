@@ -57,10 +57,10 @@ def _collect(fs: NodeFS, errors: ErrorLog, hostname: str | None, config: Invento
     libnccl = _run(errors, nccl.PROBE, lambda: nccl.probe(fs, errors, config, cache), [])
     conf = _run(errors, ncclconf.PROBE, lambda: ncclconf.probe(fs, errors), model.empty_nccl_conf())
     settings = conf.get("settings") or {}
-    plugins_, net, effective = _run(
+    plugins_, net, effective, offers = _run(
         errors, plugins.PROBE,
         lambda: plugins.probe(fs, errors, config, settings, libnccl, cache),
-        ([], model.empty_net(), model.empty_effective()),
+        ([], model.empty_net(), model.empty_effective(), {}),
     )
     rdma_ = _run(errors, rdma.PROBE, lambda: rdma.probe(fs, errors),
                  model.empty_rdma())
@@ -79,6 +79,7 @@ def _collect(fs: NodeFS, errors: ErrorLog, hostname: str | None, config: Invento
         "plugins": plugins_,
         "net": net,
         "effective": effective,
+        "offers": offers,
         "rdma": rdma_,
         "netifs": netifs_,
         "nccl_conf": conf,

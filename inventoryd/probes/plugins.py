@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Callable
 from typing import Any, BinaryIO
 
 from inventoryd.filecache import FileCache
@@ -31,6 +32,7 @@ from ncclguard.fingerprint import loading
 from ncclguard.fingerprint.abi import ABI_KINDS, SYMBOLS, common, exported
 from ncclguard.fingerprint.loading import PREFIXES, Version, net_plugin_names
 from ncclguard.fingerprint.model import EFFECTIVE_KINDS
+from ncclguard.fingerprint.releases import RELEASES
 
 __all__ = ["EFFECTIVE_KINDS", "PREFIXES", "analyze", "describe", "net_plugin_names", "probe"]
 
@@ -231,8 +233,10 @@ def probe(
     nccl_settings: dict[str, str],
     libnccl: list[dict[str, Any]],
     cache: FileCache,
-) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
-    """``(plugins, net, effective)`` of the fingerprint. Plugins sorted by path."""
+    with_offers: bool = True,
+) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """``(plugins, net, effective, offers)`` of the fingerprint. Plugins sorted by path;
+    ``offers`` is ``{}`` unless ``with_offers`` (:func:`_offers`)."""
     # The nccl probe already recorded the linker's own errors; keep only new ones.
     scratch = ErrorLog()
     view = linker.LinkerView.load(fs, scratch, PROBE)
@@ -242,13 +246,50 @@ def probe(
     )
     lib = next((x for x in libnccl if x.get("default")), None)
     rules = loading.rules_for(_version(lib))
-    ver = (lib or {}).get("version") or "?"
     records: dict[str, dict[str, Any]] = {}
 
     def add(kind: str, path: str, origin: str) -> dict[str, Any]:
         if path not in records:
             records[path] = describe(fs, errors, kind, path, origin, cache)
         return records[path]
+
+    chosen, net, effective = _stacks(view, add, errors, lib, rules, nccl_settings)
+    if chosen is not None and chosen is not _EXE:
+        chosen["default"] = True
+    for kind, rec in effective.items():
+        if rec["abi"] is not None and rec["via"] == kind:
+            records[rec["plugin"]]["default"] = True
+    if rules.caveat and lib is not None:
+        for rec in (net, *effective.values()):
+            rec["reason"] = f"{rec['reason']}; {rules.caveat}" if rec["reason"] else rules.caveat
+
+    found = _config_plugins(fs, errors, config)
+    if len(found) > MAX_CONFIG_PLUGINS:
+        errors.add(PROBE, "plugins", None, f"{len(found)} plugin files in plugin_search_paths; "
+                   f"only the first {MAX_CONFIG_PLUGINS} are read")
+        found = found[:MAX_CONFIG_PLUGINS]
+    for kind, path in found:
+        add(kind, path, "config")
+    offers = _offers(fs, view, cache, nccl_settings) if with_offers else {}
+    return [records[p] for p in sorted(records)], net, effective, offers
+
+
+Add = Callable[[str, str, str], dict[str, Any]]
+
+
+def _stacks(
+    view: linker.LinkerView,
+    add: Add,
+    errors: ErrorLog,
+    lib: dict[str, Any] | None,
+    rules: loading.Rules,
+    nccl_settings: dict[str, str],
+) -> tuple[dict[str, Any] | None, dict[str, Any], dict[str, Any]]:
+    """``(the net plugin's file, net, effective)`` that the libnccl ``lib`` (its version
+    read with ``rules``) gets on this node: the one derivation, for the host's default
+    libnccl and for every release of the ``offers`` part. The net file is
+    :data:`_EXE` when the job's executable decides."""
+    ver = (lib or {}).get("version") or "?"
 
     def first(kind: str, group: list[str], origin: str) -> dict[str, Any] | None:
         """The file the first name of ``group`` that opens leads to (NCCL's dlopen);
@@ -286,8 +327,6 @@ def probe(
                "effective_net_abi": None, "reason": bad["reason"]}
         net_lib: dict[str, Any] | None = _EXE  # what the other kinds fall back to: unknown
     else:
-        if chosen is not None:
-            chosen["default"] = True
         net = _net_part(lib, chosen, groups, value)
         # the net plugin's library, as the other kinds fall back to it: only while in use
         net_lib = chosen if net["effective_net_abi"] is not None else None
@@ -337,21 +376,54 @@ def probe(
             effective[kind] = _unknown(errors, kind, pick[2], pick[3])
         else:
             effective[kind] = _in_force(kind, lib, pick[0], pick[1])
-    for kind, rec in effective.items():
-        if rec["abi"] is not None and rec["via"] == kind:
-            records[rec["plugin"]]["default"] = True
-    if rules.caveat and lib is not None:
-        for rec in (net, *effective.values()):
-            rec["reason"] = f"{rec['reason']}; {rules.caveat}" if rec["reason"] else rules.caveat
+    return chosen, net, effective
 
-    found = _config_plugins(fs, errors, config)
-    if len(found) > MAX_CONFIG_PLUGINS:
-        errors.add(PROBE, "plugins", None, f"{len(found)} plugin files in plugin_search_paths; "
-                   f"only the first {MAX_CONFIG_PLUGINS} are read")
-        found = found[:MAX_CONFIG_PLUGINS]
-    for kind, path in found:
-        add(kind, path, "config")
-    return [records[p] for p in sorted(records)], net, effective
+
+def _offers(fs: NodeFS, view: linker.LinkerView, cache: FileCache,
+            nccl_settings: dict[str, str]) -> dict[str, Any]:
+    """The ``offers`` part: what this node adds to the NCCL of each release of
+    :data:`ncclguard.fingerprint.releases.RELEASES`, whatever libnccl the node has itself
+    (issue 39): ``{"releases": {release: {kind: [path, abi] | [] | null}}, "files":
+    {path: {"names", "abis", "error"}}}``. ``[path, abi]``: the library NCCL opens for that
+    kind, and the ABI it uses (null: none in common, so NCCL does not use it); ``[]``: no
+    library; null: unknown (the job's own executable, or a file that cannot be read). A
+    kind the release does not load is left out. Nothing here adds to the fingerprint's
+    ``errors``: a file only some other release would open says nothing about the host's
+    own stack."""
+    files: dict[str, dict[str, Any]] = {}
+    quiet = ErrorLog()
+
+    def add(kind: str, path: str, origin: str) -> dict[str, Any]:
+        if path not in files:
+            files[path] = describe(fs, quiet, kind, path, origin, cache)
+        return files[path]
+
+    out: dict[str, dict[str, Any]] = {}
+    for release in RELEASES:
+        rules = loading.rules_for(release.version)
+        lib = {"path": None, "version": release.label,
+               "abis": {k: list(v) for k, v in release.abis.items()}}
+        quiet.entries.clear()
+        chosen, net, effective = _stacks(view, add, quiet, lib, rules, nccl_settings)
+        row: dict[str, Any] = {}
+        unknown = {e["field"] for e in quiet.entries}
+        if chosen is _EXE or (chosen is not None and chosen["error"]):
+            row["net"] = None
+        else:
+            row["net"] = [chosen["path"], net["effective_net_abi"]] if chosen else []
+        for kind, rec in effective.items():
+            if not release.abis.get(kind) or kind not in rules.kinds or not (
+                    rules.kinds[kind].external):
+                continue  # this release loads no such plugin
+            path = rec["plugin"]
+            if f"plugins.{kind}" in unknown or (path and files[path]["error"]):
+                row[kind] = None
+            else:
+                row[kind] = [path, rec["abi"]] if path else []
+        out[release.label] = row
+    return {"releases": out, "files": {
+        p: {"names": r["names"], "abis": {k: v for k, v in r["abis"].items() if v},
+            "error": r["error"]} for p, r in sorted(files.items())}}
 
 
 def _nothing(kind: str, rule: loading.Kind, var: str, value: str | None,

@@ -44,6 +44,7 @@ PROBES: dict[str, str] = {
     "plugins": "plugins",
     "net": "plugins",
     "effective": "plugins",
+    "offers": "plugins",
     "rdma": "rdma",
     "netifs": "netifs",
     "nccl_conf": "nccl_conf",

@@ -236,6 +236,7 @@ class Fingerprint(TypedDict):
     plugins: list[Plugin]
     net: NetPart
     effective: dict[str, EffectivePlugin]  # tuner, profiler, env, gin, rma
+    offers: NotRequired[dict[str, Any]]  # what the node adds to each release's NCCL (issue 39)
     rdma: RdmaPart
     netifs: list[Netif]
     nccl_conf: NcclConfPart

@@ -1,6 +1,7 @@
 """The policy's rules: one module per rule family.
 
 - :mod:`.nccl_version` (nccl-version), :mod:`.net_plugin` (net-plugin),
+  :mod:`.node_adds` (node-adds: the plugins a node adds to any release's NCCL),
   :mod:`.transport` (transport), :mod:`.nccl_conf` (nccl-conf),
 - :mod:`.rdma` (rdma-rate, rdma-port-count, rdma-firmware),
 - :mod:`.gpu` (gpu-driver, gpudirect), :mod:`.unknown_node` (unknown-node),
@@ -20,6 +21,7 @@ from ncclguard.policy.rules import (
     nccl_conf,
     nccl_version,
     net_plugin,
+    node_adds,
     plugin_kinds,
     rdma,
     transport,
@@ -30,6 +32,7 @@ from ncclguard.policy.rules.base import Rule
 COMPARISONS: tuple[Rule, ...] = (
     nccl_version.RULE,
     net_plugin.RULE,
+    node_adds.RULE,
     plugin_kinds.ENV,
     transport.RULE,
     nccl_conf.RULE,

@@ -35,6 +35,9 @@ class Rule:
     ``history`` name them, whose differences this rule judges) and ``baseline_keys``
     (the keys of the config's ``[baseline]`` it compares).
 
+    ``explain(aspect, values)``, where given, writes a finding's message from the values
+    that differ (smallest group first), in place of ``message(aspect)``.
+
     Aspects in ``warn_only`` are reported at most as warnings, never count for the odd
     nodes, and are left out when another aspect of the same rule already differs.
 
@@ -45,6 +48,7 @@ class Rule:
 
     __slots__ = (
         "baseline_keys",
+        "explain",
         "fields",
         "label",
         "message",
@@ -69,8 +73,10 @@ class Rule:
         severity: str = "warn",
         fields: Iterable[str] = (),
         baseline_keys: Iterable[str] = (),
+        explain: Callable[[str, list[str]], str] | None = None,
     ) -> None:
         self.name = name
+        self.explain = explain
         self.severity = severity
         self.fields = tuple(fields)
         self.baseline_keys = tuple(baseline_keys)
@@ -128,11 +134,13 @@ def compare(
         pairs = [(rule.label(aspect, v), hosts) for v, hosts in ordered]
         if unknown:
             pairs.append((f"{aspect} unknown", unknown))
+        msg = (rule.explain(aspect, [v for v, _ in ordered]) if rule.explain is not None
+               else rule.message(aspect))
         if aspect in rule.warn_only:
             sev = "warn" if severity == "refuse" else severity
-            deferred.append(Finding.from_hosts(rule.name, sev, rule.message(aspect), pairs))
+            deferred.append(Finding.from_hosts(rule.name, sev, msg, pairs))
         else:
-            findings.append(Finding.from_hosts(rule.name, severity, rule.message(aspect), pairs))
+            findings.append(Finding.from_hosts(rule.name, severity, msg, pairs))
     return findings or deferred
 
 

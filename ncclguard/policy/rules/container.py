@@ -32,7 +32,10 @@ from ncclguard.policy.verdict import Finding
 STACK = "image-stack"
 UNKNOWN = "image-unknown"
 #: Rules about the host's own NCCL stack: a container does not load it.
-HOST_RULES = frozenset({"nccl-version", "net-plugin", "env-plugin", "transport", "nccl-conf",
+#: node-adds too: a container sees the node's plugins only where the node injects them,
+#: which image-stack judges.
+HOST_RULES = frozenset({"nccl-version", "net-plugin", "node-adds", "env-plugin", "transport",
+                        "nccl-conf",
                         "tuner", "gin-rma"})
 
 

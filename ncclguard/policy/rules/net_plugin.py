@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ncclguard.fingerprint.fields import ABSENT, net_plugin
+from ncclguard.fingerprint.fields import ABSENT, nccl_version, net_plugin
 from ncclguard.policy.rules.base import Rule, Values, check_rule
 from ncclguard.policy.verdict import Finding
 
@@ -29,7 +29,9 @@ def values(fp: dict) -> Values:
     if state is None:
         return {PLUGIN: None, SHA: None, IGNORED: None}
     name, abi = state
-    if name == ABSENT:
+    if name == ABSENT or nccl_version(fp) == ABSENT:
+        # no plugin, or no host libnccl to load it: what the node adds to a job's own
+        # NCCL is node-adds' (issue 39), not a plugin "ignored" by a libnccl not there
         return {PLUGIN: ABSENT, SHA: ABSENT, IGNORED: ABSENT}
     if not abi:  # no common ABI: NCCL closes it and uses its own transports
         return {PLUGIN: ABSENT, SHA: ABSENT, IGNORED: f"{name} (no common ABI)"}
