@@ -221,3 +221,51 @@ def test_signature_round_trips_and_spans_are_the_tables_runs() -> None:
     assert offers.parse(value) == {**{x: "X v8" for x in labels[4:]}, labels[3]: "X v6"}
     assert offers.differing([value, "none"]) == labels[3:]
     assert offers.summary(value) == "X v8,v6"
+
+
+# ---- honest views: what the node offers, and what is in force only with a libnccl ------
+
+
+def test_views_show_what_a_node_without_libnccl_offers(node, so, tmp_path: Path) -> None:
+    """Before: ``classes`` said ``PLUGIN none, ABI 0`` for every node and one class; ``show``
+    said ``net plugin none``. Now PLUGIN and ABI say "-" (no libnccl to use a plugin), ADDS
+    what a job's own NCCL gets, and ``show`` has the table release by release."""
+    import time
+
+    from helpers.cli import ok, runner
+    from prometheus_client import generate_latest
+
+    from inventoryd.node.textfile import registry_for
+    from ncclguard.policy.schedule import class_values
+    from ncclguard.store import Inventory
+
+    p68 = so("v8-v6", net_abis=[8, 7, 6], name="HoldoutNet")
+    fps = {f"c{i}": node(f"c{i}", {NET: p68} if i < 4 else {}) for i in (1, 2, 3, 4)}
+    db, cfg = tmp_path / "inv.db", tmp_path / "ncclguard.toml"
+    cfg.write_text("")
+    with Inventory(db, values=class_values(PolicyConfig())) as inv:
+        for fp in fps.values():
+            inv.upsert(fp, now=time.time())
+    run = runner(db, cfg)
+    doc = json.loads(ok(run("classes", "--json")).stdout)
+    by_hosts = {k["hosts"]: k for k in doc["classes"]}
+    assert set(by_hosts) == {"c[1-3]", "c4"}
+    assert by_hosts["c[1-3]"]["values"]["adds"] == "HoldoutNet v8..v6"
+    assert by_hosts["c4"]["values"]["adds"] == "none"
+    text = ok(run("classes")).stdout
+    row = next(line for line in text.splitlines() if line.endswith("c[1-3]"))
+    assert row.split()[4:9] == ["none", "-", "-", "HoldoutNet", "v8..v6"], row
+    assert "node-adds: net plugin HoldoutNet v8..v6 (NCCL 2.18.3 to 2.32.3)" in row
+    nodes = {r["host"]: r for r in json.loads(ok(run("nodes", "--json")).stdout)["nodes"]}
+    assert nodes["c1"]["adds"] == "HoldoutNet v8..v6" and nodes["c4"]["adds"] == "none"
+    assert nodes["c1"]["net_abi"] is None  # not 0: nothing is in force without a libnccl
+    show = ok(run("show", "c1")).stdout
+    assert "  net plugin      -\n" in show and "  adds            HoldoutNet v8..v6\n" in show
+    table = show.split("by release (issue 39)\n", 1)[1]
+    assert table.splitlines()[4].split()[:2] == ["2.18.3", "HoldoutNet"]
+    assert table.splitlines()[1].split()[:2] == ["2.10.3", "none"]
+    metrics = generate_latest(registry_for(fps["c1"], last_change=None, publish_ok=None,
+                                           last_publish=None)).decode()
+    assert ('ncclguard_plugin_adds_info{by_release="2.18.3: HoldoutNet v6; 2.19.3: '
+            'HoldoutNet v7; 2.20.5 to 2.32.3: HoldoutNet v8",kind="net",'
+            'plugin="HoldoutNet v8..v6"} 1.0') in metrics

@@ -44,6 +44,7 @@ class ClusterSnapshot:
     nccl: dict[str, int] = field(default_factory=dict)  # version -> nodes
     plugins: dict[tuple[str, str], int] = field(default_factory=dict)  # (plugin, abi) -> nodes
     transports: dict[str, int] = field(default_factory=dict)
+    adds: dict[str, int] = field(default_factory=dict)  # net plugin a job's NCCL gets -> nodes
     partitions: dict[str, PartitionView] | None = None  # None: Slurm's map is not known
     rejections: dict[str, int] = field(default_factory=dict)  # cause -> unresolved files
     written_at: float | None = None  # the collector's last write stamp
@@ -81,8 +82,11 @@ def snapshot(
         n = len(hosts)
         nccl = _label(v.get("nccl"))
         snap.nccl[nccl] = snap.nccl.get(nccl, 0) + n
-        plug = (_label(v.get("net_plugin"), "none"), _label(v.get("net_abi"), "none"))
+        plug = (("-", "-") if v.get("nccl") == "none" else
+                (_label(v.get("net_plugin"), "none"), _label(v.get("net_abi"), "none")))
         snap.plugins[plug] = snap.plugins.get(plug, 0) + n
+        adds = _label(v.get("adds"))
+        snap.adds[adds] = snap.adds.get(adds, 0) + n
         tr = _label(v.get("transport"))
         snap.transports[tr] = snap.transports.get(tr, 0) + n
     snap.nodes = len(key_of)

@@ -340,10 +340,15 @@ def _inventory_families(snap: ClusterSnapshot, now: float, gauge: Any) -> Iterat
     info = {}
     for k in _capped({(k,): n for k, n in snap.classes.items()}):
         v = snap.class_values.get(k[0], {})
-        info[(k[0], _label(v.get("nccl")), _label(v.get("net_plugin"), "none"),
-              _label(v.get("net_abi"), "none"), _label(v.get("transport")))] = 1
-    yield many("ncclguard_class_info", "A compatibility class's defining values (always 1)",
-               ["class", "nccl", "net_plugin", "net_abi", "transport"], info)
+        hostless = v.get("nccl") == "none"  # no libnccl: no plugin in force, see "adds"
+        info[(k[0], _label(v.get("nccl")),
+              "-" if hostless else _label(v.get("net_plugin"), "none"),
+              "-" if hostless else _label(v.get("net_abi"), "none"),
+              _label(v.get("adds")), _label(v.get("transport")))] = 1
+    yield many("ncclguard_class_info", "A compatibility class's defining values (always 1): "
+               "net_plugin and net_abi as the host's libnccl uses them (-: the nodes have "
+               "none), adds the net plugin the nodes add to a job's own NCCL",
+               ["class", "nccl", "net_plugin", "net_abi", "adds", "transport"], info)
     yield one("ncclguard_baseline_share", "Share of the current nodes in the baseline class "
               "(as ncclguard classes marks it); 0 when there is no baseline",
               snap.baseline_share)
@@ -353,8 +358,11 @@ def _inventory_families(snap: ClusterSnapshot, now: float, gauge: Any) -> Iterat
     yield many("ncclguard_nccl_version_nodes", "Nodes per version of their default libnccl",
                ["version"], {(k,): n for k, n in snap.nccl.items()})
     yield many("ncclguard_net_plugin_nodes", "Nodes per default net plugin and its net ABI "
-               "(none: no plugin, NCCL's internal IB or Socket)", ["plugin", "abi"],
-               snap.plugins)
+               "with the node's own libnccl (none: no plugin, NCCL's internal IB or Socket; "
+               "-: the node has no libnccl)", ["plugin", "abi"], snap.plugins)
+    yield many("ncclguard_adds_nodes", "Nodes per net plugin they add to a job's own NCCL, "
+               "whatever their libnccl (each name with the ABIs some release uses; none)",
+               ["plugin"], {(k,): n for k, n in snap.adds.items()})
     yield many("ncclguard_transport_nodes", "Nodes per transport NCCL would pick",
                ["transport"], {(k,): n for k, n in snap.transports.items()})
     yield many("ncclguard_collector_rejections_unresolved", "Spool files whose last record "

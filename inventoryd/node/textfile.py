@@ -12,6 +12,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Gauge, Info, write_to_textfile
 
+from ncclguard.fingerprint import offers
 from ncclguard.fingerprint.fields import plugins_in_force
 from ncclguard.fingerprint.model import obj
 
@@ -69,6 +70,15 @@ def registry_for(
         })
         if row["abi"] is not None:
             abi.labels(kind=kind).set(row["abi"])
+    adds = Info("ncclguard_plugin_adds", "What this node adds to a job's own NCCL, whatever "
+                "its libnccl (issue 39): per kind, each plugin name with the ABIs some "
+                "release would use (none), and the plugin release by release", ["kind"],
+                registry=reg)
+    for kind in offers.KINDS:
+        value = offers.signature(dict(fp), kind)
+        adds.labels(kind=kind).info({
+            "plugin": _s(None if value is None else offers.summary(value)),
+            "by_release": _s(value)})
     port = Info("ncclguard_rdma_port", "An RDMA port on this node", ["device", "port"],
                 registry=reg)
     rdma = obj(fp, "rdma")

@@ -42,14 +42,16 @@ _INT_COLUMNS = {"net_abi", "rdma_ports_up", "rdma_ports_total", "error_count"}
 
 NODE_TABLE: list[out.Column] = [
     ("host", "HOST"), ("nccl", "NCCL"), ("net_plugin_name", "PLUGIN"), ("net_abi", "ABI"),
-    ("transport", "TRANSPORT"), ("rdma", "RDMA UP/TOTAL"), ("driver", "DRIVER"),
+    ("adds", "ADDS"), ("transport", "TRANSPORT"), ("rdma", "RDMA UP/TOTAL"),
+    ("driver", "DRIVER"),
     ("heartbeat", "LAST HEARTBEAT"), ("age", "AGE"), ("error_count", "ERRORS"),
     ("class", "CLASS"), ("status", "STATUS"),
 ]
 NODE_CSV: list[out.Column] = [
     ("host", "host"), ("nccl_version", "nccl_version"), ("nccl_versions", "nccl_versions"),
     ("net_plugin", "net_plugin"), ("net_plugin_name", "net_plugin_name"),
-    ("net_abi", "net_abi"), ("transport", "transport"), ("rdma_ports_up", "rdma_ports_up"),
+    ("net_abi", "net_abi"), ("adds", "adds"), ("transport", "transport"),
+    ("rdma_ports_up", "rdma_ports_up"),
     ("rdma_ports_total", "rdma_ports_total"), ("driver", "driver"),
     ("last_heartbeat", "last_heartbeat"), ("age_s", "age_s"), ("error_count", "error_count"),
     ("class", "class"), ("status", "status"),
@@ -92,6 +94,17 @@ def parse_where(items: Sequence[str]) -> dict[str, Any]:
     return where
 
 
+def _compat(r: dict[str, Any]) -> dict[str, Any]:
+    """The row's stored compatibility values (a damaged one: none)."""
+    import json
+
+    try:
+        got = json.loads(r.get("compat_values") or "{}")
+    except (TypeError, ValueError):
+        return {}
+    return got if isinstance(got, dict) else {}
+
+
 def _node_row(r: dict[str, Any], now: float, ttl: float) -> dict[str, Any]:
     """The store's row (ours to change) with the derived cells added."""
     hb = r.get("last_heartbeat")
@@ -110,8 +123,11 @@ def _node_row(r: dict[str, Any], now: float, ttl: float) -> dict[str, Any]:
     r["stale"] = stale
     # "future": a heartbeat dated ahead of this clock (the node's clock is ahead)
     r["status"] = state if stale else ("errors" if r.get("error_count") else "ok")
+    r["adds"] = _compat(r).get("adds")
     # table-only cells
     r["nccl"] = shown
+    if nccl is None and r.get("net_abi") == 0:
+        r["net_abi"] = None  # no libnccl: no ABI in force (ADDS: what the node offers)
     up, total = r.get("rdma_ports_up"), r.get("rdma_ports_total")
     r["rdma"] = f"{'?' if up is None else up}/{'?' if total is None else total}"
     r["heartbeat"] = when
@@ -186,19 +202,22 @@ def nodes(partition: str | None, nodes_opt: str | None, where: tuple[str, ...], 
 
 CLASS_COLUMNS: list[out.Column] = [
     ("baseline_mark", " "), ("class", "CLASS"), ("count", "NODES"), ("share_pct", "SHARE"),
-    ("nccl", "NCCL"), ("net_plugin", "PLUGIN"), ("net_abi", "ABI"), ("transport", "TRANSPORT"),
-    ("stale", "STALE"), ("hosts", "HOSTS"),
+    ("nccl", "NCCL"), ("net_plugin", "PLUGIN"), ("net_abi", "ABI"), ("adds", "ADDS"),
+    ("transport", "TRANSPORT"), ("stale", "STALE"), ("hosts", "HOSTS"),
 ]
 #: a column shown when the configured refuse-level rules tell classes apart on more than
 #: the four above (an env plugin, or a rule an admin set to refuse: gpu-driver)
 ALSO_COLUMN: out.Column = ("also", "ALSO DIFFERS")
 CLASS_CSV: list[out.Column] = [
     ("class", "class"), ("class_key", "class_key"), ("count", "count"), ("share", "share"),
-    ("nccl", "nccl"), ("net_plugin", "net_plugin"), ("net_abi", "net_abi"),
+    ("nccl", "nccl"), ("net_plugin", "net_plugin"), ("net_abi", "net_abi"), ("adds", "adds"),
     ("transport", "transport"), ("stale", "stale"), ("baseline", "baseline"),
     ("hosts", "hosts"),
 ]
-_SHOWN = ("nccl", "net_plugin", "net_abi", "transport")
+_SHOWN = ("nccl", "net_plugin", "net_abi", "adds", "transport")
+#: PLUGIN and ABI say what the host's libnccl does with the node's plugin: on a node
+#: without one, nothing ("-"); ADDS says what the node offers a job's own NCCL (issue 39)
+NO_HOST_NCCL = "-"
 
 
 @click.command()
@@ -231,6 +250,8 @@ def classes(partition: str | None, nodes_opt: str | None, as_json: bool, as_csv:
             "share": round(len(k.hosts) / total, 4) if total else 0.0,
             "share_pct": f"{len(k.hosts) / total:.0%}" if total else "-",
             **{f: _cell(v.get(f), k.spread.get(f)) for f in _SHOWN},
+            **({"net_plugin": NO_HOST_NCCL, "net_abi": NO_HOST_NCCL}
+               if v.get("nccl") == "none" and not k.spread.get("nccl") else {}),
             "stale": sum(1 for h in k.hosts if h in stale),
             "baseline": k.key == base, "baseline_mark": "*" if k.key == base else "",
             "hosts": compress(k.hosts),
@@ -333,9 +354,19 @@ def _also_differs(rules: dict[str, dict[str, dict[str, Any]]]) -> dict[str, str]
     single = {rule for rule, _ in varying
               if all(len(rv.get(rule, {})) <= 1 for rv in items)}  # a rule of one aspect
     out: dict[str, str] = {}
+    from ncclguard.policy.rules import BY_NAME
+
+    def shown(rule: str, aspect: str, value: Any) -> str:
+        """A value as the rule's findings label it (node-adds: a few words, not its
+        release-by-release key)."""
+        r = BY_NAME.get(rule)
+        if r is None or not isinstance(value, str) or r.label is None:
+            return f"{rule}{'' if rule in single else '.' + aspect}={value}"
+        return f"{rule}: {r.label(aspect, value)}"
+
     for key, rule_values in rules.items():
-        parts = [f"{rule}{'' if rule in single else '.' + aspect}="
-                 f"{rule_values.get(rule, {}).get(aspect)}" for rule, aspect in sorted(varying)]
+        parts = [shown(rule, aspect, rule_values.get(rule, {}).get(aspect))
+                 for rule, aspect in sorted(varying)]
         out[key] = " ".join(parts)
     return out
 
@@ -396,6 +427,25 @@ def _objs(x: Any) -> list[dict[str, Any]]:
     return [i for i in x if isinstance(i, dict)] if isinstance(x, list) else []
 
 
+def _adds_rows(fp: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per release of the table: the plugin each kind gives it on this node
+    ("-": that release loads no such plugin; "?": unknown)."""
+    from ncclguard.fingerprint import offers
+
+    picked = {k: offers.selections(fp, k) for k in ADDS_KINDS}
+    rows = []
+    for release in offers.RELEASES:
+        row: dict[str, Any] = {"release": release.label}
+        for kind in ADDS_KINDS:
+            sel = picked[kind]
+            row[kind] = "?" if sel is None else dict(sel).get(release.label, "-")
+        rows.append(row)
+    return rows
+
+
+ADDS_KINDS = ("net", "tuner", "profiler", "env", "gin", "rma")
+
+
 def _show_text(rec: Any, now: float, ttl: float, klass: str | None) -> str:
     from ncclguard.fingerprint.fields import plugins_in_force
 
@@ -404,10 +454,13 @@ def _show_text(rec: Any, now: float, ttl: float, klass: str | None) -> str:
 
     d = derived(fp)
     age = now - rec.last_heartbeat
+    hostless = d.get("compat.nccl") == "none"
     parts = [out.section(f"node {rec.host}", out.kv([
         ("class", klass or "-"),
-        ("nccl", d.get("compat.nccl")), ("net plugin", d.get("compat.net_plugin")),
-        ("net ABI", d.get("compat.net_abi")), ("transport", d.get("compat.transport")),
+        ("nccl", d.get("compat.nccl")),
+        ("net plugin", NO_HOST_NCCL if hostless else d.get("compat.net_plugin")),
+        ("net ABI", NO_HOST_NCCL if hostless else d.get("compat.net_abi")),
+        ("adds", d.get("compat.adds")), ("transport", d.get("compat.transport")),
         ("last heartbeat", f"{out.iso(rec.last_heartbeat)} ({out.age(age)} ago"
                            + (", STALE)" if is_stale(rec.last_heartbeat, now, ttl) else ")")),
         ("collected at", out.iso(rec.collected_at)), ("first seen", out.iso(rec.first_seen)),
@@ -434,6 +487,9 @@ def _show_text(rec: Any, now: float, ttl: float, klass: str | None) -> str:
                              "for each kind)", out.table(_objs(plugins_in_force(fp)), [
         ("kind", "KIND"), ("plugin", "PLUGIN"), ("via", "VIA"), ("name", "NAME"),
         ("abi", "ABI"), ("reason", "REASON")])))
+    parts.append(out.section("what the node adds to a job's own NCCL, by release (issue 39)",
+                             out.table(_adds_rows(fp), [
+                                 ("release", "NCCL"), *((k, k.upper()) for k in ADDS_KINDS)])))
     rdma = _obj(fp.get("rdma"))
     ports = [{"device": dv.get("name"), "fw_ver": dv.get("fw_ver"),
               "hca_type": dv.get("hca_type"), **p}

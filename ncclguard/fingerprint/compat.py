@@ -17,8 +17,15 @@ not the class: the class follows the configured refuse-level rules
                                      # or one that NCCL ignores (no common ABI)
       "net_abi": 8,                  # effective ncclNetPlugin_vN; 0: no plugin in use
       "env_plugin": "none",          # "NAME vN" of the env plugin NCCL loads; "none"
-      "transport": "IB"              # ncclguard.fingerprint.transport.effective_transport
+      "transport": "IB",             # ncclguard.fingerprint.transport.effective_transport
+      "adds": "HoldoutNet v8..v6"    # the net plugin the node adds to a job's own NCCL,
+                                     # whatever the host's libnccl (issue 39): each name
+                                     # with the ABIs some release would use; "none"
     }
+
+``net_plugin`` and ``net_abi`` are what the host's default libnccl does with the node's
+plugin; on a node without one (``nccl`` "none") they are "none" and 0, and ``adds`` is
+what the node offers.
 
 The key is the first 16 hex digits of the SHA-256 of the canonical JSON of these values
 (sorted keys, no spaces); it changes only when one of them changes.
@@ -33,7 +40,8 @@ from ncclguard.fingerprint.transport import effective_transport
 
 __all__ = ["COMPAT_FIELDS", "VALUES_VERSION", "compat_key", "compat_values"]
 
-COMPAT_FIELDS = ("nccl", "nccl_paths", "net_plugin", "net_abi", "env_plugin", "transport")
+COMPAT_FIELDS = ("nccl", "nccl_paths", "net_plugin", "net_abi", "env_plugin", "transport",
+                 "adds")
 
 #: The version of what is derived from a fingerprint where it is written: these compat
 #: values, the store's query columns (:mod:`ncclguard.store.rows`), the field readers of
@@ -81,7 +89,18 @@ def compat_values(fp: dict) -> dict:
         "net_abi": plugin[1] if plugin is not None else None,
         "env_plugin": env_plugin(fp),
         "transport": effective_transport(fp),
+        "adds": adds(fp),
     }
+
+
+def adds(fp: dict) -> str | None:
+    """The net plugin this node adds to a job's own NCCL, in a few words (``HoldoutNet
+    v8..v6``: :func:`ncclguard.fingerprint.offers.summary`); ``"none"``; ``None``:
+    unknown (an older daemon)."""
+    from ncclguard.fingerprint import offers
+
+    value = offers.signature(fp, "net")
+    return None if value is None else offers.summary(value)
 
 
 def compat_key(fp: dict) -> str:

@@ -341,14 +341,16 @@ class NodeTables(Database):
             else:
                 clauses.append(f"{col} = ?")
                 params.append(value)
-        sql = f"SELECT {', '.join(WHERE_COLUMNS.values())} FROM nodes n"  # noqa: S608 - fixed
+        # the filterable columns, and the stored compatibility values (shown, not filtered)
+        sql = (f"SELECT {', '.join(WHERE_COLUMNS.values())}, n.compat_values "  # noqa: S608
+               "FROM nodes n")
         if clauses:
             sql += " WHERE " + " AND ".join(clauses)
         sql += " ORDER BY n.host"
         rows = self._reading("query nodes", lambda c: c.execute(sql, params).fetchall())
         out = []
         for row in rows:
-            d = dict(zip(NODE_COLUMNS, row, strict=True))
+            d = dict(zip((*NODE_COLUMNS, "compat_values"), row, strict=True))
             d["nccl_versions"] = [v for v in (d["nccl_versions"] or "").split(",") if v]
             out.append(d)
         return out
