@@ -4,9 +4,10 @@ gate's latency while the collector writes.
 Real MUNGE throughout: four private munged (one key, origins 127.42.0.1-4) sign the
 nodes' records, a fifth (the controller's) decodes them for the collector, and a sixth
 decodes them for the baselines (its own replay cache, so that both see fresh
-credentials). Fingerprints are ``fingerprint(host, plugin_abi=8)`` of
-``tests/helpers/fingerprints.py`` (2.3 KB of JSON); every node's address is its signing
-munged's origin in ``[collector.addresses]``. Records are
+credentials). Fingerprints are ``fingerprint(host, plugin_abi=8, offers=True)`` of
+``tests/helpers/fingerprints.py`` (4.2 KB of JSON; 2.6 KB before issue 39's offers
+part); every node's address is its signing munged's origin in
+``[collector.addresses]``. Records are
 signed before anything is timed (signing is the nodes' cost, not the collector's) into
 a staging directory and published by one ``rename`` each, as ``spool.write`` ends, but
 without its fsyncs (the nodes write a shared filesystem, not this disk).
@@ -112,7 +113,10 @@ def node_name(i: int) -> str:
 def node_fp(i: int, variant: int) -> dict[str, Any]:
     """Node ``i``'s fingerprint; ``variant`` > 0 is a changed one (a reboot: a new
     ``boot_id``, which the policy does not compare)."""
-    fp = fingerprint(node_name(i), plugin_abi=8)
+    try:  # what a current daemon sends: with the offers part of issue 39
+        fp = fingerprint(node_name(i), plugin_abi=8, offers=True)
+    except TypeError:  # run from a checkout before issue 39 (bench/ copied into it)
+        fp = fingerprint(node_name(i), plugin_abi=8)
     if variant:
         fp["host"]["boot_id"] = f"{variant:08x}"
     return fp

@@ -60,7 +60,8 @@ def build_inventory(db: Path, n: int) -> None:
         inv._retrying = lambda conn, body, doing: body(conn)  # type: ignore[method-assign]
         inv._conn.execute("BEGIN IMMEDIATE")
         for i in range(1, n + 1):
-            inv.upsert(fingerprint(f"n{i:05d}"), now=now)
+            # the record a current daemon sends (issue 39: with its offers part)
+            inv.upsert(fingerprint(f"n{i:05d}", plugin_abi=8, offers=True), now=now)
         inv._conn.execute("COMMIT")
     print(f"built a {n}-node inventory in {time.perf_counter() - t:.1f}s: {db}")
 
@@ -92,7 +93,11 @@ with Inventory(db, values=GATE_VALUES) as inv:
     inv._retrying = lambda conn, body, doing: body(conn)
     inv._conn.execute("BEGIN IMMEDIATE")
     for i in range(1, n + 1):
-        inv.upsert(fingerprint(f"n{i:05d}"), now=time.time())
+        try:
+            fp = fingerprint(f"n{i:05d}", plugin_abi=8, offers=True)
+        except TypeError:  # a checkout before issue 39: its daemon sent no offers part
+            fp = fingerprint(f"n{i:05d}", plugin_abi=8)
+        inv.upsert(fp, now=time.time())
     inv._conn.execute("COMMIT")
 """
 

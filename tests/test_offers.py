@@ -4,7 +4,7 @@ node-adds rule, the classes.
 Real parts: plugins built by gcc that export only the ``ncclNetPlugin_vN`` (etc.) named,
 node trees read by the real daemon's ``collect``, real ``libnccl.so.2`` from the wheels
 where a node has one. The ABIs each release looks for are the wheels' own strings
-(``tests/test_probe_nccl.py``, ``FACTS``), which the product's table must agree with.
+(``FACTS`` of ``tests/helpers/ncclfacts.py``), which the product's table must agree with.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.ncclfacts import FACTS
 from helpers.parts import build_plugin
-from test_probe_nccl import FACTS
 
 from devtools.nodetree import LIBDIR, build_node
 from inventoryd.node.fingerprint import collect
@@ -269,3 +269,14 @@ def test_views_show_what_a_node_without_libnccl_offers(node, so, tmp_path: Path)
     assert ('ncclguard_plugin_adds_info{by_release="2.18.3: HoldoutNet v6; 2.19.3: '
             'HoldoutNet v7; 2.20.5 to 2.32.3: HoldoutNet v8",kind="net",'
             'plugin="HoldoutNet v8..v6"} 1.0') in metrics
+
+
+def test_the_test_factorys_offers_part_is_what_the_probe_writes(node, so) -> None:
+    """``helpers.fingerprints.offers_part`` (the benchmarks' and other tests' records)
+    gives what the real probe gives a node with the same net plugin and nothing else."""
+    from helpers.fingerprints import offers_part
+
+    for fp in (node("a", {NET: so("v8-v6", net_abis=[8, 7, 6], name="HoldoutNet")}),
+               node("b")):
+        net = next((p for p in fp["plugins"] if p["kind"] == "net"), None)
+        assert offers_part(net)["releases"] == fp["offers"]["releases"]

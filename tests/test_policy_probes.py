@@ -54,7 +54,7 @@ def test_identical_real_nodes_accept(node: Callable[..., dict]) -> None:
     assert {compat_key(fp) for fp in fps.values()} == {compat_key(fps["n1"])}
     assert compat_values(fps["n1"]) == {
         "nccl": "2.21.5", "nccl_paths": {}, "net_plugin": "none", "net_abi": 0,
-        "env_plugin": "none", "transport": "IB",
+        "env_plugin": "none", "transport": "IB", "adds": "none",
     }
     v = evaluate(fps, DEFAULT)
     assert v.decision == "accept", v.format_text()
@@ -123,14 +123,21 @@ def test_net_plugin_abi_depends_on_the_nodes_libnccl(
             ) in found
 
 
-def test_net_plugin_other_build_same_abi_warns(
+def test_net_plugin_other_build_same_abi_warns_and_node_adds_names_the_release(
     node: Callable[..., dict], compile_plugin: Callable[..., Path], tmp_path: Path
 ) -> None:
+    """v8..v7 against v8..v6: the node's libnccl 2.21.5 uses v8 of both (another build: a
+    warning), but a job that brings NCCL 2.18.3 (v6..v4) would use the plugin on n2 only
+    (issue 39: node-adds refuses, naming that release)."""
     a = compile_plugin(tmp_path / "a", net_abis=[8, 7], name="IBext_v8")
     b = compile_plugin(tmp_path / "b", net_abis=[8, 7, 6], name="IBext_v8")
     fps = {"n1": node("n1", extra_files={PLUGIN_PATH: a}),
            "n2": node("n2", extra_files={PLUGIN_PATH: b})}
     v = evaluate(fps, DEFAULT)
+    assert [(r, s) for r, s, _ in rules_found(v)] == [("node-adds", "refuse"),
+                                                     ("net-plugin", "warn")]
+    assert "(2.18.3, of the releases ncclguard knows)" in v.findings[0].message
+    v = evaluate(fps, DEFAULT.replace(severity={"node-adds": "ignore"}))
     assert v.decision == "warn", v.format_text()
     assert [(r, s) for r, s, _ in rules_found(v)] == [("net-plugin", "warn")]
 

@@ -20,7 +20,7 @@ __all__ = ["COMMANDS", "main"]
 COMMANDS: dict[str, tuple[str, str]] = {
     "nodes": ("ncclguard.cli.inventory", "nodes"),
     "classes": ("ncclguard.cli.inventory", "classes"),
-    "show": ("ncclguard.cli.inventory", "show"),
+    "show": ("ncclguard.cli.show", "show"),
     "diff": ("ncclguard.cli.changes", "diff"),
     "history": ("ncclguard.cli.changes", "history"),
     "check": ("ncclguard.cli.check", "check"),

@@ -9,8 +9,9 @@ library each kind would load and at which ABI: the fingerprint's ``offers`` part
 nodes give every release of this table the same stack, or they are told apart.
 
 Each row is one release whose looked-for ABIs were read, from the strings of the wheel's
-own ``libnccl.so.2`` (``tests/test_probe_nccl.py``, ``FACTS``; ``tests/test_offers.py``
-checks the rows against it) or, before the wheels, from NVIDIA/nccl's source at the tag
+own ``libnccl.so.2`` (``tests/helpers/ncclfacts.py``, ``FACTS``, which
+``tests/test_probe_nccl.py`` checks every wheel against and ``tests/test_offers.py`` the
+rows) or, before the wheels, from NVIDIA/nccl's source at the tag
 named (docs/nccl.md, "Plugins NCCL loads"). A release between two rows loads as the rows
 around it say; one the table lacks (2.22.3, 2.29.7) is not judged on its own. The rows
 start at the loading-rules table's first release (2.10.3): an older NCCL is not judged.

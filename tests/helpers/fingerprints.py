@@ -123,6 +123,7 @@ def fingerprint(
     hcas: int = 1,
     ports_up: int | None = None,
     collected_at: str = "2026-11-30T02:13:28Z",
+    offers: bool = False,
     **override: Any,
 ) -> dict[str, Any]:
     """One node's fingerprint.
@@ -133,7 +134,9 @@ def fingerprint(
     ``IBext_v<abi>`` net plugin that offers that one ABI (not with ``plugins``). ``hcas``:
     that many HCAs ``mlx5_0``.., one InfiniBand port each, the first ``ports_up`` of them
     ACTIVE and the others DOWN (all ACTIVE when None; not with ``devices``). ``override``
-    replaces top-level keys as they are.
+    replaces top-level keys as they are. ``offers``: add the part a daemon of issue 39
+    sends (:func:`offers_part` of the default net plugin; without it, the record of an
+    older daemon: node-adds finds it unknown).
     """
     if libs is None:
         libs = [libnccl(nccl, net_abis=net_abis)]
@@ -210,8 +213,36 @@ def fingerprint(
         },
         "errors": errors or [],
     }
+    if offers:
+        fp["offers"] = offers_part(default_plugin)
     fp.update(copy.deepcopy(override))
     return fp
+
+
+def offers_part(net: dict[str, Any] | None) -> dict[str, Any]:
+    """The ``offers`` part of a node whose only plugin is the net plugin ``net`` (a
+    :func:`plugin` record; None: none), as the plugin probe writes it: for each release
+    of the table, that plugin at the highest ABI both know (null: none), and no library
+    of the other kinds that release loads."""
+    from ncclguard.fingerprint import loading
+    from ncclguard.fingerprint.releases import RELEASES
+
+    releases: dict[str, dict[str, Any]] = {}
+    for release in RELEASES:
+        rules = loading.rules_for(release.version)
+        row: dict[str, Any] = {}
+        for kind, wanted in release.abis.items():
+            if kind != "net" and not (kind in rules.kinds and rules.kinds[kind].external):
+                continue
+            row[kind] = []
+            if kind == "net" and net is not None:
+                both = set(wanted) & set(net["abis"].get("net") or [])
+                row[kind] = [net["path"], max(both) if both else None]
+        releases[release.label] = row
+    files = {} if net is None else {net["path"]: {
+        "names": dict(net.get("names") or {}),
+        "abis": {k: v for k, v in net["abis"].items() if v}, "error": None}}
+    return {"releases": releases, "files": files}
 
 
 def error(field: str, path: str = "/sys/x", probe: str = "rdma") -> dict[str, Any]:
