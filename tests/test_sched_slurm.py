@@ -2,7 +2,9 @@
 slurm/job_submit.lua, class features kept by ``ncclguard-inventoryd features``, and the
 gate as PrologSlurmctld behind them (docs/scheduling.md).
 
-Inventory: class A = n[1-4] (NCCL 2.21.5), class B = n[5-6] (2.18.3, refuse-level).
+Inventory: class A = n[1-4] (NCCL 2.21.5), class B = n[5-6] (2.18.3, refuse-level). The
+issue 39 tests (at the end) replace it for their run with records the real probes read (no
+system libnccl, a net plugin on n[1-4] only), and put it back.
 
 Over 500 lines: the tests share one module-scoped real cluster with job_submit.lua and the
 features daemon (starting one costs more than the tests); each test restores what it
@@ -27,12 +29,17 @@ from pathlib import Path
 import pytest
 from helpers.fingerprints import fingerprint
 from helpers.notify import Listener
+from helpers.parts import build_plugin
 from helpers.slurm import class_features as _classes
 from helpers.slurm import require_slurm
 from helpers.wait import wait_until
 
 from devtools.devcluster import DevCluster
+from devtools.nodetree import LIBDIR, build_node
+from inventoryd.node.fingerprint import collect
 from ncclguard import audit
+from ncclguard.config import InventorydConfig
+from ncclguard.fingerprint import offers
 from ncclguard.policy import load_config
 from ncclguard.sched import classfile, status
 
@@ -970,3 +977,145 @@ def test_the_hook_keeps_the_daemons_held_nodes_and_refused_updates(sc: DevCluste
     c.start_features_daemon()
     wait_until(lambda: _classes(c) == cls, 60, "the classes as before",
                detail=lambda: f"Slurm has {_classes(c)}, before: {cls}")
+
+
+# ------------------------------------------- what a node adds to a job's NCCL (issue 39)
+HOLDOUT = ("n1", "n2", "n3", "n4")  # the net plugin HoldoutNet (v8..v6); n5, n6: none
+
+
+@pytest.fixture(scope="module")
+def adds_records(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """Each node's fingerprint as the real daemon reads it (``collect``) from a tree with
+    no system libnccl and an ACTIVE IB port: n[1-4] with a gcc-built ``libnccl-net.so``
+    exporting ``ncclNetPlugin_v8..v6`` ("HoldoutNet"), n[5-6] without one."""
+    base = tmp_path_factory.mktemp("adds")
+    plugin = build_plugin(base / "plugin", net_abis=[8, 7, 6], name="HoldoutNet",
+                          filename="libnccl-net.so")
+    cfg = InventorydConfig(cache_dir=str(base / "cache"))
+    fps = {}
+    for host in (f"n{i}" for i in range(1, 7)):
+        files = {f"{LIBDIR}/libnccl-net.so": plugin} if host in HOLDOUT else {}
+        root = build_node(base / host, hostname=host, libnccl=None, extra_files=files)
+        fps[host] = dict(collect(str(root), host, cfg))
+    # the issue's nodes: no libnccl found, one ACTIVE IB port, the plugin read where placed
+    for fp in fps.values():
+        assert fp["libnccl"] == [] and fp["errors"] == [], fp["host"]
+        assert [p["state"] for d in fp["rdma"]["devices"] for p in d["ports"]] == ["ACTIVE"]
+    assert "HoldoutNet v8" in (offers.signature(fps["n1"], "net") or "")
+    assert offers.signature(fps["n5"], "net") == offers.NONE
+    return fps
+
+
+@contextlib.contextmanager
+def _adds_world(c: DevCluster, fps: dict[str, dict]) -> Iterator[dict[str, str]]:
+    """The nodes publish ``fps`` (signed by their own munged) and the collector takes
+    them: yields the class features Slurm then has, two classes that are none of the
+    module's own, and the lua offering them. After: the module's inventory and classes."""
+    cls = _settled_classes(c)
+    text = c.config_path.read_text()
+    try:
+        for host, fp in fps.items():
+            c.publish_fingerprint(host, fp)
+        r = c.collect()
+        assert "6 accepted, 0 rejected" in r.stderr, r.stderr
+
+        def split() -> dict[str, str] | None:
+            got = _classes(c)
+            a, b = got["n1"], got["n5"]
+            ok = (a and b and a != b and {got[h] for h in HOLDOUT} == {a} and got["n6"] == b
+                  and not {a, b} & set(cls.values()))
+            return got if ok else None
+
+        new = wait_until(split, 30, "n[1-4] and n[5-6] in two new classes",
+                         detail=lambda: f"Slurm has {_classes(c)}, before: {cls}")
+        wait_until(lambda: _lua_adds_the_group(c), 30, "job_submit.lua offering them")
+        yield new
+    finally:
+        c.cancel_all()
+        _put_back(c, text, tuple(c.node_names), cls)
+
+
+def test_a_net_plugin_on_some_nodes_only_splits_the_classes_and_the_lua_keeps_jobs_in_one(
+    sc: DevCluster, adds_records: dict[str, dict],
+) -> None:
+    """Issue 39 on real records: nodes with no system libnccl, n[1-4] with a net plugin
+    and n[5-6] without, are two classes (before, one: ``NCCL none, PLUGIN none``). A
+    ``-w`` across them is refused at submit naming both; ``sbatch -N4`` with n1 and n2
+    busy waits for n[1-4] (without the group Slurm would start it on n[3-6] at once)."""
+    c = sc
+    with _adds_world(c, adds_records) as new:
+        r = _sbatch(c, "-N2", "-w", "n1,n5", "--wrap", "true")
+        assert r.returncode != 0
+        assert (f"the required nodes (-w) have 2 different NCCL stacks ({new['n1']}: n1; "
+                f"{new['n5']}: n5)") in r.stderr, r.stderr
+        blocker = _job_id(_sbatch(c, "-N2", "-w", "n[1-2]", "--exclusive", "--wrap",
+                                  "sleep 300"))
+        assert c.wait_job(blocker, {"RUNNING"}, 60) == "RUNNING"
+        job = _job_id(_sbatch(c, "-N4", "--wrap", "hostname"))
+        assert _features(c, job) == f"[{new['n1']}]"  # n[5-6] are too few for -N4
+        # Slurm has tried it (n[3-6] free): pending for resources, never placed
+        reason = wait_until(lambda: c.job_field(job, "Reason") != "None" and
+                            c.job_field(job, "Reason"), 30, "Slurm to try the job")
+        assert (c.job_field(job, "JobState"), reason) == ("PENDING", "Resources")
+        assert _records(c, job) == []  # the gate never saw it
+        c.run(["scancel", str(blocker)])
+        assert c.wait_job(job, {"COMPLETED", "FAILED"}, 90) == "COMPLETED"
+        assert c.job_field(job, "NodeList") == A
+        assert c.job_field(job, "Restarts") == "0"
+        assert [(x["decision"], x["path"]) for x in _records(c, job)] == [
+            ("accept", "features")]
+
+
+def _lua_adds_no_group(c: DevCluster) -> bool:
+    job = _job_id(_sbatch(c, "--hold", "-N2", "-J", "probe", "--wrap", "true"))
+    try:
+        return _features(c, job) in ("(null)", "")
+    finally:
+        c.run(["scancel", str(job)], check=False)
+
+
+def test_without_the_lua_the_gate_refuses_a_job_across_the_plugin_classes_and_steers_it(
+    sc: DevCluster, adds_records: dict[str, dict],
+) -> None:
+    """The same nodes, the lua's group off (no file of classes): with n1 and n2 busy Slurm
+    places an ``sbatch -N4`` on n[3-6]; the gate refuses it by node-adds (n[3-4] and
+    n[5-6] tie: the partition's larger class keeps n[3-4]), steers it off n[5-6], and it
+    runs on n[1-4] once they are free."""
+    c = sc
+    with _adds_world(c, adds_records), _hands_off(c):
+        c.classes_file.unlink()
+        wait_until(lambda: _lua_adds_no_group(c), 30, "job_submit.lua without its file")
+        blocker = _job_id(_sbatch(c, "-N2", "-w", "n[1-2]", "--exclusive", "--wrap",
+                                  "sleep 300"))
+        assert c.wait_job(blocker, {"RUNNING"}, 60) == "RUNNING"
+        job = _job_id(_sbatch(c, "-N4", "--wrap", "hostname"))
+        assert _features(c, job) in ("(null)", "")
+        wait_until(lambda: any(x["decision"] == "followup" for x in _records(c, job)), 60,
+                   "the gate's refusal and its follow-up",
+                   detail=lambda: f"{_records(c, job)}\n{c.show_job(job)}")
+        recs = _records(c, job)
+        refusal = next(x for x in recs if x["decision"] == "refuse")
+        assert (refusal["nodes"], refusal["odd_nodes"], refusal["action"], refusal["path"]) == (
+            "n[3-6]", ["n5", "n6"], "steer", "gate")
+        assert refusal["tie_break"] == "majority class of partition debug (4 nodes)"
+        refusing = [f for f in refusal["findings"] if f["severity"] == "refuse"]
+        assert [f["rule"] for f in refusing] == ["node-adds"], refusal["findings"]
+        groups = {g["nodes"]: g["value"] for g in refusing[0]["groups"]}
+        assert set(groups) == {"n[3-4]", "n[5-6]"}, groups
+        assert groups["n[3-4]"].startswith("net plugin HoldoutNet v8..v6 (NCCL ")
+        assert groups["n[5-6]"] == "net plugin none"
+        assert "would use a net plugin on some nodes only" in refusing[0]["message"]
+        followup = next(x for x in recs if x["decision"] == "followup")
+        assert (followup["result"], followup["excluded"]) == ("done", "n[5-6]")
+        info = c.slurm().job(job)
+        assert info is not None
+        comment = info.admin_comment
+        assert comment.startswith("ncclguard: refuse, odd n[5-6]: node-adds"), comment
+        assert "requeued without n[5-6]" in comment
+        assert c.job_field(job, "ExcNodeList") == "n[5-6]"
+        c.run(["scancel", str(blocker)])
+        assert c.wait_job(job, {"COMPLETED", "FAILED"}, 90) == "COMPLETED"
+        assert c.job_field(job, "NodeList") == A
+        assert c.job_field(job, "Restarts") == "1"
+        last = _records(c, job)[-1]
+        assert (last["decision"], last["nodes"], last["path"]) == ("accept", A, "gate")
