@@ -18,8 +18,10 @@ def test_values_of_a_plain_ib_node() -> None:
         "net_abi": 0,
         "env_plugin": "none",
         "transport": "IB",
+        "adds": None,  # a record without the offers part (a daemon before issue 39)
     }
     assert tuple(compat_values(fingerprint())) == COMPAT_FIELDS
+    assert compat_values(fingerprint(offers=True))["adds"] == "none"
 
 
 def test_values_with_plugin_and_configured_paths() -> None:
@@ -37,7 +39,11 @@ def test_values_with_plugin_and_configured_paths() -> None:
         "net_abi": 8,
         "env_plugin": "none",
         "transport": "IBext_v8",
+        "adds": None,
     }
+    # what a job's own NCCL gets: v8 from 2.20.5, v7 with 2.19.3 (issue 39)
+    assert compat_values(fingerprint(plugins=[plugin("IBext_v8", abis=[8, 7])],
+                                     offers=True))["adds"] == "IBext_v8 v8..v7"
     # the plugin's highest ABI that the older library knows
     fp = fingerprint(libs=[libnccl("2.18.3")], plugins=[plugin("IBext_v8", abis=[8, 7, 6])])
     assert compat_values(fp)["net_abi"] == 6

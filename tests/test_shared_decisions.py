@@ -180,7 +180,8 @@ def test_store_diff_and_drain_read_one_active_port_count(tmp_path: Path) -> None
     cfg_path = tmp_path / "plain.toml"
     cfg_path.write_text("")
     text = run_cli("nodes", db=db, config=cfg_path).stdout
-    assert next(ln for ln in text.splitlines() if ln.startswith("n5 ")).split()[5] == "?/4"
+    row = next(ln for ln in text.splitlines() if ln.startswith("n5 ")).split()
+    assert row[6] == "?/4", row  # HOST NCCL PLUGIN ABI ADDS TRANSPORT RDMA
     d = diff({"n1": base["n1"], "n5": _unknown_port_state("n5")})
     assert "rdma.active_ports" in {u.field for u in d.unknown}
     assert "rdma.active_ports" not in {x.field for x in d.differences}
