@@ -103,9 +103,12 @@ def adds(fp: dict) -> str | None:
     return None if value is None else offers.summary(value)
 
 
-def compat_key(fp: dict) -> str:
-    """A short, stable hex hash of :func:`compat_values` (16 hex digits)."""
+def compat_key(fp: dict, values: dict | None = None) -> str:
+    """A short, stable hex hash of :func:`compat_values` (16 hex digits); ``values``: those
+    of ``fp`` already computed (the store's row derives both)."""
     import hashlib
 
-    text = json.dumps(compat_values(fp), sort_keys=True, separators=(",", ":"))
+    if values is None:
+        values = compat_values(fp)
+    text = json.dumps(values, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -21,24 +21,28 @@ Standard library only: the gate's path imports it.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
-from ncclguard.fingerprint.loading import Version
+#: ``(2, 21, 5)``: as :data:`ncclguard.fingerprint.loading.Version`, which is not imported
+#: here: its dataclasses cost the gate 15 ms of imports per job (``python -X importtime``)
+Version = tuple[int, int, int]
 
 __all__ = ["RELEASES", "Release", "by_label", "looks_for"]
 
 
-class Release(NamedTuple):
-    """One release and the plugin ABIs its libnccl looks for, per kind, newest first."""
+class Release:
+    """One release and the plugin ABIs its libnccl looks for, per kind, newest first.
+    (A plain class: a NamedTuple costs the gate's imports a millisecond.)"""
 
-    label: str
-    abis: dict[str, tuple[int, ...]]
-    source: str
+    __slots__ = ("abis", "label", "source", "version")
 
-    @property
-    def version(self) -> Version:
-        a, b, c = (int(x) for x in self.label.split("."))
-        return (a, b, c)
+    def __init__(self, label: str, abis: dict[str, tuple[int, ...]], source: str) -> None:
+        self.label = label
+        self.abis = abis
+        self.source = source
+        a, b, c = (int(x) for x in label.split("."))
+        self.version: Version = (a, b, c)
+
+    def __repr__(self) -> str:
+        return f"Release({self.label!r})"
 
 
 def _r(label: str, source: str, **abis: tuple[int, ...]) -> Release:

@@ -13,7 +13,6 @@ from ncclguard.fingerprint.canonical import canonical_json
 from ncclguard.fingerprint.compat import compat_key, compat_values
 from ncclguard.fingerprint.fields import ABSENT, active_ports, plugin_in_force
 from ncclguard.fingerprint.model import EFFECTIVE_KINDS, obj
-from ncclguard.fingerprint.transport import effective_transport
 
 __all__ = [
     "DETAIL_DELETE",
@@ -64,10 +63,10 @@ def derive(fp: dict[str, Any]) -> dict[str, Any]:
         for port in dev.get("ports") or []
         if isinstance(port, dict)
     ]
-    transport = effective_transport(fp)
     values = compat_values(fp)
+    transport = values["transport"]  # effective_transport(fp), computed once
     return {
-        "compat_key": str(compat_key(fp)),
+        "compat_key": str(compat_key(fp, values)),
         "compat_values": canonical_json(values),
         "nccl_version": default_lib.get("version") if default_lib else None,
         "nccl_versions": ",".join(versions),
