@@ -32,7 +32,14 @@ NET = f"{LIBDIR}/libnccl-net.so"
 
 def test_the_release_table_agrees_with_the_wheels_strings() -> None:
     """Every release of the table that the tests have a wheel of looks for exactly the ABIs
-    that wheel's libnccl names; and the table is in release order."""
+    that wheel's libnccl names; the table is in release order; and each release's
+    ``loads`` are the kinds the loading rules give an external plugin."""
+    from ncclguard.fingerprint import loading
+
+    for release in RELEASES:
+        rules = loading.rules_for(release.version)
+        assert set(release.loads) == {k for k in release.abis if k in rules.kinds
+                                      and rules.kinds[k].external}, release
     checked = 0
     for version, facts in FACTS.items():
         release = by_label(version)
@@ -198,11 +205,16 @@ def test_a_record_without_offers_is_unknown_and_hostile_parts_never_crash(node) 
     fp = node("a")
     old = {k: v for k, v in fp.items() if k != "offers"}
     assert node_adds.values(old)["net plugin"] is None
-    for bad in ([], {"releases": []}, {"releases": {"2.18.3": []}, "files": {}},
-                {"releases": {r.label: {"net": [7, "x"]} for r in RELEASES}, "files": {}},
-                {"releases": {r.label: {"net": ["/p", 8]} for r in RELEASES},
-                 "files": {"/p": {"names": ["x"]}}},
-                {"releases": {r.label: {"net": "x"} for r in RELEASES}, "files": {}}):
+    for bad in ([], {"releases": []}, {"releases": {"2.18.3": []}, "files": []},
+                {"releases": {r.label: {"net": [7, "x"]} for r in RELEASES}, "files": []},
+                {"releases": {r.label: {"net": [0, 8]} for r in RELEASES},
+                 "files": [{"path": "/p", "names": ["x"], "abis": {"net": 5}}]},
+                {"releases": {r.label: {"net": [0, 8]} for r in RELEASES},
+                 "files": [{"names": {}}]},
+                {"releases": {r.label: {"net": [-1, 8]} for r in RELEASES}, "files": []},
+                {"releases": {r.label: {"net": [True, 8]} for r in RELEASES},
+                 "files": [{"path": "/p"}]},
+                {"releases": {r.label: {"net": "x"} for r in RELEASES}, "files": []}):
         got = node_adds.values({**fp, "offers": bad})
         assert all(v is None or isinstance(v, str) for v in got.values()), bad
     # a crafted value in a stored record reaches the gate's comparison: parsed, bounded

@@ -383,13 +383,13 @@ def _offers(fs: NodeFS, view: linker.LinkerView, cache: FileCache,
             nccl_settings: dict[str, str]) -> dict[str, Any]:
     """The ``offers`` part: what this node adds to the NCCL of each release of
     :data:`ncclguard.fingerprint.releases.RELEASES`, whatever libnccl the node has itself
-    (issue 39): ``{"releases": {release: {kind: [path, abi] | [] | null}}, "files":
-    {path: {"names", "abis", "error"}}}``. ``[path, abi]``: the library NCCL opens for that
-    kind, and the ABI it uses (null: none in common, so NCCL does not use it); ``[]``: no
-    library; null: unknown (the job's own executable, or a file that cannot be read). A
-    kind the release does not load is left out. Nothing here adds to the fingerprint's
-    ``errors``: a file only some other release would open says nothing about the host's
-    own stack."""
+    (issue 39): ``{"files": [{"path", "names", "abis", "error"}], "releases": {release:
+    {kind: [file, abi] | null}}}``. ``[file, abi]``: the library NCCL opens for that kind
+    (its index in ``files``) and the ABI it uses (null: none in common, so NCCL does not
+    use it); null: unknown (the job's own executable, or a file that cannot be read); a
+    kind of the release's ``loads`` that is absent: no library. Nothing here adds to the
+    fingerprint's ``errors``: a file only some other release would open says nothing
+    about the host's own stack."""
     files: dict[str, dict[str, Any]] = {}
     quiet = ErrorLog()
 
@@ -398,6 +398,7 @@ def _offers(fs: NodeFS, view: linker.LinkerView, cache: FileCache,
             files[path] = describe(fs, quiet, kind, path, origin, cache)
         return files[path]
 
+    index: dict[str, int] = {}
     out: dict[str, dict[str, Any]] = {}
     for release in RELEASES:
         rules = loading.rules_for(release.version)
@@ -405,25 +406,25 @@ def _offers(fs: NodeFS, view: linker.LinkerView, cache: FileCache,
                "abis": {k: list(v) for k, v in release.abis.items()}}
         quiet.entries.clear()
         chosen, net, effective = _stacks(view, add, quiet, lib, rules, nccl_settings)
-        row: dict[str, Any] = {}
         unknown = {e["field"] for e in quiet.entries}
-        if chosen is _EXE or (chosen is not None and chosen["error"]):
-            row["net"] = None
-        else:
-            row["net"] = [chosen["path"], net["effective_net_abi"]] if chosen else []
+        got: dict[str, tuple[dict[str, Any] | None, Any]] = {
+            "net": (chosen, None if chosen is _EXE else net["effective_net_abi"])}
         for kind, rec in effective.items():
-            if not release.abis.get(kind) or kind not in rules.kinds or not (
-                    rules.kinds[kind].external):
-                continue  # this release loads no such plugin
-            path = rec["plugin"]
-            if f"plugins.{kind}" in unknown or (path and files[path]["error"]):
+            got[kind] = (files[rec["plugin"]] if rec["plugin"] else
+                         (_EXE if f"plugins.{kind}" in unknown else None), rec["abi"])
+        row: dict[str, Any] = {}
+        for kind in release.loads:
+            file, abi = got[kind]
+            if file is None:
+                continue  # no library: absent
+            if file is _EXE or file["error"]:
                 row[kind] = None
-            else:
-                row[kind] = [path, rec["abi"]] if path else []
+                continue
+            row[kind] = [index.setdefault(file["path"], len(index)), abi]
         out[release.label] = row
-    return {"releases": out, "files": {
-        p: {"names": r["names"], "abis": {k: v for k, v in r["abis"].items() if v},
-            "error": r["error"]} for p, r in sorted(files.items())}}
+    return {"files": [{"path": p, "names": files[p]["names"],
+                       "abis": {k: v for k, v in files[p]["abis"].items() if v},
+                       "error": files[p]["error"]} for p in index], "releases": out}
 
 
 def _nothing(kind: str, rule: loading.Kind, var: str, value: str | None,

@@ -25,7 +25,8 @@ from typing import Any
 
 from ncclguard.fingerprint.releases import RELEASES
 
-__all__ = ["KINDS", "NONE", "differing", "parse", "signature", "span", "summary", "unused"]
+__all__ = ["KINDS", "NONE", "differing", "parse", "read", "selections", "signature",
+           "signature_of", "span", "summary", "unused", "unused_of"]
 
 #: The plugin kinds compared, in the order they are reported.
 KINDS = ("net", "tuner", "profiler", "env", "gin", "rma")
@@ -34,12 +35,12 @@ _ORDER = {r.label: i for i, r in enumerate(RELEASES)}
 _SEP, _RANGE = "; ", " to "
 
 
-def _part(fp: dict) -> tuple[dict, dict] | None:
+def _part(fp: dict) -> tuple[dict, list] | None:
     part = fp.get("offers")
     if not isinstance(part, dict):
         return None
     releases, files = part.get("releases"), part.get("files")
-    if not isinstance(releases, dict) or not isinstance(files, dict):
+    if not isinstance(releases, dict) or not isinstance(files, list):
         return None
     if any(e.get("field") == "plugins" and e.get("probe") == "plugins"
            for e in fp.get("errors") or () if isinstance(e, dict)):
@@ -47,40 +48,71 @@ def _part(fp: dict) -> tuple[dict, dict] | None:
     return releases, files
 
 
-def _name(files: dict, path: str, kind: str) -> str:
-    rec = files.get(path)
-    names = rec.get("names") if isinstance(rec, dict) else None
+def _file(files: list, index: Any) -> dict | None:
+    """``files[index]`` when the index is one and the entry an object with a path."""
+    if type(index) is not int or not 0 <= index < len(files):
+        return None
+    rec = files[index]
+    return rec if isinstance(rec, dict) and isinstance(rec.get("path"), str) else None
+
+
+def _name(rec: dict, kind: str) -> str:
+    names = rec.get("names")
     names = names if isinstance(names, dict) else {}
     name = names.get(kind) or (names.get("gin") if kind == "rma" else None)
-    return str(name) if isinstance(name, str) and name else path.rsplit("/", 1)[-1]
+    return str(name) if isinstance(name, str) and name else rec["path"].rsplit("/", 1)[-1]
+
+
+Selections = dict[str, list[tuple[str, str]] | None]
+
+
+def read(fp: dict) -> tuple[Selections, dict[str, dict]] | None:
+    """``(kind -> its selections, kind -> the first library some release opens for it
+    without an ABI in common)`` for every kind, in one pass over the part (what the
+    node-adds rule reads of each record); ``None``: no usable part at all."""
+    got = _part(fp)
+    if got is None:
+        return None
+    releases, files = got
+    out: Selections = {k: [] for k in KINDS}
+    opened: dict[str, dict] = {}
+    names: dict[tuple[int, str], str] = {}
+    for release in RELEASES:
+        row = releases.get(release.label)
+        if not isinstance(row, dict):
+            return dict.fromkeys(KINDS), {}  # a record of another table: not its answer
+        for kind in release.loads:
+            sel = out[kind]
+            if sel is None:
+                continue  # unknown for an earlier release already
+            entry = row.get(kind, ())
+            if entry == ():
+                sel.append((release.label, NONE))  # no library
+                continue
+            if not isinstance(entry, list) or len(entry) != 2:
+                out[kind] = None  # null (unknown), or not a value of this part
+                continue
+            index, abi = entry
+            rec = _file(files, index)
+            if rec is None or not (abi is None or type(abi) is int):
+                out[kind] = None
+                continue
+            if abi is None:
+                sel.append((release.label, NONE))
+                opened.setdefault(kind, rec)
+                continue
+            name = names.get((index, kind))
+            if name is None:
+                name = names[(index, kind)] = _name(rec, kind)
+            sel.append((release.label, f"{name} v{abi}"))
+    return out, opened
 
 
 def selections(fp: dict, kind: str) -> list[tuple[str, str]] | None:
     """``[(release, "NAME vN" or "none")]`` for every release of the table that loads
     ``kind`` on this node's record; ``None``: unknown for some release."""
-    got = _part(fp)
-    if got is None:
-        return None
-    releases, files = got
-    out: list[tuple[str, str]] = []
-    for release in RELEASES:
-        row = releases.get(release.label)
-        if not isinstance(row, dict):
-            return None  # a record of another table: not the answer for this release
-        if kind not in row:
-            continue  # this release loads no such plugin
-        entry = row[kind]
-        if entry is None or not isinstance(entry, list):
-            return None
-        if not entry:
-            out.append((release.label, NONE))
-            continue
-        path, abi = [*entry, None, None][:2]
-        if not isinstance(path, str):
-            return None
-        out.append((release.label, NONE if type(abi) is not int else
-                    f"{_name(files, path, kind)} v{abi}"))
-    return out
+    got = read(fp)
+    return None if got is None else got[0][kind]
 
 
 def span(labels: Sequence[str]) -> str:
@@ -100,7 +132,11 @@ def span(labels: Sequence[str]) -> str:
 def signature(fp: dict, kind: str) -> str | None:
     """What ``kind`` gives each release on this node, as one canonical string (module
     doc); ``"none"`` when no release uses a plugin of that kind; ``None``: unknown."""
-    sel = selections(fp, kind)
+    return signature_of(selections(fp, kind))
+
+
+def signature_of(sel: list[tuple[str, str]] | None) -> str | None:
+    """:func:`signature` from one kind's :func:`selections`."""
     if sel is None:
         return None
     runs: list[tuple[list[str], str]] = []
@@ -162,21 +198,21 @@ def unused(fp: dict, kind: str) -> str | None:
     """A ``kind`` library that some release opens on this node but none uses (no ABI in
     common with any release of the table): ``"FILE (NAME, offers vN)"``; ``"none"``;
     ``None``: unknown."""
-    got = _part(fp)
-    sel = selections(fp, kind)
-    if got is None or sel is None:
+    got = read(fp)
+    return None if got is None else unused_of(kind, got[0][kind], got[1].get(kind))
+
+
+def unused_of(kind: str, sel: list[tuple[str, str]] | None, opened: dict | None
+              ) -> str | None:
+    """:func:`unused` from that kind's :func:`selections` and the first library opened
+    without an ABI in common (:func:`read`)."""
+    if sel is None:
         return None
-    releases, files = got
-    used = {v for _, v in sel if v != NONE}
-    if used:
+    if opened is None or any(v != NONE for _, v in sel):
         return NONE
-    for release in RELEASES:
-        entry = (releases.get(release.label) or {}).get(kind)
-        if isinstance(entry, list) and entry and isinstance(entry[0], str):
-            rec: Any = files.get(entry[0])
-            abis = rec.get("abis") if isinstance(rec, dict) else None
-            mine = abis.get(kind) if isinstance(abis, dict) else None
-            offered = _vs(sorted((a for a in mine or () if type(a) is int), reverse=True))
-            return (f"{entry[0].rsplit('/', 1)[-1]} ({_name(files, entry[0], kind)}, "
-                    f"offers {offered or 'no ' + kind + ' ABI'})")
-    return NONE
+    abis = opened.get("abis")
+    mine = abis.get(kind) if isinstance(abis, dict) else None
+    mine = mine if isinstance(mine, list) else []
+    offered = _vs(sorted((a for a in mine if type(a) is int), reverse=True))
+    return (f"{opened['path'].rsplit('/', 1)[-1]} ({_name(opened, kind)}, "
+            f"offers {offered or 'no ' + kind + ' ABI'})")

@@ -32,12 +32,18 @@ class Release:
     """One release and the plugin ABIs its libnccl looks for, per kind, newest first.
     (A plain class: a NamedTuple costs the gate's imports a millisecond.)"""
 
-    __slots__ = ("abis", "label", "source", "version")
+    __slots__ = ("abis", "label", "loads", "source", "version")
 
-    def __init__(self, label: str, abis: dict[str, tuple[int, ...]], source: str) -> None:
+    def __init__(self, label: str, abis: dict[str, tuple[int, ...]], source: str,
+                 internal: tuple[str, ...] = ()) -> None:
         self.label = label
         self.abis = abis
         self.source = source
+        #: the kinds whose external plugin this release loads, in the order of
+        #: ``offers.KINDS``: every kind it looks for, but those it looks up and never
+        #: initializes (``internal``; the loading rules' ``external``)
+        self.loads = tuple(k for k in ("net", "tuner", "profiler", "env", "gin", "rma")
+                           if abis.get(k) and k not in internal)
         a, b, c = (int(x) for x in label.split("."))
         self.version: Version = (a, b, c)
 
@@ -45,8 +51,9 @@ class Release:
         return f"Release({self.label!r})"
 
 
-def _r(label: str, source: str, **abis: tuple[int, ...]) -> Release:
-    return Release(label, {"net": abis.pop("net"), **abis}, source)
+def _r(label: str, source: str, internal: tuple[str, ...] = (),
+       **abis: tuple[int, ...]) -> Release:
+    return Release(label, {"net": abis.pop("net"), **abis}, source, internal)
 
 
 _V = tuple(range(12, 5, -1))  # net v12..v6: 2.30.4 to 2.32.3
@@ -70,7 +77,8 @@ RELEASES: tuple[Release, ...] = (
        profiler=(4, 3, 2, 1)),
     _r("2.28.9", "nvidia-nccl-cu12 2.28.9 strings", net=(11, 10, 9, 8, 7, 6),
        tuner=(5, 4, 3, 2), profiler=(5, 4, 3, 2, 1), env=(1,), gin=(11,)),
-    _r("2.30.4", "nvidia-nccl-cu12 2.30.4 strings", net=_V, tuner=(6, 5, 4, 3, 2),
+    _r("2.30.4", "nvidia-nccl-cu12 2.30.4 strings; RMA v13 is looked up, never initialized "
+       "(loading.py's 2.30.3 row)", internal=("rma",), net=_V, tuner=(6, 5, 4, 3, 2),
        profiler=(6, 5, 4, 3, 2, 1), env=(1,), gin=(13, 12, 11), rma=(13,)),
     _r("2.30.7", "nvidia-nccl-cu13 2.30.7 strings", net=_V, tuner=(6, 5, 4, 3, 2),
        profiler=(6, 5, 4, 3, 2, 1), env=(2, 1), gin=(14, 13), rma=(14, 13)),

@@ -223,26 +223,20 @@ def offers_part(net: dict[str, Any] | None) -> dict[str, Any]:
     """The ``offers`` part of a node whose only plugin is the net plugin ``net`` (a
     :func:`plugin` record; None: none), as the plugin probe writes it: for each release
     of the table, that plugin at the highest ABI both know (null: none), and no library
-    of the other kinds that release loads."""
-    from ncclguard.fingerprint import loading
+    of the other kinds."""
     from ncclguard.fingerprint.releases import RELEASES
 
     releases: dict[str, dict[str, Any]] = {}
     for release in RELEASES:
-        rules = loading.rules_for(release.version)
         row: dict[str, Any] = {}
-        for kind, wanted in release.abis.items():
-            if kind != "net" and not (kind in rules.kinds and rules.kinds[kind].external):
-                continue
-            row[kind] = []
-            if kind == "net" and net is not None:
-                both = set(wanted) & set(net["abis"].get("net") or [])
-                row[kind] = [net["path"], max(both) if both else None]
+        if net is not None:
+            both = set(release.abis["net"]) & set(net["abis"].get("net") or [])
+            row["net"] = [0, max(both) if both else None]
         releases[release.label] = row
-    files = {} if net is None else {net["path"]: {
-        "names": dict(net.get("names") or {}),
-        "abis": {k: v for k, v in net["abis"].items() if v}, "error": None}}
-    return {"releases": releases, "files": files}
+    files = [] if net is None else [{
+        "path": net["path"], "names": dict(net.get("names") or {}),
+        "abis": {k: v for k, v in net["abis"].items() if v}, "error": None}]
+    return {"files": files, "releases": releases}
 
 
 def error(field: str, path: str = "/sys/x", probe: str = "rdma") -> dict[str, Any]:

@@ -33,10 +33,13 @@ REFUSING = ("net", "env")
 
 
 def values(fp: dict) -> Values:
+    got = offers.read(fp)
+    every, opened = got if got is not None else ({}, {})
     out: Values = {}
     for kind in offers.KINDS:
-        out[kind + _PLUGIN] = offers.signature(fp, kind)
-        out[kind + _UNUSED] = offers.unused(fp, kind)
+        sel = every.get(kind)
+        out[kind + _PLUGIN] = offers.signature_of(sel)
+        out[kind + _UNUSED] = offers.unused_of(kind, sel, opened.get(kind))
     return out
 
 
