@@ -338,7 +338,7 @@ def _refuse_values(c: Ctx, cls: list[Any]) -> dict[str, dict[str, dict[str, Any]
 def _also_differs(rules: dict[str, dict[str, dict[str, Any]]]) -> dict[str, str]:
     """Per class, the refuse-level values (other than the shown columns' rules) on which
     the classes in view differ: ``gpu-driver=550.54.15``. Empty when there are none."""
-    from ncclguard.policy.schedule import SHOWN_RULES
+    from ncclguard.policy.schedule import SHOWN_ASPECTS, SHOWN_RULES
 
     varying: set[tuple[str, str]] = set()
     items = list(rules.values())
@@ -347,6 +347,8 @@ def _also_differs(rules: dict[str, dict[str, dict[str, Any]]]) -> dict[str, str]
             if rule in SHOWN_RULES:
                 continue
             for aspect, value in aspects.items():
+                if (rule, aspect) in SHOWN_ASPECTS:
+                    continue
                 if any(other.get(rule, {}).get(aspect) != value for other in items):
                     varying.add((rule, aspect))
     if not varying:

@@ -45,6 +45,7 @@ __all__ = [
     "CLASS_VERSION",
     "FEATURE_PREFIX",
     "MAX_ALTERNATIVES",
+    "SHOWN_ASPECTS",
     "SHOWN_RULES",
     "UNKNOWN_FEATURE",
     "ClassCount",
@@ -104,6 +105,8 @@ def refuse_values(record: dict, config: PolicyConfig) -> dict[str, dict[str, Any
 #: PLUGIN, ABI, TRANSPORT); any other refuse-level rule that tells classes apart is
 #: shown beside them
 SHOWN_RULES = frozenset({"nccl-version", "net-plugin", "transport"})
+#: rule aspects shown in a column of their own (ADDS: node-adds' net plugin, issue 39)
+SHOWN_ASPECTS = frozenset({("node-adds", "net plugin")})
 
 
 def class_key(record: dict, config: PolicyConfig) -> str:
