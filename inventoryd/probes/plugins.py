@@ -253,7 +253,14 @@ def probe(
             records[path] = describe(fs, errors, kind, path, origin, cache)
         return records[path]
 
-    chosen, net, effective = _stacks(view, add, errors, lib, rules, nccl_settings)
+    found_at: dict[str, str | None] = {}  # name -> what dlopen opens: one search per name
+
+    def lookup(name: str) -> str | None:
+        if name not in found_at:
+            found_at[name] = view.lookup(name)
+        return found_at[name]
+
+    chosen, net, effective = _stacks(lookup, add, errors, lib, rules, nccl_settings)
     if chosen is not None and chosen is not _EXE:
         chosen["default"] = True
     for kind, rec in effective.items():
@@ -270,7 +277,7 @@ def probe(
         found = found[:MAX_CONFIG_PLUGINS]
     for kind, path in found:
         add(kind, path, "config")
-    offers = _offers(fs, view, cache, nccl_settings) if with_offers else {}
+    offers = _offers(fs, lookup, cache, nccl_settings) if with_offers else {}
     return [records[p] for p in sorted(records)], net, effective, offers
 
 
@@ -278,7 +285,7 @@ Add = Callable[[str, str, str], dict[str, Any]]
 
 
 def _stacks(
-    view: linker.LinkerView,
+    lookup: Callable[[str], str | None],
     add: Add,
     errors: ErrorLog,
     lib: dict[str, Any] | None,
@@ -297,7 +304,7 @@ def _stacks(
         for name in group:
             if name == loading.EXECUTABLE:
                 return _EXE
-            path = view.lookup(name)
+            path = lookup(name)
             if path is not None:
                 return add(kind, path, origin)
         return None
@@ -379,7 +386,7 @@ def _stacks(
     return chosen, net, effective
 
 
-def _offers(fs: NodeFS, view: linker.LinkerView, cache: FileCache,
+def _offers(fs: NodeFS, lookup: Callable[[str], str | None], cache: FileCache,
             nccl_settings: dict[str, str]) -> dict[str, Any]:
     """The ``offers`` part: what this node adds to the NCCL of each release of
     :data:`ncclguard.fingerprint.releases.RELEASES`, whatever libnccl the node has itself
@@ -405,7 +412,7 @@ def _offers(fs: NodeFS, view: linker.LinkerView, cache: FileCache,
         lib = {"path": None, "version": release.label,
                "abis": {k: list(v) for k, v in release.abis.items()}}
         quiet.entries.clear()
-        chosen, net, effective = _stacks(view, add, quiet, lib, rules, nccl_settings)
+        chosen, net, effective = _stacks(lookup, add, quiet, lib, rules, nccl_settings)
         unknown = {e["field"] for e in quiet.entries}
         got: dict[str, tuple[dict[str, Any] | None, Any]] = {
             "net": (chosen, None if chosen is _EXE else net["effective_net_abi"])}
