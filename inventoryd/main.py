@@ -72,6 +72,12 @@ def _parser() -> argparse.ArgumentParser:
                        "SLURM_JOB_ID and publish it, signed, to <spool>/containers "
                        "(docs/containers.md). Always exits 0.")
     h.add_argument("--config", default=None)
+    r = sub.add_parser("read-nccl", help="print what a job's own libnccl.so.2 is: its "
+                       "version and the plugin ABIs it looks for, as JSON (docs/jobs.md)",
+                       description="Read the libnccl at PATH as the node probe reads one "
+                       "(bounded; never loaded) and print its version and ABIs as JSON. "
+                       "Run as the job's owner or an unprivileged user.")
+    r.add_argument("path")
     m = _controller_command(sub, "metrics", "print the cluster's metrics once, as the "
                             "collector serves them to Prometheus (docs/metrics.md)")
     m.add_argument("--no-slurm", action="store_true",
@@ -96,6 +102,13 @@ def _features_once(cfg: configmod.Config) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "read-nccl":  # needs no config: a file and its facts
+        from inventoryd.controller.jobnccl import read
+
+        got = read(args.path)
+        json.dump(got, sys.stdout, sort_keys=True)
+        sys.stdout.write("\n")
+        return 0 if got["error"] is None else 1
     if args.command == "container-record":  # before the config: it must never fail
         from inventoryd.node import containerhook
 

@@ -28,6 +28,45 @@ from ncclguard.text import safe
 __all__ = ["check"]
 
 
+def _job_nccl(env_dir: str) -> tuple[dict | None, str | None]:
+    """``(what the job's libnccl is, None)`` or ``(None, why not)`` for ``--env DIR``:
+    the environment such a job has (:func:`ncclguard.fingerprint.jobenv.locate`), and
+    the library read by ``ncclguard-inventoryd read-nccl`` (bounded, as this user)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from ncclguard.fingerprint.jobenv import locate
+
+    base = os.path.abspath(env_dir)
+    if not os.path.isdir(base):
+        fail(f"--env {safe(env_dir)}: not a directory")
+    if os.path.isfile(os.path.join(base, "pyvenv.cfg")):
+        env = {"VIRTUAL_ENV": base}
+    elif os.path.isdir(os.path.join(base, "conda-meta")):
+        env = {"CONDA_PREFIX": base}
+    else:
+        env = {"LD_LIBRARY_PATH": base}
+    found = locate(env, os.path.isfile)
+    if found.path is None:
+        fail(f"--env {safe(env_dir)}: no libnccl.so.2 there that a job would load "
+             f"(read as {', '.join(env)}={safe(base)}; docs/jobs.md)")
+    try:
+        r = subprocess.run([sys.executable, "-m", "inventoryd.main", "read-nccl", found.path],
+                           capture_output=True, text=True, timeout=120, check=False)
+        got = json.loads(r.stdout)
+    except (OSError, subprocess.SubprocessError, ValueError) as e:
+        return None, f"{found.path}: not read ({e})"
+    if not isinstance(got, dict):
+        return None, f"{found.path}: not read ({r.stderr.strip()[-300:]})"
+    if got.get("error"):
+        return None, str(got["error"])
+    abis = got["abis"] if isinstance(got.get("abis"), dict) else {}
+    return {"nccl_version": got.get("version"), "net_abis": abis.get("net") or [],
+            "path": found.path, "source": found.source}, None
+
+
 def _members(c: Ctx, names: set[str]) -> list[str]:
     """The nodes of any of the partitions ``names``, as Slurm lists them; [] when Slurm
     cannot be reached (the tie-break then reads the whole inventory)."""
@@ -46,11 +85,21 @@ def _members(c: Ctx, names: set[str]) -> list[str]:
               help="Judge as a job with pyxis's --container-image=IMAGE: can this image "
                    "run on these nodes (a squashfs path from the image index, or a "
                    "registry reference the collector resolved).")
+@click.option("--env", "env_dir", default=None, metavar="DIR",
+              help="Judge as a job that brings its own NCCL: DIR is its virtualenv (a "
+                   "pyvenv.cfg), its conda env (a conda-meta/) or the directory a module "
+                   "puts on LD_LIBRARY_PATH (docs/jobs.md).")
 @format_options
-def check(hostlist: str, partition: str | None, image: str | None, as_json: bool,
-          as_csv: bool) -> None:
+def check(hostlist: str, partition: str | None, image: str | None, env_dir: str | None,
+          as_json: bool, as_csv: bool) -> None:
     """The gate's verdict for a hypothetical allocation (exit 0 accept, 1 warn, 2 refuse)."""
-    from ncclguard.policy import break_tie, evaluate_image, evaluate_values, stale_hosts
+    from ncclguard.policy import (
+        break_tie,
+        evaluate_image,
+        evaluate_nccl,
+        evaluate_values,
+        stale_hosts,
+    )
 
     c = get_ctx(as_json, as_csv)
     if c.fmt == "csv":
@@ -65,7 +114,13 @@ def check(hostlist: str, partition: str | None, image: str | None, as_json: bool
     stale = stale_hosts({h: r[1] for h, r in recs.items() if r is not None}, c.now,
                         c.stale_after)
     policy = c.config.policy
-    if image:
+    if image and env_dir:
+        fail("--image and --env: a job in a container loads the image's NCCL; give one")
+    if env_dir:
+        job, why = _job_nccl(env_dir)
+        verdict = evaluate_nccl(values, policy, job, why, stale, partition)
+        tie_break = None
+    elif image:
         if image.startswith("./"):
             import os
 

@@ -25,7 +25,8 @@ from typing import Any
 
 from ncclguard.fingerprint.releases import RELEASES
 
-__all__ = ["KINDS", "NONE", "differing", "parse", "read", "selections", "signature",
+__all__ = ["KINDS", "NONE", "differing", "offered", "parse", "read", "release_for",
+           "selections", "signature",
            "signature_of", "span", "summary", "unused", "unused_of"]
 
 #: The plugin kinds compared, in the order they are reported.
@@ -216,3 +217,47 @@ def unused_of(kind: str, sel: list[tuple[str, str]] | None, opened: dict | None
     offered = _vs(sorted((a for a in mine if type(a) is int), reverse=True))
     return (f"{opened['path'].rsplit('/', 1)[-1]} ({_name(opened, kind)}, "
             f"offers {offered or 'no ' + kind + ' ABI'})")
+
+
+def offered(fp: dict, kind: str = "net") -> str | None:
+    """What each release's library of ``kind`` on this node *offers* (its name and every
+    ABI it exports, not only the one a release uses): ``"2.10.3 to 2.32.3: HoldoutNet|8,7,6"``
+    in :func:`signature`'s form (a release not named: no library), ``"none"``, ``None``:
+    unknown. What a job's own NCCL, of a release between the table's rows, meets on the
+    node (issue 40): the library the nearest row opens, at the highest ABI the job's
+    library and it share."""
+    from ncclguard.fingerprint.abi import exported
+
+    got = _part(fp)
+    if got is None:
+        return None
+    releases, files = got
+    sel: list[tuple[str, str]] = []
+    for release in RELEASES:
+        if kind not in release.loads:
+            continue
+        row = releases.get(release.label)
+        if not isinstance(row, dict):
+            return None
+        entry = row.get(kind, ())
+        if entry == ():
+            sel.append((release.label, NONE))
+            continue
+        if not isinstance(entry, list) or len(entry) != 2:
+            return None
+        rec = _file(files, entry[0])
+        if rec is None:
+            return None
+        abis = exported(rec.get("abis") if isinstance(rec.get("abis"), dict) else {}, kind)
+        sel.append((release.label, f"{_name(rec, kind)}|{','.join(map(str, abis))}"))
+    return signature_of(sel)
+
+
+def release_for(version: tuple[int, int, int]) -> str:
+    """The row of the table that stands for ``version``: the newest at or below it (the
+    oldest for an older one)."""
+    label = RELEASES[0].label
+    for release in RELEASES:
+        if release.version <= version:
+            label = release.label
+    return label

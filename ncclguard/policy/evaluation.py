@@ -33,7 +33,6 @@ __all__ = [
     "NODE_VALUES",
     "StoredValues",
     "evaluate",
-    "evaluate_image",
     "evaluate_values",
     "in_scope",
     "node_values",
@@ -56,9 +55,11 @@ def node_values(fp: dict) -> dict:
     :func:`json.dumps` with sorted keys) can share one decoded object, and then cost one
     comparison together.
     """
+    from ncclguard.fingerprint.offers import offered
+
     values = _rule_values(fp, COMPARISONS)
     return {NODE_VALUES: 1, "rules": {r.name: v for r, v in zip(COMPARISONS, values, strict=True)},
-            "container": container_values(fp)}
+            "container": container_values(fp), "job": {"net": offered(fp, "net")}}
 
 
 def container_values(fp: dict) -> dict[str, str | None]:
@@ -100,11 +101,12 @@ def valid_values(record: Any) -> bool:
         return False
     if not rules.keys() >= _RULE_NAMES:
         return False
-    container = record.get("container")
-    if container is not None and (not isinstance(container, dict) or not all(
-            isinstance(k, str) and (v is None or isinstance(v, str))
-            for k, v in container.items())):
-        return False
+    for part in ("container", "job"):  # {name: str | None}, where present
+        got = record.get(part)
+        if got is not None and (not isinstance(got, dict) or not all(
+                isinstance(k, str) and (v is None or isinstance(v, str))
+                for k, v in got.items())):
+            return False
     for name, values in rules.items():
         if not isinstance(name, str) or not isinstance(values, dict) or not values:
             return False  # node_values gives every rule at least one aspect
@@ -332,87 +334,6 @@ def evaluate_values(
     """:func:`evaluate` over :func:`node_values` records instead of fingerprints (what the
     store keeps for the gate): the same verdict, without reading a fingerprint."""
     return _evaluate(records, _record_values, config, stale, partition, prefer)
-
-
-def evaluate_image(
-    records: Mapping[str, dict | None],
-    config: PolicyConfig,
-    ref: str,
-    image: tuple[dict | None, str | None] | None,
-    stale: Collection[str] = (),
-    partition: str | None = None,
-    prefer: Collection[str] = (),
-) -> Verdict:
-    """The verdict for a job that runs in the container image ``ref`` (docs/containers.md).
-
-    ``image``: the inventory's read of the image (``Inventory.load_image_values``): None
-    when it is not indexed, else ``(values, error)``. For an image that can be checked the
-    host-stack rules (``container.HOST_RULES``) are not applied: the job loads the image's
-    libnccl. The others (RDMA, GPU, unknown-node) are, and ``image-stack`` compares each
-    node's effective stack. An image that cannot be checked (a registry reference, a
-    ``./`` path, not indexed, unreadable, no libnccl found) is ``image-unknown``, and the
-    nodes are compared by their own stacks (all rules but ``nccl-version``): a mix that
-    the nodes alone show is not let through because the image is unknown.
-    """
-    from ncclguard.policy.rules import container
-
-    note = in_scope(config, partition, len(records))
-    if note is not None:
-        return Verdict("accept", nodes=list(records), notes=[note], partition=partition)
-    hosts = sorted(records)
-    unknown_sev = severity_of(config, container.UNKNOWN)
-    stack_sev = severity_of(config, container.STACK)
-    why = None
-    path = container.is_path_image(ref)
-    if path and ref.startswith("."):
-        why = ("a path relative to the step's working directory, where pyxis reads it when "
-               "the step starts: the gate cannot know which file that is; give an "
-               "absolute path")
-    elif image is None:
-        why = ("not in the image index (not under [images] roots, or not scanned yet)" if path
-               else "a registry reference the collector has not resolved yet ([registry] "
-               "enabled, and refs or a job that used it: it is resolved at the next pass)")
-    elif image[0] is None:
-        why = f"unreadable: {image[1]}" if path else str(image[1])
-    elif not container.checkable(image[0]):
-        why = "no libnccl the job would load was found in it (static, or off its paths)"
-    sev = {r.name: severity_of(config, r.name) for r in COMPARISONS}
-    if why is None:
-        # the job loads the image's libnccl: the host's stack is not compared
-        judged = config.replace(severity={**sev,
-                                          **dict.fromkeys(container.HOST_RULES, "ignore")})
-    else:
-        # an image that cannot be read is judged by what the nodes alone show: their
-        # plugins, transports and NCCL settings still differ for any image, and a job
-        # on mixed nodes is not let through because its image is unknown (only the
-        # host's libnccl version says nothing about the container's)
-        judged = config.replace(severity={**sev, "nccl-version": "ignore"})
-    base = evaluate_values(records, judged, stale, partition, prefer)
-    findings = list(base.findings)
-    odd = set(base.odd_nodes)
-    if why is not None:
-        if unknown_sev != "ignore":
-            findings.append(container.unknown_finding(ref, why, hosts, unknown_sev))
-    elif image is not None and image[0] is not None and stack_sev != "ignore":
-        known = {h: r for h, r in records.items() if r is not None}
-        found, stack_odd, unsaid = container.check_stack(ref, image[0], known, stack_sev)
-        findings.extend(found)
-        if stack_sev == "refuse":
-            odd.update(stack_odd)
-        if unsaid and unknown_sev != "ignore":
-            findings.append(container.unknown_finding(
-                ref, "these nodes' records do not say what they inject into containers "
-                "(their containers probe could not tell, `ncclguard show NODE` says why; "
-                "or a node daemon before issue 15)", unsaid, unknown_sev))
-    findings.sort(key=lambda f: -SEVERITY_RANK[f.severity])
-    worst = max((SEVERITY_RANK[f.severity] for f in findings), default=0)
-    decision = ("accept", "warn", "refuse")[worst]
-    notes = [*base.notes, (f"container image {ref}: the job loads the image's libnccl, so "
-                           "the host's NCCL stack is not compared") if why is None else
-             (f"container image {ref} cannot be checked ({why}): the nodes' own stacks are "
-              "compared, without the host's libnccl version")]
-    return Verdict(decision, findings, sorted(odd) if decision == "refuse" else [], hosts,
-                   notes, partition=partition, odd_tie=base.odd_tie)
 
 
 def _evaluate(

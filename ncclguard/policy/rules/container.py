@@ -196,10 +196,13 @@ def label(image: Mapping, st: dict, ref: str = "") -> str:
 
 
 def check_stack(ref: str, image: Mapping, records: Mapping[str, dict | None],
-                severity: str) -> tuple[list[Finding], list[str], list[str]]:
+                severity: str, *, rule: str = STACK, subject: str | None = None
+                ) -> tuple[list[Finding], list[str], list[str]]:
     """``(findings, odd hosts, hosts whose record does not say)`` of the image on these
     nodes. Odd: every node outside the largest group that uses its plugin (a group that
-    falls back is odd even when it is the largest)."""
+    falls back is odd even when it is the largest). ``rule`` and ``subject`` (``image
+    REF``) name the finding: a job's own NCCL is judged the same way (issue 40,
+    :mod:`ncclguard.policy.rules.jobnccl`)."""
     per_host = stacks(image, records)
     unknown = sorted(h for h, st in per_host.items() if st is None and records.get(h))
     groups: dict[str, list[str]] = {}
@@ -227,10 +230,10 @@ def check_stack(ref: str, image: Mapping, records: Mapping[str, dict | None],
         parts.append(("so " if fallback else f"its NCCL {nccl} ") + "the nodes would use "
                      "different transports (NCCL does not compare them: the job hangs or "
                      "fails with 'wrong type')")
-    msg = f"image {ref}: " + ", ".join(parts)
+    msg = f"{subject or 'image ' + ref}: " + ", ".join(parts)
     ordered: list[tuple[str, list[str]]] = sorted(groups.items(),
                                                   key=lambda g: (len(g[1]), g[0]))
-    finding = Finding.from_hosts(STACK, severity, msg, ordered)
+    finding = Finding.from_hosts(rule, severity, msg, ordered)
     good = [lab for lab in groups if lab not in fallback]
     keep = max(good, key=lambda lab: (len(groups[lab]), lab)) if good else None
     odd = sorted(h for lab, hs in groups.items() if lab != keep for h in hs)

@@ -1,0 +1,166 @@
+"""Which ``libnccl.so.2`` a job loads, from the variables of its environment (issue 40).
+
+Most multi-node jobs bring their own NCCL. Where it comes from, in the order that decides
+(the evidence: docs/jobs.md, "Which libnccl a job loads", each rule with its source):
+
+1. ``LD_PRELOAD``: an entry named ``libnccl.so*`` is loaded before anything else, and a
+   later ``dlopen("libnccl.so.2")`` (torch's, NCCL's users') gets that object
+   (ld.so(8)).
+2. ``VIRTUAL_ENV``: pip's ``nvidia-nccl-cu11``/``-cu12``/``-cu13`` wheel, at
+   ``site-packages/nvidia/nccl/lib/libnccl.so.2`` (the wheels' ``RECORD``). torch's
+   libraries carry an RPATH ``$ORIGIN/../../nvidia/nccl/lib`` that ld.so searches before
+   ``LD_LIBRARY_PATH``, and JAX 0.6.2 on loads that file by its absolute path.
+3. ``CONDA_PREFIX``: pip's wheel inside the env first (the same RPATH), else conda-forge's
+   ``$CONDA_PREFIX/lib/libnccl.so.2``, which the env's binaries find through conda-build's
+   RPATH ``$ORIGIN/../lib``, also before ``LD_LIBRARY_PATH``.
+4. ``LD_LIBRARY_PATH``: the first directory holding ``libnccl.so.2`` (what ``module load
+   nccl`` prepends: EasyBuild's and the NVIDIA HPC SDK's modules).
+5. None of these: the node's own libnccl (the dynamic linker's cache and directories),
+   which the host-stack rules judge.
+
+:func:`locate` applies these rules with a caller's file test, so that the same decision
+runs on the controller (the collector, ``ncclguard check --env``) and in the tests. It
+never reads a library: what the file is (its version and ABIs) is the reader's business.
+Only the variables named in :data:`INPUTS` and :data:`NCCL_VARS` are looked at, each
+bounded (:data:`MAX_VALUE`, :data:`MAX_ENTRIES`): a job's environment is its owner's.
+
+Standard library only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import NamedTuple
+
+__all__ = ["INPUTS", "MAX_ENTRIES", "MAX_VALUE", "NCCL_VARS", "Found", "locate", "wheel_paths"]
+
+#: The variables that decide which libnccl a job loads.
+INPUTS = ("LD_PRELOAD", "VIRTUAL_ENV", "CONDA_PREFIX", "LD_LIBRARY_PATH")
+#: The NCCL variables that change what a node gives the job's NCCL (loading, transport);
+#: the job's environment wins over /etc/nccl.conf (``setenv(..., 0)``: docs/nccl.md).
+NCCL_VARS = ("NCCL_NET_PLUGIN", "NCCL_NET", "NCCL_IB_DISABLE", "NCCL_IB_HCA",
+             "NCCL_SOCKET_IFNAME", "NCCL_TUNER_PLUGIN", "NCCL_PROFILER_PLUGIN",
+             "NCCL_ENV_PLUGIN", "NCCL_GIN_PLUGIN", "NCCL_RMA_PLUGIN", "NCCL_CONF_FILE")
+#: A value longer than this is not read (PATH_MAX is 4,096; a list of paths a few).
+MAX_VALUE = 64 << 10
+#: At most this many entries of a list (LD_PRELOAD, LD_LIBRARY_PATH) are looked at.
+MAX_ENTRIES = 256
+#: Python minor versions a venv's ``lib/python3.N`` is looked for under, newest first.
+PYTHONS = tuple(f"python3.{n}" for n in range(20, 5, -1))
+SONAME = "libnccl.so.2"
+
+
+class Found(NamedTuple):
+    """Where the job's libnccl comes from: ``source`` (``LD_PRELOAD``, ``VIRTUAL_ENV``,
+    ``CONDA_PREFIX``, ``LD_LIBRARY_PATH`` or ``host``), ``path`` (None for the host's),
+    ``why`` (the rule, in words), ``nccl`` (the job's own ``NCCL_*`` variables among
+    :data:`NCCL_VARS`) and ``problems`` (what was not read, and why)."""
+
+    source: str
+    path: str | None
+    why: str
+    nccl: dict[str, str]
+    problems: tuple[str, ...] = ()
+
+
+def wheel_paths(prefix: str) -> list[str]:
+    """Where pip puts the nvidia-nccl wheel's library under a venv or conda ``prefix``."""
+    base = prefix.rstrip("/") or "/"
+    return [f"{base}/lib/{py}/site-packages/nvidia/nccl/lib/{SONAME}" for py in PYTHONS]
+
+
+def _value(env: Mapping[str, str], name: str, problems: list[str]) -> str | None:
+    value = env.get(name)
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str) or len(value) > MAX_VALUE:
+        problems.append(f"{name}: longer than {MAX_VALUE} characters, not read")
+        return None
+    if "\0" in value:
+        problems.append(f"{name}: holds a NUL byte, not read")
+        return None
+    return value
+
+
+def _entries(value: str, seps: str, name: str, problems: list[str]) -> list[str]:
+    for sep in seps[1:]:
+        value = value.replace(sep, seps[0])
+    items = [x for x in value.split(seps[0]) if x]
+    if len(items) > MAX_ENTRIES:
+        problems.append(f"{name}: {len(items)} entries, only the first {MAX_ENTRIES} read")
+        items = items[:MAX_ENTRIES]
+    return items
+
+
+def _absolute(path: str) -> bool:
+    return path.startswith("/") and "/../" not in f"{path}/" and not path.startswith(
+        ("/proc/", "/sys/", "/dev/"))
+
+
+def locate(env: Mapping[str, str], is_file: Callable[[str], bool]) -> Found:
+    """The job's libnccl by the rules of the module doc. ``is_file(path)``: whether a
+    regular file the job could load is at that absolute path (the caller decides what it
+    may read, and as whom)."""
+    problems: list[str] = []
+    nccl = {k: v for k in NCCL_VARS if (v := _value(env, k, problems)) is not None}
+
+    def first(paths: list[str], name: str) -> str | None:
+        skipped = 0
+        for p in paths:
+            if not _absolute(p):
+                skipped += 1
+                continue
+            if is_file(p):
+                return p
+        if skipped:
+            problems.append(f"{name}: {skipped} path(s) not absolute, or into /proc, /sys "
+                            "or /dev, or through '..': not looked at")
+        return None
+
+    def prefix(name: str) -> str | None:
+        value = _value(env, name, problems)
+        if value is not None and not _absolute(value):
+            problems.append(f"{name}={value[:200]!r}: not an absolute path outside /proc, "
+                            "/sys and /dev: not looked at")
+            return None
+        return value
+
+    preload = _value(env, "LD_PRELOAD", problems)
+    if preload is not None:
+        # ld.so: LD_PRELOAD is separated by spaces or colons
+        for entry in _entries(preload, ": ", "LD_PRELOAD", problems):
+            if entry.rsplit("/", 1)[-1].startswith("libnccl.so"):
+                if not _absolute(entry):
+                    problems.append(f"LD_PRELOAD names {entry!r}, not an absolute path "
+                                    "outside /proc, /sys and /dev: not read")
+                    continue
+                if is_file(entry):
+                    return Found("LD_PRELOAD", entry, "LD_PRELOAD loads it before anything "
+                                 "else", nccl, tuple(problems))
+                problems.append(f"LD_PRELOAD names {entry}, which is not a file")
+    venv = prefix("VIRTUAL_ENV")
+    if venv is not None:
+        got = first(wheel_paths(venv), "VIRTUAL_ENV")
+        if got is not None:
+            return Found("VIRTUAL_ENV", got, "pip's nvidia-nccl wheel in the virtualenv: "
+                         "torch's RPATH and JAX find it before LD_LIBRARY_PATH", nccl,
+                         tuple(problems))
+    conda = prefix("CONDA_PREFIX")
+    if conda is not None:
+        got = first(wheel_paths(conda), "CONDA_PREFIX")
+        if got is not None:
+            return Found("CONDA_PREFIX", got, "pip's nvidia-nccl wheel in the conda env "
+                         "(torch's RPATH)", nccl, tuple(problems))
+        got = first([f"{conda.rstrip('/')}/lib/{SONAME}"], "CONDA_PREFIX")
+        if got is not None:
+            return Found("CONDA_PREFIX", got, "conda's nccl package: the env's binaries "
+                         "find it through their RPATH $ORIGIN/../lib", nccl, tuple(problems))
+    path = _value(env, "LD_LIBRARY_PATH", problems)
+    if path is not None:
+        dirs = _entries(path, ":;", "LD_LIBRARY_PATH", problems)
+        got = first([f"{d.rstrip('/')}/{SONAME}" for d in dirs], "LD_LIBRARY_PATH")
+        if got is not None:
+            return Found("LD_LIBRARY_PATH", got, "the first LD_LIBRARY_PATH directory "
+                         "that holds libnccl.so.2 (a module's)", nccl, tuple(problems))
+    return Found("host", None, "no libnccl of the job's own: the node's (the dynamic "
+                 "linker's cache and directories)", nccl, tuple(problems))
