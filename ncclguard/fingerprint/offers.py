@@ -10,7 +10,12 @@ plugin (its name and ABI) on both::
     "2.18.3: HoldoutNet v6; 2.19.3: HoldoutNet v7; 2.20.5 to 2.32.3: HoldoutNet v8"
 
 A release the string does not name gets no plugin of that kind (``"none"``: none for
-any release). :func:`differing` names the releases for which several such strings
+any release). A name (or file name) is written with ``%`` and ``;`` escaped (``%25``,
+``%3B``), so that no name can end a segment and start another: a plugin's name is read
+from its file and may hold ``"; 2.11.4 to 2.18.3: Foo"``, which made a node with no
+plugin for those releases read as one that loads Foo there. One longer than any a probe
+reads (256 characters) is cut, with a hash of the whole. :func:`differing` names the
+releases for which several such strings
 disagree; :func:`summary` says in a few words what a string offers (``HoldoutNet
 v8..v6``). ``None`` always means *unknown* (an older daemon, the job's own executable, a
 file that cannot be read), never *absent*.
@@ -34,6 +39,8 @@ KINDS = ("net", "tuner", "profiler", "env", "gin", "rma")
 NONE = "none"
 _ORDER = {r.label: i for i, r in enumerate(RELEASES)}
 _SEP, _RANGE = "; ", " to "
+#: The longest name kept whole: a probe reads at most 256 bytes of one (``inventoryd.elf``).
+MAX_NAME = 256
 
 
 def _part(fp: dict) -> tuple[dict, list] | None:
@@ -57,11 +64,23 @@ def _file(files: list, index: Any) -> dict | None:
     return rec if isinstance(rec, dict) and isinstance(rec.get("path"), str) else None
 
 
+def _text(text: str) -> str:
+    """A name as a signature holds it (module doc): ``%`` and ``;`` escaped, and one longer
+    than :data:`MAX_NAME` cut, with a hash of the whole (a crafted record's, never a
+    probe's: its signature stays small, and two such names still differ)."""
+    if len(text) > MAX_NAME:
+        import hashlib  # only here: the gate's usual path never needs it
+
+        whole = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+        text = f"{text[:64]}... ({len(text)} characters, sha256 {whole})"
+    return text.replace("%", "%25").replace(";", "%3B")
+
+
 def _name(rec: dict, kind: str) -> str:
     names = rec.get("names")
     names = names if isinstance(names, dict) else {}
     name = names.get(kind) or (names.get("gin") if kind == "rma" else None)
-    return str(name) if isinstance(name, str) and name else rec["path"].rsplit("/", 1)[-1]
+    return _text(name if isinstance(name, str) and name else rec["path"].rsplit("/", 1)[-1])
 
 
 Selections = dict[str, list[tuple[str, str]] | None]
@@ -151,13 +170,18 @@ def signature_of(sel: list[tuple[str, str]] | None) -> str | None:
 
 
 def parse(value: str) -> dict[str, str]:
-    """release -> ``"NAME vN"`` from a :func:`signature` (a release absent: none)."""
+    """release -> ``"NAME vN"`` from a :func:`signature` (a release absent: none).
+
+    A signature has at most one segment, and a segment one run, per release of the
+    table: a value is read no further (a stored value is anyone's: a 4 MB one of 200,000
+    runs took the gate 7 s, past its deadline, which fails open)."""
     out: dict[str, str] = {}
     if value == NONE:
         return out
-    for segment in value.split(_SEP):
+    most = len(RELEASES)
+    for segment in value.split(_SEP, most)[:most]:
         where, _, used = segment.partition(": ")
-        for run in where.split(", "):
+        for run in where.split(", ", most)[:most]:
             first, _, last = run.partition(_RANGE)
             a = _ORDER.get(first)
             b = _ORDER.get(last or first)
@@ -181,7 +205,7 @@ def summary(value: str) -> str:
     by_name: dict[str, set[int]] = {}
     for used in parse(value).values():
         name, _, abi = used.rpartition(" v")
-        if abi.isdigit():
+        if abi.isascii() and abi.isdigit() and len(abi) <= 9:  # not "²", not 5,000 digits
             by_name.setdefault(name, set()).add(int(abi))
     if not by_name:
         return NONE
@@ -215,7 +239,7 @@ def unused_of(kind: str, sel: list[tuple[str, str]] | None, opened: dict | None
     mine = abis.get(kind) if isinstance(abis, dict) else None
     mine = mine if isinstance(mine, list) else []
     offered = _vs(sorted((a for a in mine if type(a) is int), reverse=True))
-    return (f"{opened['path'].rsplit('/', 1)[-1]} ({_name(opened, kind)}, "
+    return (f"{_text(opened['path'].rsplit('/', 1)[-1])} ({_name(opened, kind)}, "
             f"offers {offered or 'no ' + kind + ' ABI'})")
 
 
