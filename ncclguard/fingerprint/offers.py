@@ -61,7 +61,10 @@ def _name(rec: dict, kind: str) -> str:
     names = rec.get("names")
     names = names if isinstance(names, dict) else {}
     name = names.get(kind) or (names.get("gin") if kind == "rma" else None)
-    return str(name) if isinstance(name, str) and name else rec["path"].rsplit("/", 1)[-1]
+    name = name if isinstance(name, str) and name else rec["path"].rsplit("/", 1)[-1]
+    while _SEP in name:  # a name read from a plugin file: it must not start a segment
+        name = name.replace(_SEP, ";")
+    return name
 
 
 Selections = dict[str, list[tuple[str, str]] | None]
