@@ -139,10 +139,13 @@ def _inside(starts: list[int], ranges: list[tuple[int, int]], a: int, b: int) ->
     return i >= 0 and b <= ranges[i][1]
 
 
-def scan(f: BinaryIO, skip: list[tuple[int, int]] | None = None) -> dict[str, Any]:
+def scan(f: BinaryIO, skip: list[tuple[int, int]] | None = None,
+         limit: int | None = None) -> dict[str, Any]:
     """sha256, size, banner, git version and plugin ABIs of one open file, in one pass.
 
-    Every byte is hashed; the strings are not searched for in chunks that lie wholly in a
+    At most ``limit`` bytes are read (the size that was checked: a file that grows
+    afterwards, a sparse ``truncate -s 1T``, is not read past it). Every byte is hashed;
+    the strings are not searched for in chunks that lie wholly in a
     ``skip`` range (CUDA device code: 95 % of a libnccl, and no host string literal).
     """
     from inventoryd.nodefs import progress
@@ -160,7 +163,8 @@ def scan(f: BinaryIO, skip: list[tuple[int, int]] | None = None) -> dict[str, An
     ranges = merge_ranges(skip or [])
     starts = [a for a, _ in ranges]
     while True:
-        n = f.readinto(view[keep : keep + CHUNK])  # type: ignore[attr-defined]
+        want = CHUNK if limit is None else min(CHUNK, limit - pos)
+        n = f.readinto(view[keep : keep + want]) if want > 0 else 0  # type: ignore[attr-defined]
         if not n:
             sc.feed(buf, keep, eof=True)
             break
@@ -216,7 +220,7 @@ def analyze(f: BinaryIO, label: str) -> dict[str, Any]:
         except ElfError as e:
             problem = str(e).removeprefix(f"{label}: ")
     f.seek(0)
-    s = scan(f, skip)
+    s = scan(f, skip, limit=size)
     out: dict[str, Any] = {
         "size": s["size"], "sha256": s["sha256"], "version": None, "version_code": None,
         "cuda_version": None, "version_source": None, "version_error": None,

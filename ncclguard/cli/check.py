@@ -53,8 +53,12 @@ def _job_nccl(env_dir: str) -> tuple[dict | None, str | None]:
         fail(f"--env {safe(env_dir)}: no libnccl.so.2 there that a job would load "
              f"(read as {', '.join(env)}={safe(base)}; docs/jobs.md)")
     try:
-        r = subprocess.run([sys.executable, "-m", "inventoryd.main", "read-nccl", found.path],
-                           capture_output=True, text=True, timeout=120, check=False)
+        # -P and cwd "/": ``-m`` would put the working directory first on sys.path, and
+        # an admin may run this in the user's directory (or /tmp): their inventoryd/
+        # would run as the admin and say what the library is
+        r = subprocess.run([sys.executable, "-P", "-m", "inventoryd.main", "read-nccl",
+                            found.path], capture_output=True, text=True, timeout=120,
+                           check=False, cwd="/", stdin=subprocess.DEVNULL)
         got = json.loads(r.stdout)
     except (OSError, subprocess.SubprocessError, ValueError) as e:
         return None, f"{found.path}: not read ({e})"

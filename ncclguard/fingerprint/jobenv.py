@@ -93,8 +93,12 @@ def _entries(value: str, seps: str, name: str, problems: list[str]) -> list[str]
 
 
 def _absolute(path: str) -> bool:
-    return path.startswith("/") and "/../" not in f"{path}/" and not path.startswith(
-        ("/proc/", "/sys/", "/dev/"))
+    """Absolute, without a ``..`` component, not into /proc, /sys or /dev however
+    spelled (``//proc``, ``/./dev``: the string's components, not where links lead)."""
+    if not path.startswith("/"):
+        return False
+    parts = [p for p in path.split("/") if p not in ("", ".")]
+    return ".." not in parts and not (parts and parts[0] in ("proc", "sys", "dev"))
 
 
 def locate(env: Mapping[str, str], is_file: Callable[[str], bool]) -> Found:

@@ -130,8 +130,11 @@ def evaluate_nccl(
     hosts = sorted(records)
     unknown_sev = severity_of(config, jobnccl.UNKNOWN)
     stack_sev = severity_of(config, jobnccl.STACK)
+    if job is not None and not isinstance(job, Mapping):
+        job, why = None, why or f"not a description of a library: {type(job).__name__}"
     version = parse_version(job.get("nccl_version")) if job else None
-    abis = [a for a in (job or {}).get("net_abis") or [] if type(a) is int]
+    raw = (job or {}).get("net_abis")
+    abis = [a for a in raw if type(a) is int] if isinstance(raw, list | tuple) else []
     where = f"{(job or {}).get('source') or 'its environment'} {(job or {}).get('path') or ''}"
     if job is not None and (version is None or not abis):
         why = why or "its libnccl names no version or no net plugin ABI"
