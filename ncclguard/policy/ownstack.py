@@ -9,14 +9,14 @@ any NCCL when the job's library cannot be read. Pure, like
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from ncclguard.config import PolicyConfig
 from ncclguard.policy.evaluation import evaluate_values, in_scope
 from ncclguard.policy.rules import COMPARISONS
 from ncclguard.policy.settings import severity_of
-from ncclguard.policy.verdict import SEVERITY_RANK, Verdict
+from ncclguard.policy.verdict import SEVERITY_RANK, Finding, Verdict
 
 __all__ = ["evaluate_image", "evaluate_nccl"]
 
@@ -43,12 +43,11 @@ def evaluate_image(
     """
     from ncclguard.policy.rules import container
 
-    note = in_scope(config, partition, len(records))
-    if note is not None:
-        return Verdict("accept", nodes=list(records), notes=[note], partition=partition)
+    skip = _out_of_scope(records, config, partition)
+    if skip is not None:
+        return skip
     hosts = sorted(records)
-    unknown_sev = severity_of(config, container.UNKNOWN)
-    stack_sev = severity_of(config, container.STACK)
+    unknown_sev, stack_sev = _severities(config, container.UNKNOWN, container.STACK)
     why = None
     path = container.is_path_image(ref)
     if path and ref.startswith("."):
@@ -82,24 +81,55 @@ def evaluate_image(
             findings.append(container.unknown_finding(ref, why, hosts, unknown_sev))
     elif image is not None and image[0] is not None and stack_sev != "ignore":
         known = {h: r for h, r in records.items() if r is not None}
-        found, stack_odd, unsaid = container.check_stack(ref, image[0], known, stack_sev)
-        findings.extend(found)
-        if stack_sev == "refuse":
-            odd.update(stack_odd)
-        if unsaid and unknown_sev != "ignore":
-            findings.append(container.unknown_finding(
-                ref, "these nodes' records do not say what they inject into containers "
-                "(their containers probe could not tell, `ncclguard show NODE` says why; "
-                "or a node daemon before issue 15)", unsaid, unknown_sev))
-    findings.sort(key=lambda f: -SEVERITY_RANK[f.severity])
-    worst = max((SEVERITY_RANK[f.severity] for f in findings), default=0)
-    decision = ("accept", "warn", "refuse")[worst]
+        _add_stack(container.check_stack(ref, image[0], known, stack_sev), findings, odd,
+                   stack_sev, lambda unsaid: None if unknown_sev == "ignore" else
+                   container.unknown_finding(
+                       ref, "these nodes' records do not say what they inject into "
+                       "containers (their containers probe could not tell, `ncclguard show "
+                       "NODE` says why; or a node daemon before issue 15)", unsaid,
+                       unknown_sev))
     notes = [*base.notes, (f"container image {ref}: the job loads the image's libnccl, so "
                            "the host's NCCL stack is not compared") if why is None else
              (f"container image {ref} cannot be checked ({why}): the nodes' own stacks are "
               "compared, without the host's libnccl version")]
+    return _verdict(findings, odd, hosts, notes, partition, base.odd_tie)
+
+
+def _add_stack(got: tuple[list[Finding], list[str], list[str]], findings: list[Finding],
+               odd: set[str], stack_sev: str,
+               unsaid_finding: Callable[[list[str]], Finding | None]) -> None:
+    """Take one stack comparison's ``(findings, odd, nodes that do not say)`` into the
+    verdict's: its odd nodes only where it refuses, and a finding for the silent nodes."""
+    found, stack_odd, unsaid = got
+    findings.extend(found)
+    if stack_sev == "refuse":
+        odd.update(stack_odd)
+    extra = unsaid_finding(unsaid) if unsaid else None
+    if extra is not None:
+        findings.append(extra)
+
+
+def _out_of_scope(records: Mapping[str, dict | None], config: PolicyConfig,
+                  partition: str | None) -> Verdict | None:
+    """An accept with the note why, for an allocation the policy does not check."""
+    note = in_scope(config, partition, len(records))
+    return None if note is None else Verdict("accept", nodes=list(records), notes=[note],
+                                             partition=partition)
+
+
+def _severities(config: PolicyConfig, unknown: str, stack: str) -> tuple[str, str]:
+    return severity_of(config, unknown), severity_of(config, stack)
+
+
+def _verdict(findings: list, odd: set[str], hosts: list[str], notes: list[str],
+             partition: str | None, tie: bool) -> Verdict:
+    """The verdict of these findings: the worst severity decides; odd nodes only when
+    refused."""
+    findings.sort(key=lambda f: -SEVERITY_RANK[f.severity])
+    worst = max((SEVERITY_RANK[f.severity] for f in findings), default=0)
+    decision = ("accept", "warn", "refuse")[worst]
     return Verdict(decision, findings, sorted(odd) if decision == "refuse" else [], hosts,
-                   notes, partition=partition, odd_tie=base.odd_tie)
+                   notes, partition=partition, odd_tie=tie)
 
 
 def evaluate_nccl(
@@ -124,12 +154,11 @@ def evaluate_nccl(
     from ncclguard.fingerprint.offers import release_for
     from ncclguard.policy.rules import container, jobnccl
 
-    note = in_scope(config, partition, len(records))
-    if note is not None:
-        return Verdict("accept", nodes=list(records), notes=[note], partition=partition)
+    skip = _out_of_scope(records, config, partition)
+    if skip is not None:
+        return skip
     hosts = sorted(records)
-    unknown_sev = severity_of(config, jobnccl.UNKNOWN)
-    stack_sev = severity_of(config, jobnccl.STACK)
+    unknown_sev, stack_sev = _severities(config, jobnccl.UNKNOWN, jobnccl.STACK)
     if job is not None and not isinstance(job, Mapping):
         job, why = None, why or f"not a description of a library: {type(job).__name__}"
     version = parse_version(job.get("nccl_version")) if job else None
@@ -165,20 +194,12 @@ def evaluate_nccl(
             known = {h: r for h, r in records.items() if r is not None}
             image = {"nccl_version": label, "net_abis": sorted(set(abis), reverse=True),
                      "plugin": None}
-            found, stack_odd, unsaid = container.check_stack(
+            _add_stack(container.check_stack(
                 str(job.get("path") or ""), image, jobnccl.job_records(known, release),
-                stack_sev, rule=jobnccl.STACK, subject=subject)
-            findings.extend(found)
-            if stack_sev == "refuse":
-                odd.update(stack_odd)
-            if unsaid and unknown_sev != "ignore":
-                findings.append(jobnccl.unknown_finding(
+                stack_sev, rule=jobnccl.STACK, subject=subject), findings, odd, stack_sev,
+                lambda unsaid: None if unknown_sev == "ignore" else jobnccl.unknown_finding(
                     subject, "these nodes' records do not say what they offer a job's own "
                     "NCCL (a node daemon before issue 39)", unsaid, unknown_sev))
         notes = [*base.notes, f"{subject}: judged by it on each node (the plugin NCCL "
                  f"{release} opens there), not by the host's libnccl"]
-    findings.sort(key=lambda f: -SEVERITY_RANK[f.severity])
-    worst = max((SEVERITY_RANK[f.severity] for f in findings), default=0)
-    decision = ("accept", "warn", "refuse")[worst]
-    return Verdict(decision, findings, sorted(odd) if decision == "refuse" else [], hosts,
-                   notes, partition=partition, odd_tie=tie)
+    return _verdict(findings, odd, hosts, notes, partition, tie)
