@@ -357,12 +357,13 @@ def _also_differs(rules: dict[str, dict[str, dict[str, Any]]]) -> dict[str, str]
               if all(len(rv.get(rule, {})) <= 1 for rv in items)}  # a rule of one aspect
     out: dict[str, str] = {}
     from ncclguard.policy.rules import BY_NAME
+    from ncclguard.policy.rules.base import PLAIN_LABEL
 
     def shown(rule: str, aspect: str, value: Any) -> str:
-        """A value as the rule's findings label it (node-adds: a few words, not its
-        release-by-release key)."""
+        """``rule.aspect=value``; a rule with labels of its own (node-adds: a few words,
+        not its release-by-release key) as its findings label the value."""
         r = BY_NAME.get(rule)
-        if r is None or not isinstance(value, str) or r.label is None:
+        if r is None or not isinstance(value, str) or r.label is PLAIN_LABEL:
             return f"{rule}{'' if rule in single else '.' + aspect}={value}"
         return f"{rule}: {r.label(aspect, value)}"
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from ncclguard.policy.verdict import Finding
 
-__all__ = ["ANY", "Rule", "Values", "check_rule", "compare"]
+__all__ = ["ANY", "PLAIN_LABEL", "Rule", "Values", "check_rule", "compare"]
 
 ANY = "*"
 Values = dict[str, str | None]
@@ -24,6 +24,10 @@ Values = dict[str, str | None]
 
 def _label(aspect: str, value: str) -> str:
     return f"{aspect} {value}"
+
+
+#: The label of a rule that gives none: ``"{aspect} {value}"``.
+PLAIN_LABEL = _label
 
 
 class Rule:
