@@ -78,8 +78,8 @@ def fingerprint_diff(old: Any, new: Any, prefix: str = "") -> list[dict[str, Any
                 out.append({"field": p, "old": None, "new": new[k]})
             elif k not in new:
                 out.append({"field": p, "old": old[k], "new": None})
-            else:
-                out.extend(fingerprint_diff(old[k], new[k], p))
+            elif old[k] != new[k]:  # an equal part has no difference: not walked (a reboot
+                out.extend(fingerprint_diff(old[k], new[k], p))  # changes one field)
         return out
     if isinstance(old, list) and isinstance(new, list):
         ko, kn = _list_key(old), _list_key(new)
