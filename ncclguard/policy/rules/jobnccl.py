@@ -55,9 +55,8 @@ def job_records(records: Mapping[str, dict | None], release: str
         if rec is None:
             out[host] = None
             continue
-        job = rec.get("job") if isinstance(rec.get("job"), dict) else {}
+        job, container = rec.get("job"), rec.get("container")
         value = job.get("net") if isinstance(job, dict) else None
-        container = rec.get("container") if isinstance(rec.get("container"), dict) else {}
         internal = container.get("internal") if isinstance(container, dict) else None
         injected = None if value is None else (
             "" if value == NONE else parse(value).get(release, ""))

@@ -70,7 +70,11 @@ def explain(aspect: str, found: list[str]) -> str:
 
 
 def message(aspect: str) -> str:
-    return explain(aspect, [])
+    """Without the values: what the aspect is about (findings use :func:`explain`)."""
+    kind = _kind(aspect)
+    if aspect.endswith(_UNUSED):
+        return f"a {kind} plugin that no NCCL release ncclguard knows can use"
+    return f"the {kind} plugin a job's own NCCL would use differs between nodes"
 
 
 RULE = Rule(
