@@ -11,6 +11,7 @@ from ncclguard.cli import output as out
 from ncclguard.cli.context import Ctx, format_options, get_ctx
 from ncclguard.cli.errors import fail
 from ncclguard.cli.inventory import NO_HOST_NCCL
+from ncclguard.fingerprint import offers
 from ncclguard.policy.freshness import is_stale
 
 __all__ = ["show"]
@@ -53,20 +54,18 @@ def _objs(x: Any) -> list[dict[str, Any]]:
 def _adds_rows(fp: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per release of the table: the plugin each kind gives it on this node
     ("-": that release loads no such plugin; "?": unknown)."""
-    from ncclguard.fingerprint import offers
-
-    picked = {k: offers.selections(fp, k) for k in ADDS_KINDS}
+    got = offers.read(fp)
+    every = got[0] if got is not None else dict.fromkeys(offers.KINDS)
+    picked = {k: None if sel is None else dict(sel) for k, sel in every.items()}
     rows = []
     for release in offers.RELEASES:
         row: dict[str, Any] = {"release": release.label}
-        for kind in ADDS_KINDS:
+        for kind in offers.KINDS:
             sel = picked[kind]
-            row[kind] = "?" if sel is None else dict(sel).get(release.label, "-")
+            row[kind] = "?" if sel is None else sel.get(release.label, "-")
         rows.append(row)
     return rows
 
-
-ADDS_KINDS = ("net", "tuner", "profiler", "env", "gin", "rma")
 
 
 def _show_text(rec: Any, now: float, ttl: float, klass: str | None) -> str:
@@ -112,7 +111,7 @@ def _show_text(rec: Any, now: float, ttl: float, klass: str | None) -> str:
         ("abi", "ABI"), ("reason", "REASON")])))
     parts.append(out.section("what the node adds to a job's own NCCL, by release (issue 39)",
                              out.table(_adds_rows(fp), [
-                                 ("release", "NCCL"), *((k, k.upper()) for k in ADDS_KINDS)])))
+                                 ("release", "NCCL"), *((k, k.upper()) for k in offers.KINDS)])))
     rdma = _obj(fp.get("rdma"))
     ports = [{"device": dv.get("name"), "fw_ver": dv.get("fw_ver"),
               "hca_type": dv.get("hca_type"), **p}

@@ -23,15 +23,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from ncclguard.policy.rules import container
 from ncclguard.policy.rules.base import Rule, Values
 from ncclguard.policy.verdict import Finding
 
 STACK = "job-stack"
 UNKNOWN = "job-nccl-unknown"
-#: Rules about what the host's libnccl does: a job with its own NCCL does not load it.
-#: (node-adds judges any release; job-stack this job's.)
-HOST_RULES = frozenset({"nccl-version", "net-plugin", "node-adds", "env-plugin", "transport",
-                        "tuner", "gin-rma"})
+#: Rules about what the host's libnccl does: a job with its own NCCL does not load it
+#: (node-adds judges any release; job-stack this job's). The container rules' set but
+#: nccl-conf: a job on the host reads the node's /etc/nccl.conf, a container does not.
+HOST_RULES = container.HOST_RULES - {"nccl-conf"}
 
 
 def _none(fp: dict) -> Values:
