@@ -16,7 +16,7 @@ import pytest
 
 from ncclguard.config import PolicyConfig
 from ncclguard.fingerprint.jobenv import locate
-from ncclguard.fingerprint.offers import offered
+from ncclguard.fingerprint.offers import offered, pack
 from ncclguard.fingerprint.releases import RELEASES
 from ncclguard.policy import evaluate_nccl
 from ncclguard.policy.rules import container, jobnccl
@@ -103,9 +103,9 @@ def test_proc_sys_dev_spelled_otherwise_are_not_looked_at(env: dict[str, str]) -
 
 def _node(name: str, abis: list[int]) -> dict:
     """A node record whose one net plugin (struct name ``name``) offers ``abis``."""
-    fp = {"offers": {"files": [{"path": "/usr/lib/libnccl-net.so", "names": {"net": name},
-                                "abis": {"net": abis}}],
-                     "releases": {r.label: {"net": [0, None]} for r in RELEASES}}}
+    fp = {"offers": pack({r.label: {"net": [0, None]} for r in RELEASES},
+                         [{"path": "/usr/lib/libnccl-net.so", "names": {"net": name},
+                           "abis": {"net": abis}}])}
     return {"job": {"net": offered(fp, "net")}, "container": {"internal": "IB"}}
 
 

@@ -42,15 +42,15 @@ def _adds(v: Any) -> Any:
 def _offers(name: str, top: bool = True) -> dict[str, Any]:
     """An ``offers`` part as the probe lays it out: one file ``/p`` named ``name`` for
     every kind, used by each release at its newest ABI (``top``), or by none."""
-    rows = {r.label: {k: [0, r.abis[k][0] if top else None] for k in r.loads}
-            for r in RELEASES}
-    return {"releases": rows, "files": [{"path": "/p", "names": dict.fromkeys(KINDS, name),
-                                         "abis": {k: list(range(1, 17)) for k in KINDS},
-                                         "error": None}]}
+    rows: dict[str, dict[str, Any]] = {
+        r.label: {k: [0, r.abis[k][0] if top else None] for k in r.loads} for r in RELEASES}
+    return offers.pack(rows, [{"path": "/p", "names": dict.fromkeys(KINDS, name),
+                               "abis": {k: list(range(1, 17)) for k in KINDS},
+                               "error": None}])
 
 
 def _no_plugins() -> dict[str, Any]:
-    return {"releases": {r.label: {} for r in RELEASES}, "files": []}
+    return offers.pack({r.label: {} for r in RELEASES}, [])
 
 
 def _fp(host: str, nccl: str, part: dict[str, Any]) -> dict[str, Any]:
@@ -115,13 +115,12 @@ def test_no_two_distinct_selections_share_a_signature() -> None:
     for first in names[:-1]:
         for second in names:
             for cut in (1, 2, 5):
-                part: dict[str, Any] = {"releases": {}, "files": [
-                    {"path": "/a", "names": {"net": first}},
-                    {"path": "/b", "names": {"net": second}}]}
+                rows: dict[str, dict[str, Any]] = {}
                 for j, label in enumerate(labels):
                     entry = [0, 4] if j < cut else [1, 4] if second is not None else None
-                    part["releases"][label] = {"net": entry} if entry else {}
-                fp = {"offers": part}
+                    rows[label] = {"net": entry} if entry else {}
+                fp = {"offers": offers.pack(rows, [{"path": "/a", "names": {"net": first}},
+                                                   {"path": "/b", "names": {"net": second}}])}
                 sel = tuple(offers.selections(fp, "net") or ())
                 sig = offers.signature(fp, "net")
                 assert sig is not None

@@ -32,6 +32,7 @@ from ncclguard.fingerprint import loading
 from ncclguard.fingerprint.abi import ABI_KINDS, SYMBOLS, common, exported
 from ncclguard.fingerprint.loading import PREFIXES, Version, net_plugin_names
 from ncclguard.fingerprint.model import EFFECTIVE_KINDS
+from ncclguard.fingerprint.offers import pack as pack_offers
 from ncclguard.fingerprint.releases import RELEASES
 
 __all__ = ["EFFECTIVE_KINDS", "PREFIXES", "analyze", "describe", "net_plugin_names", "probe"]
@@ -390,11 +391,10 @@ def _offers(fs: NodeFS, lookup: Callable[[str], str | None], cache: FileCache,
             nccl_settings: dict[str, str]) -> dict[str, Any]:
     """The ``offers`` part: what this node adds to the NCCL of each release of
     :data:`ncclguard.fingerprint.releases.RELEASES`, whatever libnccl the node has itself
-    (issue 39): ``{"files": [{"path", "names", "abis", "error"}], "releases": {release:
-    {kind: [file, abi] | null}}}``. ``[file, abi]``: the library NCCL opens for that kind
-    (its index in ``files``) and the ABI it uses (null: none in common, so NCCL does not
-    use it); null: unknown (the job's own executable, or a file that cannot be read); a
-    kind of the release's ``loads`` that is absent: no library. Nothing here adds to the
+    (issue 39), in :func:`ncclguard.fingerprint.offers.pack`'s form. Per release and kind
+    it loads: the library NCCL opens (an index in ``files``) and the ABI it uses (None:
+    none in common, so NCCL does not use it); unknown for the job's own executable or a
+    file that cannot be read; nothing for no library. Nothing here adds to the
     fingerprint's ``errors``: a file only some other release would open says nothing
     about the host's own stack."""
     files: dict[str, dict[str, Any]] = {}
@@ -429,9 +429,9 @@ def _offers(fs: NodeFS, lookup: Callable[[str], str | None], cache: FileCache,
                 continue
             row[kind] = [index.setdefault(file["path"], len(index)), abi]
         out[release.label] = row
-    return {"files": [{"path": p, "names": files[p]["names"],
-                       "abis": {k: v for k, v in files[p]["abis"].items() if v},
-                       "error": files[p]["error"]} for p in index], "releases": out}
+    return pack_offers(out, [{"path": p, "names": files[p]["names"],
+                               "abis": {k: v for k, v in files[p]["abis"].items() if v},
+                               "error": files[p]["error"]} for p in index])
 
 
 def _nothing(kind: str, rule: loading.Kind, var: str, value: str | None,

@@ -3,7 +3,9 @@
 The plugin probe records, for every release of
 :data:`ncclguard.fingerprint.releases.RELEASES`, the library NCCL of that release opens
 for each plugin kind on this node and the ABI it uses there
-(``inventoryd/probes/plugins.py``, ``_offers``). :func:`signature` turns one kind of it
+(``inventoryd/probes/plugins.py``, ``_offers``, written by :func:`pack`: per kind, each
+choice of library and ABI with the releases that make it). :func:`signature` turns one
+kind of it
 into one string that is equal on two nodes exactly when every release gets the same
 plugin (its name and ABI) on both::
 
@@ -30,7 +32,8 @@ from typing import Any
 
 from ncclguard.fingerprint.releases import RELEASES
 
-__all__ = ["KINDS", "NONE", "differing", "offered", "parse", "read", "release_for",
+__all__ = ["KINDS", "NONE", "TABLE", "UNKNOWN", "differing", "offered", "pack", "parse",
+           "read", "release_for",
            "selections", "signature",
            "signature_of", "span", "summary", "unused", "unused_of"]
 
@@ -41,24 +44,84 @@ _ORDER = {r.label: i for i, r in enumerate(RELEASES)}
 _SEP, _RANGE = "; ", " to "
 #: The longest name kept whole: a probe reads at most 256 bytes of one (``inventoryd.elf``).
 MAX_NAME = 256
+#: The table a part answers for: its releases, in order (the part's ``table``).
+TABLE = " ".join(r.label for r in RELEASES)
+#: A choice of ``uses``: unknown (the job's own executable, an unreadable file).
+UNKNOWN = "?"
+_BY_LABEL = {r.label: r for r in RELEASES}
 
 
-def _part(fp: dict) -> tuple[dict, list] | None:
+def _part(fp: dict) -> tuple[dict | None, list] | None:
+    """``(uses, files)`` of a record's part; ``None``: no usable part. A part of another
+    table (an older daemon's) has ``uses`` None: unknown for every kind of this one."""
     part = fp.get("offers")
     if not isinstance(part, dict):
         return None
-    releases, files = part.get("releases"), part.get("files")
-    if not isinstance(releases, dict) or not isinstance(files, list):
+    uses, files = part.get("uses"), part.get("files")
+    if not isinstance(uses, dict) or not isinstance(files, list):
         return None
     if any(e.get("field") == "plugins" and e.get("probe") == "plugins"
            for e in fp.get("errors") or () if isinstance(e, dict)):
         return None  # the plugin probe failed as a whole: its parts are empty, not absent
-    return releases, files
+    if part.get("table") != TABLE:
+        return None, []
+    return uses, files
 
 
-def _file(files: list, index: Any) -> dict | None:
+def pack(rows: dict[str, dict[str, list | None]], files: list[dict]) -> dict[str, Any]:
+    """The part as a probe writes it, from each release's row ``{kind: [file index, ABI
+    or None] | None}`` (None: unknown; a kind left out: no library) and the ``files``
+    they index: ``{"table", "files", "uses": {kind: {choice: "release release ..."}}}``,
+    a choice being ``"FILE ABI"`` (``"0 8"``), ``"FILE -"`` (opened, no ABI in common) or
+    ``"?"``. Each release once per kind, in a few strings: a record's values are walked
+    at each heartbeat (``ncclguard.spool.check_values``), and a row per release made
+    that walk twice as long (docs/perf.md)."""
+    uses: dict[str, dict[str, list[str]]] = {}
+    for label, row in rows.items():
+        for kind, entry in row.items():
+            choice = (UNKNOWN if entry is None else
+                      f"{entry[0]} {'-' if entry[1] is None else entry[1]}")
+            uses.setdefault(kind, {}).setdefault(choice, []).append(label)
+    return {"table": TABLE, "files": files,
+            "uses": {k: {c: " ".join(ls) for c, ls in v.items()} for k, v in uses.items()}}
+
+
+def _count(text: str) -> int | None:
+    """``text`` as a count of at most 9 ASCII digits (not ``"²"``, not 5,000 digits)."""
+    return int(text) if text.isascii() and text.isdigit() and len(text) <= 9 else None
+
+
+Opened = dict[str, tuple[int, dict, int | None]]
+
+
+def _opened(uses: dict | None, files: list, kind: str) -> Opened | None:
+    """release -> ``(file index, its file, the ABI it uses or None)`` for each release that
+    opens a ``kind`` library on this node (one not named: none); ``None``: unknown for
+    some release, or not a value of this part (a release twice, or one that does not load
+    ``kind``; more choices than releases). Reads at most the table's worth."""
+    choices = None if uses is None else uses.get(kind, {})
+    if not isinstance(choices, dict) or len(choices) > len(RELEASES):
+        return None
+    out: Opened = {}
+    for choice, labels in choices.items():
+        if not isinstance(labels, str) or len(labels) > len(TABLE):
+            return None
+        first, _, second = choice.partition(" ")
+        index, abi = _count(first), None if second == "-" else _count(second)
+        rec = None if index is None else _file(files, index)
+        if index is None or rec is None or (abi is None and second != "-"):
+            return None  # unknown ("?"), or not a choice
+        for label in labels.split(" "):
+            release = _BY_LABEL.get(label)
+            if release is None or kind not in release.loads or label in out:
+                return None
+            out[label] = (index, rec, abi)
+    return out
+
+
+def _file(files: list, index: int) -> dict | None:
     """``files[index]`` when the index is one and the entry an object with a path."""
-    if type(index) is not int or not 0 <= index < len(files):
+    if not 0 <= index < len(files):
         return None
     rec = files[index]
     return rec if isinstance(rec, dict) and isinstance(rec.get("path"), str) else None
@@ -88,43 +151,38 @@ Selections = dict[str, list[tuple[str, str]] | None]
 
 def read(fp: dict) -> tuple[Selections, dict[str, dict]] | None:
     """``(kind -> its selections, kind -> the first library some release opens for it
-    without an ABI in common)`` for every kind, in one pass over the part (what the
-    node-adds rule reads of each record); ``None``: no usable part at all."""
+    without an ABI in common)`` for every kind (what the node-adds rule reads of each
+    record); ``None``: no usable part at all."""
     got = _part(fp)
     if got is None:
         return None
-    releases, files = got
-    out: Selections = {k: [] for k in KINDS}
+    uses, files = got
+    out: Selections = {}
     opened: dict[str, dict] = {}
-    names: dict[tuple[int, str], str] = {}
-    for release in RELEASES:
-        row = releases.get(release.label)
-        if not isinstance(row, dict):
-            return dict.fromkeys(KINDS), {}  # a record of another table: not its answer
-        for kind in release.loads:
-            sel = out[kind]
-            if sel is None:
-                continue  # unknown for an earlier release already
-            entry = row.get(kind, ())
-            if entry == ():
+    for kind in KINDS:
+        by_release = _opened(uses, files, kind)
+        if by_release is None:
+            out[kind] = None
+            continue
+        sel: list[tuple[str, str]] = []
+        names: dict[int, str] = {}
+        for release in RELEASES:
+            if kind not in release.loads:
+                continue
+            got_one = by_release.get(release.label)
+            if got_one is None:
                 sel.append((release.label, NONE))  # no library
                 continue
-            if not isinstance(entry, list) or len(entry) != 2:
-                out[kind] = None  # null (unknown), or not a value of this part
-                continue
-            index, abi = entry
-            rec = _file(files, index)
-            if rec is None or not (abi is None or type(abi) is int):
-                out[kind] = None
-                continue
+            index, rec, abi = got_one
             if abi is None:
                 sel.append((release.label, NONE))
                 opened.setdefault(kind, rec)
                 continue
-            name = names.get((index, kind))
+            name = names.get(index)
             if name is None:
-                name = names[(index, kind)] = _name(rec, kind)
+                name = names[index] = _name(rec, kind)
             sel.append((release.label, f"{name} v{abi}"))
+        out[kind] = sel
     return out, opened
 
 
@@ -205,8 +263,9 @@ def summary(value: str) -> str:
     by_name: dict[str, set[int]] = {}
     for used in parse(value).values():
         name, _, abi = used.rpartition(" v")
-        if abi.isascii() and abi.isdigit() and len(abi) <= 9:  # not "²", not 5,000 digits
-            by_name.setdefault(name, set()).add(int(abi))
+        n = _count(abi)
+        if n is not None:
+            by_name.setdefault(name, set()).add(n)
     if not by_name:
         return NONE
     return ", ".join(f"{name} {_vs(sorted(abis, reverse=True))}"
@@ -253,25 +312,18 @@ def offered(fp: dict, kind: str = "net") -> str | None:
     from ncclguard.fingerprint.abi import exported
 
     got = _part(fp)
-    if got is None:
+    by_release = None if got is None else _opened(*got, kind)
+    if by_release is None:
         return None
-    releases, files = got
     sel: list[tuple[str, str]] = []
     for release in RELEASES:
         if kind not in release.loads:
             continue
-        row = releases.get(release.label)
-        if not isinstance(row, dict):
-            return None
-        entry = row.get(kind, ())
-        if entry == ():
+        got_one = by_release.get(release.label)
+        if got_one is None:
             sel.append((release.label, NONE))
             continue
-        if not isinstance(entry, list) or len(entry) != 2:
-            return None
-        rec = _file(files, entry[0])
-        if rec is None:
-            return None
+        rec = got_one[1]
         abis = exported(rec.get("abis") if isinstance(rec.get("abis"), dict) else {}, kind)
         sel.append((release.label, f"{_name(rec, kind)}|{','.join(map(str, abis))}"))
     return signature_of(sel)

@@ -222,21 +222,22 @@ def fingerprint(
 def offers_part(net: dict[str, Any] | None) -> dict[str, Any]:
     """The ``offers`` part of a node whose only plugin is the net plugin ``net`` (a
     :func:`plugin` record; None: none), as the plugin probe writes it: for each release
-    of the table, that plugin at the highest ABI both know (null: none), and no library
+    of the table, that plugin at the highest ABI both know (None: none), and no library
     of the other kinds."""
+    from ncclguard.fingerprint.offers import pack
     from ncclguard.fingerprint.releases import RELEASES
 
-    releases: dict[str, dict[str, Any]] = {}
+    rows: dict[str, dict[str, Any]] = {}
     for release in RELEASES:
         row: dict[str, Any] = {}
         if net is not None:
             both = set(release.abis["net"]) & set(net["abis"].get("net") or [])
             row["net"] = [0, max(both) if both else None]
-        releases[release.label] = row
+        rows[release.label] = row
     files = [] if net is None else [{
         "path": net["path"], "names": dict(net.get("names") or {}),
         "abis": {k: v for k, v in net["abis"].items() if v}, "error": None}]
-    return {"files": files, "releases": releases}
+    return pack(rows, files)
 
 
 def error(field: str, path: str = "/sys/x", probe: str = "rdma") -> dict[str, Any]:
