@@ -45,8 +45,7 @@ def _offers(name: str, top: bool = True) -> dict[str, Any]:
     rows: dict[str, dict[str, Any]] = {
         r.label: {k: [0, r.abis[k][0] if top else None] for k in r.loads} for r in RELEASES}
     return offers.pack(rows, [{"path": "/p", "names": dict.fromkeys(KINDS, name),
-                               "abis": {k: list(range(1, 17)) for k in KINDS},
-                               "error": None}])
+                               "abis": {k: list(range(1, 17)) for k in KINDS}}])
 
 
 def _no_plugins() -> dict[str, Any]:

@@ -430,8 +430,8 @@ def _offers(fs: NodeFS, lookup: Callable[[str], str | None], cache: FileCache,
             row[kind] = [index.setdefault(file["path"], len(index)), abi]
         out[release.label] = row
     return pack_offers(out, [{"path": p, "names": files[p]["names"],
-                               "abis": {k: v for k, v in files[p]["abis"].items() if v},
-                               "error": files[p]["error"]} for p in index])
+                               "abis": {k: v for k, v in files[p]["abis"].items() if v}}
+                              for p in index])  # never one with an error: unknown above
 
 
 def _nothing(kind: str, rule: loading.Kind, var: str, value: str | None,

@@ -236,7 +236,7 @@ def offers_part(net: dict[str, Any] | None) -> dict[str, Any]:
         rows[release.label] = row
     files = [] if net is None else [{
         "path": net["path"], "names": dict(net.get("names") or {}),
-        "abis": {k: v for k, v in net["abis"].items() if v}, "error": None}]
+        "abis": {k: v for k, v in net["abis"].items() if v}}]
     return pack(rows, files)
 
 
