@@ -156,41 +156,43 @@ def read(fp: dict) -> tuple[Selections, dict[str, dict]] | None:
     got = _part(fp)
     if got is None:
         return None
-    uses, files = got
-    out: Selections = {}
     opened: dict[str, dict] = {}
-    for kind in KINDS:
-        by_release = _opened(uses, files, kind)
-        if by_release is None:
-            out[kind] = None
+    return {kind: _selection(*got, kind, opened) for kind in KINDS}, opened
+
+
+def _selection(uses: dict | None, files: list, kind: str, opened: dict[str, dict]
+               ) -> list[tuple[str, str]] | None:
+    """One kind of :func:`read` (``opened`` gets its library opened without an ABI in
+    common)."""
+    by_release = _opened(uses, files, kind)
+    if by_release is None:
+        return None
+    sel: list[tuple[str, str]] = []
+    names: dict[int, str] = {}
+    for release in RELEASES:
+        if kind not in release.loads:
             continue
-        sel: list[tuple[str, str]] = []
-        names: dict[int, str] = {}
-        for release in RELEASES:
-            if kind not in release.loads:
-                continue
-            got_one = by_release.get(release.label)
-            if got_one is None:
-                sel.append((release.label, NONE))  # no library
-                continue
-            index, rec, abi = got_one
-            if abi is None:
-                sel.append((release.label, NONE))
-                opened.setdefault(kind, rec)
-                continue
-            name = names.get(index)
-            if name is None:
-                name = names[index] = _name(rec, kind)
-            sel.append((release.label, f"{name} v{abi}"))
-        out[kind] = sel
-    return out, opened
+        got = by_release.get(release.label)
+        if got is None:
+            sel.append((release.label, NONE))  # no library
+            continue
+        index, rec, abi = got
+        if abi is None:
+            sel.append((release.label, NONE))
+            opened.setdefault(kind, rec)
+            continue
+        name = names.get(index)
+        if name is None:
+            name = names[index] = _name(rec, kind)
+        sel.append((release.label, f"{name} v{abi}"))
+    return sel
 
 
 def selections(fp: dict, kind: str) -> list[tuple[str, str]] | None:
     """``[(release, "NAME vN" or "none")]`` for every release of the table that loads
     ``kind`` on this node's record; ``None``: unknown for some release."""
-    got = read(fp)
-    return None if got is None else got[0][kind]
+    got = _part(fp)
+    return None if got is None else _selection(*got, kind, {})
 
 
 def span(labels: Sequence[str]) -> str:
