@@ -436,10 +436,16 @@ def summary_ok(s: Any) -> bool:
 
 
 class LayeredImage(ImageTree):
-    """The union of layer summaries, lowest first (module docstring)."""
+    """The union of layer summaries, lowest first (module docstring). ``deadline`` and
+    ``stop`` as a squashfs image's (:class:`~.tree.ImageTree`): the union is built, and
+    then read by the fingerprint, under them; a cached layer costs no download, but its
+    union may cost seconds of CPU (issue 48's hostile review)."""
 
-    def __init__(self, label: str, summaries: list[dict[str, Any]]) -> None:
-        super().__init__(label)
+    def __init__(self, label: str, summaries: list[dict[str, Any]], *,
+                 deadline: float | None = None, stop: Callable[[], bool] | None = None
+                 ) -> None:
+        super().__init__(label, deadline=deadline, stop=stop)
+        self.check()
         self.kids: dict[str, set[str]] = {"/": set()}
         self.entries["/"] = Entry("d", 0)
         #: real path -> (layer index, path in that layer) of each regular file
@@ -449,13 +455,17 @@ class LayeredImage(ImageTree):
         self.odd_names = sum(int(s.get("odd") or 0) for s in summaries)
         for i, s in enumerate(summaries):
             self._apply(i, s)
-        self.dirs = {d: sorted(names) for d, names in self.kids.items()}
+        for d, names in self.kids.items():
+            self.tick()
+            self.dirs[d] = sorted(names)
+        self.check()
 
     # ---- the union -------------------------------------------------------------------
 
     def _remove(self, path: str) -> None:
         if path == "/" or path not in self.entries:
             return
+        self.tick()
         e = self.entries.pop(path)
         self.source.pop(path, None)
         if e.kind == "d":
@@ -493,11 +503,14 @@ class LayeredImage(ImageTree):
         # whiteouts remove what the layers below hold, before this layer's own entries
         # (image-spec layer.md); then the entries in tar order: a later one wins
         for d in s["opaque"]:
+            self.tick()
             for name in list(self.kids.get(d, ())):
                 self._remove(f"{d.rstrip('/')}/{name}")
         for p in s["whiteouts"]:
+            self.tick()
             self._remove(p)
         for op in s["ops"]:
+            self.tick()
             kind, path = op[0], op[1]
             if kind == "d":
                 self._dir(path)
