@@ -837,3 +837,23 @@ def test_stopping_the_registry_worker_stops_a_union_read(tmp_path: Path) -> None
             index.stop(timeout=30.0)
     assert not alive and took < MARGIN_S, took
     assert not any(b.images for b in index.drain())
+
+
+def test_a_layer_being_downloaded_stops_at_the_collectors_stop() -> None:
+    """A layer's stream is given up at the worker's stop, not read on to its deadline
+    (registry.timeout_s, 15 minutes by default)."""
+    from inventoryd.controller.images.tree import ImageStopped
+
+    blob = _dirs([f"d{i:06d}" for i in range(8192)])  # 8 MiB: eight reads of the source
+    stop = threading.Event()
+
+    class Stopping(io.BytesIO):
+        def read(self, n: int | None = -1) -> bytes:
+            stop.set()  # SIGTERM once the first chunk is in
+            return super().read(n)
+
+    with pytest.raises(ImageStopped, match="the collector is stopping"):
+        read_layer(Stopping(blob), digest="sha256:" + hashlib.sha256(blob).hexdigest(),
+                   size=len(blob), media_type=TAR, deadline=time.monotonic() + 60,
+                   max_bytes=1 << 30, max_unpacked=1 << 30, max_read_bytes=1 << 30,
+                   stop=stop.is_set)

@@ -718,9 +718,9 @@ def read_image(
 ) -> dict[str, Any]:
     """The image record of the client's reference (module docstring). ``cached(digest)``
     gives a layer's stored summary (or None: it is downloaded and read); ``store`` takes
-    each new summary as soon as it is read. The union of the layers is built and read
-    under the client's deadline and ``stop`` (the collector's SIGTERM), as a squashfs
-    image is: ImageError ``time limit reached``, ImageStopped. Raises RegistryError (the
+    each new summary as soon as it is read. The layers are downloaded, and their union
+    built and read, under the client's deadline and ``stop`` (the collector's SIGTERM),
+    as a squashfs image is: ``time limit reached``, ImageStopped. Raises RegistryError (the
     registry) or ImageError (the image's content), each naming the cause."""
     t0 = time.monotonic()
     res = resolved or resolve(client, platform)
@@ -754,7 +754,7 @@ def read_image(
                                max_unpacked=limits.max_unpacked_bytes,
                                max_read_bytes=limits.max_read_bytes,
                                tmpdir=limits.tmp_dir or None,
-                               label=f"{client.ref.key} layer {i} ({digest})")
+                               label=f"{client.ref.key} layer {i} ({digest})", stop=stop)
             finally:
                 r.close()
         assert s is not None
