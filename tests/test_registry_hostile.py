@@ -740,7 +740,7 @@ def test_one_user_naming_many_fresh_tags_takes_one_place_a_turn(tmp_path: Path) 
 
 # ---- 9. the union of cached layers: the image's deadline and the collector's stop
 
-#: each resolution under the crafted layer's link costs this machine about 8 ms
+#: each resolution under the crafted layer's link costs about 6 ms of CPU (2 cores)
 UNION_TIMEOUT_S = 2.0
 MARGIN_S = 1.5
 
@@ -760,8 +760,8 @@ def test_a_crafted_cached_layer_holds_the_union_no_longer_than_its_deadline_or_a
     """The crafted image, first in the pass, gives up its union at registry.timeout_s
     with ``time limit reached`` (stored as its content's error) and the honest image
     after it is read in the same pass; read again from its cached layer, the union is
-    given up within a moment of the collector's stop (before: no deadline nor stop
-    flag: 8.9 s of wall clock, 6.4 s of CPU, for this layer; read to the end)."""
+    given up within a moment of the collector's stop (before: no deadline or stop
+    flag: read to the end 8.6 s after it began, 5.6 s of CPU, past a 2 s deadline)."""
     from inventoryd.controller.images.registry import RegistryLimits, read_image
     from inventoryd.controller.images.registry_index import RegistryIndex, write_batches
     from inventoryd.controller.images.tree import ImageStopped
