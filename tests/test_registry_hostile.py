@@ -21,7 +21,15 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from helpers.registry import File, Registry, image_blobs, layer_tar, push_image, push_raw
+from helpers.registry import (
+    File,
+    Registry,
+    Symlink,
+    image_blobs,
+    layer_tar,
+    push_image,
+    push_raw,
+)
 
 from inventoryd.controller.images.layers import (
     MAX_KEPT,
@@ -728,3 +736,124 @@ def test_one_user_naming_many_fresh_tags_takes_one_place_a_turn(tmp_path: Path) 
         batch = RegistryIndex(cfg).run_pass(keep=True)
     refs = [t["ref"] for t in batch.tags]
     assert f"{other}/a/x:v1" in refs and len(refs) == 3, refs
+
+
+# ---- 9. the union of cached layers: the image's deadline and the collector's stop
+
+#: each resolution under the crafted layer's link costs about 6 ms of CPU (2 cores)
+UNION_TIMEOUT_S = 2.0
+MARGIN_S = 1.5
+
+
+def _crafted_layer() -> bytes:
+    """A 20 KB layer whose union the fingerprint reads for seconds of CPU (issue 48's
+    hostile review): ``/l``, a link to itself through a 4 KB target of ``./`` (each
+    resolution under it follows it 40 times: 84,000 components), and a linker
+    configuration naming 1,024 directories under it (MAX_SEARCH_DIRS)."""
+    conf = "".join(f"/l/{i}\n" for i in range(1024)).encode()
+    return layer_tar([Symlink("/l", "./" * 2046 + "l"),
+                      File("/etc/ld.so.conf.d/l.conf", conf)], "none")
+
+
+def test_a_crafted_cached_layer_holds_the_union_no_longer_than_its_deadline_or_a_stop(
+        tmp_path: Path) -> None:
+    """The crafted image, first in the pass, gives up its union at registry.timeout_s
+    with ``time limit reached`` (stored as its content's error) and the honest image
+    after it is read in the same pass; read again from its cached layer, the union is
+    given up within a moment of the collector's stop (before: no deadline or stop
+    flag: read to the end 8.6 s after it began, 5.6 s of CPU, past a 2 s deadline)."""
+    from inventoryd.controller.images.registry import RegistryLimits, read_image
+    from inventoryd.controller.images.registry_index import RegistryIndex, write_batches
+    from inventoryd.controller.images.tree import ImageStopped
+
+    layers, _ = _honest_image()
+    with Registry(tmp_path / "reg") as reg:
+        push_image(reg, "ml/crafted", "v1", [_crafted_layer()], via="http")
+        push_image(reg, "ml/train", "v1", layers, via="http")
+        refs = [f"{reg.host}#ml/crafted:v1", f"{reg.host}#ml/train:v1"]
+        cfg = _index_config(tmp_path, refs, (reg.host,))
+        cfg = cfg.replace(registry=cfg.registry.replace(timeout_s=UNION_TIMEOUT_S))
+        with Inventory(tmp_path / "inv.db", config=cfg.inventory, values=GATE_VALUES) as inv:
+            index = RegistryIndex(cfg)
+            t0 = time.monotonic()
+            index.run_pass()
+            took = time.monotonic() - t0
+            write_batches(inv, index.drain())
+            rows = {r["ref"]: r for r in inv.registry_images()}
+            crafted, honest = rows[f"{reg.host}/ml/crafted:v1"], rows[f"{reg.host}/ml/train:v1"]
+            assert crafted["image_error"] and "time limit reached" in crafted["image_error"], \
+                crafted
+            assert honest["image_error"] is None and honest["record_hash"] is not None, honest
+            assert took < UNION_TIMEOUT_S + 2 * MARGIN_S, took
+
+            hits: list[str] = []
+
+            def cached(digest: str) -> dict | None:
+                s = inv.registry_layer(digest)
+                if s is not None:
+                    hits.append(digest)
+                return s
+
+            client = Client(parse(refs[0]), deadline=time.monotonic() + 30,
+                            credentials=Credentials(), insecure=(reg.host,))
+            stop = threading.Event()
+            timer = threading.Timer(0.5, stop.set)
+            try:
+                t0 = time.monotonic()
+                timer.start()
+                with pytest.raises(ImageStopped, match="the collector is stopping"):
+                    read_image(client, "linux/amd64", RegistryLimits(), cached=cached,
+                               stop=stop.is_set)
+                took = time.monotonic() - t0
+            finally:
+                timer.cancel()
+                client.close()
+    assert hits, "the crafted layer was not read from the inventory"
+    assert took < 0.5 + MARGIN_S, took
+
+
+def test_stopping_the_registry_worker_stops_a_union_read(tmp_path: Path) -> None:
+    """The collector's SIGTERM stops the registry worker (RegistryIndex.stop): a union
+    being read ends within a moment, and nothing of that image is handed to the writer
+    (before: the worker read on for seconds after stop() gave up waiting on it)."""
+    from inventoryd.controller.images.registry_index import RegistryIndex
+
+    with Registry(tmp_path / "reg") as reg:
+        push_image(reg, "ml/crafted", "v1", [_crafted_layer()], via="http")
+        cfg = _index_config(tmp_path, [f"{reg.host}#ml/crafted:v1"], (reg.host,))
+        with Inventory(tmp_path / "inv.db", config=cfg.inventory, values=GATE_VALUES):
+            pass
+        index = RegistryIndex(cfg)
+        index.start()
+        assert index._thread is not None
+        try:
+            time.sleep(1.5)  # resolved and downloaded (0.2 s): the union is being read
+            assert index._thread.is_alive()
+            t0 = time.monotonic()
+            index.stop(timeout=5.0)
+            took = time.monotonic() - t0
+            alive = index._thread.is_alive()
+        finally:
+            index.stop(timeout=30.0)
+    assert not alive and took < MARGIN_S, took
+    assert not any(b.images for b in index.drain())
+
+
+def test_a_layer_being_downloaded_stops_at_the_collectors_stop() -> None:
+    """A layer's stream is given up at the worker's stop, not read on to its deadline
+    (registry.timeout_s, 15 minutes by default)."""
+    from inventoryd.controller.images.tree import ImageStopped
+
+    blob = _dirs([f"d{i:06d}" for i in range(8192)])  # 8 MiB: eight reads of the source
+    stop = threading.Event()
+
+    class Stopping(io.BytesIO):
+        def read(self, n: int | None = -1) -> bytes:
+            stop.set()  # SIGTERM once the first chunk is in
+            return super().read(n)
+
+    with pytest.raises(ImageStopped, match="the collector is stopping"):
+        read_layer(Stopping(blob), digest="sha256:" + hashlib.sha256(blob).hexdigest(),
+                   size=len(blob), media_type=TAR, deadline=time.monotonic() + 60,
+                   max_bytes=1 << 30, max_unpacked=1 << 30, max_read_bytes=1 << 30,
+                   stop=stop.is_set)

@@ -38,6 +38,7 @@ from typing import Any
 
 from inventoryd.controller.images.squashfs import SquashImage
 from inventoryd.controller.images.tree import (
+    CHECK_EVERY,
     ImageError,
     ImagePathError,
     ImageStopped,
@@ -59,7 +60,6 @@ MAX_CONF_FILES = 64
 #: searched at most: the linker's own paths are searched after them in any case
 MAX_SEARCH_DIRS = 1024
 MAX_PIP_DIRS = 16  # site-packages/nvidia/nccl/lib directories searched at most
-CHECK_EVERY = 1024  # names between two checks of the image's deadline
 PIP_SUFFIXES = ("/site-packages/nvidia/nccl/lib", "/dist-packages/nvidia/nccl/lib")
 #: packages that load pip's libnccl from their own site-packages (:func:`_default_lib`)
 FRAMEWORKS = ("torch", "jax_plugins", "cupy")

@@ -63,6 +63,7 @@ from inventoryd.controller.images.tree import (
     Entry,
     ImageError,
     ImagePathError,
+    ImageStopped,
     ImageTransient,
     ImageTree,
     ImageUnverified,
@@ -111,19 +112,22 @@ def analyzer_for(name: str) -> str | None:
 
 class _Bounded:
     """A file-like read of ``source`` that stops at ``limit`` bytes (``what`` names the
-    bound in the error) and at the deadline, hashing what passes when asked. The source
+    bound in the error), at the deadline and at ``stop`` (the collector's SIGTERM:
+    ImageStopped), hashing what passes when asked. The source
     is read 1 MiB at a time whatever the caller asks: gzip reads a header's file name a
     byte at a time, and a byte a read of the registry's stream cost 4.3 us a byte."""
 
     def __init__(self, source: Any, limit: int, deadline: float, label: str, what: str,
-                 hasher: Any = None) -> None:
-        self.source, self.limit, self.deadline = source, limit, deadline
+                 hasher: Any = None, stop: Callable[[], bool] | None = None) -> None:
+        self.source, self.limit, self.deadline, self.stop = source, limit, deadline, stop
         self.label, self.what, self.hasher = label, what, hasher
         self.count = 0  # bytes taken from the source
         self.eof = False  # the source has ended
         self.buf, self.pos = b"", 0
 
     def read(self, n: int = -1) -> bytes:
+        if self.stop is not None and self.stop():
+            raise ImageStopped(self.label, "not read: the collector is stopping")
         if time.monotonic() > self.deadline:
             raise ImageTransient(self.label, "time limit reached")
         n = 1 << 20 if n is None or n < 0 else min(n, 1 << 20)
@@ -216,11 +220,12 @@ def _small(path: str) -> bool:
 def read_layer(
     blob: Any, *, digest: str, size: int, media_type: str, deadline: float,
     max_bytes: int, max_unpacked: int, max_read_bytes: int, tmpdir: str | None = None,
-    label: str | None = None,
+    label: str | None = None, stop: Callable[[], bool] | None = None,
 ) -> dict[str, Any]:
     """The summary of one layer (module docstring), read from ``blob`` (a file-like
-    ``read(n)`` of the blob's bytes, which must bound its own time per call). Raises
-    ImageError naming the layer and the cause, also when its sha256 is not ``digest``."""
+    ``read(n)`` of the blob's bytes, which must bound its own time per call), until the
+    deadline or ``stop`` (ImageStopped). Raises ImageError naming the layer and the
+    cause, also when its sha256 is not ``digest``."""
     label = label or f"layer {digest}"
     if not re.fullmatch(r"sha256:[0-9a-f]{64}", digest):
         raise ImageError(label, "the layer's digest is not sha256")
@@ -229,11 +234,11 @@ def read_layer(
                                 f"({max_bytes})")
     hasher = hashlib.sha256()
     raw = _Bounded(blob, size, deadline, label, "the blob is longer than its descriptor says",
-                   hasher)
+                   hasher, stop)
     unpacked_limit = min(max_unpacked, MAX_EXPANSION * size + (1 << 20))
     stream = _Bounded(_decompressed(raw, media_type, label), unpacked_limit, deadline, label,
                       f"unpacked (at most {MAX_EXPANSION}x the layer, "
-                      "registry.max_unpacked_bytes)")
+                      "registry.max_unpacked_bytes)", stop=stop)
     out: dict[str, Any] = {"v": SUMMARY_VERSION, "digest": digest, "size": size,
                            "media_type": media_type, "listed": 0, "odd": 0, "ops": [],
                            "files": {}, "whiteouts": [], "opaque": [], "small": {},
@@ -436,10 +441,16 @@ def summary_ok(s: Any) -> bool:
 
 
 class LayeredImage(ImageTree):
-    """The union of layer summaries, lowest first (module docstring)."""
+    """The union of layer summaries, lowest first (module docstring). ``deadline`` and
+    ``stop`` as a squashfs image's (:class:`~.tree.ImageTree`): the union is built, and
+    then read by the fingerprint, under them; a cached layer costs no download, but its
+    union may cost seconds of CPU (issue 48's hostile review)."""
 
-    def __init__(self, label: str, summaries: list[dict[str, Any]]) -> None:
-        super().__init__(label)
+    def __init__(self, label: str, summaries: list[dict[str, Any]], *,
+                 deadline: float | None = None, stop: Callable[[], bool] | None = None
+                 ) -> None:
+        super().__init__(label, deadline=deadline, stop=stop)
+        self.check()
         self.kids: dict[str, set[str]] = {"/": set()}
         self.entries["/"] = Entry("d", 0)
         #: real path -> (layer index, path in that layer) of each regular file
@@ -449,13 +460,17 @@ class LayeredImage(ImageTree):
         self.odd_names = sum(int(s.get("odd") or 0) for s in summaries)
         for i, s in enumerate(summaries):
             self._apply(i, s)
-        self.dirs = {d: sorted(names) for d, names in self.kids.items()}
+        for d, names in self.kids.items():
+            self.tick()
+            self.dirs[d] = sorted(names)
+        self.check()
 
     # ---- the union -------------------------------------------------------------------
 
     def _remove(self, path: str) -> None:
         if path == "/" or path not in self.entries:
             return
+        self.tick()
         e = self.entries.pop(path)
         self.source.pop(path, None)
         if e.kind == "d":
@@ -493,11 +508,14 @@ class LayeredImage(ImageTree):
         # whiteouts remove what the layers below hold, before this layer's own entries
         # (image-spec layer.md); then the entries in tar order: a later one wins
         for d in s["opaque"]:
+            self.tick()
             for name in list(self.kids.get(d, ())):
                 self._remove(f"{d.rstrip('/')}/{name}")
         for p in s["whiteouts"]:
+            self.tick()
             self._remove(p)
         for op in s["ops"]:
+            self.tick()
             kind, path = op[0], op[1]
             if kind == "d":
                 self._dir(path)

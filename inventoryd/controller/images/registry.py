@@ -714,11 +714,14 @@ def read_image(
     cached: Callable[[str], dict[str, Any] | None],
     store: Callable[[dict[str, Any]], None] = lambda s: None,
     resolved: Resolved | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> dict[str, Any]:
     """The image record of the client's reference (module docstring). ``cached(digest)``
     gives a layer's stored summary (or None: it is downloaded and read); ``store`` takes
-    each new summary as soon as it is read. Raises RegistryError (the registry) or
-    ImageError (the image's content), each naming the cause."""
+    each new summary as soon as it is read. The layers are downloaded, and their union
+    built and read, under the client's deadline and ``stop`` (the collector's SIGTERM),
+    as a squashfs image is: ``time limit reached``, ImageStopped. Raises RegistryError (the
+    registry) or ImageError (the image's content), each naming the cause."""
     t0 = time.monotonic()
     res = resolved or resolve(client, platform)
     m = res.manifest
@@ -751,7 +754,7 @@ def read_image(
                                max_unpacked=limits.max_unpacked_bytes,
                                max_read_bytes=limits.max_read_bytes,
                                tmpdir=limits.tmp_dir or None,
-                               label=f"{client.ref.key} layer {i} ({digest})")
+                               label=f"{client.ref.key} layer {i} ({digest})", stop=stop)
             finally:
                 r.close()
         assert s is not None
@@ -769,7 +772,7 @@ def read_image(
         summaries.append(s)
         layer_info.append({"digest": digest, "size": size, "media_type": media,
                            "cached": hit})
-    image = LayeredImage(client.ref.key, summaries)
+    image = LayeredImage(client.ref.key, summaries, deadline=client.deadline, stop=stop)
     facts = read_tree(image, tmpdir=limits.tmp_dir or None, config_env=config_env(config))
     return {
         "schema": SCHEMA,

@@ -52,7 +52,12 @@ from inventoryd.controller.images.registry import (
     read_image,
     resolve,
 )
-from inventoryd.controller.images.tree import ImageError, ImageTransient, ImageUnverified
+from inventoryd.controller.images.tree import (
+    ImageError,
+    ImageStopped,
+    ImageTransient,
+    ImageUnverified,
+)
 from ncclguard import config as configmod
 from ncclguard.fingerprint.imageref import RefError, parse
 from ncclguard.policy.rules.container import configured_registries, is_path_image
@@ -284,6 +289,8 @@ class RegistryIndex:
                 if (time.monotonic() - t0 <= budget and not self._stop.is_set()
                         and self._held is None and res.digest not in read):
                     self._read(key, tag, old, res, creds, read, inv, one)
+                if self._stop.is_set():  # stopped (its read given up): nothing handed
+                    return
                 if not self._hand(key, one, now, batch, keep):
                     return
 
@@ -422,7 +429,12 @@ class RegistryIndex:
         try:
             record = read_image(client, self.platform, self.limits,
                                 cached=lambda d: self._cached(inv, d),
-                                store=lambda s: self._keep(s, batch), resolved=res)
+                                store=lambda s: self._keep(s, batch), resolved=res,
+                                stop=self._stop.is_set)
+        except ImageStopped:  # the collector is stopping: nothing said of the tag
+            log.info("registry: %s (%s) not read: the collector is stopping", key,
+                     res.digest)
+            return
         except (RegistryError, ImageTransient) as e:
             # the registry or the network, not the image: the tag has moved to this digest
             # (the gate calls it not read yet, never judges it by the old image), and it is

@@ -195,32 +195,20 @@ class SquashImage(ImageTree):
         self.fd = fd
         self.source = path if fd is None else f"/proc/self/fd/{fd}"
         self.read_left = min(max_read_bytes, MAX_EXPANSION * image_bytes(path, fd) + (1 << 20))
-        self.deadline = deadline if deadline is not None else time.monotonic() + timeout_s
-        self.stop = stop
         self.program = unsquashfs_path(unsquashfs)
         self.keep = keep
         self.max_entries = max_entries
         self.max_depth = max_depth
         self.max_file_bytes = max_file_bytes
         self.child_memory = child_memory
-        super().__init__(path)
+        super().__init__(path, stop=stop, deadline=deadline if deadline is not None
+                         else time.monotonic() + timeout_s)
         self.listed = 0  # every entry of the image, kept or not
         self.odd_names = 0  # names with control characters or over MAX_NAME: skipped
         self.deepest = 0
         self._list()
 
     # ---- running unsquashfs ----------------------------------------------------------
-
-    def _left(self) -> float:
-        """What is left of the deadline (raises at it, or once asked to stop: the
-        stream loop calls this at least once a second)."""
-        assert self.deadline is not None  # always set here (__init__)
-        if self.stop is not None and self.stop():
-            self.check()
-        left = self.deadline - time.monotonic()
-        if left <= 0:
-            raise ImageError(self.path, "time limit reached")
-        return left
 
     def _run(self, args: list[str], out: IO[bytes] | None, limit: int, what: str) -> bytes:
         """Run unsquashfs; its stdout goes to ``out`` (or is returned), at most ``limit``
@@ -241,7 +229,7 @@ class SquashImage(ImageTree):
             fd = p.stdout.fileno()
             try:
                 while True:
-                    ready, _, _ = select.select([fd], [], [], min(self._left(), 1.0))
+                    ready, _, _ = select.select([fd], [], [], min(self.left(), 1.0))
                     if not ready:
                         continue
                     chunk = os.read(fd, 1 << 20)
@@ -254,7 +242,7 @@ class SquashImage(ImageTree):
                         chunks.append(chunk)
                     else:
                         out.write(chunk)
-                rc = p.wait(timeout=max(0.1, self._left()))
+                rc = p.wait(timeout=max(0.1, self.left()))
             except subprocess.TimeoutExpired:
                 raise ImageError(self.path, f"{what}: time limit reached") from None
             except ImageStopped:

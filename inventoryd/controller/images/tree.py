@@ -9,6 +9,7 @@ root, ``..`` never climbs above it, and at most :data:`MAX_HOPS` links are follo
 
 from __future__ import annotations
 
+import math
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from typing import IO, Any, BinaryIO
 
 MAX_HOPS = 40  # as the kernel's ELOOP limit
+CHECK_EVERY = 1024  # cheap steps between two checks of the deadline and stop (tick)
 
 #: an analysis of one file: (open file, label) -> facts (the node probes' analyze())
 Analyzer = Callable[[BinaryIO, str], Any]
@@ -63,29 +65,48 @@ class ImageTree:
     """``entries`` (path -> Entry) and ``dirs`` (directory -> the names kept in it), filled
     by the subclass; ``copy_file`` and ``read_small`` are the subclass's.
 
-    ``deadline`` (``time.monotonic()``; None: none) bounds the whole image: every loop of
-    the fingerprint over the tree calls :meth:`check`, and a file's analysis runs with a
-    :data:`inventoryd.nodefs.progress` callback that checks it too (issue 48)."""
+    ``deadline`` (``time.monotonic()``; None: none) bounds the whole image and ``stop``
+    is the collector's "stop now?" (SIGTERM), one home for a squashfs image and a
+    registry image's union alike: every loop over the tree (the subclass's own reading
+    of it, the fingerprint's, a link's resolution) calls :meth:`check` (or :meth:`tick`),
+    and a file's analysis runs with a :data:`inventoryd.nodefs.progress` callback that
+    checks it too (issue 48)."""
 
-    deadline: float | None = None
-    #: the collector's "stop now?" (SIGTERM): checked where the deadline is (issue 48)
-    stop: Callable[[], bool] | None = None
-
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, *, deadline: float | None = None,
+                 stop: Callable[[], bool] | None = None) -> None:
         self.path = path  # what the image is called in messages
+        self.deadline = deadline
+        self.stop = stop
         self.entries: dict[str, Entry] = {}
         self.dirs: dict[str, list[str]] = {}
         self.listed = 0  # every entry of the image, kept or not
         self.odd_names = 0  # names with control characters or over the bounds: skipped
         self.memo: dict[tuple[str, Any], Any] = {}  # (real path, analyzer) -> its result
+        self._ticks = 0
+
+    def left(self) -> float:
+        """What is left of the deadline (``inf``: none). Raises ImageStopped once the
+        collector is asked to stop, ImageError ``time limit reached`` at the deadline."""
+        if self.stop is not None and self.stop():
+            raise ImageStopped(self.path, "not read: the collector is stopping")
+        if self.deadline is None:
+            return math.inf
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise ImageError(self.path, "time limit reached")
+        return left
 
     def check(self) -> None:
         """Raise ImageError ``time limit reached`` once the image's deadline has passed,
         ImageStopped once the collector is asked to stop."""
-        if self.stop is not None and self.stop():
-            raise ImageStopped(self.path, "not read: the collector is stopping")
-        if self.deadline is not None and time.monotonic() > self.deadline:
-            raise ImageError(self.path, "time limit reached")
+        self.left()
+
+    def tick(self) -> None:
+        """:meth:`check` once every :data:`CHECK_EVERY` calls: for a loop of cheap steps."""
+        self._ticks += 1
+        if self._ticks >= CHECK_EVERY:
+            self._ticks = 0
+            self.check()
 
     def resolve(self, path: str) -> str:
         """The path inside the image that ``path`` names, with every symlink followed
@@ -106,6 +127,8 @@ class ImageTree:
             if e is None:
                 raise ImagePathError(self.path, f"{path}: no such file in the image")
             if e.kind == "l":
+                # a link's target may hold 2,048 components: the deadline at each hop
+                self.check()
                 hops += 1
                 if hops > MAX_HOPS:
                     raise ImagePathError(self.path, f"{path}: more than {MAX_HOPS} symlinks "
@@ -161,9 +184,10 @@ class ImageTree:
             outer = progress.get()
 
             def tick() -> None:  # the analysis of one file is under the image's deadline
-                if (self.deadline is not None and time.monotonic() > self.deadline) or (
-                        self.stop is not None and self.stop()):
-                    raise TimeLimit(f"{self.path}:{real}")
+                try:
+                    self.check()
+                except ImageError:
+                    raise TimeLimit(f"{self.path}:{real}") from None
                 if outer is not None:
                     outer()
 
