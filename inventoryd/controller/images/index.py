@@ -48,57 +48,127 @@ class IndexResult:
 #: entries (files, directories, anything) looked at under the roots in one walk, per
 #: image that may be indexed
 SEEN_PER_IMAGE = 10
+WARN_CUT = 5  # directories not read whole named in the log, per walk (then a count)
+
+
+@dataclass
+class _Share:
+    """Entries shared in turn among ``items``: the directories at ``depth`` (each a path),
+    or groups of them (one file owner's subdirectories). Each item is given what is left
+    over the items still to go; what it does not use is left for the next."""
+
+    items: list[str | list[str]]
+    depth: int
+    given: int
+    left: int
+    next: int = 0
 
 
 def find_images(cfg: ImagesConfig) -> tuple[list[tuple[str, os.stat_result]], bool]:
     """``(images, complete)``: (path, stat) of every regular ``*.sqsh`` file under the
     roots, without following symlinks, at most ``max_depth`` levels down, looking at no
     more than ``SEEN_PER_IMAGE * max_images`` directory entries of any kind
-    (``complete``: the walk reached its end within that).
+    (``complete``: every directory reached was read whole within that).
 
-    Each directory is read lazily (never listed whole: a directory of 1M hard links with
-    long names cost 835 MB, issue 48), in name order among what was read of it, and at
-    most what is left of the walk's entries less ``max_images`` (or half of what is left,
-    when that is less): a directory one user floods leaves the others room."""
+    The walk's entries are shared, not spent first come first served (issue 48): the
+    roots share them in turn, each given what is left over the roots still to go, and
+    what one does not use goes to the next; a directory lists at most what it was given
+    less ``max_images`` (or half of it, when that is less), read lazily (never listed
+    whole: a directory of 1M hard links with long names cost 835 MB) and kept in name
+    order; what is left of its share is shared the same way among the subdirectories it
+    listed, by file owner first (each owner's subdirectories one share, the owners in
+    turn by the name of their first), then among one owner's subdirectories in name
+    order. So each of N users' directories under a root gets at least about 1/N of what
+    the root's listing left, whatever the others hold (a deep tree of many directories
+    used up the whole walk before: another user's directory beside it was never listed).
+
+    Still not fair: one directory shared by many users (a root that anyone may write,
+    with everyone's images in it, flat) is read no further than its share, in the order
+    the file system gives, and cannot be made fair without listing it whole: a user who
+    fills it with names can keep the images the listing does not reach from being
+    found. Within one user's directories, any layout is that user's own concern."""
     found: list[tuple[str, os.stat_result]] = []
     total = SEEN_PER_IMAGE * cfg.max_images
-    left = total
-    complete = True
-    for root in cfg.roots:
-        stack: list[tuple[str, int]] = [(root, 0)]
-        while stack:
-            if left <= 0:
-                log.warning("images: more than %d entries under the roots: the walk "
-                            "stopped there", total)
-                return found, False
-            d, depth = stack.pop()
-            cap = left - min(left // 2, cfg.max_images)
-            entries: list[os.DirEntry[str]] = []
-            try:
-                with os.scandir(d) as it:
-                    for ent in it:
-                        if len(entries) >= cap:
-                            complete = False
-                            log.warning("images: more than %d entries in %s: the rest of "
-                                        "it not looked at", cap, d)
-                            break
-                        entries.append(ent)
-            except OSError as err:
-                log.warning("images: cannot list %s: %s", d, err.strerror or err)
-                continue
-            left -= len(entries)
-            entries.sort(key=lambda e: e.name)
-            for ent in reversed(entries):
-                try:
-                    st = ent.stat(follow_symlinks=False)
-                except OSError:
-                    continue
-                if stat.S_ISDIR(st.st_mode):
-                    if depth < cfg.max_depth:
-                        stack.append((ent.path, depth + 1))
-                elif stat.S_ISREG(st.st_mode) and ent.name.endswith(SUFFIXES):
-                    found.append((ent.path, st))
+    cut: list[str] = []  # directories not read whole
+    unlisted = 0  # directories not listed at all: nothing left of their share
+    shares = [_Share(list(cfg.roots), 0, total, total)]
+    while shares:
+        top = shares[-1]
+        if top.next == len(top.items):
+            shares.pop()
+            if shares:  # what the share used is its parent's no more
+                shares[-1].left -= top.given - top.left
+            continue
+        item = top.items[top.next]
+        give = top.left // (len(top.items) - top.next)
+        top.next += 1
+        if isinstance(item, list):
+            shares.append(_Share(list(item), top.depth, give, give))
+            continue
+        if give <= 0:
+            unlisted += 1
+            continue
+        used, subdirs = _list_dir(item, top.depth, give, cfg, found, cut)
+        top.left -= used
+        if subdirs:
+            shares.append(_Share(_by_owner(subdirs), top.depth + 1, give - used, give - used))
+    complete = not cut and not unlisted
+    if not complete:
+        log.warning("images: more than %d entries under the roots: %d directories not read "
+                    "whole, %d not listed; the images there may be missed", total, len(cut),
+                    unlisted)
     return found, complete
+
+
+def _list_dir(d: str, depth: int, give: int, cfg: ImagesConfig,
+              found: list[tuple[str, os.stat_result]],
+              cut: list[str]) -> tuple[int, list[tuple[str, int]]]:
+    """``(entries pulled, subdirectories to walk (path, owner))`` of one directory given
+    ``give`` entries (at least 1): at most ``give`` pulled, the last of them only to learn
+    that there are more; its images are added to ``found``, in name order."""
+    keep = give - max(1, min(give // 2, cfg.max_images))
+    entries: list[os.DirEntry[str]] = []
+    used = 0
+    try:
+        with os.scandir(d) as it:
+            for ent in it:
+                used += 1
+                if len(entries) >= keep:
+                    cut.append(d)
+                    if len(cut) <= WARN_CUT:
+                        log.warning("images: more than %d entries in %s: the rest of it "
+                                    "not looked at", keep, d)
+                    break
+                entries.append(ent)
+    except OSError as err:
+        log.warning("images: cannot list %s: %s", d, err.strerror or err)
+        return used, []
+    entries.sort(key=lambda e: e.name)
+    subdirs: list[tuple[str, int]] = []
+    for ent in entries:
+        try:
+            st = ent.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if stat.S_ISDIR(st.st_mode):
+            if depth < cfg.max_depth:
+                subdirs.append((ent.path, st.st_uid))
+        elif stat.S_ISREG(st.st_mode) and ent.name.endswith(SUFFIXES):
+            found.append((ent.path, st))
+    return used, subdirs
+
+
+def _by_owner(subdirs: list[tuple[str, int]]) -> list[str | list[str]]:
+    """The items one directory's share is split among: its subdirectories, or, when they
+    have more than one file owner, each owner's subdirectories as one item (the owners in
+    the name order of their first): a user who makes many directories beside another's
+    splits only their own part."""
+    groups: dict[int, list[str]] = {}
+    for path, uid in subdirs:
+        groups.setdefault(uid, []).append(path)
+    if len(groups) == 1:
+        return [path for path, _ in subdirs]
+    return [paths[0] if len(paths) == 1 else paths for paths in groups.values()]
 
 
 def _passing(cause: str) -> bool:
