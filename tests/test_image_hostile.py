@@ -579,3 +579,56 @@ def test_one_users_deep_tree_leaves_another_users_directory_its_share_of_the_wal
     with Inventory(tmp_path / "inv.db", values=GATE_VALUES) as inv:
         assert index.update_index(inv, cfg).scanned == [str(bob)]
 
+
+def test_a_slow_image_renamed_before_every_pass_keeps_no_other_users_image_out(
+        tmp_path: Path) -> None:
+    """Issue 48, found after its fix: alice's image that reaches its time limit (an
+    unsquashfs that hangs on it, here), renamed before each pass to a name that sorts
+    first. Before: it was new each pass (no failure counted), first by path, and the
+    first image of a pass may take the whole budget: bob's new image was never started
+    (3 passes). Now the caller keeps the time each file owner's images took
+    (``OwnerTime``, decaying) and the owner who used least goes first: bob's image is
+    indexed in the second pass."""
+    import shutil
+    import stat as st
+
+    from inventoryd.controller.images import index
+    from ncclguard.config import ImagesConfig
+    from ncclguard.policy import GATE_VALUES
+    from ncclguard.store import Inventory
+
+    real = shutil.which("unsquashfs")
+    if real is None:
+        unavailable("unsquashfs is not installed")
+    fake = tmp_path / "unsquashfs"
+    fake.write_text('#!/bin/sh\nfor a; do last=$a; done\n'  # alice's images hang
+                    f'case $(readlink "$last") in */alice/*) exec sleep 30;; esac\n'
+                    f'exec {real} "$@"\n')
+    fake.chmod(fake.stat().st_mode | st.S_IXUSR)
+    root = tmp_path / "r"
+    (root / "alice").mkdir(parents=True)
+    (root / "bob").mkdir()
+    try:
+        slow = images.build_image(root / "alice" / "9.sqsh", {"/etc/rc": "slow\n"})
+        bob = images.build_image(root / "bob" / "new.sqsh", {"/etc/rc": "bob\n"})
+    except PartUnavailable as e:
+        unavailable(str(e))
+    os.chown(slow, 65534, 65534)
+    cfg = ImagesConfig(roots=(str(root),), scan_budget_s=2.0, timeout_s=2.0,
+                       unsquashfs=str(fake))
+    owners = index.OwnerTime()
+    passes = []
+    with Inventory(tmp_path / "inv.db", values=GATE_VALUES) as inv:
+        for n in range(3):
+            renamed = root / "alice" / f"{8 - n}.sqsh"  # new, and first by path
+            os.rename(slow, renamed)
+            slow = renamed
+            passes.append(index.update_index(inv, cfg, owners=owners))
+        seen = [(res.scanned, list(res.failed), res.left) for res in passes]
+        assert str(bob) in passes[0].scanned + passes[1].scanned, seen  # before: never
+        assert [p for res in passes for p in res.scanned] == [str(bob)], seen
+        # alice's had the first pass (first by path, nobody had used anything), and
+        # what bob's left of the second
+        assert list(passes[0].failed) == [str(root / "alice" / "8.sqsh")], seen
+        row = inv.image(str(bob))
+        assert row is not None and row["record"]["rc"] == "bob\n"
