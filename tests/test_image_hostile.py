@@ -12,6 +12,7 @@ import os
 import struct
 import time
 import tracemalloc
+import types
 from pathlib import Path
 
 import pytest
@@ -255,21 +256,9 @@ def test_a_sparse_image_file_gets_the_read_bound_of_what_it_holds(tmp_path: Path
     assert lib["sha256"] is None and "read budget" in lib["version_error"]
 
 
-def test_the_walk_reads_a_huge_directory_lazily_and_goes_on_to_the_next(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 48, items 6 and 10: a user's directory of many entries under a root, met
-    first. Before: listed and sorted whole before the walk's bound applied (1M hard links
-    with long names: 835 MB), and it spent the whole bound, so another user's image next
-    to it was never found. Now each directory is read lazily, at most
-    what is left of the walk less ``max_images``, and the walk goes on to the next."""
-    from inventoryd.controller.images import index
-    from ncclguard.config import ImagesConfig
-
-    root = tmp_path / "r"
-    _files(root / "a-flood", [f"{i:05d}-{'y' * 100}" for i in range(600)])
-    (root / "b").mkdir()
-    (root / "b" / "good.sqsh").write_bytes(b"x")
-    pulled = 0
+def _count_scandir(monkeypatch: pytest.MonkeyPatch, module: types.ModuleType) -> list[int]:
+    """``[n]``: how many directory entries ``module``'s ``os.scandir`` pulled from now."""
+    pulled = [0]
     real = os.scandir
 
     class Counting:
@@ -286,20 +275,37 @@ def test_the_walk_reads_a_huge_directory_lazily_and_goes_on_to_the_next(
             return self
 
         def __next__(self) -> os.DirEntry[str]:
-            nonlocal pulled
             e = next(self.it)
-            pulled += 1
+            pulled[0] += 1
             return e
 
         def close(self) -> None:
             self.it.close()
 
-    monkeypatch.setattr(index.os, "scandir", Counting)
+    monkeypatch.setattr(module.os, "scandir", Counting)  # type: ignore[attr-defined]
+    return pulled
+
+
+def test_the_walk_reads_a_huge_directory_lazily_and_goes_on_to_the_next(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 48, items 6 and 10: a user's directory of many entries under a root, met
+    first. Before: listed and sorted whole before the walk's bound applied (1M hard links
+    with long names: 835 MB), and it spent the whole bound, so another user's image next
+    to it was never found. Now each directory is read lazily, at most
+    what is left of the walk less ``max_images``, and the walk goes on to the next."""
+    from inventoryd.controller.images import index
+    from ncclguard.config import ImagesConfig
+
+    root = tmp_path / "r"
+    _files(root / "a-flood", [f"{i:05d}-{'y' * 100}" for i in range(600)])
+    (root / "b").mkdir()
+    (root / "b" / "good.sqsh").write_bytes(b"x")
+    pulled = _count_scandir(monkeypatch, index)
     cfg = ImagesConfig(roots=(str(root),), max_images=20)  # 200 entries a walk
     found, complete = index.find_images(cfg)
     assert [p for p, _ in found] == [str(root / "b" / "good.sqsh")]
     assert not complete  # the flood was not read whole: its images may be missed
-    assert pulled <= index.SEEN_PER_IMAGE * cfg.max_images, pulled  # before: all 600
+    assert pulled[0] <= index.SEEN_PER_IMAGE * cfg.max_images, pulled  # before: all 600
 
 
 def test_sigterm_stops_the_image_reader_whatever_it_reads(tmp_path: Path) -> None:
@@ -446,7 +452,7 @@ def test_an_indexed_image_the_walk_did_not_reach_is_checked_again(tmp_path: Path
     record without a check: one replaced meanwhile was judged by the old file's NCCL.
     Now each indexed image the walk missed is looked at by its path (``lstat``, no link
     followed at the end) and read again when its identity changed."""
-    from inventoryd.controller.images.index import update_index
+    from inventoryd.controller.images.index import find_images, update_index
     from ncclguard.config import ImagesConfig
     from ncclguard.policy import GATE_VALUES
     from ncclguard.store import Inventory
@@ -461,9 +467,11 @@ def test_an_indexed_image_the_walk_did_not_reach_is_checked_again(tmp_path: Path
     cfg = ImagesConfig(roots=(str(root),), max_images=2)  # 20 entries a walk
     with Inventory(tmp_path / "inv.db", values=GATE_VALUES) as inv:
         assert update_index(inv, cfg).scanned == [str(img)]
-        for d in ("0", "1", "2"):  # met first: the walk stops before z/
-            _files(root / f"{d}flood", [f"{i:03d}" for i in range(40)])
+        for d in range(17):  # the root's 18 entries, listed, leave 2 for 18 directories
+            _files(root / f"{d:02d}flood", [f"{i:03d}" for i in range(40)])
         os.replace(tmp_path / "new.sqsh", img)
+        found, complete = find_images(cfg)
+        assert found == [] and not complete  # z/ was not read
         res = update_index(inv, cfg)
         assert res.scanned == [str(img)] and res.gone == [], (res.scanned, res.gone)
         row = inv.image(str(img))
@@ -533,3 +541,94 @@ def test_an_image_rewritten_under_a_future_mtime_is_no_longer_the_indexed_one(
     with Inventory(tmp_path / "inv.db", values=GATE_VALUES) as inv:
         assert update_index(inv, ImagesConfig(roots=(str(root),))).scanned == [str(img)]
 
+
+
+def test_one_users_deep_tree_leaves_another_users_directory_its_share_of_the_walk(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 48, found after its fix: a user's deep tree under a root, met first. Before:
+    the walk went depth first and each directory could take all but ``max_images`` (or
+    half) of what was left, so alice's 10 directories of 10 directories of 10 files used
+    up the walk's 40 entries and bob's directory beside hers was never listed: his new
+    image was never found. Now a directory's share is split among its subdirectories in
+    turn, by owner (each gets what is left over those still to go, and what one does not
+    use goes to the next): bob's directory gets at least half of the root's."""
+    from inventoryd.controller.images import index
+    from ncclguard.config import ImagesConfig
+    from ncclguard.policy import GATE_VALUES
+    from ncclguard.store import Inventory
+
+    root = tmp_path / "r"
+    alice = root / "alice"
+    for i in range(10):
+        for j in range(10):
+            _files(alice / f"d{i}" / f"e{j}", [f"f{k}" for k in range(10)])
+    for d, dirs, files in os.walk(alice):
+        for n in [d, *(os.path.join(d, f) for f in dirs + files)]:
+            os.chown(n, 65534, 65534)
+    (root / "bob").mkdir()
+    try:
+        bob = images.build_image(root / "bob" / "new.sqsh", {"/etc/rc": "bob\n"})
+    except PartUnavailable as e:
+        unavailable(str(e))
+    pulled = _count_scandir(monkeypatch, index)
+    cfg = ImagesConfig(roots=(str(root),), max_images=4)  # 40 entries a walk
+    found, complete = index.find_images(cfg)
+    assert [p for p, _ in found] == [str(bob)], found  # before: []
+    assert not complete  # alice's tree was not read whole
+    assert pulled[0] <= index.SEEN_PER_IMAGE * cfg.max_images, pulled
+    with Inventory(tmp_path / "inv.db", values=GATE_VALUES) as inv:
+        assert index.update_index(inv, cfg).scanned == [str(bob)]
+
+
+def test_a_slow_image_renamed_before_every_pass_keeps_no_other_users_image_out(
+        tmp_path: Path) -> None:
+    """Issue 48, found after its fix: alice's image that reaches its time limit (an
+    unsquashfs that hangs on it, here), renamed before each pass to a name that sorts
+    first. Before: it was new each pass (no failure counted), first by path, and the
+    first image of a pass may take the whole budget: bob's new image was never started
+    (3 passes). Now the caller keeps the time each file owner's images took
+    (``OwnerTime``, decaying) and the owner who used least goes first: bob's image is
+    indexed in the second pass."""
+    import shutil
+    import stat as st
+
+    from inventoryd.controller.images import index
+    from ncclguard.config import ImagesConfig
+    from ncclguard.policy import GATE_VALUES
+    from ncclguard.store import Inventory
+
+    real = shutil.which("unsquashfs")
+    if real is None:
+        unavailable("unsquashfs is not installed")
+    fake = tmp_path / "unsquashfs"
+    fake.write_text('#!/bin/sh\nfor a; do last=$a; done\n'  # alice's images hang
+                    f'case $(readlink "$last") in */alice/*) exec sleep 30;; esac\n'
+                    f'exec {real} "$@"\n')
+    fake.chmod(fake.stat().st_mode | st.S_IXUSR)
+    root = tmp_path / "r"
+    (root / "alice").mkdir(parents=True)
+    (root / "bob").mkdir()
+    try:
+        slow = images.build_image(root / "alice" / "9.sqsh", {"/etc/rc": "slow\n"})
+        bob = images.build_image(root / "bob" / "new.sqsh", {"/etc/rc": "bob\n"})
+    except PartUnavailable as e:
+        unavailable(str(e))
+    os.chown(slow, 65534, 65534)
+    cfg = ImagesConfig(roots=(str(root),), scan_budget_s=2.0, timeout_s=2.0,
+                       unsquashfs=str(fake))
+    owners = index.OwnerTime()
+    passes = []
+    with Inventory(tmp_path / "inv.db", values=GATE_VALUES) as inv:
+        for n in range(3):
+            renamed = root / "alice" / f"{8 - n}.sqsh"  # new, and first by path
+            os.rename(slow, renamed)
+            slow = renamed
+            passes.append(index.update_index(inv, cfg, owners=owners))
+        seen = [(res.scanned, list(res.failed), res.left) for res in passes]
+        assert str(bob) in passes[0].scanned + passes[1].scanned, seen  # before: never
+        assert [p for res in passes for p in res.scanned] == [str(bob)], seen
+        # alice's had the first pass (first by path, nobody had used anything), and
+        # what bob's left of the second
+        assert list(passes[0].failed) == [str(root / "alice" / "8.sqsh")], seen
+        row = inv.image(str(bob))
+        assert row is not None and row["record"]["rc"] == "bob\n"

@@ -335,3 +335,33 @@ def test_back_off_doubles_and_is_capped() -> None:
     cfg = ImagesConfig(scan_interval_s=300.0)
     assert [backoff_s(n, cfg) for n in range(1, 5)] == [0.0, 300.0, 600.0, 1200.0]
     assert backoff_s(40, cfg) == MAX_BACKOFF_S
+
+
+def test_owner_time_halves_and_the_owner_who_used_least_goes_first() -> None:
+    """The order of a pass (issue 48): by the time each owner's images took, across
+    passes (halved every hour), then within an owner by failures in a row and path;
+    the owners take turns as their time grows in the pass."""
+    from inventoryd.controller.images.index import OWNER_HALF_LIFE_S, OwnerTime, _Turns
+
+    now = [0.0]
+    owners = OwnerTime(clock=lambda: now[0])
+    owners.charge(1, 20.0)
+    now[0] = OWNER_HALF_LIFE_S
+    assert owners.spent() == {1: 10.0}
+    now[0] = 20 * OWNER_HALF_LIFE_S
+    assert owners.spent() == {}  # under a millisecond: forgotten
+
+    def img(path: str, uid: int, attempts: int = 0) -> tuple[str, os.stat_result, int]:
+        st = os.stat_result((0o100644, 1, 1, 1, uid, 0, 1, 0, 0, 0))
+        return (path, st, attempts)
+
+    todo = [img("/r/a/1.sqsh", 1), img("/r/a/0.sqsh", 1, attempts=2), img("/r/a/2.sqsh", 1),
+            img("/r/b/1.sqsh", 2), img("/r/c/1.sqsh", 3)]
+    turns = _Turns(todo, {1: 5.0, 3: 0.5})
+    order = []
+    while (item := turns.next()) is not None:
+        order.append(item[0])
+        turns.charge(item[1].st_uid, 1.0)
+    # b used nothing, then c (0.5 s, then 1.5 s), a (5 s): a's last, its failed one last
+    assert order == ["/r/b/1.sqsh", "/r/c/1.sqsh", "/r/a/1.sqsh", "/r/a/2.sqsh",
+                     "/r/a/0.sqsh"]

@@ -59,7 +59,7 @@ from ncclguard.store import Inventory, InventoryError
 from ncclguard.store.inventory import REFUSED, Published, Quota, Rejected
 
 if TYPE_CHECKING:
-    pass
+    from inventoryd.controller.images.index import OwnerTime
 
 __all__ = ["Collector", "ScanResult"]
 
@@ -118,6 +118,9 @@ class Collector:
         self.shared_logged: dict[str, list[str]] = {}
         self._pruned_at = -PRUNE_EVERY_S
         self._images_at = -float("inf")
+        # the time each file owner's images took to scan, across passes (a reload hands
+        # it on: collector_service.py): the owner who used least goes first
+        self.image_time: OwnerTime | None = None  # made at the first pass
         self.containers = ContainerRecords(self.spool, config, self.addresses)
         # free space below collector.min_free_bytes, or a failed write: records are still
         # judged; the inventory stops growing (inventoryd/controller/pressure.py)
@@ -329,9 +332,11 @@ class Collector:
             return
         if now_mono - self._images_at < cfg.scan_interval_s:
             return
-        from inventoryd.controller.images.index import update_index
+        from inventoryd.controller.images.index import OwnerTime, update_index
 
-        res = update_index(self.inv, cfg, should_stop=should_stop)
+        if self.image_time is None:
+            self.image_time = OwnerTime()
+        res = update_index(self.inv, cfg, should_stop=should_stop, owners=self.image_time)
         # what is left is scanned at the next cycle, not after a whole interval
         self._images_at = now_mono if not res.left else -float("inf")
         if res.scanned or res.failed or res.gone:

@@ -99,6 +99,7 @@ class CollectorService:
         new = CollectorService.__new__(CollectorService)
         new.db, new.scans = self.db, self.scans
         new.collector = Collector(config, db=self.db)
+        new.collector.image_time = self.collector.image_time  # who used the image passes
         new.served, new.serve_metrics = None, True  # the old one closes first: its port
         return new
 

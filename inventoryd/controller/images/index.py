@@ -14,6 +14,7 @@ cause (``ncclguard images`` shows it; the gate calls a job using it "unknown").
 
 from __future__ import annotations
 
+import heapq
 import logging
 import os
 import stat
@@ -48,57 +49,127 @@ class IndexResult:
 #: entries (files, directories, anything) looked at under the roots in one walk, per
 #: image that may be indexed
 SEEN_PER_IMAGE = 10
+WARN_CUT = 5  # directories not read whole named in the log, per walk (then a count)
+
+
+@dataclass
+class _Share:
+    """Entries shared in turn among ``items``: the directories at ``depth`` (each a path),
+    or groups of them (one file owner's subdirectories). Each item is given what is left
+    over the items still to go; what it does not use is left for the next."""
+
+    items: list[str | list[str]]
+    depth: int
+    given: int
+    left: int
+    next: int = 0
 
 
 def find_images(cfg: ImagesConfig) -> tuple[list[tuple[str, os.stat_result]], bool]:
     """``(images, complete)``: (path, stat) of every regular ``*.sqsh`` file under the
     roots, without following symlinks, at most ``max_depth`` levels down, looking at no
     more than ``SEEN_PER_IMAGE * max_images`` directory entries of any kind
-    (``complete``: the walk reached its end within that).
+    (``complete``: every directory reached was read whole within that).
 
-    Each directory is read lazily (never listed whole: a directory of 1M hard links with
-    long names cost 835 MB, issue 48), in name order among what was read of it, and at
-    most what is left of the walk's entries less ``max_images`` (or half of what is left,
-    when that is less): a directory one user floods leaves the others room."""
+    The walk's entries are shared, not spent first come first served (issue 48): the
+    roots share them in turn, each given what is left over the roots still to go, and
+    what one does not use goes to the next; a directory lists at most what it was given
+    less ``max_images`` (or half of it, when that is less), read lazily (never listed
+    whole: a directory of 1M hard links with long names cost 835 MB) and kept in name
+    order; what is left of its share is shared the same way among the subdirectories it
+    listed, by file owner first (each owner's subdirectories one share, the owners in
+    turn by the name of their first), then among one owner's subdirectories in name
+    order. So each of N users' directories under a root gets at least about 1/N of what
+    the root's listing left, whatever the others hold (a deep tree of many directories
+    used up the whole walk before: another user's directory beside it was never listed).
+
+    Still not fair: one directory shared by many users (a root that anyone may write,
+    with everyone's images in it, flat) is read no further than its share, in the order
+    the file system gives, and cannot be made fair without listing it whole: a user who
+    fills it with names can keep the images the listing does not reach from being
+    found. Within one user's directories, any layout is that user's own concern."""
     found: list[tuple[str, os.stat_result]] = []
     total = SEEN_PER_IMAGE * cfg.max_images
-    left = total
-    complete = True
-    for root in cfg.roots:
-        stack: list[tuple[str, int]] = [(root, 0)]
-        while stack:
-            if left <= 0:
-                log.warning("images: more than %d entries under the roots: the walk "
-                            "stopped there", total)
-                return found, False
-            d, depth = stack.pop()
-            cap = left - min(left // 2, cfg.max_images)
-            entries: list[os.DirEntry[str]] = []
-            try:
-                with os.scandir(d) as it:
-                    for ent in it:
-                        if len(entries) >= cap:
-                            complete = False
-                            log.warning("images: more than %d entries in %s: the rest of "
-                                        "it not looked at", cap, d)
-                            break
-                        entries.append(ent)
-            except OSError as err:
-                log.warning("images: cannot list %s: %s", d, err.strerror or err)
-                continue
-            left -= len(entries)
-            entries.sort(key=lambda e: e.name)
-            for ent in reversed(entries):
-                try:
-                    st = ent.stat(follow_symlinks=False)
-                except OSError:
-                    continue
-                if stat.S_ISDIR(st.st_mode):
-                    if depth < cfg.max_depth:
-                        stack.append((ent.path, depth + 1))
-                elif stat.S_ISREG(st.st_mode) and ent.name.endswith(SUFFIXES):
-                    found.append((ent.path, st))
+    cut: list[str] = []  # directories not read whole
+    unlisted = 0  # directories not listed at all: nothing left of their share
+    shares = [_Share(list(cfg.roots), 0, total, total)]
+    while shares:
+        top = shares[-1]
+        if top.next == len(top.items):
+            shares.pop()
+            if shares:  # what the share used is its parent's no more
+                shares[-1].left -= top.given - top.left
+            continue
+        item = top.items[top.next]
+        give = top.left // (len(top.items) - top.next)
+        top.next += 1
+        if isinstance(item, list):
+            shares.append(_Share(list(item), top.depth, give, give))
+            continue
+        if give <= 0:
+            unlisted += 1
+            continue
+        used, subdirs = _list_dir(item, top.depth, give, cfg, found, cut)
+        top.left -= used
+        if subdirs:
+            shares.append(_Share(_by_owner(subdirs), top.depth + 1, give - used, give - used))
+    complete = not cut and not unlisted
+    if not complete:
+        log.warning("images: more than %d entries under the roots: %d directories not read "
+                    "whole, %d not listed; the images there may be missed", total, len(cut),
+                    unlisted)
     return found, complete
+
+
+def _list_dir(d: str, depth: int, give: int, cfg: ImagesConfig,
+              found: list[tuple[str, os.stat_result]],
+              cut: list[str]) -> tuple[int, list[tuple[str, int]]]:
+    """``(entries pulled, subdirectories to walk (path, owner))`` of one directory given
+    ``give`` entries (at least 1): at most ``give`` pulled, the last of them only to learn
+    that there are more; its images are added to ``found``, in name order."""
+    keep = give - max(1, min(give // 2, cfg.max_images))
+    entries: list[os.DirEntry[str]] = []
+    used = 0
+    try:
+        with os.scandir(d) as it:
+            for ent in it:
+                used += 1
+                if len(entries) >= keep:
+                    cut.append(d)
+                    if len(cut) <= WARN_CUT:
+                        log.warning("images: more than %d entries in %s: the rest of it "
+                                    "not looked at", keep, d)
+                    break
+                entries.append(ent)
+    except OSError as err:
+        log.warning("images: cannot list %s: %s", d, err.strerror or err)
+        return used, []
+    entries.sort(key=lambda e: e.name)
+    subdirs: list[tuple[str, int]] = []
+    for ent in entries:
+        try:
+            st = ent.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if stat.S_ISDIR(st.st_mode):
+            if depth < cfg.max_depth:
+                subdirs.append((ent.path, st.st_uid))
+        elif stat.S_ISREG(st.st_mode) and ent.name.endswith(SUFFIXES):
+            found.append((ent.path, st))
+    return used, subdirs
+
+
+def _by_owner(subdirs: list[tuple[str, int]]) -> list[str | list[str]]:
+    """The items one directory's share is split among: its subdirectories, or, when they
+    have more than one file owner, each owner's subdirectories as one item (the owners in
+    the name order of their first): a user who makes many directories beside another's
+    splits only their own part."""
+    groups: dict[int, list[str]] = {}
+    for path, uid in subdirs:
+        groups.setdefault(uid, []).append(path)
+    if len(groups) == 1:
+        return [path for path, _ in subdirs]
+    return [paths[0] if len(paths) == 1 else paths for paths in groups.values()]
 
 
 def _passing(cause: str) -> bool:
@@ -119,9 +190,10 @@ def backoff_s(attempts: int, cfg: ImagesConfig) -> float:
 
 
 def _order(todo: list[tuple[str, os.stat_result, int]]) -> list[tuple[str, os.stat_result, int]]:
-    """Images never failed first, then by failures in a row; among equals, one image of
-    each owner in turn (a user with many images, or one renamed again and again, waits
-    behind everyone else's), then by path."""
+    """The order new images are let into the index in, when there is not room for all:
+    images never failed first, then by failures in a row; among equals, one image of
+    each owner in turn (a user with many images waits behind everyone else's), then by
+    path. (The order images are scanned in is :class:`_Turns`'.)"""
     rank: dict[int, int] = {}
     keyed = []
     for path, st, attempts in sorted(todo, key=lambda t: (t[2], t[0])):
@@ -148,19 +220,100 @@ def _shares(owners: list[int], total: int) -> dict[int, int]:
     return out
 
 
+#: how long the time an owner's images took to scan counts against the owner: halved
+#: every hour (the collector's default pass comes every 5 minutes)
+OWNER_HALF_LIFE_S = 3600.0
+
+
+class OwnerTime:
+    """The seconds each file owner's images took to scan, across passes, halved every
+    ``half_life_s``: the caller keeps one (the collector, for its life, reloads
+    included) and hands it to every :func:`update_index`, which scans the images of the
+    owner who used least first (:class:`_Turns`).
+
+    An image that is new at every pass (renamed, or copied under a new name) has no
+    failures to count, so only its owner's time can put it behind the others'. Kept in
+    memory only: after a restart of the collector every owner starts at 0."""
+
+    def __init__(self, half_life_s: float = OWNER_HALF_LIFE_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.half_life_s = half_life_s
+        self.clock = clock
+        self._spent: dict[int, float] = {}
+        self._at = clock()
+
+    def spent(self) -> dict[int, float]:
+        """Each owner's decayed seconds now (owners under a millisecond left out)."""
+        now = self.clock()
+        if now > self._at:
+            f = 0.5 ** ((now - self._at) / self.half_life_s)
+            self._spent = {u: s * f for u, s in self._spent.items() if s * f >= 0.001}
+            self._at = now
+        return dict(self._spent)
+
+    def charge(self, uid: int, seconds: float) -> None:
+        self.spent()  # decayed to now first
+        self._spent[uid] = self._spent.get(uid, 0.0) + max(seconds, 0.0)
+
+
+class _Turns:
+    """The images of a pass, to scan one at a time: the next is the first image (fewest
+    failures in a row, then by path) of the file owner whose images took least time,
+    counting the earlier passes' (``spent``: :class:`OwnerTime`) and this one's as it
+    goes (ties: the image with fewer failures, then by path). Owners who used nothing
+    take turns; a user whose image took the whole of a pass goes after every other
+    user's images until that time has decayed below theirs."""
+
+    def __init__(self, todo: list[tuple[str, os.stat_result, int]],
+                 spent: dict[int, float]) -> None:
+        self.spent = spent
+        self.queues: dict[int, list[tuple[str, os.stat_result, int]]] = {}
+        for item in sorted(todo, key=lambda t: (t[2], t[0]), reverse=True):
+            self.queues.setdefault(item[1].st_uid, []).append(item)  # the first last
+        self.heap = [self._key(uid) for uid in self.queues]
+        heapq.heapify(self.heap)
+        self.size = len(todo)
+
+    def _key(self, uid: int) -> tuple[float, int, str, int]:
+        path, _, attempts = self.queues[uid][-1]
+        return (self.spent.get(uid, 0.0), attempts, path, uid)
+
+    def next(self) -> tuple[str, os.stat_result, int] | None:
+        """The next image (None: no more); its owner is charged (:meth:`charge`) before
+        the next is asked for."""
+        if not self.heap:
+            return None
+        uid = heapq.heappop(self.heap)[3]
+        self.size -= 1
+        return self.queues[uid].pop()
+
+    def charge(self, uid: int, seconds: float) -> None:
+        self.spent[uid] = self.spent.get(uid, 0.0) + max(seconds, 0.0)
+        if self.queues[uid]:
+            heapq.heappush(self.heap, self._key(uid))
+
+
 def update_index(inv: Inventory, cfg: ImagesConfig, budget_s: float | None = None,
                  now: float | None = None,
-                 should_stop: Callable[[], bool] | None = None) -> IndexResult:
-    """One pass: scan what changed and what is due again, fairly (:func:`_order`), within
-    the budget, and drop what is gone.
+                 should_stop: Callable[[], bool] | None = None,
+                 owners: OwnerTime | None = None) -> IndexResult:
+    """One pass: scan what changed and what is due again, fairly, within the budget, and
+    drop what is gone.
 
-    The pass never runs past ``scan_budget_s``: each image may take what is left of it
-    (at most ``timeout_s``), and none is started with less than :data:`MIN_SLICE_S` left,
-    except the first of a pass, which may take the whole budget. An image cut short by
-    the budget rather than by its own ``timeout_s`` is left for the next pass, not
-    counted as a failure. ``should_stop`` (the collector's SIGTERM) is checked in every
-    loop of the image being read: once it says stop, the read is given up within about a
-    second, nothing is stored for that image, and the pass ends with what it wrote."""
+    The images are scanned in :class:`_Turns`' order: the owner whose images took least
+    time so far first (``owners``, kept by the caller across passes; without it, this
+    pass's time only), and each owner's images by failures in a row, then by path. The
+    pass never runs past ``scan_budget_s``: each image may take what is left of it (at
+    most ``timeout_s``), and none is started with less than :data:`MIN_SLICE_S` left,
+    except the first of a pass, which may take the whole budget. Every image's time,
+    failed or cut short, is charged to its owner: a user's image that always reaches its
+    limit, renamed before every pass (new each time, so no failure counted), is first
+    only while its owner has used less time than the others, not every pass as before
+    (issue 48). An image cut short by the budget rather than by its own ``timeout_s`` is
+    left for the next pass, not counted as a failure. ``should_stop`` (the collector's
+    SIGTERM) is checked in every loop of the image being read: once it says stop, the
+    read is given up within about a second, nothing is stored for that image, and the
+    pass ends with what it wrote."""
     t0 = time.monotonic()
     wall = time.time() if now is None else now
     budget = cfg.scan_budget_s if budget_s is None else budget_s
@@ -218,16 +371,23 @@ def update_index(inv: Inventory, cfg: ImagesConfig, budget_s: float | None = Non
             continue  # read as it is, or failed for its content, or not due again yet
         todo.append((path, st, old.attempts if old is not None else 0))
     rows: list[dict[str, Any]] = []
-    for path, st, attempts in _order(todo):
+    owners = OwnerTime() if owners is None else owners
+    turns = _Turns(todo, owners.spent())
+    while (item := turns.next()) is not None:
+        path, st, attempts = item
         left = budget - (time.monotonic() - t0)
         first = not rows
         if (should_stop is not None and should_stop()) or (not first and left < MIN_SLICE_S):
-            res.left += 1
-            continue
+            res.left += 1 + turns.size  # the rest: the next pass
+            break
         slice_s = cfg.timeout_s if first and budget <= 0 else min(cfg.timeout_s, max(left, 0.0))
         # the first image of a pass had the whole budget: its time limit is a failure
+        t = time.monotonic()
         row = _scan_one(path, st, attempts, slice_s, cfg, res, can_defer=not first,
                         stop=should_stop)
+        took = time.monotonic() - t
+        owners.charge(st.st_uid, took)
+        turns.charge(st.st_uid, took)
         if row is None:  # cut short by the budget: the next pass
             res.left += 1
             continue
