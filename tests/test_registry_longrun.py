@@ -8,6 +8,9 @@ The registries are scripted servers on loopback (every answer a function of the 
 with its delay), the honest one of the long run and the TLS one the real registry
 (tests/helpers/registry.py); the pass's budget and resolution limit are made small
 (``MIN_PASS_S``, ``RESOLVE_TIMEOUT_S``) so that many passes fit in seconds.
+
+Over 500 lines: the scripted registry, the TLS registry and proxy launchers and the
+index configuration serve all three parts; split, each file would build them again.
 """
 
 from __future__ import annotations
@@ -467,3 +470,135 @@ def test_an_https_registry_is_read_through_a_proxys_connect_tunnel(
     assert no_ca.value.state == "unreachable" and "registry.ca_file" in no_ca.value.cause
     assert [(t["state"], "registry.ca_file" in t["error"]) for t in tags] == [
         ("unreachable", True)], tags
+
+
+# ---- 3. a hostile registry beside an honest one, over a long run
+
+#: what the hostile registry does with a tag, by (the tag's number + the pass) in turn
+BEHAVIOURS = ("slow", "timeout", "poison", "moved", "401", "garbage", "drop", "500")
+
+
+def _hostile(state: dict[str, Any], honest: tuple[Blob, Blob, list[Blob]], host: str
+             ) -> Callable[[str], Answer]:
+    """The hostile registry's answers: tag ``hN`` of any repository behaves as
+    BEHAVIOURS[(N + pass) % 8]; ``state["pass"]`` is the pass, ``state["seen"]`` what
+    each behaviour served."""
+    manifest, cfg_blob, lbs = honest
+    garbage = bytes((i * 7 + 3) % 251 for i in range(4096))
+
+    def moved(p: int) -> Image:  # a new image at every pass (a tag pushed again)
+        return Image.of(f"NCCL_ALGO=Ring\n# pass {p}\n")
+
+    def behaviour(path: str) -> str:
+        tag = path.rsplit("/", 1)[-1]
+        return BEHAVIOURS[(int(tag[1:]) + state["pass"]) % len(BEHAVIOURS)] \
+            if tag[:1] == "h" and tag[1:].isdigit() else state["blobs"].get(tag, "")
+
+    def answer(path: str) -> Answer:
+        what = behaviour(path)
+        state["seen"][what] = state["seen"].get(what, 0) + 1
+        blob = "/blobs/" in path
+        if what == "slow":  # under the resolution's limit: costs the registry's share
+            return Answer(200, manifest.data, OCI_MANIFEST, delay=0.15) if not blob \
+                else Answer(404)
+        if what == "timeout":  # past it
+            return Answer(200, manifest.data, OCI_MANIFEST, delay=1.0)
+        if what in ("poison", "garbage"):  # the honest digest's bytes, a garbage layer
+            m = manifest if what == "poison" else Image.of("NCCL_P2P_LEVEL=NVL\n").manifest
+            if not blob:
+                for b in (cfg_blob, *lbs):
+                    state["blobs"][b.digest] = what
+                state["blobs"].update({d: what for d in _digests(m)})
+                return Answer(200, m.data, OCI_MANIFEST)
+            digest = path.rsplit("/", 1)[-1]
+            if digest == cfg_blob.digest:
+                return Answer(200, cfg_blob.data, cfg_blob.media_type)
+            return Answer(200, garbage + digest.encode())
+        if what == "moved":  # a new image at every pass, its layer past the time limit
+            image = moved(state["pass"])
+            if not blob:
+                state["blobs"].update({b.digest: what for b in (image.config, *image.layers)})
+                return Answer(200, image.manifest.data, OCI_MANIFEST)
+            return _served(image, path, 0.8 if image.layers[0].digest in path else 0.0)
+        if what == "401":  # a storm: a realm here that never gives a token
+            return Answer(401, headers={"WWW-Authenticate":
+                                        f'Bearer realm="http://{host}/token",service="x"'})
+        if what == "drop":
+            return Answer(close=True)
+        if path.startswith("/token"):
+            return Answer(401)
+        return Answer(500)
+
+    return answer
+
+
+def _digests(manifest: Blob) -> list[str]:
+    doc = json.loads(manifest.data)
+    return [doc["config"]["digest"], *(x["digest"] for x in doc["layers"])]
+
+
+def test_a_hostile_registry_beside_an_honest_one_keeps_the_honest_tags_judged_for_long(
+        tmp_path: Path, small_passes: None) -> None:
+    """34 passes of a collector reading the real registry (zoe's tag, a ``refs`` tag, and
+    four tags of eve's that do not exist) and a hostile one (eve's twelve tags and one
+    fresh tag a pass, each in turn slow, past the time limit, the honest digest's
+    manifest with a garbage layer, a garbage layer, moved to a new image read past the
+    time limit, a 401 storm, a dropped connection, a 500), with a pass's
+    budget of 0.5 s, a resolution of 0.4 s and an image of 0.6 s at most, and
+    ``max_age_s`` = 6 s: after every pass the gate's read of both honest tags
+    (``registry_image`` on ``load_registry_values``) is judged from the first pass that
+    read them on, never ``image-unknown``; the honest digest is never stored unreadable."""
+    from helpers.registry import Registry, push_image
+
+    from inventoryd.controller.images.registry_index import RegistryIndex, write_batches
+
+    layers = [layer_tar([File("/etc/nccl.conf", b"NCCL_PROTO=Simple\n")])]
+    honest_blobs = image_blobs(layers)
+    state: dict[str, Any] = {"pass": 0, "seen": {}, "blobs": {}}
+    with Registry(tmp_path / "honest") as honest:
+        digest = push_image(honest, "ml/train", "v1", layers, via="http")
+        push_image(honest, "ml/base", "v1", layers, via="http")
+        assert digest == honest_blobs[0].digest
+        with Scripted(lambda p: _hostile(state, honest_blobs, hostile.host)(p)) as hostile:
+            zoe, base = f"{honest.host}#ml/train:v1", f"{honest.host}#ml/base:v1"
+            now = time.time()
+            _audit(tmp_path, [(now, "zoe", zoe)])
+            _audit(tmp_path, [(now + i, "eve", f"{hostile.host}#e{i % 3}/x:h{i}")
+                              for i in range(12)])
+            # and four on the honest registry that do not exist: her turns there too
+            _audit(tmp_path, [(now + i, "eve", f"{honest.host}#eve/x:missing{i}")
+                              for i in range(4)])
+            cfg = _config(tmp_path, (honest.host, hostile.host), refs=(base,),
+                          resolve_interval_s=0.3, timeout_s=0.6, max_age_s=6.0)
+            judged: list[tuple[bool, bool]] = []
+            states: dict[str, int] = {}
+            t0 = time.monotonic()
+            with Inventory(tmp_path / "inv.db", config=cfg.inventory,
+                           values=GATE_VALUES) as inv:
+                index = RegistryIndex(cfg)
+                for p in range(34):
+                    state["pass"] = p
+                    _audit(tmp_path, [(now + 100 + p, "eve",
+                                       f"{hostile.host}#fresh/x:h{100 + p}")])
+                    batch = index.run_pass(now=now + 10 * p, keep=True)
+                    index.drain()
+                    write_batches(inv, [batch])
+                    for t in batch.tags:
+                        if t["ref"].startswith(hostile.host) or "/eve/" in t["ref"]:
+                            err = str(t.get("error") or "")
+                            s = t["state"] if t["state"] != "ok" or not err else \
+                                "read: " + err.split("(", 1)[-1].split(")", 1)[0]
+                            states[s] = states.get(s, 0) + 1
+                    judged.append((_judged(inv, cfg, honest.host, zoe),
+                                   _judged(inv, cfg, honest.host, base)))
+                    first = judged.index((True, True)) if (True, True) in judged else None
+                    assert (first is not None and first <= 2) or p < 2, judged
+                    assert first is None or all(j == (True, True) for j in judged[first:]), (
+                        p, judged, inv.registry_tags().get(parse(zoe).key))
+                took = time.monotonic() - t0
+                rows = [r for r in inv.registry_images() if r["digest"] == digest]
+    assert rows and all(r["image_error"] is None and r["record_hash"] for r in rows), rows
+    assert set(BEHAVIOURS) <= set(state["seen"]), state["seen"]
+    assert {"timeout", "refused", "unreachable", "not-found", "ok", "read: invalid",
+            "read: timeout"} <= set(states), states
+    assert took < 60, took
