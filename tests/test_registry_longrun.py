@@ -537,6 +537,7 @@ def _digests(manifest: Blob) -> list[str]:
     return [doc["config"]["digest"], *(x["digest"] for x in doc["layers"])]
 
 
+@pytest.mark.slow
 def test_a_hostile_registry_beside_an_honest_one_keeps_the_honest_tags_judged_for_long(
         tmp_path: Path, small_passes: None) -> None:
     """34 passes of a collector reading the real registry (zoe's tag, a ``refs`` tag, and
