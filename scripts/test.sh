@@ -12,7 +12,8 @@ need_apt=()
 # lua5.1: job_submit.lua's logic run outside slurmctld (tests/test_lua_submit.py);
 # docker-registry, skopeo: a real OCI registry on loopback and what pushes the test's
 # images to it, for the image client's tests (tests/helpers/registry.py); tinyproxy: a
-# real HTTP proxy on loopback that registries are reached through (test_registry_hostile.py)
+# real HTTP proxy on loopback that registries are reached through (test_registry_hostile.py,
+# test_registry_longrun.py: plain HTTP and a CONNECT tunnel to a TLS registry)
 for cmd in slurmctld:slurm-wlm slurmd:slurm-wlm munged:munge gcc:gcc systemd-analyze:systemd \
            ldconfig:libc-bin python3:python3 promtool:prometheus prometheus:prometheus \
            mksquashfs:squashfs-tools unsquashfs:squashfs-tools lua5.1:lua5.1 \

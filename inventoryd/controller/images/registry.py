@@ -345,7 +345,8 @@ class Client:
         self.realms = {own, *realms.get(ref.registry, ()), *realms.get(own, ())}
         self.scheme = "http" if ref.registry in insecure else "https"
         self.insecure = insecure
-        self.ssl = ssl.create_default_context(cafile=ca_file or None)
+        self.ca_file = ca_file
+        self._ssl: ssl.SSLContext | None = None  # made at the first https request (50 ms)
         self.auth: str | None = None  # the Authorization header that worked
         self.requests = 0
         # the deadline in wall-clock time, whatever a server sends and how slowly (a
@@ -354,6 +355,17 @@ class Client:
         self._watchdog = threading.Timer(max(deadline - time.monotonic(), 0.0), self._expire)
         self._watchdog.daemon = True
         self._watchdog.start()
+
+    def ssl(self) -> ssl.SSLContext:
+        """The TLS context (the system's CAs, and ``ca_file``'s): loading the system's
+        CAs takes 50 ms, which a plain-HTTP registry never needs."""
+        if self._ssl is None:
+            try:
+                self._ssl = ssl.create_default_context(cafile=self.ca_file or None)
+            except (OSError, ValueError) as e:  # ssl.SSLError is an OSError
+                raise self._fail("unreachable", f"registry.ca_file {self.ca_file!r}: "
+                                                f"{getattr(e, 'strerror', None) or e}") from None
+        return self._ssl
 
     def _expire(self) -> None:
         for conn in list(self._open_conns):
@@ -405,7 +417,7 @@ class Client:
                     name = f"{parts.netloc} (through the proxy {where})"
                     if parts.scheme == "https":
                         conn = http.client.HTTPSConnection(where, timeout=timeout,
-                                                           context=self.ssl)
+                                                           context=self.ssl())
                         conn.set_tunnel(parts.netloc, headers=auth)
                     else:
                         conn = http.client.HTTPConnection(where, timeout=timeout)
@@ -413,7 +425,7 @@ class Client:
                         hdrs.update(auth)
                 elif parts.scheme == "https":
                     conn = http.client.HTTPSConnection(parts.netloc, timeout=timeout,
-                                                       context=self.ssl)
+                                                       context=self.ssl())
                 else:
                     conn = http.client.HTTPConnection(parts.netloc, timeout=timeout)
                 self._open_conns.append(conn)

@@ -13,17 +13,25 @@ own read-only connection); what it finds is handed to the loop
 (:meth:`RegistryIndex.drain`), which writes it, the inventory's one writer.
 
 Fair and bounded: each pass resolves every due reference first (a manifest or two, at
-most RESOLVE_TIMEOUT_S each), those last resolved well first, so that the tags in use stay
-fresh whatever new ones cost; a registry that times out, or spends its share of the
-pass's budget (``resolve_interval_s``), is left for the next pass. Then the new images
-are read, one at a time, each within ``timeout_s``, in turn by registry, while the
-budget lasts. A reference failing again and again backs off (doubling from
-``resolve_interval_s``, at most a day); at most ``max_refs`` references (the configured
-ones first, then those the index holds that a job used within ``max_age_s``, then the
-others in turns by user, each one's most recent first); one no job used for
-``keep_unused_s`` and not configured is dropped. The writer's queue holds at most
-QUEUE_MAX batches; under disk pressure the loop holds the worker
-(:meth:`RegistryIndex.hold`).
+most RESOLVE_TIMEOUT_S each), then reads the new images, one at a time, each within
+``timeout_s``, while the pass's budget (``resolve_interval_s``) lasts; both in turns, one
+reference of each registry in turn and, within a registry, one of each user's in turn
+(the user of the first job that named it, from the gate's audit record; ``[registry]
+refs`` are one more "user"), each user's tags last resolved well first. The registries
+and users whose references took least time in the last passes (halved every budget)
+go first: a user whose many or slow references spent a pass's share waits, at the next,
+behind another user's one, so that tag is resolved at every pass. A registry that times
+out, or spends its share of the budget, is left for the next pass. A reference failing
+again and again backs off (doubling from ``resolve_interval_s``, at most a day); at most
+``max_refs`` references (the configured ones first, then those the index holds that a
+job used within ``max_age_s``, then the others in turns by user, each one's most recent
+first); one no job used for ``keep_unused_s`` and not configured is dropped. The
+writer's queue holds at most QUEUE_MAX batches; under disk pressure the loop holds the
+worker (:meth:`RegistryIndex.hold`).
+
+Over 500 lines: which references a pass takes, in what order and at what cost, and
+what it hands the writer are one worker's state (its users, costs, handed batches);
+split, each part would pass the others that state at every call.
 """
 
 from __future__ import annotations
@@ -70,6 +78,8 @@ MIN_PASS_S = 60.0  # a pass's budget at least, whatever resolve_interval_s
 QUEUE_MAX = 4  # batches handed to the writer and not yet drained: past it, the worker waits
 SWEEP_S = 3600.0  # how often the images and layers no tag holds are dropped, at least
 CACHE_LAYERS = 16  # layer summaries kept in memory between the worker's read and the write
+CONFIGURED = "[refs]"  # the "user" of the references [registry] refs lists (no user name)
+COST_FLOOR_S = 0.001  # a (registry, user)'s past cost below this is forgotten
 
 
 @dataclass
@@ -113,6 +123,9 @@ class RegistryIndex:
         self._hosts: tuple[str, ...] = configured_registries(self.rcfg.refs)
         self.proxies = Proxies.from_env(self.rcfg.proxy)
         self.passes = 0
+        #: (registry, user) -> seconds their references took, halved every pass's budget
+        self._cost: dict[tuple[str, str], float] = {}
+        self._charged_at = time.monotonic()
         self._swept = 0.0  # when the last sweep was handed to the writer
 
     # ---- the loop's side ------------------------------------------------------------
@@ -243,56 +256,97 @@ class RegistryIndex:
               read: set[str], creds: Credentials, inv: Any, now: float, batch: Batch,
               keep: bool) -> None:
         """Resolve every due reference first (cheap: a manifest each, at most
-        RESOLVE_TIMEOUT_S), those last resolved well first, so that tags in use stay
-        fresh whatever new ones ask; then read the new images, in turn by registry,
-        while the pass's budget (``resolve_interval_s``, at least :data:`MIN_PASS_S`)
-        lasts. A registry that fails
-        a resolution by its time limit, or spends its share of the budget, is left
-        for the next pass (its references stay due)."""
+        RESOLVE_TIMEOUT_S), then read the new images while the pass's budget
+        (``resolve_interval_s``, at least :data:`MIN_PASS_S`) lasts; both in turns
+        (:meth:`_turns`): by registry, and within each registry by user, each user's tags
+        last resolved well first, so that one user's many or slow references wait behind
+        another user's one. A registry that fails a resolution by its time limit, or
+        spends its share of the budget, is left for the next pass (its references stay
+        due)."""
         t0 = time.monotonic()
         # resolve_interval_s, but never less than MIN_PASS_S: with 0 ("resolve every
         # pass"), a pass resolved one reference and read nothing
         budget = max(self.rcfg.resolve_interval_s, MIN_PASS_S)
-        order = sorted(due, key=lambda k: (0 if known.get(k) is not None
+        merit = sorted(due, key=lambda k: (0 if known.get(k) is not None
                                            and known[k].state == "ok" else 1))
-        registries = {parse(k).registry for k in order}
-        share = budget / max(len(registries), 1)
+        owner = {k: (parse(k).registry, CONFIGURED if k in configured
+                     else self.user_of.get(k, "")) for k in merit}
+        order = self._turns(merit, owner, budget)
+        share = budget / max(len({reg for reg, _ in owner.values()}), 1)
         spent: dict[str, float] = {}
+        cost: dict[tuple[str, str], float] = {}  # this pass's time, by (registry, user)
         slow: set[str] = set()
-        reads: dict[str, list[tuple[str, dict[str, Any], Any, Resolved]]] = {}
-        for key in order:
-            if self._stop.is_set() or self._held is not None:
-                return
-            reg = parse(key).registry
-            if reg in slow or spent.get(reg, 0.0) > share:
-                continue
-            t = time.monotonic()
-            old = known.get(key)
-            one = Batch()
-            res = self._one(key, old, key in configured, read, creds, inv, one)
-            spent[reg] = spent.get(reg, 0.0) + time.monotonic() - t
-            if one.tags and one.tags[0].get("state") == "timeout":
-                slow.add(reg)
-            if res is not None:  # a new image: read in the second half, with its tag
-                reads.setdefault(reg, []).append((key, one.tags[0], old, res))
-                continue
-            if not self._hand(key, one, now, batch, keep):
-                return
-        queues = list(reads.values())
-        while queues:  # in turn by registry
-            for q in list(queues):
-                if not q:
-                    queues.remove(q)
+        reads: dict[str, tuple[dict[str, Any], Any, Resolved]] = {}
+        try:
+            for key in order:
+                if self._stop.is_set() or self._held is not None:
+                    return
+                reg = owner[key][0]
+                if reg in slow or spent.get(reg, 0.0) > share:
                     continue
-                key, tag, old, res = q.pop(0)
+                t = time.monotonic()
+                old = known.get(key)
+                one = Batch()
+                res = self._one(key, old, key in configured, read, creds, inv, one)
+                took = time.monotonic() - t
+                spent[reg] = spent.get(reg, 0.0) + took
+                cost[owner[key]] = cost.get(owner[key], 0.0) + took
+                if one.tags and one.tags[0].get("state") == "timeout":
+                    slow.add(reg)
+                if res is not None:  # a new image: read in the second half, with its tag
+                    reads[key] = (one.tags[0], old, res)
+                    continue
+                if not self._hand(key, one, now, batch, keep):
+                    return
+            for key in self._turns(list(reads), owner, budget):
+                tag, old, res = reads[key]
                 one = Batch(tags=[tag])
                 if (time.monotonic() - t0 <= budget and not self._stop.is_set()
                         and self._held is None and res.digest not in read):
+                    t = time.monotonic()
                     self._read(key, tag, old, res, creds, read, inv, one)
+                    cost[owner[key]] = cost.get(owner[key], 0.0) + time.monotonic() - t
                 if self._stop.is_set():  # stopped (its read given up): nothing handed
                     return
                 if not self._hand(key, one, now, batch, keep):
                     return
+        finally:
+            self._charge(cost, budget)
+
+    def _turns(self, keys: list[str], owner: Mapping[str, tuple[str, str]],
+               budget: float) -> list[str]:
+        """``keys`` (in their order of merit) in turns: one of each registry's in turn,
+        and within a registry one of each user's in turn, each user's in their order of
+        merit. The registries and users whose references cost least in the last passes
+        go first (:meth:`_charge`; ties in the order of merit): a user whose tags took a
+        pass's share waits, at the next pass, behind another user's one."""
+        queues: dict[str, dict[str, list[str]]] = {}
+        for k in keys:
+            reg, user = owner[k]
+            queues.setdefault(reg, {}).setdefault(user, []).append(k)
+        cost = self._costs(budget)
+        by_reg: dict[str, float] = {}
+        for (reg, _), c in cost.items():
+            by_reg[reg] = by_reg.get(reg, 0.0) + c
+        rounds = []
+        for reg in sorted(queues, key=lambda r: by_reg.get(r, 0.0)):  # stable: merit
+            users = sorted(queues[reg], key=lambda u: cost.get((reg, u), 0.0))
+            rounds.append(_interleave([queues[reg][u] for u in users]))
+        return _interleave(rounds)
+
+    def _costs(self, budget: float) -> dict[tuple[str, str], float]:
+        """(registry, user) -> the seconds their references took in the last passes,
+        halved every ``budget`` seconds since."""
+        t = time.monotonic()
+        decay = 0.5 ** ((t - self._charged_at) / budget) if budget > 0 else 0.0
+        return {k: v * decay for k, v in self._cost.items() if v * decay >= COST_FLOOR_S}
+
+    def _charge(self, cost: Mapping[tuple[str, str], float], budget: float) -> None:
+        total = self._costs(budget)
+        for k, v in cost.items():
+            total[k] = total.get(k, 0.0) + v
+        self._cost = {k: v for k, v in total.items() if v >= COST_FLOOR_S}
+        self._charged_at = time.monotonic()
 
     def _hand(self, key: str, one: Batch, now: float, batch: Batch, keep: bool) -> bool:
         if not self._put(one):
@@ -461,6 +515,14 @@ class RegistryIndex:
         log.info("registry: %s read as %s in %.1fs (%d layers, %d new)", key, res.digest,
                  time.monotonic() - t0, len(record["image"]["layers"]),
                  sum(not x["cached"] for x in record["image"]["layers"]))
+
+
+def _interleave(lists: list[list[str]]) -> list[str]:
+    """The first of each list, then the second of each, ..."""
+    out: list[str] = []
+    for i in range(max(map(len, lists), default=0)):
+        out += [x[i] for x in lists if i < len(x)]
+    return out
 
 
 def write_batches(inv: Any, batches: list[Batch]) -> int:
