@@ -632,3 +632,100 @@ def test_a_slow_image_renamed_before_every_pass_keeps_no_other_users_image_out(
         assert list(passes[0].failed) == [str(root / "alice" / "8.sqsh")], seen
         row = inv.image(str(bob))
         assert row is not None and row["record"]["rc"] == "bob\n"
+
+
+def test_a_listing_of_many_long_paths_is_parsed_as_it_streams(tmp_path: Path) -> None:
+    """Issue 48: 34,000 files of 3.8 KB paths (15 directories of 250-byte names, each
+    path within MAX_PATH), a 126 MiB listing, just under MAX_LISTING_BYTES. Before: the
+    listing was collected whole, joined, copied and split before one line was read:
+    398 MB traced (379 MB of RSS) to keep 16 directories. Now it is parsed line by line
+    as unsquashfs prints it: what is held is one read (at most 1 MiB), one line and one
+    entry (under 9 KB each) and the entries kept (16 directories, under 100 KB); 1.2 MB
+    traced. The bound, 8 MB, is that with room for the interpreter's own, and 1/16 of
+    the listing."""
+    tree = tmp_path / "t"
+    d = tree
+    for j in range(15):
+        d = d / (f"d{j:02d}" + "x" * 247)
+    d.mkdir(parents=True)
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for i in range(34_000):
+            os.close(os.open(f"f{i:06d}" + "y" * 30, os.O_CREAT | os.O_WRONLY, 0o644,
+                             dir_fd=fd))
+    finally:
+        os.close(fd)
+    img = _pack(tree, tmp_path / "long.sqsh")
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        base = tracemalloc.get_traced_memory()[0]
+        im = SquashImage(str(img))
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    deep = "/" + str(d.relative_to(tree))
+    assert len(deep) + len("/f000000" + "y" * 30) == 3803
+    assert im.listed == 34_000 + 16 and im.odd_names == 0 and im.deepest == 16
+    assert im.is_dir(deep) and len(im.entries) == 16  # the files are counted, not kept
+    assert peak < 8_000_000, peak  # before: 398 MB
+    rec = scan_image(str(img))
+    assert rec["image"]["entries"] == 34_016 and rec["errors"] == []
+
+
+def test_the_streamed_listing_reads_the_same_entries_however_it_is_cut(
+        tmp_path: Path) -> None:
+    """The listing parsed as it streams (issue 48): a line split across reads, a name
+    holding a newline (the rest of its entry, as before), the last line without its
+    newline, and a line longer than ``LINE_CAP`` (a symlink target unsquashfs printed
+    whole: cut and counted as an odd name, never held whole) read the same entries
+    whether the listing comes in one read or byte by byte."""
+    from inventoryd.controller.images import squashfs
+
+    token = "/ncg" + "0" * 24
+    head = "2024-01-01 00:00 " + token
+
+    def line(kind: str, size: int, rest: str) -> bytes:
+        return f"{kind}rwxr-xr-x 0/0 {size:>8} {head}{rest}".encode()
+
+    long_target = "/t" * 40_000  # 80 KB: over LINE_CAP, under MAX_LISTING_BYTES
+    listing = b"\n".join([
+        b"some banner",  # before any entry: ignored
+        line("d", 0, ""),
+        line("d", 0, "/usr"),
+        line("-", 5, "/usr/libnccl.so.2"),
+        line("-", 1, "/usr/a") + b"\n" + line("-", 2, "/usr/forged")[:30],  # a newline
+        line("l", len(long_target), "/usr/far -> " + long_target),
+        line("l", 12, "/usr/libnccl.so -> libnccl.so.2"),
+    ])
+    def parse(step: int) -> list[tuple[bytes, bytes, bytes, bool]]:
+        got: list[tuple[bytes, bytes, bytes, bool]] = []
+        checks: list[int] = []
+        parser = squashfs._Listing(token, lambda *a: got.append(a), lambda: checks.append(1))
+        for k in range(0, len(listing), step):
+            parser.feed(listing[k : k + step])
+            assert len(parser.partial) <= squashfs.LINE_CAP
+            if parser.current is not None:
+                assert len(parser.current[2]) <= squashfs.LINE_CAP
+        parser.close()
+        assert checks == [1]  # once every 4,096 lines, from the first
+        return got
+
+    seen = [parse(step) for step in (len(listing), 4096, 7, 1)]
+    assert all(got == seen[0] for got in seen)
+    (root, usr, lib, odd, far, link) = seen[0]
+    assert root == (b"d", b"0", b"", False) and usr == (b"d", b"0", b"/usr", False)
+    assert lib == (b"-", b"5", b"/usr/libnccl.so.2", False)
+    assert odd[2].startswith(b"/usr/a\n-rwx") and not odd[3]  # one entry, not "forged"
+    assert far[0] == b"l" and far[3] and len(far[2]) <= squashfs.LINE_CAP  # cut
+    assert link == (b"l", b"12", b"/usr/libnccl.so -> libnccl.so.2", False)
+
+    tree = tmp_path / "t"
+    tree.mkdir()
+    im = SquashImage(str(_pack(tree, tmp_path / "e.sqsh")))  # only its root
+    im.listed = 0
+    for entry in seen[0][1:]:
+        im._add(*entry)
+    assert im.listed == 5 and im.odd_names == 2  # the newline name and the cut one
+    assert im.resolve("/usr/libnccl.so") == "/usr/libnccl.so.2"
+    assert "/usr/far" not in im.entries

@@ -9,7 +9,9 @@ hostile input. Nothing in it is ever executed or loaded: squashfs-tools' ``unsqu
 What this module adds:
 
 - **The listing is parsed against a random prefix** (``-d /<token>``): a file name that
-  holds a newline cannot forge an entry, because it cannot know the token.
+  holds a newline cannot forge an entry, because it cannot know the token. It is parsed
+  as unsquashfs prints it (:class:`_Listing`), one line at a time: what is held is what
+  is kept, never the listing (issue 48: 126 MiB of long paths was held three times).
 - **Symlinks are resolved here, inside the image**: an absolute target restarts at the
   image's root, ``..`` never climbs above it, and at most :data:`MAX_HOPS` links are
   followed (one squashfs library's own resolver looped for ever on a loop).
@@ -22,7 +24,10 @@ What this module adds:
   that descriptor.
 
 Only the entries the fingerprint can use are kept (directories, symlinks, and files whose
-names :func:`wanted` accepts), so a 1 GB image with 100,000 files costs a few MB.
+names :func:`wanted` accepts), so a 1 GB image with 100,000 files costs a few MB. Every
+directory is kept (any one may be a search directory, a symlink's step or pip's): at
+most :data:`MAX_ENTRIES`, their paths within :data:`MAX_LISTING_BYTES`, about 200 MB at
+worst (500,000 directories of 180-byte paths; 137 MB for 34,000 of 3.8 KB).
 """
 
 from __future__ import annotations
@@ -59,6 +64,10 @@ MAX_LISTING_BYTES = 128 << 20  # what unsquashfs -lln may print
 MAX_DEPTH = 64  # directories below the image's root
 MAX_NAME = 255  # bytes of one name (squashfs's own limit is 256)
 MAX_PATH = 4096
+#: a listing line, or an entry, longer than this is cut and an odd name (skipped and
+#: counted): a symlink's path and target of MAX_PATH each with " -> " between them, and
+#: room for the fields before them (about 100 bytes)
+LINE_CAP = 2 * MAX_PATH + 4 + 512
 MAX_FILE_BYTES = 2 << 30  # a file streamed out: as the node probe's MAX_LIBRARY_BYTES
 CHILD_MEMORY_BYTES = 1 << 30  # address space of unsquashfs (RLIMIT_AS)
 #: unsquashfs's data and fragment queues, in MB (-da, -fr; 256 each by default): its peak
@@ -210,9 +219,12 @@ class SquashImage(ImageTree):
 
     # ---- running unsquashfs ----------------------------------------------------------
 
-    def _run(self, args: list[str], out: IO[bytes] | None, limit: int, what: str) -> bytes:
-        """Run unsquashfs; its stdout goes to ``out`` (or is returned), at most ``limit``
-        bytes, before the deadline. Raises ImageError with the cause."""
+    def _run(self, args: list[str], sink: Callable[[bytes], object], limit: int,
+             what: str) -> None:
+        """Run unsquashfs; each chunk of its stdout goes to ``sink`` as it is read (a
+        file's ``write``, the listing's parser: nothing is held here), at most ``limit``
+        bytes, before the deadline. Raises ImageError with the cause (what ``sink``
+        raises ends the run too)."""
         cmd = [self.program, *args]
         with tempfile.TemporaryFile() as err:
             try:
@@ -224,7 +236,6 @@ class SquashImage(ImageTree):
                 raise ImageError(self.path, f"cannot run {self.program}: "
                                             f"{e.strerror or e}") from None
             assert p.stdout is not None
-            chunks: list[bytes] = []
             total = 0
             fd = p.stdout.fileno()
             try:
@@ -238,10 +249,7 @@ class SquashImage(ImageTree):
                     total += len(chunk)
                     if total > limit:
                         raise ImageError(self.path, f"{what}: more than {limit} bytes")
-                    if out is None:
-                        chunks.append(chunk)
-                    else:
-                        out.write(chunk)
+                    sink(chunk)
                 rc = p.wait(timeout=max(0.1, self.left()))
             except subprocess.TimeoutExpired:
                 raise ImageError(self.path, f"{what}: time limit reached") from None
@@ -264,7 +272,6 @@ class SquashImage(ImageTree):
                 if rc < 0:
                     cause = f"killed by signal {-rc} ({cause})"
                 raise ImageError(self.path, f"{what}: unsquashfs failed: {_printable(cause)}")
-        return b"".join(chunks)
 
     # ---- the listing -----------------------------------------------------------------
 
@@ -273,31 +280,21 @@ class SquashImage(ImageTree):
         args = ["-no-progress", "-da", str(QUEUE_MB), "-fr", str(QUEUE_MB), "-UTC", "-d", token,
                 "-max-depth", str(self.max_depth + 1),
                 "-lln", self.source]
-        data = self._run(args, None, MAX_LISTING_BYTES, "listing")
-        line = re.compile(
-            rb"(?P<kind>[-dlbcps])[-rwxsStT]{9} \d+/\d+ +(?P<size>\d+|\d+, *\d+) "
-            rb"\d{4}-\d\d-\d\d \d\d:\d\d " + re.escape(token.encode()) + rb"(?P<rest>/.*)?")
-        current: list[bytes] | None = None  # kind, size, rest of the entry being read
-        for k, raw in enumerate(data.removesuffix(b"\n").split(b"\n")):
-            if k % 4096 == 0:
-                self.check()
-            m = line.fullmatch(raw)
-            if m is None:  # a name holding a newline: the rest of the previous entry
-                if current is not None:
-                    current[2] += b"\n" + raw
-                continue
-            if current is not None:
-                self._add(*current)
-            current = [m.group("kind"), m.group("size"), m.group("rest") or b""]
-        if current is not None:
-            self._add(*current)
+        listing = _Listing(token, self._add, self.check)
+        self._run(args, listing.feed, MAX_LISTING_BYTES, "listing")
+        listing.close()
         if not self.entries.get("/", Entry("", 0)).kind == "d":
             raise ImageError(self.path, "listing: no root directory (not a squashfs image?)")
 
-    def _add(self, kind_b: bytes, size_b: bytes, rest: bytes) -> None:
+    def _add(self, kind_b: bytes, size_b: bytes, rest: bytes, cut: bool = False) -> None:
+        """One entry of the listing, kept if the fingerprint can use it (``cut``: longer
+        than :data:`LINE_CAP`, only counted as an odd name)."""
         self.listed += 1
         if self.listed > self.max_entries:
             raise ImageError(self.path, f"more than {self.max_entries} entries")
+        if cut:
+            self.odd_names += 1
+            return
         kind = kind_b.decode()
         size = int(size_b) if size_b.isdigit() else 0
         target = None
@@ -351,7 +348,7 @@ class SquashImage(ImageTree):
         self.read_left -= e.size
         self._run(["-no-progress", "-no-wildcards", "-da", str(QUEUE_MB), "-fr", str(QUEUE_MB),
                    "-cat", self.source, real.lstrip("/")],
-                  out, e.size, f"reading {real}")
+                  out.write, e.size, f"reading {real}")
         if out.tell() != e.size:
             raise ImagePathError(self.path, f"{real}: {out.tell()} of {e.size} bytes read "
                                             "(truncated image?)")
@@ -362,6 +359,83 @@ class SquashImage(ImageTree):
             self.copy_file(path, f, limit)
             f.seek(0)
             return f.read()
+
+
+class _Listing:
+    """``unsquashfs -lln``'s output parsed as it streams, one line at a time: only the
+    entry being read and one line are held, never the listing (34,000 paths of 3.8 KB,
+    126 MiB of listing, was held three times over: 398 MB; issue 48). A line that does
+    not match the pattern is the rest of the previous entry (a name holding a newline).
+
+    A line, or an entry, longer than :data:`LINE_CAP` is cut there and the entry is an
+    odd name (``_add(..., cut=True)``): its path or its symlink target is over
+    :data:`MAX_PATH`, which ``_add`` skips anyway."""
+
+    def __init__(self, token: str, add: Callable[[bytes, bytes, bytes, bool], None],
+                 check: Callable[[], None]) -> None:
+        self.pattern = re.compile(
+            rb"(?P<kind>[-dlbcps])[-rwxsStT]{9} \d+/\d+ +(?P<size>\d+|\d+, *\d+) "
+            rb"\d{4}-\d\d-\d\d \d\d:\d\d " + re.escape(token.encode()) + rb"(?P<rest>/.*)?")
+        self.add = add
+        self.check = check
+        self.lines = 0
+        self.partial = bytearray()  # the line not ended yet, at most LINE_CAP bytes
+        self.partial_cut = False
+        self.current: tuple[bytes, bytes, bytearray] | None = None  # kind, size, rest
+        self.current_cut = False
+
+    def feed(self, chunk: bytes) -> None:
+        start = 0
+        while True:
+            end = chunk.find(b"\n", start)
+            stop = len(chunk) if end < 0 else end
+            piece = chunk[start : min(stop, start + LINE_CAP)]
+            cut = start + LINE_CAP < stop
+            if self.partial or end < 0:
+                cut = _append(self.partial, piece) or cut or self.partial_cut
+                if end < 0:
+                    self.partial_cut = cut
+                    return
+                piece = bytes(self.partial)
+                self.partial.clear()
+                self.partial_cut = False
+            self._line(piece, cut)
+            start = end + 1
+
+    def close(self) -> None:
+        """The end of the listing: its last line (unless it ended with a newline) and
+        the last entry."""
+        if self.partial:
+            self._line(bytes(self.partial), self.partial_cut)
+            self.partial.clear()
+        self._flush()
+
+    def _line(self, raw: bytes, cut: bool) -> None:
+        if self.lines % 4096 == 0:
+            self.check()
+        self.lines += 1
+        m = self.pattern.fullmatch(raw)
+        if m is None:  # a name holding a newline: the rest of the previous entry
+            if self.current is not None:
+                self.current_cut = _append(self.current[2], b"\n" + raw) or cut or \
+                    self.current_cut
+            return
+        self._flush()
+        self.current = (m.group("kind"), m.group("size"), bytearray(m.group("rest") or b""))
+        self.current_cut = cut
+
+    def _flush(self) -> None:
+        if self.current is not None:
+            kind, size, rest = self.current
+            self.current = None
+            self.add(kind, size, bytes(rest), self.current_cut)
+
+
+def _append(buf: bytearray, data: bytes) -> bool:
+    """``data`` added to ``buf``, kept to at most LINE_CAP bytes: whether it was cut."""
+    room = LINE_CAP - len(buf)
+    buf += data[: max(room, 0)]
+    return len(data) > room
 
 
 def _printable(text: str) -> str:
