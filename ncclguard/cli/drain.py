@@ -140,7 +140,8 @@ def drain_recommend(partition: str | None, nodes_opt: str | None, do_apply: bool
             b = sp.baseline
             if b and b.get("class"):
                 vals = b.get("values") or {}
-                desc = out.cell(", ".join(f"{k} {vals.get(k)}" for k in BASELINE_KEYS))
+                desc = out.cell(", ".join(f"{k} {out.known(vals.get(k))}"
+                                          for k in BASELINE_KEYS))
                 how = "pinned" if b.get("pinned") else f"majority {b.get('share', 0):.0%}"
                 lines.append(f"  baseline: class {b['class']} ({how}, {b['count']} "
                              f"nodes): {desc}")

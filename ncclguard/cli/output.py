@@ -26,6 +26,13 @@ from ncclguard.timeparse import iso_utc
 
 FORMATS = ("table", "json", "csv")
 
+#: The three words for a value of a node's stack, in every view (docs/cli.md, "Values:
+#: none, unknown, -"): the node was read and has no such thing; it could not be read (or
+#: the record does not say: JSON ``null``); nothing applies (and an empty cell).
+NONE = "none"
+UNKNOWN = "unknown"
+NOT_APPLICABLE = "-"
+
 #: A column: (key in the row, header shown in the table and the CSV).
 Column = tuple[str, str]
 
@@ -52,6 +59,12 @@ def cell(value: Any) -> str:
     if isinstance(value, dict):  # as JSON, in every view (not a Python repr: issue 46)
         return safe(json.dumps(value, sort_keys=True, default=str))
     return safe(str(value))
+
+
+def known(value: Any) -> Any:
+    """A stack value for a cell: ``None`` (the fingerprint model's *unknown*,
+    :mod:`ncclguard.fingerprint.fields`) as :data:`UNKNOWN`, anything else as it is."""
+    return UNKNOWN if value is None else value
 
 
 def table(rows: Iterable[Mapping[str, Any]], columns: Sequence[Column]) -> str:

@@ -53,7 +53,7 @@ def _objs(x: Any) -> list[dict[str, Any]]:
 
 def _adds_rows(fp: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per release of the table: the plugin each kind gives it on this node
-    ("-": that release loads no such plugin; "?": unknown)."""
+    ("none": that release loads no such plugin; "unknown": the record does not say)."""
     got = offers.read(fp)
     every = got[0] if got is not None else dict.fromkeys(offers.KINDS)
     picked = {k: None if sel is None else dict(sel) for k, sel in every.items()}
@@ -62,7 +62,7 @@ def _adds_rows(fp: dict[str, Any]) -> list[dict[str, Any]]:
         row: dict[str, Any] = {"release": release.label}
         for kind in offers.KINDS:
             sel = picked[kind]
-            row[kind] = "?" if sel is None else sel.get(release.label, "-")
+            row[kind] = out.UNKNOWN if sel is None else sel.get(release.label, out.NONE)
         rows.append(row)
     return rows
 
@@ -79,10 +79,11 @@ def _show_text(rec: Any, now: float, ttl: float, klass: str | None) -> str:
     hostless = d.get("compat.nccl") == "none"
     parts = [out.section(f"node {rec.host}", out.kv([
         ("class", klass or "-"),
-        ("nccl", d.get("compat.nccl")),
-        ("net plugin", NO_HOST_NCCL if hostless else d.get("compat.net_plugin")),
-        ("net ABI", NO_HOST_NCCL if hostless else d.get("compat.net_abi")),
-        ("adds", d.get("compat.adds")), ("transport", d.get("compat.transport")),
+        ("nccl", out.known(d.get("compat.nccl"))),
+        ("net plugin", NO_HOST_NCCL if hostless else out.known(d.get("compat.net_plugin"))),
+        ("net ABI", NO_HOST_NCCL if hostless else out.known(d.get("compat.net_abi"))),
+        ("adds", out.known(d.get("compat.adds"))),
+        ("transport", out.known(d.get("compat.transport"))),
         ("last heartbeat", f"{out.iso(rec.last_heartbeat)} ({out.age(age)} ago"
                            + (", STALE)" if is_stale(rec.last_heartbeat, now, ttl) else ")")),
         ("collected at", out.iso(rec.collected_at)), ("first seen", out.iso(rec.first_seen)),
