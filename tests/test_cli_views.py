@@ -1,6 +1,7 @@
-"""One rendering of a fact in every view (issue 46): ``none`` (there is none), ``unknown``
-(it could not be read), ``-`` (nothing applies), in ``nodes``, ``classes``, ``show``,
-``check``, ``drain-recommend`` and ``diff`` (docs/cli.md, "Values: none, unknown, -")."""
+"""The views an admin reads (issue 46): one rendering of a fact in every view, ``none``
+(there is none), ``unknown`` (it could not be read), ``-`` (nothing applies), in
+``nodes``, ``classes``, ``show``, ``check``, ``drain-recommend`` and ``diff`` (docs/cli.md,
+"Values: none, unknown, -"); and output that fits 100 columns, ``--wide`` for the rest."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ def specs() -> dict[str, NodeSpec]:
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     d = tmp_path_factory.mktemp("views")
-    db = build(d / "inv.db", specs())
+    # n05's older record had no net plugin: history shows the plugins part, a long value
+    db = build(d / "inv.db", specs(), history={"n05": [NodeSpec(plugin=False, nccl="2.18.3")]})
     cfg = d / "config.toml"
     cfg.write_text("[drain]\nmax_share = 0.5\n")
     return db, cfg
@@ -69,19 +71,19 @@ def test_nodes_say_none_unknown_and_dash_as_classes_and_show_do(run: Run) -> Non
     ``show`` said ``none``, ``-`` for n18's unreadable NCCL where ``check`` said
     ``unknown``, n19's plugin file by name where ``classes`` said ``-`` (no libnccl: none
     in force), and ADDS ``-`` for a record that does not say (``diff``: unknown)."""
-    nodes = by(parse(ok(run("nodes")).stdout, "HOST"), "HOST")
+    nodes = by(parse(ok(run("nodes", "--wide")).stdout, "HOST"), "HOST")
     assert nodes["n17"]["PLUGIN"] == "none" and nodes["n17"]["ABI"] == "0"
     assert nodes["n18"]["NCCL"] == "unknown"
     assert (nodes["n19"]["NCCL"], nodes["n19"]["PLUGIN"], nodes["n19"]["ABI"]) == (
         "none", "-", "-")
     assert nodes["n01"]["ADDS"] == "unknown" and nodes["n20"]["ADDS"] == "IBext_v8 v8..v5"
-    classes = by(parse(ok(run("classes")).stdout, "CLASS"), "HOSTS")
+    classes = by(parse(ok(run("classes", "--wide")).stdout, "CLASS"), "HOSTS")
     for host, row in nodes.items():
         if host in classes:  # a class of its own: the same cells
             got = classes[host]
             assert [got[k] for k in ("NCCL", "PLUGIN", "ABI", "ADDS", "TRANSPORT")] == [
                 row[k] for k in ("NCCL", "PLUGIN", "ABI", "ADDS", "TRANSPORT")], host
-    assert "None" not in ok(run("classes")).stdout  # ALSO DIFFERS said =None
+    assert "None" not in ok(run("classes", "--wide")).stdout  # ALSO DIFFERS said =None
     for host in ("n17", "n18", "n19", "n20"):
         kv = dict(re.findall(r"^  (\w[\w ]*?)  +(\S.*)$", ok(run("show", host)).stdout,
                              re.M)[:6])
@@ -109,3 +111,67 @@ def test_check_drain_and_diff_say_none_and_unknown(run: Run) -> None:
     assert "None" not in text
     text = ok(run("diff", "n01", "n17")).stdout
     assert re.search(r"^compat\.net_plugin +IBext_v8 +none ", text, re.M), text
+
+
+# ---- widths: 100 columns, or wrapped by design; --wide for the rest ----------------------
+
+#: The commands of an admin's first hour, each as it prints on the views' inventory.
+COMMANDS = [("nodes",), ("classes",), ("drain-recommend",), ("diff", "n01", "n17"),
+            ("diff", "n[01-20]"), ("history",), ("history", "n05"), ("check", "n[01-20]"),
+            ("show", "n20")]
+
+
+@pytest.mark.parametrize("cmd", COMMANDS, ids=" ".join)
+def test_every_line_fits_100_columns(run: Run, cmd: tuple[str, ...]) -> None:
+    """Issue 46: ``drain-recommend`` printed ~150 columns, ``diff`` ~190, ``nodes`` ~150."""
+    from ncclguard.cli.output import WIDTH
+
+    r = run(*cmd)
+    assert r.exit_code in (0, 2), r.output
+    wide = [ln for ln in r.stdout.splitlines() if len(ln) > WIDTH]
+    assert not wide, "\n".join(wide)
+    r2 = run(*cmd, "--wide")
+    assert max(len(ln) for ln in r2.stdout.splitlines()) > WIDTH or cmd[0] == "show"
+
+
+def test_wide_gives_every_value_whole(run: Run) -> None:
+    """Without --wide a value is cut (ending in the one mark, …) or wrapped; with it, whole
+    on one line, as JSON has it."""
+    import json
+
+    from ncclguard.cli.output import CUT, cell
+
+    doc = json.loads(ok(run("drain-recommend", "--json")).stdout)
+    reasons = [g["reason"] for s in doc["node_sets"] for g in s["groups"]]
+    longest = max(reasons, key=len)
+    assert len(longest) > 100
+    narrow, wide = ok(run("drain-recommend")).stdout, ok(run("drain-recommend", "--wide")).stdout
+    assert longest not in narrow and all(f"{r} " in wide for r in reasons)
+    # the reason wraps: its words are all there, the lines after the first indented
+    rows = narrow.split("REASON", 1)[1].splitlines()
+    assert any(ln.startswith("  ncclguard") is False and ln.startswith("  ") for ln in rows)
+    assert " ".join(w for ln in rows for w in ln.split()).count("(baseline") \
+        == sum(r.count("(baseline") for r in reasons)
+    # diff: a long value is cut with the mark, whole with --wide
+    plugins = json.loads(ok(run("diff", "n01", "n17", "--json")).stdout)
+    value = next(d for d in plugins["differences"] if d["field"] == "plugins")
+    whole = cell(value["values"][0]["value"])  # a list of records: each as JSON
+    assert len(whole) > 100
+    narrow = ok(run("diff", "n01", "n17")).stdout
+    assert whole not in narrow and re.search(rf"^plugins +\S.*{CUT} ", narrow, re.M)
+    assert whole in ok(run("diff", "n01", "n17", "--wide")).stdout
+    # --wide before the command, as --json may be
+    assert ok(run("--wide", "nodes")).stdout == ok(run("nodes", "--wide")).stdout
+    assert "LAST HEARTBEAT" in ok(run("nodes", "--wide")).stdout
+    assert "LAST HEARTBEAT" not in ok(run("nodes")).stdout  # AGE says it
+
+
+def test_the_cut_mark_is_never_a_values_own() -> None:
+    """A value's own … is shown escaped, so that … at the end of a cell always means cut."""
+    from ncclguard.cli.output import CUT, table
+
+    rows = [{"a": "IBext" + CUT, "b": "x" * 200}]
+    text = table(rows, [("a", "A"), ("b", "B")], 40)
+    line = text.splitlines()[1]
+    assert line.startswith("IBext\\u2026  ") and line.endswith(CUT) and len(line) == 40
+    assert table(rows, [("a", "A"), ("b", "B")]).splitlines()[1].endswith("x" * 200)

@@ -158,7 +158,8 @@ def diagnose(
             from ncclguard.cli import output as out
 
             text = (text.rstrip("\n") + "\n\nwhat each node's container had (the enroot "
-                    "hook's signed records):\n" + out.table(ran, CONTAINER_COLUMNS).rstrip("\n"))
+                    "hook's signed records):\n"
+                    + out.table(ran, CONTAINER_COLUMNS, c.width).rstrip("\n"))
         from ncclguard.text import safe
 
         click.echo(safe(text, keep_newlines=True))  # log lines quoted: no terminal sequence

@@ -156,10 +156,12 @@ def drain_recommend(partition: str | None, nodes_opt: str | None, do_apply: bool
                 sub = [r for r in rows if r["set"] == sp.name]
                 of = count(len(sp.hosts), "node")
                 lines.append(f"  {verb}: {len(sp.recommendations)} of {of}")
-                lines.append(out.table(sub, RECO_COLUMNS[1:]).rstrip("\n"))
+                lines.append(out.table(sub, RECO_COLUMNS[1:], c.width,
+                                       wrap=("reason", "hosts")).rstrip("\n"))
         if actions:
             lines.append("actions:")
-            lines.append(out.table([a.to_dict() for a in actions], ACTION_COLUMNS).rstrip("\n"))
+            lines.append(out.table([a.to_dict() for a in actions], ACTION_COLUMNS,
+                                   c.width, keep=("host",), wrap=("reason", "detail")).rstrip("\n"))
         elif do_apply or do_resume:
             lines.append("actions: none (nothing to do)")
         text = "\n".join(lines) + "\n"

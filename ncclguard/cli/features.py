@@ -72,7 +72,7 @@ def sync_cmd(dry_run: bool, as_json: bool, as_csv: bool) -> None:
         lines.append(f"wrote {res.written}" if res.written else
                      "an update failed: the file of classes names only what Slurm has; "
                      "run it again")
-    c.emit(doc, text="\n".join(lines) + "\n")
+    c.emit(doc, text="\n".join(lines) + "\n", wrap=False)  # scontrol calls, whole
     if res.errors:
         raise SystemExit(3)
 
@@ -133,7 +133,7 @@ def check_cmd(as_json: bool, as_csv: bool) -> None:
         text = (f"{len(rows)} of {len(res.plan.nodes)} nodes have other class features in "
                 "Slurm than the inventory gives them\n")
         if rows:
-            text += out.table(rows, DRIFT_COLUMNS)
+            text += out.table(rows, DRIFT_COLUMNS, c.width)
         text += f"classes file {path}: " + (
             f"verified {state['age_s']:.0f} s ago" if state["ok"] else out.cell(state["problem"])
         ) + "\n"

@@ -42,11 +42,14 @@ _INT_COLUMNS = {"net_abi", "rdma_ports_up", "rdma_ports_total", "error_count"}
 
 NODE_TABLE: list[out.Column] = [
     ("host", "HOST"), ("nccl", "NCCL"), ("plugin_cell", "PLUGIN"), ("abi_cell", "ABI"),
-    ("adds_cell", "ADDS"), ("transport_cell", "TRANSPORT"), ("rdma", "RDMA UP/TOTAL"),
+    ("adds_cell", "ADDS"), ("transport_cell", "TRANSPORT"), ("rdma", "RDMA"),
     ("driver", "DRIVER"),
     ("heartbeat", "LAST HEARTBEAT"), ("age", "AGE"), ("error_count", "ERRORS"),
     ("class", "CLASS"), ("status", "STATUS"),
 ]
+#: Left out, in this order, while the table does not fit without --wide (AGE says when the
+#: last heartbeat was; STATUS says "errors")
+NODE_NARROW_DROPS = ("heartbeat", "error_count")
 NODE_CSV: list[out.Column] = [
     ("host", "host"), ("nccl_version", "nccl_version"), ("nccl_versions", "nccl_versions"),
     ("net_plugin", "net_plugin"), ("net_plugin_name", "net_plugin_name"),
@@ -203,7 +206,9 @@ def nodes(partition: str | None, nodes_opt: str | None, where: tuple[str, ...], 
     text = None
     if c.fmt == "table":
         head = f"{node_set.describe()}\n" if node_set else ""
-        text = head + out.table(result, NODE_TABLE) + f"{count(len(result), 'node')}\n"
+        text = head + out.table(result, NODE_TABLE, c.width, optional=NODE_NARROW_DROPS,
+                                keep=("host", "class"), wrap=("nccl", "adds_cell"))
+        text += f"{count(len(result), 'node')}\n"
         if note:
             text += f"NOTE: {out.cell(note)}\n"
     c.emit(doc, rows=result, columns=NODE_TABLE, text=text, csv_columns=NODE_CSV)
@@ -214,6 +219,8 @@ CLASS_COLUMNS: list[out.Column] = [
     ("nccl", "NCCL"), ("net_plugin", "PLUGIN"), ("net_abi", "ABI"), ("adds", "ADDS"),
     ("transport", "TRANSPORT"), ("stale", "STALE"), ("hosts", "HOSTS"),
 ]
+#: Left out without --wide while the table does not fit: NODES says the size
+CLASS_NARROW_DROPS = ("share_pct",)
 #: a column shown when the configured refuse-level rules tell classes apart on more than
 #: the four above (an env plugin, or a rule an admin set to refuse: gpu-driver)
 ALSO_COLUMN: out.Column = ("also", "ALSO DIFFERS")
@@ -298,7 +305,10 @@ def classes(partition: str | None, nodes_opt: str | None, as_json: bool, as_csv:
                      + out.cell(f"{base_name} ({why})" if base else why))
         columns = ([*CLASS_COLUMNS[:-2], ALSO_COLUMN, *CLASS_COLUMNS[-2:]] if also
                    else CLASS_COLUMNS)
-        text = "\n".join(lines) + "\n" + out.table(rows, columns)
+        text = "\n".join(lines) + "\n" + out.table(rows, columns, c.width,
+                                                   optional=CLASS_NARROW_DROPS,
+                                                   keep=("class",),
+                                                   wrap=("adds", "also", "hosts"))
         if oldest is not None:
             text += (f"freshness: {n_stale} of {count(total, 'node')} stale (no heartbeat for "
                      f"{c.stale_after:.0f} s, or dated ahead); oldest heartbeat "
