@@ -115,7 +115,7 @@ def diagnose(
 
             return open_classes(cfg.policy, cfg.inventory, c.db)
 
-    from ncclguard.cli.output import Progress
+    from ncclguard.progress import Progress
 
     shown = Progress(sys.stderr, "ncclguard diagnose", enabled=not quiet)
 

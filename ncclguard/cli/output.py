@@ -308,37 +308,3 @@ def kv(pairs: Sequence[tuple[str, Any]], indent: int = 2) -> str:
     pad = " " * indent
     return "".join(f"{pad}{k.ljust(w)}  {cell(v)}\n"
                    for k, (_, v) in zip(keys, pairs, strict=True))
-
-
-class Progress:
-    """A progress line for long work (issue 46: ``diagnose`` read a 2 GiB log for 95 s
-    printing nothing): on ``stream`` (stderr) only when it is a terminal, rewritten in
-    place, first after :attr:`FIRST_S` and then at most every :attr:`EVERY_S`, cleared by
-    :meth:`done`. Scripts and pipes never see it; ``--quiet`` turns it off."""
-
-    FIRST_S = 0.5
-    EVERY_S = 1.0
-
-    def __init__(self, stream: Any, label: str, *, enabled: bool = True) -> None:
-        self.stream = stream
-        self.label = label
-        isatty = getattr(stream, "isatty", None)
-        self.enabled = enabled and callable(isatty) and bool(isatty())
-        self.t0 = time.monotonic()
-        self.next = self.t0 + self.FIRST_S
-        self.shown = False
-
-    def update(self, text: str) -> None:
-        now = time.monotonic()
-        if not self.enabled or now < self.next:
-            return
-        self.next = now + self.EVERY_S
-        self.stream.write(f"\r{self.label}: {safe(text)} [{now - self.t0:.0f} s]\x1b[K")
-        self.stream.flush()
-        self.shown = True
-
-    def done(self) -> None:
-        if self.shown:
-            self.stream.write("\r\x1b[K")
-            self.stream.flush()
-            self.shown = False
