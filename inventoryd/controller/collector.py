@@ -27,8 +27,9 @@ is known), never a decode.
 
 The inventory is on the controller's local disk in WAL mode, so that the gate and the CLI
 never wait for this writer. When the collector stops it switches the file back to a
-rollback journal (best effort): a read-only reader (the gate as SlurmUser) cannot open a
-WAL database whose writer has gone and whose ``-shm`` it cannot create.
+rollback journal (best effort), which a read-only reader (the gate as SlurmUser) reads
+with nothing beside it (a WAL file left without its writer is read ``immutable=1``:
+docs/store.md, "Readers leave no -wal or -shm").
 
 See docs/collector.md for the threat model and the deployment.
 
