@@ -115,8 +115,8 @@ def child(phase: str, path: str) -> int:
         print(f"{report.evidence.lines} {ids}")
         return 0
     if phase == "progress":  # as on a terminal: the CLI's progress line, to /dev/null
-        from ncclguard.cli.output import Progress
         from ncclguard.diagnose import load_catalog, run
+        from ncclguard.progress import Progress
 
         class Tty:
             def __init__(self) -> None:

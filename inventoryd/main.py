@@ -57,6 +57,8 @@ def _parser() -> argparse.ArgumentParser:
                             "inventory (the controller's service)")
     c.add_argument("--spool", default=None, help="spool directory (overrides the config)")
     c.add_argument("--once", action="store_true", help="one scan, then exit")
+    c.add_argument("--quiet", "-q", action="store_true", help="with --once: no progress line "
+                   "(it is shown on a terminal only, on stderr)")
     f = _controller_command(sub, "features", "keep Slurm's class features and job_submit.lua's "
                             "file current (the controller's service, as SlurmUser; "
                             "docs/scheduling.md)")
@@ -135,11 +137,17 @@ def main(argv: list[str] | None = None) -> int:
         from inventoryd.controller import collector_service as collector
 
         if args.once:
+            from ncclguard.progress import Progress
+
+            shown = Progress(sys.stderr, "ncclguard-inventoryd collect", enabled=not args.quiet)
             try:
-                res = collector.collect_once(cfg)
+                res = collector.collect_once(cfg, progress=shown.update if shown.enabled
+                                             else None)
             except (configmod.ConfigError, collector.InventoryError) as e:
+                shown.done()
                 print(f"ncclguard-inventoryd: {e}", file=sys.stderr)
                 return 1
+            shown.done()
             print(f"ncclguard-inventoryd: {res.files} records in the spool, "
                   f"{len(res.accepted)} accepted, {len(res.rejected)} rejected, "
                   f"{res.deferred} deferred", file=sys.stderr)

@@ -14,11 +14,10 @@ import pytest
 def test_a_long_read_shows_progress_on_a_terminal_only(tmp_path):
     """Issue 46: diagnose read a 2 GiB log for 95 s printing nothing. On a terminal it
     shows a progress line on stderr within 2 s; in a pipe, or with --quiet, nothing."""
-    import pty
-    import select
     import subprocess
     import sys
-    import time as _time
+
+    from helpers.cli import stderr_on_a_terminal
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
     from bench_diagnose import generate
@@ -28,28 +27,7 @@ def test_a_long_read_shows_progress_on_a_terminal_only(tmp_path):
     argv = [sys.executable, "-m", "ncclguard.cli", "diagnose", str(log), "--no-inventory"]
 
     def on_a_terminal(*extra: str) -> tuple[str, float | None]:
-        master, slave = pty.openpty()
-        t0 = _time.monotonic()
-        p = subprocess.Popen([*argv, *extra], stdout=subprocess.DEVNULL, stderr=slave)
-        os.close(slave)
-        seen, first = b"", None
-        while True:
-            ready, _, _ = select.select([master], [], [], 0.1)
-            if ready:
-                try:
-                    chunk = os.read(master, 4096)
-                except OSError:
-                    break
-                if not chunk:
-                    break
-                seen += chunk
-                if first is None and b"MiB" in seen:
-                    first = _time.monotonic() - t0
-            elif p.poll() is not None:
-                break
-        p.wait(timeout=120)
-        os.close(master)
-        return seen.decode("utf-8", "replace"), first
+        return stderr_on_a_terminal([*argv, *extra], "MiB")
 
     text, first = on_a_terminal()
     assert "ncclguard diagnose: " in text and "lines read" in text, text

@@ -27,8 +27,9 @@ is known), never a decode.
 
 The inventory is on the controller's local disk in WAL mode, so that the gate and the CLI
 never wait for this writer. When the collector stops it switches the file back to a
-rollback journal (best effort): a read-only reader (the gate as SlurmUser) cannot open a
-WAL database whose writer has gone and whose ``-shm`` it cannot create.
+rollback journal (best effort), which a read-only reader (the gate as SlurmUser) reads
+with nothing beside it (a WAL file left without its writer is read ``immutable=1``:
+docs/store.md, "Readers leave no -wal or -shm").
 
 See docs/collector.md for the threat model and the deployment.
 
@@ -89,6 +90,17 @@ class ScanResult:
 
 def _state_text(st: spool.FileState | None) -> str:
     return "-" if st is None else f"{st.ino}:{st.size}:{st.mtime_ns}"
+
+
+def _telling(should_stop: Callable[[], bool], progress: Callable[[str], None],
+             text: Callable[[], str]) -> Callable[[], bool]:
+    """``should_stop`` that also tells ``progress`` how far the work is, each time it is
+    asked (between records, between images): ``collect --once``'s progress line."""
+    def ask() -> bool:
+        progress(text())
+        return should_stop()
+
+    return ask
 
 
 class Collector:
@@ -235,9 +247,11 @@ class Collector:
 
     # ---------------------------------------------------------------- one scan
 
-    def scan(self, should_stop: Callable[[], bool] = lambda: False) -> ScanResult:
+    def scan(self, should_stop: Callable[[], bool] = lambda: False,
+             progress: Callable[[str], None] | None = None) -> ScanResult:
         """List the spool, judge every new or changed file (and each once more after
-        that), write the verdicts. ``should_stop`` is asked between records."""
+        that), write the verdicts. ``should_stop`` is asked between records;
+        ``progress`` (``collect --once``'s progress line) is told how far the scan is."""
         t0 = time.monotonic()
         result = ScanResult()
         try:
@@ -256,8 +270,11 @@ class Collector:
                           result)
         batch_max = self.cfg.collector.batch_max
         logged = 0
+        judging = should_stop if progress is None else _telling(
+            should_stop, progress, lambda: f"spool: {result.read:,} of {len(todo):,} records "
+            "judged")
         for i in range(0, len(todo), batch_max):
-            done, logged = self._batch(todo[i : i + batch_max], result, logged, should_stop)
+            done, logged = self._batch(todo[i : i + batch_max], result, logged, judging)
             if not done:
                 result.deferred += max(0, len(todo) - (i + batch_max))
                 break
@@ -268,8 +285,10 @@ class Collector:
                       "lists them all", logged - LOG_PER_SCAN)
         self._log_shared()
         self.disk.guarded(lambda: self._prune(t0))
+        reading = should_stop if progress is None else _telling(
+            should_stop, progress, lambda: "image index: reading images")
         if self.pressure is None:  # neither grows the inventory under disk pressure
-            self._extra(lambda: self._images(t0, should_stop))
+            self._extra(lambda: self._images(t0, reading))
             self._extra(self._registry)
         elif self.registry is not None:  # the worker waits: nothing it reads is written
             self.registry.hold(self.pressure)

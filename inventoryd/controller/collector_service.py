@@ -26,14 +26,18 @@ __all__ = ["CollectorService", "collect_once", "run"]
 log = logging.getLogger("ncclguard.collector")
 
 
-def collect_once(config: configmod.Config, db: Path | None = None) -> ScanResult:
-    """One scan (``collect --once``): the demo, tests, a cron-style deployment."""
+def collect_once(config: configmod.Config, db: Path | None = None,
+                 progress: Callable[[str], None] | None = None) -> ScanResult:
+    """One scan (``collect --once``): the demo, tests, a cron-style deployment.
+    ``progress``: told how far the scan is (the command's progress line on a terminal)."""
     log_to_stderr(log)
     c = Collector(config, db=db, registry_thread=False)
     try:
         if c.registry is not None:  # one pass of the registry index, written by the scan
+            if progress is not None:
+                progress("registry: one pass")
             c.registry.run_pass()
-        return c.scan()
+        return c.scan(progress=progress)
     finally:
         c.close()
 

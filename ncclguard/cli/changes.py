@@ -4,8 +4,6 @@ fingerprint changed over time, each difference with the rule it triggers and its
 
 from __future__ import annotations
 
-from typing import Any
-
 import click
 
 from ncclguard.cli import output as out
@@ -14,11 +12,6 @@ from ncclguard.cli.errors import fail
 from ncclguard.hostlist import compress
 
 __all__ = ["diff", "history"]
-
-
-def _short(v: Any, limit: int = 60) -> str:
-    text = out.cell(v)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 @click.command()
@@ -56,19 +49,20 @@ def diff(nodes_args: tuple[str, ...], rules_only: bool, as_json: bool, as_csv: b
     if c.fmt == "table":
         if len(hosts) == 2:
             a, b = hosts
-            rows = [{"field": d.field, "a": _short(d.value_of(a)), "b": _short(d.value_of(b)),
+            rows = [{"field": d.field, "a": d.value_of(a), "b": d.value_of(b),
                      "rule": d.rule, "severity": d.severity} for d in result.differences]
             text = out.table(rows, [("field", "FIELD"), ("a", a), ("b", b), ("rule", "RULE"),
-                                    ("severity", "SEVERITY")])
+                                    ("severity", "SEVERITY")], c.width, wrap=("field",))
         else:
-            text = out.table([{**r, "value": _short(r["value"])} for r in flat], flat_cols)
+            text = out.table(flat, flat_cols, c.width, wrap=("field", "hosts"))
         if not result.differences:
             text = f"no differences between {compress(hosts)}\n"
         if result.unknown:
             text += "unknown (a probe could not read them; never counted as different):\n"
             text += out.table([{"field": d.field, "hosts": compress(list(d.unknown_on))}
                                for d in result.unknown], [("field", "FIELD"),
-                                                          ("hosts", "UNREADABLE ON")])
+                                                          ("hosts", "UNREADABLE ON")],
+                              c.width, wrap=("field", "hosts"))
     csv_cols: list[out.Column] = [("field", "field"), ("value", "value"), ("hosts", "hosts"),
                                   ("count", "count"), ("rule", "rule"),
                                   ("severity", "severity")]
@@ -122,12 +116,12 @@ def history(node: str | None, since: float | None, as_json: bool, as_csv: bool) 
                          "old": None, "new": (h["new_hash"] or "")[:16], "rule": None,
                          "severity": None})
         for f in fields:
-            rows.append({"at": change["at"], "host": h["host"], **f,
-                         "old": _short(f["old"]), "new": _short(f["new"])})
+            rows.append({"at": change["at"], "host": h["host"], **f})
     doc = {"host": node, "since": out.iso(since), "changes": changes}
     csv_rows = [{**r} for r in rows]
     text = None
     if c.fmt == "table":
-        text = out.table(rows, HISTORY_COLUMNS) if rows else "no changes\n"
+        text = out.table(rows, HISTORY_COLUMNS, c.width, keep=("at", "host"),
+                             wrap=("field",)) if rows else "no changes\n"
     c.emit(doc, rows=rows, columns=HISTORY_COLUMNS, text=text, csv_rows=csv_rows,
            csv_columns=[(k, k) for k, _ in HISTORY_COLUMNS])

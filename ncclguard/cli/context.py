@@ -80,6 +80,7 @@ class Ctx:
     config_path: str | None
     db: str | None
     fmt: str = "table"
+    wide: bool = False  # --wide: tables and lines as wide as their values
     now: float = field(default_factory=time.time)
     _config: configmod.Config | None = None
     _inventory: Any = None
@@ -172,6 +173,11 @@ class Ctx:
         return writer_note(written_at, pressure, self.now)
 
     @property
+    def width(self) -> int | None:
+        """The columns a command's text fits (:data:`out.WIDTH`); None with ``--wide``."""
+        return None if self.wide else out.WIDTH
+
+    @property
     def stale_after(self) -> float:
         return float(self.config.inventory.stale_after_s)
 
@@ -184,7 +190,10 @@ class Ctx:
         text: str | None = None,
         csv_rows: Sequence[Mapping[str, Any]] | None = None,
         csv_columns: Sequence[out.Column] | None = None,
+        wrap: bool = True,
     ) -> None:
+        """The output in the chosen format. ``wrap=False``: lines that are commands to
+        copy (``features sync``'s ``scontrol`` calls) are not broken to fit the width."""
         if self.fmt == "json":
             if callable(doc):
                 doc = doc()
@@ -201,14 +210,30 @@ class Ctx:
         else:
             if text is not None:
                 # what a command composed itself: its values went through out.cell or
-                # safe(); this catches any terminal sequence that did not
-                click.echo(safe(text, keep_newlines=True), nl=False)
+                # safe(); this catches any terminal sequence that did not. Its tables
+                # fit the width already; a longer line is broken at spaces.
+                click.echo(out.wrap(safe(text, keep_newlines=True),
+                                    self.width if wrap else None), nl=False)
             elif rows is not None and columns is not None:
-                click.echo(out.table(rows, columns), nl=False)
+                click.echo(out.table(rows, columns, self.width), nl=False)
+
+
+WIDE_HELP = (f"Tables and lines as wide as their values (without it they fit "
+             f"{out.WIDTH} columns: cells cut with {out.CUT}, some columns left out).")
+
+
+def _set_wide(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    if value:
+        c = ctx.find_object(Ctx)
+        if c is not None:
+            c.wide = True
 
 
 def format_options(f: Callable[..., Any]) -> Callable[..., Any]:
-    """``--json`` / ``--csv`` on each subcommand too (``ncclguard nodes --json``)."""
+    """``--json`` / ``--csv`` / ``--wide`` on each subcommand too (``ncclguard nodes
+    --json``)."""
+    f = click.option("--wide", is_flag=True, expose_value=False, callback=_set_wide,
+                     help=WIDE_HELP)(f)
     f = click.option("--csv", "as_csv", is_flag=True, help="CSV rows (where rows fit).")(f)
     f = click.option("--json", "as_json", is_flag=True, help="JSON for scripts.")(f)
     return f

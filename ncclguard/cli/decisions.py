@@ -142,9 +142,9 @@ def decisions(job: str | None, since: float | None, refused: bool, audit_log: st
         doc["containers"] = ran
     text = None
     if c.fmt == "table":
-        text = (out.table(rows, DECISION_COLUMNS) if rows else "no decisions\n")
+        text = (out.table(rows, DECISION_COLUMNS, c.width) if rows else "no decisions\n")
         if ran:
             text += "\nwhat each node's container had (the enroot hook's signed records):\n"
-            text += out.table(ran, CONTAINER_COLUMNS)
+            text += out.table(ran, CONTAINER_COLUMNS, c.width)
     c.emit(doc, rows=rows, columns=DECISION_COLUMNS, text=text,
            csv_columns=[(k, k) for k, _ in DECISION_COLUMNS])

@@ -115,7 +115,7 @@ def diagnose(
 
             return open_classes(cfg.policy, cfg.inventory, c.db)
 
-    from ncclguard.cli.output import Progress
+    from ncclguard.progress import Progress
 
     shown = Progress(sys.stderr, "ncclguard diagnose", enabled=not quiet)
 
@@ -158,7 +158,8 @@ def diagnose(
             from ncclguard.cli import output as out
 
             text = (text.rstrip("\n") + "\n\nwhat each node's container had (the enroot "
-                    "hook's signed records):\n" + out.table(ran, CONTAINER_COLUMNS).rstrip("\n"))
+                    "hook's signed records):\n"
+                    + out.table(ran, CONTAINER_COLUMNS, c.width).rstrip("\n"))
         from ncclguard.text import safe
 
         click.echo(safe(text, keep_newlines=True))  # log lines quoted: no terminal sequence

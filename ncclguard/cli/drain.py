@@ -140,7 +140,8 @@ def drain_recommend(partition: str | None, nodes_opt: str | None, do_apply: bool
             b = sp.baseline
             if b and b.get("class"):
                 vals = b.get("values") or {}
-                desc = out.cell(", ".join(f"{k} {vals.get(k)}" for k in BASELINE_KEYS))
+                desc = out.cell(", ".join(f"{k} {out.known(vals.get(k))}"
+                                          for k in BASELINE_KEYS))
                 how = "pinned" if b.get("pinned") else f"majority {b.get('share', 0):.0%}"
                 lines.append(f"  baseline: class {b['class']} ({how}, {b['count']} "
                              f"nodes): {desc}")
@@ -155,10 +156,12 @@ def drain_recommend(partition: str | None, nodes_opt: str | None, do_apply: bool
                 sub = [r for r in rows if r["set"] == sp.name]
                 of = count(len(sp.hosts), "node")
                 lines.append(f"  {verb}: {len(sp.recommendations)} of {of}")
-                lines.append(out.table(sub, RECO_COLUMNS[1:]).rstrip("\n"))
+                lines.append(out.table(sub, RECO_COLUMNS[1:], c.width,
+                                       wrap=("reason", "hosts")).rstrip("\n"))
         if actions:
             lines.append("actions:")
-            lines.append(out.table([a.to_dict() for a in actions], ACTION_COLUMNS).rstrip("\n"))
+            lines.append(out.table([a.to_dict() for a in actions], ACTION_COLUMNS,
+                                   c.width, keep=("host",), wrap=("reason", "detail")).rstrip("\n"))
         elif do_apply or do_resume:
             lines.append("actions: none (nothing to do)")
         text = "\n".join(lines) + "\n"

@@ -28,26 +28,35 @@ def features() -> None:
     """Class features in Slurm (prevention at scheduling time, docs/scheduling.md)."""
 
 
-def _sync(c: Ctx, dry_run: bool) -> Any:
+def _sync(c: Ctx, dry_run: bool, quiet: bool = False) -> Any:
+    import sys
+
+    from ncclguard.progress import Progress
     from ncclguard.sched import classfile
     from ncclguard.sched.sync import sync
     from ncclguard.slurm import SlurmError
     from ncclguard.store import InventoryError
 
+    shown = Progress(sys.stderr, "ncclguard features sync", enabled=not quiet)
     try:
-        return sync(c.config, c.slurm, dry_run=dry_run, now=c.now, inventory=c.inventory)
+        return sync(c.config, c.slurm, dry_run=dry_run, now=c.now, inventory=c.inventory,
+                    progress=shown.update if shown.enabled else None)
     except (SlurmError, InventoryError, classfile.ClassFileError) as e:
         fail(str(e))
+    finally:  # cleared before the output (and before an error's message)
+        shown.done()
 
 
 @features.command("sync")
 @click.option("--dry-run", is_flag=True, help="Print the scontrol calls; change nothing.")
+@click.option("--quiet", "-q", is_flag=True,
+              help="No progress line (it is shown on a terminal only, on stderr).")
 @format_options
-def sync_cmd(dry_run: bool, as_json: bool, as_csv: bool) -> None:
+def sync_cmd(dry_run: bool, quiet: bool, as_json: bool, as_csv: bool) -> None:
     """Set each node's class feature in Slurm (its own features kept), only where it
     differs, then write the file of classes for job_submit.lua."""
     c = get_ctx(as_json, as_csv)
-    res = _sync(c, dry_run)
+    res = _sync(c, dry_run, quiet)
     updates = res.plan.updates
     doc = {
         "dry_run": dry_run,
@@ -72,7 +81,7 @@ def sync_cmd(dry_run: bool, as_json: bool, as_csv: bool) -> None:
         lines.append(f"wrote {res.written}" if res.written else
                      "an update failed: the file of classes names only what Slurm has; "
                      "run it again")
-    c.emit(doc, text="\n".join(lines) + "\n")
+    c.emit(doc, text="\n".join(lines) + "\n", wrap=False)  # scontrol calls, whole
     if res.errors:
         raise SystemExit(3)
 
@@ -89,7 +98,7 @@ def check_cmd(as_json: bool, as_csv: bool) -> None:
     from ncclguard.slurm.model import clean_text
 
     c = get_ctx(as_json, as_csv)
-    res = _sync(c, dry_run=True)
+    res = _sync(c, dry_run=True, quiet=True)  # one read of Slurm's nodes
     by_name = {n.name: n for n in res.plan.nodes}
     held_back = status.read(c.config) or {"failing": [], "held": []}
     failing = [f for f in held_back["failing"] if f["host"] in by_name]
@@ -133,7 +142,7 @@ def check_cmd(as_json: bool, as_csv: bool) -> None:
         text = (f"{len(rows)} of {len(res.plan.nodes)} nodes have other class features in "
                 "Slurm than the inventory gives them\n")
         if rows:
-            text += out.table(rows, DRIFT_COLUMNS)
+            text += out.table(rows, DRIFT_COLUMNS, c.width)
         text += f"classes file {path}: " + (
             f"verified {state['age_s']:.0f} s ago" if state["ok"] else out.cell(state["problem"])
         ) + "\n"

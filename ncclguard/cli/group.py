@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from ncclguard.cli.context import Ctx
+from ncclguard.cli.context import WIDE_HELP, Ctx
 from ncclguard.cli.errors import CliError, fail
 
 __all__ = ["COMMANDS", "main"]
@@ -89,11 +89,13 @@ def _usage(e: click.UsageError) -> CliError:
               help="Inventory database (default: $NCCLGUARD_DB, then the config's).")
 @click.option("--json", "as_json", is_flag=True, help="JSON output for scripts.")
 @click.option("--csv", "as_csv", is_flag=True, help="CSV output (commands whose output is rows).")
+@click.option("--wide", is_flag=True, help=WIDE_HELP)
 @click.version_option(package_name="ncclguard", prog_name="ncclguard")
 @click.pass_context
 def main(ctx: click.Context, config_path: str | None, db: str | None, as_json: bool,
-         as_csv: bool) -> None:
+         as_csv: bool, wide: bool) -> None:
     """Query the NCCL inventory, run the gate's policy, recommend drains."""
     if as_json and as_csv:
         fail("--json and --csv exclude each other")
-    ctx.obj = Ctx(config_path, db, fmt="json" if as_json else "csv" if as_csv else "table")
+    ctx.obj = Ctx(config_path, db, fmt="json" if as_json else "csv" if as_csv else "table",
+                  wide=wide)

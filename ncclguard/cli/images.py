@@ -46,7 +46,7 @@ def images(ctx: click.Context, as_json: bool, as_csv: bool) -> None:
         rows.append(row)
     text = None
     if c.fmt == "table":
-        text = out.table(rows, COLUMNS) + f"{len(rows)} images\n"
+        text = out.table(rows, COLUMNS, c.width) + f"{len(rows)} images\n"
     c.emit(lambda: {"count": len(rows), "images": rows}, rows=rows, columns=COLUMNS, text=text)
 
 
@@ -218,7 +218,7 @@ def diff(a: str, b: str, as_json: bool, as_csv: bool) -> None:
     cols: list[out.Column] = [("field", "FIELD"), ("a", a), ("b", b)]
     text = None
     if c.fmt == "table":
-        text = (out.table(rows, cols) if rows else "") + f"{len(rows)} differences\n"
+        text = (out.table(rows, cols, c.width) if rows else "") + f"{len(rows)} differences\n"
     c.emit(lambda: {"a": a, "b": b, "differences": rows}, rows=rows, columns=cols, text=text)
     if rows:
         raise click.exceptions.Exit(1)

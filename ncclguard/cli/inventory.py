@@ -41,12 +41,15 @@ CLASS_FIELD = "class"  # --where class=NAME: the class of ncclguard classes (and
 _INT_COLUMNS = {"net_abi", "rdma_ports_up", "rdma_ports_total", "error_count"}
 
 NODE_TABLE: list[out.Column] = [
-    ("host", "HOST"), ("nccl", "NCCL"), ("net_plugin_name", "PLUGIN"), ("net_abi", "ABI"),
-    ("adds", "ADDS"), ("transport", "TRANSPORT"), ("rdma", "RDMA UP/TOTAL"),
+    ("host", "HOST"), ("nccl", "NCCL"), ("plugin_cell", "PLUGIN"), ("abi_cell", "ABI"),
+    ("adds_cell", "ADDS"), ("transport_cell", "TRANSPORT"), ("rdma", "RDMA"),
     ("driver", "DRIVER"),
     ("heartbeat", "LAST HEARTBEAT"), ("age", "AGE"), ("error_count", "ERRORS"),
     ("class", "CLASS"), ("status", "STATUS"),
 ]
+#: Left out, in this order, while the table does not fit without --wide (AGE says when the
+#: last heartbeat was; STATUS says "errors")
+NODE_NARROW_DROPS = ("heartbeat", "error_count")
 NODE_CSV: list[out.Column] = [
     ("host", "host"), ("nccl_version", "nccl_version"), ("nccl_versions", "nccl_versions"),
     ("net_plugin", "net_plugin"), ("net_plugin_name", "net_plugin_name"),
@@ -113,7 +116,9 @@ def _node_row(r: dict[str, Any], now: float, ttl: float) -> dict[str, Any]:
     stale = state != "ok"
     versions = r.get("nccl_versions") or []
     nccl = r.get("nccl_version")
-    shown = nccl or "-"
+    values = _compat(r)
+    hostless = values.get("nccl") == out.NONE  # read: no libnccl (NULL: that, or unknown)
+    shown = nccl or (out.NONE if hostless else out.UNKNOWN)
     if len(versions) > 1 or (versions and versions[0] != nccl):
         others = [v for v in versions if v != nccl]
         shown += f" (+{','.join(others)})" if others else ""
@@ -123,11 +128,18 @@ def _node_row(r: dict[str, Any], now: float, ttl: float) -> dict[str, Any]:
     r["stale"] = stale
     # "future": a heartbeat dated ahead of this clock (the node's clock is ahead)
     r["status"] = state if stale else ("errors" if r.get("error_count") else "ok")
-    r["adds"] = _compat(r).get("adds")
-    # table-only cells
+    r["adds"] = values.get("adds")
+    # table-only cells: none, unknown, or "-" where nothing applies (docs/cli.md)
     r["nccl"] = shown
     if nccl is None and r.get("net_abi") == 0:
         r["net_abi"] = None  # no libnccl: no ABI in force (ADDS: what the node offers)
+    # the plugin and ABI the host's libnccl uses: on a node without one, nothing is in
+    # force (not the plugin file's name); otherwise its name, "none", or unknown
+    r["plugin_cell"] = NO_HOST_NCCL if hostless else out.known(
+        r.get("net_plugin_name") or values.get("net_plugin"))
+    r["abi_cell"] = NO_HOST_NCCL if hostless else out.known(r.get("net_abi"))
+    r["adds_cell"] = out.known(r["adds"])
+    r["transport_cell"] = out.known(r.get("transport"))
     up, total = r.get("rdma_ports_up"), r.get("rdma_ports_total")
     r["rdma"] = f"{'?' if up is None else up}/{'?' if total is None else total}"
     r["heartbeat"] = when
@@ -194,7 +206,9 @@ def nodes(partition: str | None, nodes_opt: str | None, where: tuple[str, ...], 
     text = None
     if c.fmt == "table":
         head = f"{node_set.describe()}\n" if node_set else ""
-        text = head + out.table(result, NODE_TABLE) + f"{count(len(result), 'node')}\n"
+        text = head + out.table(result, NODE_TABLE, c.width, optional=NODE_NARROW_DROPS,
+                                keep=("host", "class"), wrap=("nccl", "adds_cell"))
+        text += f"{count(len(result), 'node')}\n"
         if note:
             text += f"NOTE: {out.cell(note)}\n"
     c.emit(doc, rows=result, columns=NODE_TABLE, text=text, csv_columns=NODE_CSV)
@@ -205,6 +219,8 @@ CLASS_COLUMNS: list[out.Column] = [
     ("nccl", "NCCL"), ("net_plugin", "PLUGIN"), ("net_abi", "ABI"), ("adds", "ADDS"),
     ("transport", "TRANSPORT"), ("stale", "STALE"), ("hosts", "HOSTS"),
 ]
+#: Left out without --wide while the table does not fit: NODES says the size
+CLASS_NARROW_DROPS = ("share_pct",)
 #: a column shown when the configured refuse-level rules tell classes apart on more than
 #: the four above (an env plugin, or a rule an admin set to refuse: gpu-driver)
 ALSO_COLUMN: out.Column = ("also", "ALSO DIFFERS")
@@ -216,8 +232,9 @@ CLASS_CSV: list[out.Column] = [
 ]
 _SHOWN = ("nccl", "net_plugin", "net_abi", "adds", "transport")
 #: PLUGIN and ABI say what the host's libnccl does with the node's plugin: on a node
-#: without one, nothing ("-"); ADDS says what the node offers a job's own NCCL (issue 39)
-NO_HOST_NCCL = "-"
+#: without one, nothing applies ("-"); ADDS says what the node offers a job's own NCCL
+#: (issue 39)
+NO_HOST_NCCL = out.NOT_APPLICABLE
 
 
 @click.command()
@@ -288,7 +305,10 @@ def classes(partition: str | None, nodes_opt: str | None, as_json: bool, as_csv:
                      + out.cell(f"{base_name} ({why})" if base else why))
         columns = ([*CLASS_COLUMNS[:-2], ALSO_COLUMN, *CLASS_COLUMNS[-2:]] if also
                    else CLASS_COLUMNS)
-        text = "\n".join(lines) + "\n" + out.table(rows, columns)
+        text = "\n".join(lines) + "\n" + out.table(rows, columns, c.width,
+                                                   optional=CLASS_NARROW_DROPS,
+                                                   keep=("class",),
+                                                   wrap=("adds", "also", "hosts"))
         if oldest is not None:
             text += (f"freshness: {n_stale} of {count(total, 'node')} stale (no heartbeat for "
                      f"{c.stale_after:.0f} s, or dated ahead); oldest heartbeat "
@@ -315,10 +335,11 @@ def _other_policy(c: Ctx) -> bool:
 
 
 def _cell(value: Any, spread: list[Any] | None) -> Any:
-    """A class's value; where its nodes differ (a rule at warn), every value seen."""
+    """A class's value (unknown: :data:`out.UNKNOWN`); where its nodes differ (a rule at
+    warn), every value seen."""
     if spread:
-        return "|".join("-" if v is None else str(v) for v in spread)
-    return value
+        return "|".join(str(out.known(v)) for v in spread)
+    return out.known(value)
 
 
 def _refuse_values(c: Ctx, cls: list[Any]) -> dict[str, dict[str, dict[str, Any]]]:
@@ -328,11 +349,11 @@ def _refuse_values(c: Ctx, cls: list[Any]) -> dict[str, dict[str, dict[str, Any]
 
     reps = {k.key: k.hosts[0] for k in cls}
     records = c.inv("load_values", list(reps.values()))
-    out: dict[str, dict[str, dict[str, Any]]] = {}
+    found: dict[str, dict[str, dict[str, Any]]] = {}
     for key, host in reps.items():
         rec = records.get(host)
-        out[key] = refuse_values(rec[0], c.config.policy) if rec is not None else {}
-    return out
+        found[key] = refuse_values(rec[0], c.config.policy) if rec is not None else {}
+    return found
 
 
 def _also_differs(rules: dict[str, dict[str, dict[str, Any]]]) -> dict[str, str]:
@@ -355,7 +376,7 @@ def _also_differs(rules: dict[str, dict[str, dict[str, Any]]]) -> dict[str, str]
         return {}
     single = {rule for rule, _ in varying
               if all(len(rv.get(rule, {})) <= 1 for rv in items)}  # a rule of one aspect
-    out: dict[str, str] = {}
+    shown_by_key: dict[str, str] = {}
     from ncclguard.policy.rules import BY_NAME
     from ncclguard.policy.rules.base import PLAIN_LABEL
 
@@ -363,15 +384,18 @@ def _also_differs(rules: dict[str, dict[str, dict[str, Any]]]) -> dict[str, str]
         """``rule.aspect=value``; a rule with labels of its own (node-adds: a few words,
         not its release-by-release key) as its findings label the value."""
         r = BY_NAME.get(rule)
-        if r is None or not isinstance(value, str) or r.label is PLAIN_LABEL:
-            return f"{rule}{'' if rule in single else '.' + aspect}={value}"
+        plain = r is None or r.label is PLAIN_LABEL
+        if value is None and not plain:  # as the gate's findings say it
+            return f"{rule}: {aspect} {out.UNKNOWN}"
+        if r is None or plain or not isinstance(value, str):
+            return f"{rule}{'' if rule in single else '.' + aspect}={out.known(value)}"
         return f"{rule}: {r.label(aspect, value)}"
 
     for key, rule_values in rules.items():
         parts = [shown(rule, aspect, rule_values.get(rule, {}).get(aspect))
                  for rule, aspect in sorted(varying)]
-        out[key] = " ".join(parts)
-    return out
+        shown_by_key[key] = " ".join(parts)
+    return shown_by_key
 
 
 def _class_in_force(c: Ctx, key_of: dict[str, str]) -> dict[str, dict[str, dict[str, int]]]:
@@ -382,9 +406,9 @@ def _class_in_force(c: Ctx, key_of: dict[str, str]) -> dict[str, dict[str, dict[
 
     if not key_of:
         return {}
-    out: dict[str, dict[str, dict[str, int]]] = {}
+    per_class: dict[str, dict[str, dict[str, int]]] = {}
     for row in c.inv("nodes", {"host": sorted(key_of)}):
-        per = out.setdefault(key_of[row["host"]], {k: {} for k in EFFECTIVE_KINDS})
+        per = per_class.setdefault(key_of[row["host"]], {k: {} for k in EFFECTIVE_KINDS})
         for kind in EFFECTIVE_KINDS:
             name, abi = row.get(f"{kind}_plugin"), row.get(f"{kind}_abi")
             value = ("unknown" if name is None else name if name == "none" or not abi
@@ -392,4 +416,4 @@ def _class_in_force(c: Ctx, key_of: dict[str, str]) -> dict[str, dict[str, dict[
             if name not in (None, "none") and not abi:
                 value = f"{name} (ignored: no common ABI)"
             per[kind][value] = per[kind].get(value, 0) + 1
-    return out
+    return per_class

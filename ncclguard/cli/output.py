@@ -8,6 +8,13 @@ Every string shown in a table, a CSV cell, a ``key: value`` line or a title goes
 :func:`ncclguard.text.safe` (in :func:`cell`): a value from a node, a record, an image
 or a job cannot add a line, a row or a terminal escape sequence. JSON needs nothing:
 ``json.dumps`` escapes control characters itself.
+
+**Width** (issue 46: ``drain-recommend`` printed ~150 columns, ``diff`` ~190): with a
+``width`` (:data:`WIDTH`, unless ``--wide``), :func:`table` fits its columns: it leaves out
+the table's optional columns, then narrows the widest ones, each cell cut to its column
+ending in :data:`CUT`; :func:`wrap` breaks any other line longer than the width at a
+space, the rest indented under it. A value's own ``…`` is shown escaped (``\u2026``) in a
+table, so that :data:`CUT` always means "cut here" (``--wide`` and ``--json`` show it whole).
 """
 
 from __future__ import annotations
@@ -17,6 +24,8 @@ import functools
 import io
 import json
 import math
+import re
+import textwrap
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -25,6 +34,13 @@ from ncclguard.text import safe
 from ncclguard.timeparse import iso_utc
 
 FORMATS = ("table", "json", "csv")
+
+#: The three words for a value of a node's stack, in every view (docs/cli.md, "Values:
+#: none, unknown, -"): the node was read and has no such thing; it could not be read (or
+#: the record does not say: JSON ``null``); nothing applies (and an empty cell).
+NONE = "none"
+UNKNOWN = "unknown"
+NOT_APPLICABLE = "-"
 
 #: A column: (key in the row, header shown in the table and the CSV).
 Column = tuple[str, str]
@@ -54,17 +70,165 @@ def cell(value: Any) -> str:
     return safe(str(value))
 
 
-def table(rows: Iterable[Mapping[str, Any]], columns: Sequence[Column]) -> str:
-    """A plain aligned table with a header line; an empty table still has its header."""
+#: The columns every table and line of a command's text fits without ``--wide``.
+WIDTH = 100
+#: The end of a cell cut to fit its column (a value's own is escaped: never ambiguous).
+CUT = "\u2026"
+_CUT_ESCAPED = "\\u2026"
+#: A column is not narrowed below its header nor below this (but a shorter value's width).
+MIN_CELL = 8
+_GAP = 2  # spaces between two columns
+
+
+def known(value: Any) -> Any:
+    """A stack value for a cell: ``None`` (the fingerprint model's *unknown*,
+    :mod:`ncclguard.fingerprint.fields`) as :data:`UNKNOWN`, anything else as it is."""
+    return UNKNOWN if value is None else value
+
+
+def table(rows: Iterable[Mapping[str, Any]], columns: Sequence[Column],
+          width: int | None = None, *, optional: Sequence[str] = (),
+          keep: Sequence[str] = (), wrap: Sequence[str] = ()) -> str:
+    """A plain aligned table with a header line; an empty table still has its header.
+
+    ``width``: fit the table in that many columns (None: as wide as its values). While it
+    is too wide, the columns whose keys are in ``optional`` are left out, in that order;
+    then the widest columns not in ``keep`` (names: a host, a class, a hostlist) are
+    narrowed to one level, none below its header or :data:`MIN_CELL`. A cell longer than
+    its column is cut, ending in :data:`CUT`; in a ``wrap`` column it is broken at spaces,
+    commas, slashes or dots between names instead, its other lines indented two under it
+    (a row's first line never starts with a space)."""
     header = [cell(h) for _, h in columns]
     keys = [k for k, _ in columns]
     body = [[cell(r.get(k)) for k in keys] for r in rows]
+    for n, line in enumerate(body):
+        if not "".join(line).isascii():  # a rare row: its cells' own … escaped
+            body[n] = [_marked(t) for t in line]
     widths = [max(len(h), *(len(line[i]) for line in body)) if body else len(h)
               for i, h in enumerate(header)]
+    shown = list(range(len(columns)))
+    if width is None or _total(widths, shown) <= width:  # as wide as its values
+        return "\n".join("  ".join(t.ljust(w) for t, w in zip(line, widths, strict=True))
+                         .rstrip() for line in [header, *body]) + "\n"
+    for key in optional:
+        if _total(widths, shown) <= width:
+            break
+        if key in keys:
+            shown.remove(keys.index(key))
+    kept = [i for i in shown if keys[i] in keep]
+    fitted = _narrowed(widths, header, [i for i in shown if i not in kept],
+                       width - _total(widths, kept) - (_GAP if kept else 0))
+    wrapped = [i for i in shown if keys[i] in wrap and fitted[i] < widths[i]]
     out = []
     for line in [header, *body]:
-        out.append("  ".join(t.ljust(w) for t, w in zip(line, widths, strict=True)).rstrip())
+        if any(len(line[i]) > fitted[i] for i in wrapped):
+            cells = [_wrapped(line[i], fitted[i]) if i in wrapped
+                     else [_fitted(line[i], fitted[i])] for i in shown]
+            for n in range(max(len(c) for c in cells)):
+                out.append("  ".join((c[n] if n < len(c) else "").ljust(fitted[i])
+                                     for c, i in zip(cells, shown, strict=True)).rstrip())
+        else:
+            out.append("  ".join(_fitted(line[i], fitted[i]).ljust(fitted[i])
+                                 for i in shown).rstrip())
     return "\n".join(out) + "\n"
+
+
+def _marked(text: str) -> str:
+    """A cell's own ``…`` escaped, so that :data:`CUT` only ever marks a cut."""
+    if text.isascii() or CUT not in text:
+        return text
+    return text.replace(CUT, _CUT_ESCAPED)
+
+
+def _total(widths: Sequence[int], shown: Sequence[int]) -> int:
+    return sum(widths[i] for i in shown) + _GAP * max(0, len(shown) - 1)
+
+
+def _narrowed(widths: list[int], header: Sequence[str], shown: Sequence[int],
+              width: int) -> list[int]:
+    """The widths with the widest of the ``shown`` columns narrowed to one level, the
+    highest at which they fit ``width`` (each at least its floor: its header,
+    :data:`MIN_CELL`)."""
+    floor = {i: min(widths[i], max(len(header[i]), MIN_CELL)) for i in shown}
+    budget = width - _GAP * max(0, len(shown) - 1)
+
+    def used(level: int) -> int:
+        return sum(max(floor[i], min(widths[i], level)) for i in shown)
+
+    lo, hi = 0, max((widths[i] for i in shown), default=0)
+    while lo < hi:  # the highest level whose columns fit the budget
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if used(mid) <= budget else (lo, mid - 1)
+    out = list(widths)
+    for i in shown:
+        out[i] = max(floor[i], min(widths[i], lo))
+    spare = budget - used(lo)
+    for i in shown:  # what is left goes to the columns cut at the level, in order
+        if spare <= 0:
+            break
+        if out[i] < widths[i]:
+            out[i] += 1
+            spare -= 1
+    return out
+
+
+def _fitted(text: str, w: int) -> str:
+    return text if len(text) <= w else text[: w - 1] + CUT
+
+
+#: where a wrapped cell may break: after spaces, a comma, a slash, or a dot before a
+#: name (``rdma.devices``, ``].version``; not inside a version: ``2.21.5``)
+_BREAK = re.compile(r"[ ,/]+|\.(?=[A-Za-z_])")
+
+
+def _pieces(text: str) -> list[str]:
+    pieces, start = [], 0
+    for m in _BREAK.finditer(text):
+        pieces.append(text[start:m.end()])
+        start = m.end()
+    if start < len(text):
+        pieces.append(text[start:])
+    return pieces
+
+
+def _wrapped(text: str, w: int) -> list[str]:
+    """``text`` in lines of at most ``w``, broken where :data:`_BREAK` allows (a longer
+    piece where it must); the lines after the first indented by two."""
+    if len(text) <= w:
+        return [text]
+    lines: list[str] = []
+    line = ""
+    for piece in _pieces(text):
+        room = w - (2 if lines else 0)
+        if line and len(line) + len(piece.rstrip()) > room:
+            lines.append(line.rstrip())
+            line = ""
+            room = w - 2
+        while len(piece.rstrip()) > room:  # one piece longer than a line: split it
+            lines.append(piece[:room])
+            piece = piece[room:]
+            room = w - 2
+        line += piece
+    if line.strip():
+        lines.append(line.rstrip())
+    return [ln if n == 0 else "  " + ln for n, ln in enumerate(lines)]
+
+
+def wrap(text: str, width: int | None) -> str:
+    """Every line of ``text`` longer than ``width`` broken at spaces, the rest of it
+    indented four more than the line (None: ``text`` as it is)."""
+    if width is None or all(len(line) <= width for line in text.split("\n")):
+        return text
+    out = []
+    for line in text.split("\n"):
+        if len(line) <= width:
+            out.append(line)
+            continue
+        indent = line[: len(line) - len(line.lstrip(" "))]
+        out.extend(textwrap.wrap(line, width, subsequent_indent=indent + "    ",
+                                 break_long_words=True, break_on_hyphens=False,
+                                 drop_whitespace=True) or [line])
+    return "\n".join(out)
 
 
 def csv_text(rows: Iterable[Mapping[str, Any]], columns: Sequence[Column]) -> str:
@@ -144,37 +308,3 @@ def kv(pairs: Sequence[tuple[str, Any]], indent: int = 2) -> str:
     pad = " " * indent
     return "".join(f"{pad}{k.ljust(w)}  {cell(v)}\n"
                    for k, (_, v) in zip(keys, pairs, strict=True))
-
-
-class Progress:
-    """A progress line for long work (issue 46: ``diagnose`` read a 2 GiB log for 95 s
-    printing nothing): on ``stream`` (stderr) only when it is a terminal, rewritten in
-    place, first after :attr:`FIRST_S` and then at most every :attr:`EVERY_S`, cleared by
-    :meth:`done`. Scripts and pipes never see it; ``--quiet`` turns it off."""
-
-    FIRST_S = 0.5
-    EVERY_S = 1.0
-
-    def __init__(self, stream: Any, label: str, *, enabled: bool = True) -> None:
-        self.stream = stream
-        self.label = label
-        isatty = getattr(stream, "isatty", None)
-        self.enabled = enabled and callable(isatty) and bool(isatty())
-        self.t0 = time.monotonic()
-        self.next = self.t0 + self.FIRST_S
-        self.shown = False
-
-    def update(self, text: str) -> None:
-        now = time.monotonic()
-        if not self.enabled or now < self.next:
-            return
-        self.next = now + self.EVERY_S
-        self.stream.write(f"\r{self.label}: {safe(text)} [{now - self.t0:.0f} s]\x1b[K")
-        self.stream.flush()
-        self.shown = True
-
-    def done(self) -> None:
-        if self.shown:
-            self.stream.write("\r\x1b[K")
-            self.stream.flush()
-            self.shown = False

@@ -43,5 +43,5 @@ def rejections(show_all: bool, as_json: bool, as_csv: bool) -> None:
     text = None
     if c.fmt == "table":
         what = "rejections" if show_all else "unresolved rejections"
-        text = out.table(rows, COLUMNS) + f"{len(rows)} {what}\n"
+        text = out.table(rows, COLUMNS, c.width) + f"{len(rows)} {what}\n"
     c.emit(doc, rows=rows, columns=COLUMNS, text=text, csv_columns=CSV)

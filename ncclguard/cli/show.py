@@ -16,6 +16,11 @@ from ncclguard.policy.freshness import is_stale
 
 __all__ = ["show"]
 
+#: show's columns that wrap rather than being cut to fit (a path, a field, an error: read
+#: whole); the others (a plugin's ABIs, an address list) are cut
+_LONG = ("path", "plugin", "via", "field", "error", "version_error", "reason")
+
+
 def _load_one(c: Ctx, host: str) -> Any:
     rec = c.inv("load", [host]).get(host)
     if rec is None:
@@ -53,7 +58,7 @@ def _objs(x: Any) -> list[dict[str, Any]]:
 
 def _adds_rows(fp: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per release of the table: the plugin each kind gives it on this node
-    ("-": that release loads no such plugin; "?": unknown)."""
+    ("none": that release loads no such plugin; "unknown": the record does not say)."""
     got = offers.read(fp)
     every = got[0] if got is not None else dict.fromkeys(offers.KINDS)
     picked = {k: None if sel is None else dict(sel) for k, sel in every.items()}
@@ -62,13 +67,14 @@ def _adds_rows(fp: dict[str, Any]) -> list[dict[str, Any]]:
         row: dict[str, Any] = {"release": release.label}
         for kind in offers.KINDS:
             sel = picked[kind]
-            row[kind] = "?" if sel is None else sel.get(release.label, "-")
+            row[kind] = out.UNKNOWN if sel is None else sel.get(release.label, out.NONE)
         rows.append(row)
     return rows
 
 
 
-def _show_text(rec: Any, now: float, ttl: float, klass: str | None) -> str:
+def _show_text(rec: Any, now: float, ttl: float, klass: str | None,
+               width: int | None = None) -> str:
     from ncclguard.fingerprint.fields import plugins_in_force
 
     fp = rec.fingerprint
@@ -79,10 +85,11 @@ def _show_text(rec: Any, now: float, ttl: float, klass: str | None) -> str:
     hostless = d.get("compat.nccl") == "none"
     parts = [out.section(f"node {rec.host}", out.kv([
         ("class", klass or "-"),
-        ("nccl", d.get("compat.nccl")),
-        ("net plugin", NO_HOST_NCCL if hostless else d.get("compat.net_plugin")),
-        ("net ABI", NO_HOST_NCCL if hostless else d.get("compat.net_abi")),
-        ("adds", d.get("compat.adds")), ("transport", d.get("compat.transport")),
+        ("nccl", out.known(d.get("compat.nccl"))),
+        ("net plugin", NO_HOST_NCCL if hostless else out.known(d.get("compat.net_plugin"))),
+        ("net ABI", NO_HOST_NCCL if hostless else out.known(d.get("compat.net_abi"))),
+        ("adds", out.known(d.get("compat.adds"))),
+        ("transport", out.known(d.get("compat.transport"))),
         ("last heartbeat", f"{out.iso(rec.last_heartbeat)} ({out.age(age)} ago"
                            + (", STALE)" if is_stale(rec.last_heartbeat, now, ttl) else ")")),
         ("collected at", out.iso(rec.collected_at)), ("first seen", out.iso(rec.first_seen)),
@@ -96,22 +103,23 @@ def _show_text(rec: Any, now: float, ttl: float, klass: str | None) -> str:
     parts.append(out.section("libnccl", out.table(libs, [
         ("path", "PATH"), ("version", "VERSION"), ("cuda_version", "CUDA"),
         ("abi_net", "NET ABIS"), ("abi_other", "OTHER PLUGIN ABIS"), ("default", "DEFAULT"),
-        ("origin", "ORIGIN"), ("version_error", "ERROR")])))
+        ("origin", "ORIGIN"), ("version_error", "ERROR")], width, wrap=_LONG)))
     plugins = [{**x, "abi": _obj(x.get("abis")).get(str(x.get("kind")))}
                for x in _objs(fp.get("plugins"))]
     parts.append(out.section("plugins", out.table(plugins, [
         ("kind", "KIND"), ("path", "PATH"), ("name", "NAME"), ("abi", "ABIS"),
-        ("default", "DEFAULT"), ("origin", "ORIGIN"), ("error", "ERROR")])))
+        ("default", "DEFAULT"), ("origin", "ORIGIN"), ("error", "ERROR")], width, wrap=_LONG)))
     net = _obj(fp.get("net"))
     parts.append(out.section("net (default libnccl x default net plugin)", out.kv(
         [(k, net.get(k)) for k in ("libnccl", "plugin", "effective_net_abi", "reason")])))
     parts.append(out.section("plugins in force (default libnccl x the library NCCL loads "
                              "for each kind)", out.table(_objs(plugins_in_force(fp)), [
         ("kind", "KIND"), ("plugin", "PLUGIN"), ("via", "VIA"), ("name", "NAME"),
-        ("abi", "ABI"), ("reason", "REASON")])))
+        ("abi", "ABI"), ("reason", "REASON")], width, wrap=_LONG)))
     parts.append(out.section("what the node adds to a job's own NCCL, by release (issue 39)",
                              out.table(_adds_rows(fp), [
-                                 ("release", "NCCL"), *((k, k.upper()) for k in offers.KINDS)])))
+                                 ("release", "NCCL"), *((k, k.upper()) for k in offers.KINDS)],
+                                 width)))
     rdma = _obj(fp.get("rdma"))
     ports = [{"device": dv.get("name"), "fw_ver": dv.get("fw_ver"),
               "hca_type": dv.get("hca_type"), **p}
@@ -125,9 +133,9 @@ def _show_text(rec: Any, now: float, ttl: float, klass: str | None) -> str:
         ("providers", rdma.get("providers"))]) + out.table(ports, [
             ("device", "DEVICE"), ("port", "PORT"), ("state", "STATE"),
             ("phys_state", "PHYS"), ("rate", "RATE"), ("link_layer", "LINK"),
-            ("fw_ver", "FIRMWARE"), ("hca_type", "HCA")])))
+            ("fw_ver", "FIRMWARE"), ("hca_type", "HCA")], width)))
     parts.append(out.section("netifs", out.table(_objs(fp.get("netifs")), [
-        ("name", "NAME"), ("up", "UP"), ("addresses", "ADDRESSES")])))
+        ("name", "NAME"), ("up", "UP"), ("addresses", "ADDRESSES")], width)))
     conf = _obj(fp.get("nccl_conf"))
     settings = _obj(conf.get("settings"))
     parts.append(out.section("nccl.conf", out.kv(
@@ -138,7 +146,8 @@ def _show_text(rec: Any, now: float, ttl: float, klass: str | None) -> str:
                                             ("driver_version", "count", "models", "peermem")])))
     errs = _objs(fp.get("errors"))
     parts.append(out.section(f"probe errors ({len(errs)})", out.table(errs, [
-        ("probe", "PROBE"), ("field", "FIELD"), ("path", "PATH"), ("error", "ERROR")])
+        ("probe", "PROBE"), ("field", "FIELD"), ("path", "PATH"), ("error", "ERROR")], width,
+        keep=("path",), wrap=_LONG)
         if errs else "  none\n"))
     return "\n".join(parts)
 
@@ -163,4 +172,5 @@ def show(node: str, as_json: bool, as_csv: bool) -> None:
         "in_force": _in_force(rec.fingerprint),
         "fingerprint": rec.fingerprint,
     }
-    c.emit(doc, text=_show_text(rec, c.now, c.stale_after, klass) if c.fmt == "table" else None)
+    c.emit(doc, text=_show_text(rec, c.now, c.stale_after, klass, c.width)
+           if c.fmt == "table" else None)

@@ -219,7 +219,8 @@ def _apply(slurm: Slurm, u: Update, result: SyncResult, budget: list[int]) -> No
 def sync(config: Config, slurm: Slurm, *, dry_run: bool = False, now: float | None = None,
          inventory: Inventory | None = None,
          classes: Callable[[Sequence[str]], Mapping[str, str | None]] | None = None,
-         skip: Collection[str] = ()) -> SyncResult:
+         skip: Collection[str] = (),
+         progress: Callable[[str], None] | None = None) -> SyncResult:
     """Read Slurm's nodes and the inventory, apply the updates (unless ``dry_run``), and
     write the file of classes when Slurm holds every feature it names.
 
@@ -234,14 +235,18 @@ def sync(config: Config, slurm: Slurm, *, dry_run: bool = False, now: float | No
     propagate. While features move, the file names only classes Slurm has before and
     after; a failed update is reported in ``errors``, and the file then names only what
     Slurm reports it has. Then pending jobs whose group names a class gone (or too small
-    now) get the current group (:func:`regroup_pending`).
+    now) get the current group (:func:`regroup_pending`). ``progress`` is told each step
+    (``ncclguard features sync``'s progress line: at 16,384 nodes a sync is many calls).
     """
     now = time.time() if now is None else now
+    step = progress if progress is not None else _silent
     path = Path(config.features.classes_file)
     lock = contextlib.nullcontext() if dry_run else classfile.locked(path)
     with lock:
+        step("reading Slurm's nodes")
         nodes = slurm.nodes()
         names = [n.name for n in nodes]
+        step(f"{len(names):,} nodes: reading their classes")
         p = plan(nodes, classes(names) if classes else desired(config, names, now, inventory))
         result = SyncResult(p, dry_run=dry_run)
         if dry_run:
@@ -260,7 +265,8 @@ def sync(config: Config, slurm: Slurm, *, dry_run: bool = False, now: float | No
         calls, later = _without(p.updates, skip)
         result.failed += [(u, NOT_TRIED) for u in later]
         budget = [SPLIT_CALLS]
-        for u in calls:
+        for k, u in enumerate(calls):
+            step(f"scontrol update {k + 1:,} of {len(calls):,}")
             _apply(slurm, u, result, budget)
         result.errors += [f"{compress(u.hosts)}: {why}" for u, why in result.failed]
         if result.errors:
@@ -277,8 +283,13 @@ def sync(config: Config, slurm: Slurm, *, dry_run: bool = False, now: float | No
         cf = class_table(config, nodes, p.classes, now, default, images)
         classfile.write(path, cf)
         result.written = path
+        step("pending jobs: regrouping")
         result.regrouped = regroup_pending(slurm, cf, result.errors)
         return result
+
+
+def _silent(text: str) -> None:
+    """No progress to tell (the features daemon, the hooks)."""
 
 
 def regroup_pending(slurm: Slurm, cf: classfile.ClassFile, errors: list[str]

@@ -9,6 +9,11 @@
   backoff; a read-only reader that meets a killed writer's hot journal waits for a
   writer within its busy budget. Every ``sqlite3.Error`` becomes an
   :class:`~ncclguard.store.errors.InventoryError` that names the file.
+- A reader leaves nothing beside the file (issue 46: ``ncclguard nodes --db COPY`` of a
+  WAL database left ``COPY-wal`` and ``COPY-shm``): a WAL database that no connection
+  has open (no ``-wal``, no ``-shm``) is read ``immutable=1``, which creates neither,
+  and each read checks that no writer has come since (else it is read again through a
+  plain ``mode=ro`` connection); docs/store.md, "Readers leave no -wal or -shm".
 """
 
 from __future__ import annotations
@@ -77,8 +82,44 @@ def _check_safe(path: Path) -> None:
                                   f"{stat.filemode(st.st_mode)}")
 
 
-def _uri(path: Path, mode: str) -> str:
-    return f"file:{urllib.parse.quote(str(path))}?mode={mode}"
+def _uri(path: Path, mode: str, immutable: bool = False) -> str:
+    return f"file:{urllib.parse.quote(str(path))}?mode={mode}" + (
+        "&immutable=1" if immutable else "")
+
+
+#: The file header's "file format write version" (offset 18): 2 is WAL (SQLite's file
+#: format, section 1.3.3); 1 a rollback journal.
+_WAL_FORMAT = 2
+
+
+def _unopened_wal(path: Path) -> tuple[int, int, int, int] | None:
+    """The file's (inode, size, mtime, ctime) when it is a WAL database that no
+    connection has open: no ``-wal`` and no ``-shm`` beside it (a writer in WAL mode
+    keeps its ``-wal`` from its first read to its last close; a killed one leaves both).
+    A reader of it with ``mode=ro`` alone would create both and leave them (it cannot
+    checkpoint, so it does not delete them). None otherwise: a rollback journal (a
+    reader creates nothing), told by the header's 20 bytes, a few microseconds (the gate
+    opens the inventory per job)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return None  # sqlite3 says why
+    try:
+        head = os.pread(fd, 20, 0)
+        st = os.fstat(fd)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if len(head) < 20 or head[18] != _WAL_FORMAT:
+        return None
+    if os.path.lexists(f"{path}-wal") or os.path.lexists(f"{path}-shm"):
+        return None  # the usual case while the collector runs: a writer has it open
+    return _identity(st)
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def chunks(items: list[str], n: int = 30000) -> Iterator[list[str]]:
@@ -117,6 +158,8 @@ class Database:
             )
         self.values = values
         self._busy_s = max(self.config.busy_timeout_ms, 0) / 1000.0
+        #: the file's identity when read ``immutable=1`` (:func:`_unopened_wal`), else None
+        self._frozen: tuple[int, int, int, int] | None = None
         # a test seam: called inside the write transaction, just before COMMIT
         self._before_commit: Callable[[sqlite3.Connection], None] | None = None
         self._conn = self._open_ro() if readonly else self._open_rw()
@@ -131,29 +174,36 @@ class Database:
         _check_safe(path)
         if not path.is_file():
             raise InventoryCorrupt(path, "not a regular file")
-        conn = self._connect("ro")
+        # a WAL database no writer has open: read as it is, creating no -wal or -shm
+        self._frozen = _unopened_wal(path)
+        conn = self._connect("ro", immutable=self._frozen is not None)
+
         def probe(c: sqlite3.Connection) -> int:
             version = int(c.execute("PRAGMA user_version").fetchone()[0])
             c.execute("SELECT count(*) FROM sqlite_master").fetchone()
             return version
 
+        self._conn = conn
         try:
             version = self._read_ro(conn, "open", probe)
         except InventoryError:
-            conn.close()
+            self._conn.close()
             raise
+        conn = self._conn  # another one if a writer came while it was read
         if version == 0:
             conn.close()
             raise InventoryMissing(path, "empty database: no inventoryd has written to it yet")
         self._check_version(conn, version)
         return conn
 
-    def _connect(self, mode: str) -> sqlite3.Connection:
-        """A connection in SQLite's ``mode`` (``ro``, ``rw``); transactions are explicit."""
+    def _connect(self, mode: str, immutable: bool = False) -> sqlite3.Connection:
+        """A connection in SQLite's ``mode`` (``ro``, ``rw``); transactions are explicit.
+        ``immutable``: SQLite takes no lock and creates no ``-wal``/``-shm`` (only for a
+        WAL database no writer has open: :func:`_unopened_wal`)."""
         try:
             return sqlite3.connect(
-                _uri(self.path, mode), uri=True, timeout=self._busy_s, isolation_level=None,
-                check_same_thread=False,
+                _uri(self.path, mode, immutable), uri=True, timeout=self._busy_s,
+                isolation_level=None, check_same_thread=False,
             )
         except sqlite3.Error as e:
             raise translate(e, self.path, "open") from None
@@ -261,7 +311,7 @@ class Database:
     def set_journal_mode(self, mode: str, *, wait_s: float = 10.0) -> str:
         """Switch the journal mode ("wal" or "delete"), waiting up to ``wait_s`` for
         readers to let go; returns the mode in force. The collector leaves WAL when it
-        stops: a read-only reader cannot open a WAL file whose ``-shm`` it cannot create."""
+        stops: a reader of a rollback journal needs nothing beside the file."""
         self._require_rw()
         want = "wal" if mode == "wal" else "delete"
         deadline = time.monotonic() + wait_s
@@ -286,6 +336,25 @@ class Database:
             step(conn, self.values)
         conn.execute(f"PRAGMA user_version = {int(SCHEMA_VERSION)}")
         return "migrated"
+
+    def _moved(self) -> bool:
+        """Whether a writer may have changed the file since it was opened immutable: a
+        ``-wal`` now (a WAL writer makes it before it changes anything), or another
+        inode, size, mtime or ctime (a checkpoint, a rollback-journal write)."""
+        try:
+            return (os.path.lexists(f"{self.path}-wal")
+                    or _identity(os.stat(self.path)) != self._frozen)
+        except OSError:
+            return True
+
+    def _thaw(self) -> sqlite3.Connection:
+        """The ``immutable=1`` connection replaced: by a plain ``mode=ro`` one while a
+        writer has the file open, else (it has written and gone) by another immutable one
+        of the file as it is now."""
+        self._conn.close()
+        self._frozen = _unopened_wal(self.path)
+        self._conn = self._connect("ro", immutable=self._frozen is not None)
+        return self._conn
 
     # ---- plumbing
 
@@ -349,12 +418,22 @@ class Database:
         self, conn: sqlite3.Connection, doing: str, fn: Callable[[sqlite3.Connection], Any]
     ) -> Any:
         """A read on a ``mode=ro`` connection. A hot journal left by a killed writer can
-        only be rolled back by a writer: wait for one within the busy budget."""
+        only be rolled back by a writer: wait for one within the busy budget. A read of a
+        file opened ``immutable=1`` stands only if no writer came while it was read (no
+        ``-wal`` yet, the file as it was): else it is read again (:meth:`_thaw`) through
+        a ``mode=ro`` connection, which sees the writer's WAL and takes its locks."""
         deadline = time.monotonic() + self._busy_s
         while True:
             try:
-                return fn(conn)
+                got = fn(conn)
+                if self._frozen is None or not self._moved():
+                    return got
+                conn = self._thaw()
+                continue
             except sqlite3.Error as e:
+                if self._frozen is not None and self._moved():
+                    conn = self._thaw()
+                    continue
                 if not hot_journal(e, self.path):
                     raise translate(e, self.path, doing) from None
                 if time.monotonic() >= deadline:

@@ -36,3 +36,38 @@ def ok(r: Result, code: int = 0) -> Result:
     """``r``, once its exit code is ``code`` (the output in the failure's message)."""
     assert r.exit_code == code, (r.exit_code, r.output, r.exception)
     return r
+
+
+def stderr_on_a_terminal(argv: list[str], marker: str, *, cwd: Path | str | None = None,
+                         timeout: float = 120.0) -> tuple[str, float | None]:
+    """Run ``argv`` with its stderr on a pseudo-terminal (stdout to /dev/null), as an admin
+    at a terminal sees it: ``(what it wrote to the terminal, the seconds until ``marker``
+    first appeared, or None)``. The progress lines' test (``ncclguard.progress``)."""
+    import os
+    import pty
+    import select
+    import subprocess
+    import time
+
+    master, slave = pty.openpty()
+    t0 = time.monotonic()
+    p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=slave, cwd=cwd)
+    os.close(slave)
+    seen, first = b"", None
+    while True:
+        ready, _, _ = select.select([master], [], [], 0.1)
+        if ready:
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:  # the other end closed: the program ended
+                break
+            if not chunk:
+                break
+            seen += chunk
+            if first is None and marker.encode() in seen:
+                first = time.monotonic() - t0
+        elif p.poll() is not None:
+            break
+    p.wait(timeout=timeout)
+    os.close(master)
+    return seen.decode("utf-8", "replace"), first
