@@ -208,7 +208,7 @@ def test_a_record_without_offers_is_unknown_and_hostile_parts_never_crash(node) 
     table = offers.TABLE
     every = " ".join(r.label for r in RELEASES if "net" in r.loads)
     plain = [{"path": "/p", "names": {"net": "X"}, "abis": {"net": [8]}}]
-    good = {"table": table, "uses": {"net": {"0 8": every}}, "files": plain}
+    good = {"table": table, "uses": {"net": f"0 8: {every}"}, "files": plain}
     span = offers.span(every.split())
     assert node_adds.values({**fp, "offers": good})["net plugin"] == f"{span}: X v8"
     odd = {**good, "files": [{"path": "/p", "names": ["x"], "abis": {"net": 5}}]}
@@ -216,18 +216,17 @@ def test_a_record_without_offers_is_unknown_and_hostile_parts_never_crash(node) 
     assert node_adds.values({**fp, "offers": odd})["net plugin"] == f"{span}: p v8"
     for bad in ([], {"uses": []}, {"table": table, "uses": {"net": []}, "files": []},
                 {**good, "table": table.rsplit(" ", 1)[0]},         # another table
-                {"table": table, "uses": {"net": {"7 x": every}}, "files": plain},
-                {"table": table, "uses": {"net": {"? ": every}}, "files": plain},
-                {"table": table, "uses": {"net": {"0 8": every}}, "files": [{"names": {}}]},
-                {"table": table, "uses": {"net": {"-1 8": every}}, "files": plain},
-                {"table": table, "uses": {"net": {"0 8": every, "0 7": "2.32.3"}},
-                 "files": plain},                                   # a release twice
-                {"table": table, "uses": {"net": {"0 8": every + " 9.9.9"}}, "files": plain},
-                {"table": table, "uses": {"net": {"0 \u00b2": every}}, "files": plain},
-                {"table": table, "uses": {"net": {"0 8": 5}}, "files": plain},
-                {"table": table, "uses": {"net": {f"0 {i}": "2.32.3" for i in range(99)}},
-                 "files": plain},
-                {"table": table, "uses": {"net": "x"}, "files": []}):
+                {**good, "uses": {"net": f"7 x: {every}"}},
+                {**good, "uses": {"net": f"?: {every}"}},          # unknown
+                {**good, "files": [{"names": {}}]},
+                {**good, "uses": {"net": f"-1 8: {every}"}},
+                {**good, "uses": {"net": f"0 8: {every}; 0 7: 2.32.3"}},  # a release twice
+                {**good, "uses": {"net": f"0 8: {every} 9.9.9"}},
+                {**good, "uses": {"net": f"0 \u00b2: {every}"}},
+                {**good, "uses": {"net": f"0 8: {every};"}},
+                {**good, "uses": {"net": "; ".join(f"0 {i}: 2.32.3" for i in range(99))}},
+                {**good, "uses": {"net": {"0 8": every}}},
+                {**good, "uses": {"net": 5}}):
         got = node_adds.values({**fp, "offers": bad})
         assert got["net plugin"] is None, bad  # unknown, not an exception
     # a crafted value in a stored record reaches the gate's comparison: parsed, bounded

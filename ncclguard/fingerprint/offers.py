@@ -49,6 +49,9 @@ TABLE = " ".join(r.label for r in RELEASES)
 #: A choice of ``uses``: unknown (the job's own executable, an unreadable file).
 UNKNOWN = "?"
 _BY_LABEL = {r.label: r for r in RELEASES}
+#: The longest ``uses`` value read: every release once, each with a choice of 20
+#: characters (a longer one is not a probe's, and not parsed).
+_MAX_USES = len(TABLE) + 24 * len(RELEASES)
 
 
 def _part(fp: dict) -> tuple[dict | None, list] | None:
@@ -71,11 +74,12 @@ def _part(fp: dict) -> tuple[dict | None, list] | None:
 def pack(rows: dict[str, dict[str, list | None]], files: list[dict]) -> dict[str, Any]:
     """The part as a probe writes it, from each release's row ``{kind: [file index, ABI
     or None] | None}`` (None: unknown; a kind left out: no library) and the ``files``
-    they index: ``{"table", "files", "uses": {kind: {choice: "release release ..."}}}``,
-    a choice being ``"FILE ABI"`` (``"0 8"``), ``"FILE -"`` (opened, no ABI in common) or
-    ``"?"``. Each release once per kind, in a few strings: a record's values are walked
-    at each heartbeat (``ncclguard.spool.check_values``), and a row per release made
-    that walk twice as long (docs/perf.md)."""
+    they index: ``{"table", "files", "uses": {kind: "CHOICE: RELEASE RELEASE...; ..."}}``,
+    a choice being ``FILE ABI`` (``0 8``), ``FILE -`` (opened, no ABI in common) or ``?``
+    (unknown). One string per kind: a record's values are walked at each heartbeat
+    (``ncclguard.spool.check_values``), and a row per release made that walk twice as
+    long; a value per choice, still 1.7x for a node with a plugin of every kind
+    (docs/perf.md)."""
     uses: dict[str, dict[str, list[str]]] = {}
     for label, row in rows.items():
         for kind, entry in row.items():
@@ -83,7 +87,8 @@ def pack(rows: dict[str, dict[str, list | None]], files: list[dict]) -> dict[str
                       f"{entry[0]} {'-' if entry[1] is None else entry[1]}")
             uses.setdefault(kind, {}).setdefault(choice, []).append(label)
     return {"table": TABLE, "files": files,
-            "uses": {k: {c: " ".join(ls) for c, ls in v.items()} for k, v in uses.items()}}
+            "uses": {k: _SEP.join(f"{c}: {' '.join(ls)}" for c, ls in v.items())
+                     for k, v in uses.items()}}
 
 
 def _count(text: str) -> int | None:
@@ -99,13 +104,12 @@ def _opened(uses: dict | None, files: list, kind: str) -> Opened | None:
     opens a ``kind`` library on this node (one not named: none); ``None``: unknown for
     some release, or not a value of this part (a release twice, or one that does not load
     ``kind``; more choices than releases). Reads at most the table's worth."""
-    choices = None if uses is None else uses.get(kind, {})
-    if not isinstance(choices, dict) or len(choices) > len(RELEASES):
+    value = None if uses is None else uses.get(kind, "")
+    if not isinstance(value, str) or len(value) > _MAX_USES:
         return None
     out: Opened = {}
-    for choice, labels in choices.items():
-        if not isinstance(labels, str) or len(labels) > len(TABLE):
-            return None
+    for segment in value.split(_SEP) if value else ():
+        choice, _, labels = segment.partition(": ")
         first, _, second = choice.partition(" ")
         index, abi = _count(first), None if second == "-" else _count(second)
         rec = None if index is None else _file(files, index)
