@@ -213,16 +213,34 @@ def _storable(values: list[Any]) -> str | None:
     return None
 
 
-def check_values(doc: Any, what: str) -> None:
+#: What in a JSON text can read as a value :func:`_storable` refuses: a number (after
+#: ``:``, ``,`` or ``[``: a number is a value, never in a string) of 20 digits or more, or
+#: of 19 from 9 on (an integer past 64 bits, 2**63 - 1 being 9,223,372,036,854,775,807; a
+#: float past a double), or with an exponent; ``NaN`` and
+#: ``Infinity``, Python's literals; a ``\\uD800``-``\\uDFFF`` escape, or a surrogate's
+#: raw UTF-8 bytes ``ED A0``-``ED BF`` (``json.loads`` reads bytes with
+#: ``surrogatepass``): a lone surrogate; a NUL byte (UTF-16 or UTF-32, which it reads too).
+#: Text with none of these holds no such value, so its values are not looked at one by
+#: one (a third of a heartbeat's walk, docs/perf.md). A string that merely looks like one
+#: (``"NaN"``, ``"a:1e5"``) only makes the look run.
+_MAYBE_UNSTORABLE = re.compile(
+    rb"[:,\[]\s*-?[0-9]+(?:\.[0-9]*)?[eE]|[:,\[]\s*-?(?:9[0-9]{18}|[0-9]{20})|NaN|Infinity"
+    rb"|\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]|\x00")
+
+
+def check_values(doc: Any, what: str, text: bytes | None = None) -> None:
     """:class:`RecordError` ("too-deep" or "malformed") when ``doc`` cannot be stored
     and read back by every reader: past the bounds of
     :func:`ncclguard.fingerprint.shape.bounds_problem`, or holding a value SQLite cannot
-    hold (:func:`_storable`). One walk."""
-    scalars: list[Any] = []
+    hold (:func:`_storable`). One walk. ``text``: the JSON ``doc`` was read from, when
+    known; the values are looked at one by one only when it may hold such a value
+    (:data:`_MAYBE_UNSTORABLE`)."""
+    scalars: list[Any] | None = (
+        [] if text is None or _MAYBE_UNSTORABLE.search(text) else None)
     deep = bounds_problem(doc, scalars)
     if deep:
         raise RecordError("too-deep", f"{what} holds {deep}")
-    why = _storable(scalars)
+    why = None if scalars is None else _storable(scalars)
     if why:
         raise RecordError("malformed", f"{what} holds {why}")
 
@@ -312,7 +330,7 @@ def parse_payload(data: bytes, *, max_bytes: int) -> Record:
         raise RecordError(
             "name-mismatch", f"record for {host!r} holds the fingerprint of {str(fp_host)[:80]!r}"
         )
-    check_values(fp, "the fingerprint")
+    check_values(fp, "the fingerprint", data)
     return Record(host, seq, fp)
 
 

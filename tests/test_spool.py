@@ -140,6 +140,42 @@ def test_payload_bounds_and_types() -> None:
     assert e.value.cause == "name-mismatch"
 
 
+_POISONS = [  # (the value's JSON text as a node may write it, what the error says)
+    (b"9223372036854775808", "integer outside 64 bits"),     # 2**63
+    (b"-9223372036854775809", "integer outside 64 bits"),
+    (b"18446744073709551616", "integer outside 64 bits"),
+    (b"1e400", "not finite"), (b"-1E999", "not finite"),
+    (b"1" + b"0" * 400 + b".5", "not finite"),
+    (b"NaN", "not finite"), (b"Infinity", "not finite"), (b"-Infinity", "not finite"),
+    (b'"\\ud800"', "not valid UTF-8"), (b'"x\\uDFFFy"', "not valid UTF-8"),
+    (b'"\xed\xa0\x80"', "not valid UTF-8"),                  # a surrogate's own bytes
+]
+
+
+@pytest.mark.parametrize(("poison", "text"), _POISONS)
+def test_a_value_sqlite_cannot_hold_is_found_in_any_spelling(
+        poison: bytes, text: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each is refused as before the byte screen (spool._MAYBE_UNSTORABLE) was put in
+    front of the value-by-value check, in UTF-8 and in UTF-16 (json.loads reads both); and
+    an honest record is never checked value by value (a third of a heartbeat's walk)."""
+    fp = fingerprint("n1", plugin_abi=8)
+    fp["libnccl"][0]["version_code"] = 0
+    doc = spool.payload(fp).replace(b'"version_code":0', b'"version_code":' + poison, 1)
+    assert poison in doc
+    for data in (doc, doc.decode("utf-8", "surrogatepass").encode("utf-16", "surrogatepass")):
+        with pytest.raises(spool.RecordError) as e:
+            spool.parse_payload(data, max_bytes=1 << 22)
+        assert e.value.cause == "malformed" and text in e.value.detail, e.value.detail
+    calls = []
+    real = spool._storable
+    monkeypatch.setattr(spool, "_storable", lambda v: calls.append(1) or real(v))
+    spool.parse_payload(spool.payload(fingerprint("n1", plugin_abi=8)), max_bytes=1 << 22)
+    assert calls == []
+    fp["libnccl"][0]["version_code"] = "NaN, 1e400 and 2**64 as text: only a look, no error"
+    spool.parse_payload(spool.payload(fp), max_bytes=1 << 22)
+    assert calls == [1]
+
+
 # ---- files
 
 
