@@ -304,3 +304,23 @@ def test_the_test_factorys_offers_part_is_what_the_probe_writes(node, so) -> Non
                node("b")):
         net = next((p for p in fp["plugins"] if p["kind"] == "net"), None)
         assert offers_part(net) == fp["offers"]
+
+
+def test_a_part_seen_before_is_not_read_again(node, so, monkeypatch) -> None:
+    """Most nodes send the same part: by_kind answers it from what it read last time (a
+    changed record cost 7 reads of it); another part, a part with the plugin probe
+    failed, and a caller changing the answer it got are each their own."""
+    a = node("a", {NET: so("v8-v6", net_abis=[8, 7, 6], name="HoldoutNet")})
+    b = node("b")
+    reads = []
+    real = offers.read
+    monkeypatch.setattr(offers, "read", lambda fp: reads.append(1) or real(fp))
+    monkeypatch.setattr(offers, "_cache", {})
+    first = offers.by_kind(a)
+    first["net"] = ("changed by a caller", None)
+    assert offers.by_kind(json.loads(json.dumps(a)))["net"][0] == offers.signature(a, "net")
+    assert len(reads) == 1
+    assert offers.by_kind(b)["net"] == (offers.NONE, offers.NONE) and len(reads) == 2
+    failed = {**a, "errors": [{"probe": "plugins", "field": "plugins", "error": "x"}]}
+    assert offers.by_kind(failed)["net"] == (None, None)
+    assert node_adds.values(a)["net plugin"] == offers.signature(a, "net")

@@ -74,8 +74,7 @@ def registry_for(
                 "its libnccl (issue 39): per kind, each plugin name with the ABIs some "
                 "release would use (none), and the plugin release by release", ["kind"],
                 registry=reg)
-    for kind in offers.KINDS:
-        value = offers.signature(dict(fp), kind)
+    for kind, (value, _) in offers.by_kind(dict(fp)).items():
         adds.labels(kind=kind).info({
             "plugin": _s(None if value is None else offers.summary(value)),
             "by_release": _s(value)})

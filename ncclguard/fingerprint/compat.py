@@ -99,7 +99,7 @@ def adds(fp: dict) -> str | None:
     unknown (an older daemon)."""
     from ncclguard.fingerprint import offers
 
-    value = offers.signature(fp, "net")
+    value = offers.by_kind(fp)["net"][0]
     return None if value is None else offers.summary(value)
 
 

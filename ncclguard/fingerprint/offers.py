@@ -32,7 +32,8 @@ from typing import Any
 
 from ncclguard.fingerprint.releases import RELEASES
 
-__all__ = ["KINDS", "NONE", "TABLE", "UNKNOWN", "differing", "offered", "pack", "parse",
+__all__ = ["KINDS", "NONE", "TABLE", "UNKNOWN", "by_kind", "differing", "offered", "pack",
+           "parse",
            "read", "release_for",
            "selections", "signature",
            "signature_of", "span", "summary", "unused", "unused_of"]
@@ -190,6 +191,45 @@ def _selection(uses: dict | None, files: list, kind: str, opened: dict[str, dict
             name = names[index] = _name(rec, kind)
         sel.append((release.label, f"{name} v{abi}"))
     return sel
+
+
+#: :func:`by_kind`'s answers for the parts seen last (most nodes of a cluster send the
+#: same part): at most this many, each for a part of at most :data:`_CACHE_PART` bytes.
+_CACHE_SIZE = 256
+_CACHE_PART = 16 << 10
+_cache: dict[str, dict[str, tuple[str | None, str | None]]] = {}
+
+
+def by_kind(fp: dict) -> dict[str, tuple[str | None, str | None]]:
+    """kind -> ``(signature, unused)`` of this record (:func:`signature`, :func:`unused`)
+    for every kind: what the node-adds rule and the class values read of each record
+    (one home). Remembered for the last parts seen, by their JSON text: a changed record
+    from a node whose plugins did not change costs a lookup, not 7 reads of the part
+    (``bench/bench_collector.py``, docs/perf.md)."""
+    import json
+
+    part = fp.get("offers")
+    failed = any(e.get("field") == "plugins" and e.get("probe") == "plugins"
+                 for e in fp.get("errors") or () if isinstance(e, dict))
+    key = None
+    if isinstance(part, dict) and not failed:
+        try:
+            key = json.dumps(part, sort_keys=True, separators=(",", ":"))
+        except (TypeError, ValueError, RecursionError):
+            key = None
+        if key is not None and len(key) > _CACHE_PART:
+            key = None
+    if key is not None and key in _cache:
+        return dict(_cache[key])
+    got = read(fp)
+    every, opened = got if got is not None else ({}, {})
+    out = {kind: (signature_of(every.get(kind)),
+                  unused_of(kind, every.get(kind), opened.get(kind))) for kind in KINDS}
+    if key is not None:
+        if len(_cache) >= _CACHE_SIZE:
+            _cache.pop(next(iter(_cache)))
+        _cache[key] = out
+    return dict(out)
 
 
 def selections(fp: dict, kind: str) -> list[tuple[str, str]] | None:

@@ -33,13 +33,10 @@ REFUSING = ("net", "env")
 
 
 def values(fp: dict) -> Values:
-    got = offers.read(fp)
-    every, opened = got if got is not None else ({}, {})
     out: Values = {}
-    for kind in offers.KINDS:
-        sel = every.get(kind)
-        out[kind + _PLUGIN] = offers.signature_of(sel)
-        out[kind + _UNUSED] = offers.unused_of(kind, sel, opened.get(kind))
+    for kind, (used, unused) in offers.by_kind(fp).items():
+        out[kind + _PLUGIN] = used
+        out[kind + _UNUSED] = unused
     return out
 
 
