@@ -2,8 +2,9 @@
 22.05, systemd 252) and Debian forky (Slurm 26.05, systemd 262).
 
 scripts/systemd-root.sh builds (once, cached) a debootstrap root with systemd, dbus, Slurm,
-munge and squashfs-tools; the test boots a copy with ``systemd-nspawn -b`` (devtools/nspawn.py) and runs
-every block of the guide marked for this test, in the one-machine order, with bash inside:
+munge and squashfs-tools; the test boots a copy with ``systemd-nspawn -b``
+(devtools/nspawn.py) and runs every block of the guide marked for this test, in the
+one-machine order, with bash inside:
 the wheelhouse built from this checkout, the package from it (no network inside), the
 users and directories, the node daemon, the collector, the gate, the class features and
 job_submit.lua, the metrics. It shows, under a real systemd:
@@ -453,15 +454,16 @@ def hostile_image_under_the_unit(box: Machine, tmp_path: Path) -> dict[str, obje
                interval=0.5, detail=lambda: unit_log()[-3000:])
     first_read = time.monotonic()
     # the next pass reads it again (its first retry is at once): stop it while it reads,
-    # as the collector's own CPU time shows (nothing else it does takes more than ms; at
-    # Nice=10 on a loaded 2-core machine a read was seen at 0.26 s of CPU per 0.5 s)
+    # as the collector's own CPU time shows: 0.00 s per 0.5 s between scans (nothing
+    # else it does takes more than ms), 0.26 s reading at Nice=10 on a loaded 2-core
+    # machine (a window the read starts in has less)
     busy: list[float] = []
 
     def reading() -> bool:
         c0 = cpu_s(pid)
         time.sleep(0.5)
         busy.append(cpu_s(pid) - c0)
-        return busy[-1] >= 0.15
+        return busy[-1] >= 0.1
 
     wait_until(reading, 2 * IMAGE_LIMIT_S, "the collector reading the image again",
                interval=0.0, detail=lambda: f"CPU seconds per 0.5 s: {busy}")
