@@ -132,7 +132,9 @@ def test_the_collector_pets_its_watchdog_while_it_reads_a_slow_image(
     listener.wait_for("STOPPING=1")
     (ready,) = _times(listener, "READY=1")
     (stopping,) = _times(listener, "STOPPING=1")
-    assert stopping - ready >= 2.0, stopping - ready  # the read took its whole limit
+    # the read took its whole limit (what was left of the pass's 2 s budget: a few ms
+    # less than 2 s once the roots were walked)
+    assert stopping - ready >= 1.9, stopping - ready
     pings = _times(listener, "WATCHDOG=1")
     gap = _longest_gap(pings, ready, stopping)
     assert gap < 1.2, (gap, [round(t - ready, 2) for t in pings], stopping - ready)
