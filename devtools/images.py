@@ -1,7 +1,8 @@
 """Build real squashfs images for tests, the demo and the benches (``mksquashfs``).
 
 ``build_image(out, files={node path: source Path | bytes}, links={path: target})``
-lays out a tree and packs it with the chosen compressor. Raises
+lays out a tree and packs it with the chosen compressor; ``nccl_image`` one laid out like
+a CUDA container, ``link_maze`` a hostile one that keeps the image reader busy. Raises
 :class:`devtools.ncclwheels.PartUnavailable` when squashfs-tools is not installed.
 """
 
@@ -85,6 +86,24 @@ def nccl_image(out: Path, libnccl: Path, *, where: str = "/usr/lib/x86_64-linux-
         files["/etc/nccl.conf"] = nccl_conf
     return build_image(out, files, links, comp)
 
+
+
+def link_maze(out: Path, dirs: int = 1000, hops: int = 39) -> Path:
+    """A hostile image that keeps the image reader busy (a few KiB): ``/etc/ld.so.conf``
+    names ``dirs`` search directories ``/m0``, ``/m1``..., each a symlink into one chain of
+    ``hops`` links, and each link's target is 4 KiB of ``a/../`` before the next link:
+    every directory resolves to ``/a`` after ``hops + 1`` links (within the kernel's 40)
+    and about 30,000 path components. Within every bound of the reader (the search
+    directories are capped at 1,024, the links at 40 per path), it costs about 25 s of
+    resolving (squashfs-tools 4.5.1, Python 3.11, CI's machine of 2026): an image that
+    runs into its time limit, used where the collector must be seen busy reading
+    (tests/test_install_systemd.py, tests/test_collector_watchdog.py)."""
+    pad = "a/../" * 796  # 3,980 characters: a target stays under MAX_PATH (4,096)
+    links = {f"/l{k}": "/" + pad + (f"l{k + 1}" if k + 1 < hops else "a") for k in range(hops)}
+    links.update({f"/m{i}": "/l0" for i in range(dirs)})
+    files: dict[str, Path | bytes | str] = {
+        "/a/empty": b"", "/etc/ld.so.conf": "".join(f"/m{i}\n" for i in range(dirs))}
+    return build_image(out, files, links)
 
 #: A SPANK plugin named ``pyxis`` that registers pyxis's job options and does nothing
 #: else: slurmctld then hands PrologSlurmctld the same ``SPANK__SLURM_SPANK_OPTION_pyxis_*``

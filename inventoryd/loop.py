@@ -2,8 +2,9 @@
 controller): :func:`serve`, the one loop that runs each (reload, the watchdog, failures
 logged once, the sleep); the log on stderr (journald keeps a unit's stderr), escaped; the
 signals: SIGTERM/SIGINT ask to stop, SIGHUP to reload, and each ends a sleep at once (a
-wakeup fd), while the sleep pets systemd's watchdog; :class:`WriteLog`, a textfile's
-failures logged once."""
+wakeup fd), while the sleep pets systemd's watchdog, and so does a step each time it
+asks whether to stop (its loops' check-in, rate-limited); :class:`WriteLog`, a
+textfile's failures logged once."""
 
 from __future__ import annotations
 
@@ -192,7 +193,9 @@ def serve(service: Service, log: logging.Logger, *, config_path: str | None,
 
     It owns what they share: the signals (a SIGHUP reloads the config into a new service,
     ``RELOADING=1`` then ``READY=1``; a config that cannot be loaded leaves the old one
-    running), the watchdog (petted after each step and through each sleep), failures
+    running), the watchdog (petted after each step, through each sleep, and during a
+    step each time it asks ``should_stop``, at most once per quarter of the timeout:
+    :meth:`Notifier.keepalive`; a step that stops asking is ended by it), failures
     logged once per cause and once when the work recovers, ``STATUS=`` when it changes,
     and the sleep, which a signal ends at once. Returns 0."""
     from ncclguard.config import ConfigError
@@ -201,6 +204,15 @@ def serve(service: Service, log: logging.Logger, *, config_path: str | None,
     notifier = notifier or Notifier()
     not_loaded: tuple[type[Exception], ...] = (ConfigError, *reload_errors)
     with Signals() as sig:
+
+        def should_stop() -> bool:
+            # asked by the step in every loop of its work (the collector: between records,
+            # in every loop of an image being read): work that checks in is alive, and
+            # pets the watchdog. An image read up to its time limit (30 s, or more in a
+            # site's config) had no WATCHDOG=1 until the scan ended (issue 48)
+            notifier.keepalive()
+            return sig.stop
+
         log.info("%s started (%s)", service.label, service.started())
         notifier.ready(f"{service.what} started")
         steps = 0
@@ -223,7 +235,7 @@ def serve(service: Service, log: logging.Logger, *, config_path: str | None,
                         log.info("%s config reloaded from %s", service.label, config.source)
                     notifier.ready("config reloaded")
                 try:
-                    out = service.step(lambda: sig.stop)
+                    out = service.step(should_stop)
                     now_failing = None
                 except Exception as e:  # a failed step never stops the service
                     out = Outcome(ok=False)

@@ -5,12 +5,19 @@ the ``AF_UNIX`` socket named by ``$NOTIFY_SOCKET`` (a path, or ``@name`` for the
 abstract namespace). ``WatchdogSec=`` sets ``$WATCHDOG_USEC`` (and ``$WATCHDOG_PID``);
 the service must send ``WATCHDOG=1`` more often than that. Outside systemd nothing is
 set and every call is a no-op, so the daemon runs the same in a terminal.
+
+:meth:`Notifier.keepalive` is the ping of a long piece of work that checks in often (the
+services' "stop now?", asked in every loop of an image being read): one ``WATCHDOG=1``
+per quarter of the timeout however often it is called. Work that stops checking in (a
+loop with no deadline) sends nothing, and systemd's watchdog still ends it.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import socket
+import time
 from collections.abc import Mapping
 
 
@@ -29,6 +36,7 @@ class Notifier:
         if usec.isdigit() and int(usec) > 0 and (not pid or pid == str(os.getpid())):
             self.watchdog_s = int(usec) / 1e6
         self.last_error: str | None = None
+        self.pinged_at = -math.inf  # time.monotonic() of the last WATCHDOG=1 sent
 
     @property
     def enabled(self) -> bool:
@@ -61,7 +69,20 @@ class Notifier:
         return self.send(f"STATUS={text}")
 
     def watchdog(self) -> bool:
-        return self.watchdog_s is not None and self.send("WATCHDOG=1")
+        if self.watchdog_s is None:
+            return False
+        self.pinged_at = time.monotonic()
+        return self.send("WATCHDOG=1")
+
+    def keepalive(self) -> bool:
+        """``WATCHDOG=1`` when a quarter of the watchdog timeout has passed since the last
+        one (half of :meth:`ping_interval`: what is left covers the time between two
+        calls), else nothing: for work that calls it at every step, thousands of times a
+        second. True when it sent one."""
+        interval = self.ping_interval()
+        if interval is None or time.monotonic() - self.pinged_at < interval / 2:
+            return False
+        return self.watchdog()
 
     def reloading(self) -> bool:
         return self.send("RELOADING=1")

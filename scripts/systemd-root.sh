@@ -39,9 +39,11 @@ owner=$root/.ncclguard-systemd-root # marks a directory this script made (and ma
 
 # What the install guide expects of a machine before it starts (docs/install.md, "Before
 # you start"): systemd as PID 1 with dbus, Slurm and munge from Debian, Python with venv.
-# procps and iproute2 for the checks; curl for the metrics step.
+# procps and iproute2 for the checks; curl for the metrics step; squashfs-tools for the
+# image index (the guide's section 8: the collector reads a user's hostile image under its
+# unit, its watchdog and its stop).
 packages=(systemd systemd-sysv dbus slurm-wlm munge python3 python3-venv procps iproute2
-          curl ca-certificates)
+          curl ca-certificates squashfs-tools)
 root_version=v1 # a new tag rebuilds the root
 stamp_want="$suite ${packages[*]} $root_version"
 

@@ -1,9 +1,10 @@
 """docs/install.md as written, in Debian booted with systemd as PID 1: Debian 12 (Slurm
 22.05, systemd 252) and Debian forky (Slurm 26.05, systemd 262).
 
-scripts/systemd-root.sh builds (once, cached) a debootstrap root with systemd, dbus, Slurm
-and munge; the test boots a copy with ``systemd-nspawn -b`` (devtools/nspawn.py) and runs
-every block of the guide marked for this test, in the one-machine order, with bash inside:
+scripts/systemd-root.sh builds (once, cached) a debootstrap root with systemd, dbus, Slurm,
+munge and squashfs-tools; the test boots a copy with ``systemd-nspawn -b``
+(devtools/nspawn.py) and runs every block of the guide marked for this test, in the
+one-machine order, with bash inside:
 the wheelhouse built from this checkout, the package from it (no network inside), the
 users and directories, the node daemon, the collector, the gate, the class features and
 job_submit.lua, the metrics. It shows, under a real systemd:
@@ -17,6 +18,12 @@ job_submit.lua, the metrics. It shows, under a real systemd:
   (``ncclguard features check``);
 - no error line in the journal from the guide's first step on (NOT_OURS lists the lines
   of Debian's own that are allowed, each with why);
+- a user's hostile image under the collector's image root (issue 48), read up to its
+  time limit again and again, with the unit's ``WatchdogSec=`` shortened below that
+  limit: the watchdog never fires, the node's records keep reaching the inventory,
+  ``systemctl stop`` ends the read within 5 s with the unit's ``Result=success``, and
+  ``systemctl start`` brings it back (``hostile_image_under_the_unit``; then the
+  guide's config and unit again);
 - a reboot comes back to the same state (units, inventory, Slurm's features), and
   slurmctld ran ``ncclguard-features-hook`` when it started;
 - then the cluster's shared spool (its drop-ins), an upgrade, and the removal.
@@ -45,8 +52,9 @@ What is not the guide's, and why (each marked ``# scaffolding`` below):
 It runs once per CI run, on the host (scripts/test.sh's first pass): systemd-nspawn does
 not run inside the chroots of the newer Slurm releases (conftest.py leaves it out there).
 
-Over 500 lines: one test follows docs/install.md from top to bottom under a real systemd;
-the checks of its facts and the scaffolding it adds are beside it.
+Over 500 lines: one test follows docs/install.md from top to bottom under a real systemd
+(one boot per suite, so every check that needs the installed units runs in it); the checks
+of its facts, the hostile image stage and the scaffolding it adds are beside it.
 """
 
 from __future__ import annotations
@@ -56,6 +64,7 @@ import json
 import re
 import shutil
 import subprocess
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -63,6 +72,8 @@ import pytest
 from helpers.parts import checkout_copy, unavailable
 from helpers.wait import wait_until
 
+from devtools import images
+from devtools.ncclwheels import PartUnavailable
 from devtools.nodetree import build_node
 from devtools.nspawn import Machine, MachineError, missing_tools
 
@@ -370,6 +381,123 @@ def checks_of_facts(box: Machine) -> None:
           f"(connect to slurmctld: {r.stdout.strip() or r.stderr.strip()})")
 
 
+# The hostile image stage (issue 48): the collector's limits for it, and the watchdog
+# shortened below them: a collector that sent no WATCHDOG=1 while it read would be killed
+IMAGE_LIMIT_S = 8.0  # [images] timeout_s and scan_budget_s
+WATCHDOG_S = 5  # WatchdogSec= of the stage's drop-in
+STOP_WITHIN_S = 5.0
+STAGE_CONFIG = f"""
+[images]
+roots = ["/srv/images"]
+timeout_s = {IMAGE_LIMIT_S}
+scan_budget_s = {IMAGE_LIMIT_S}
+scan_interval_s = 1.0
+
+[inventoryd]
+interval_s = 1.0
+heartbeat_s = 1.0
+"""
+STAGE_DROPIN = "/etc/systemd/system/ncclguard-collector.service.d/zz-stage-watchdog.conf"
+
+
+def hostile_image_under_the_unit(box: Machine, tmp_path: Path) -> dict[str, object]:
+    """A user's link maze (``devtools.images.link_maze``: about 25 s of resolving, within
+    every bound of the reader) under ``[images] roots``, read up to ``IMAGE_LIMIT_S``
+    each pass, and ``WatchdogSec=5s``; this node's daemon publishing every second. Shows:
+    a whole read passes without the watchdog, the node's heartbeat in the inventory
+    advances meanwhile, ``systemctl stop`` during the next read returns within 5 s with
+    the unit inactive, ``Result=success``, no restart, and ``systemctl start`` brings it
+    back. Then the guide's config and unit again. Returns the figures."""
+    began = time.monotonic()
+    try:
+        maze = images.link_maze(tmp_path / "maze.sqsh")
+    except PartUnavailable as e:
+        unavailable(str(e))
+    unit = "ncclguard-collector"
+    config = box.path("/etc/ncclguard/config.toml")
+    guide_config = config.read_text()
+    box.sh("install -d -m 0755 /srv/images && install -d -o 1000 -g 1000 -m 0755 "
+           "/srv/images/alice")
+    shutil.copyfile(maze, box.path("/srv/images/alice/maze.sqsh"))
+    box.sh("chown 1000:1000 /srv/images/alice/maze.sqsh && "
+           "chmod 0644 /srv/images/alice/maze.sqsh && command -v unsquashfs")
+    config.write_text(guide_config + STAGE_CONFIG)
+    dropin = box.path(STAGE_DROPIN)
+    dropin.write_text(f"[Service]\nWatchdogSec={WATCHDOG_S}s\n")
+    since = box.cursor()
+    t0 = time.monotonic()
+    box.sh(f"systemctl daemon-reload && systemctl restart {unit} ncclguard-inventoryd")
+
+    def show(*props: str) -> dict[str, str]:
+        out = box.run(["systemctl", "show", unit, *(f"-p{p}" for p in props)]).stdout
+        return dict(line.split("=", 1) for line in out.splitlines())
+
+    def unit_log() -> str:
+        return box.run(["journalctl", "--no-pager", "-q", "-o", "cat", "-u", unit,
+                        f"--after-cursor={since}"], check=False).stdout
+
+    def heartbeat() -> tuple[str, float]:
+        doc = json.loads(box.run(["ncclguard", "nodes", "--json"]).stdout)
+        (row,) = [n for n in doc["nodes"] if n["host"] == HOST]
+        return row["last_heartbeat"], row["age_s"]
+
+    def cpu_s(pid: str) -> float:
+        fields = box.run(["cat", f"/proc/{pid}/stat"]).stdout.rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / 100  # utime + stime, in USER_HZ
+
+    assert show("WatchdogUSec")["WatchdogUSec"] == f"{WATCHDOG_S}s"
+    pid = show("MainPID")["MainPID"]
+    before = heartbeat()
+    # a whole read, to its time limit: the watchdog (5 s) would have fired in it
+    limit = "maze.sqsh not indexed (failure 1 in a row): time limit reached"
+    wait_until(lambda: limit in unit_log(), 3 * IMAGE_LIMIT_S, "the first read's time limit",
+               interval=0.5, detail=lambda: unit_log()[-3000:])
+    first_read = time.monotonic()
+    # the next pass reads it again (its first retry is at once): stop it while it reads,
+    # as the collector's own CPU time shows: 0.00 s per 0.5 s between scans (nothing
+    # else it does takes more than ms), 0.26 s reading at Nice=10 on a loaded 2-core
+    # machine (a window the read starts in has less)
+    busy: list[float] = []
+
+    def reading() -> bool:
+        c0 = cpu_s(pid)
+        time.sleep(0.5)
+        busy.append(cpu_s(pid) - c0)
+        return busy[-1] >= 0.1
+
+    wait_until(reading, 2 * IMAGE_LIMIT_S, "the collector reading the image again",
+               interval=0.0, detail=lambda: f"CPU seconds per 0.5 s: {busy}")
+    after = heartbeat()
+    state = show("MainPID", "NRestarts")
+    assert state == {"MainPID": pid, "NRestarts": "0"}, state
+    t = time.monotonic()
+    box.run(["systemctl", "stop", unit], timeout=60)
+    stop_s = time.monotonic() - t
+    log = unit_log()
+    state = show("ActiveState", "Result", "NRestarts", "ExecMainCode", "ExecMainStatus")
+    box.run(["rm", "-f", STAGE_DROPIN])
+    config.write_text(guide_config)
+    box.sh(f"rm -r /srv/images && systemctl daemon-reload && systemctl start {unit} && "
+           "systemctl restart ncclguard-inventoryd")
+    assert stop_s < STOP_WITHIN_S, (stop_s, log[-3000:])
+    # exited by itself (code 1: CLD_EXITED, status 0), not by SIGKILL nor the watchdog
+    assert state == {"ActiveState": "inactive", "Result": "success", "NRestarts": "0",
+                     "ExecMainCode": "1", "ExecMainStatus": "0"}, (state, log[-3000:])
+    assert "Watchdog timeout" not in log and "SIGKILL" not in log, log[-3000:]
+    assert "INFO collector stopped" in log, log[-3000:]  # its own last line: it ended itself
+    # the node's records kept reaching the inventory between the reads: a heartbeat
+    # signed after the stage began, seconds old while the collector reads the image again
+    assert after[0] > before[0] and after[1] < IMAGE_LIMIT_S + 5, (before, after)
+    assert show("ActiveState", "WatchdogUSec") == {"ActiveState": "active",
+                                                   "WatchdogUSec": "10min"}
+    figures = {"stop_s": round(stop_s, 2), "first_read_s": round(first_read - t0, 1),
+               "age_before_s": before[1], "age_while_reading_s": after[1],
+               "cpu_s_per_0.5s": [round(b, 2) for b in busy],
+               "stage_s": round(time.monotonic() - began, 1)}
+    print(f"hostile image under the unit: {figures}")
+    return figures
+
+
 # ----------------------------------------------------------------------------- the test
 
 
@@ -484,6 +612,7 @@ def test_the_install_guide_under_systemd(
         for url in doc.split():
             assert url.startswith("file:") and box.path(url[5:]).is_file(), url
     checks_of_facts(box)
+    hostile_image_under_the_unit(box, tmp_path)
     # the gate refuses by exiting non-zero, which slurmctld logs as an error: that one line
     refused = (rf" slurmctld\[\d+\]: .*error: prolog_slurmctld JobId={job} prolog exit status "
                r"1:0$", *SUITES[request.node.callspec.params["machine"]].not_ours)

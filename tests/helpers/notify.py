@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 from helpers.wait import wait_until
 
@@ -19,6 +20,7 @@ class Listener:
         self.sock.bind(addr)
         self.sock.settimeout(0.1)
         self.messages: list[str] = []
+        self.stamped: list[tuple[float, str]] = []  # (time.monotonic() when read, message)
         self.closed = False
         self.thread = threading.Thread(target=self._drain, daemon=True)
         self.thread.start()
@@ -26,9 +28,11 @@ class Listener:
     def _drain(self) -> None:
         while not self.closed:
             try:
-                self.messages.append(self.sock.recv(4096).decode())
+                msg = self.sock.recv(4096).decode()
             except (TimeoutError, OSError):
                 continue
+            self.stamped.append((time.monotonic(), msg))
+            self.messages.append(msg)
 
     def wait_for(self, line: str, timeout: float = 10) -> None:
         wait_until(lambda: any(line in m.split("\n") for m in list(self.messages)), timeout,
