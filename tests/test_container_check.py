@@ -205,6 +205,10 @@ def test_images_cli_lists_shows_and_diffs(cluster) -> None:
     r = run_cli("images", "show", a, **base)
     assert "job_submit.lua: no line for it (image-stack does not refuse" in r.output, r.output
     r = run_cli("images", "diff", a, b, **base)
+    assert r.exit_code == 1 and all(len(x) <= 100 for x in r.output.splitlines()), r.output
+    assert r.output.startswith(f"A  {a}\nB  {b}\n"), r.output  # named once, above
+    assert "nvidia/nccl/lib/libnccl.so.2]." in r.output  # the field, wrapped at its width
+    r = run_cli("images", "diff", a, b, "--wide", **base)
     assert r.exit_code == 1 and "nvidia/nccl/lib/libnccl.so.2].version" in r.output
     r = run_cli("images", "show", "/nope.sqsh", **base)
     assert r.exit_code == 3 and "not in the image index" in r.output

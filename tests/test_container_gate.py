@@ -159,8 +159,9 @@ def test_the_enroot_hook_records_what_each_node_ran(
     out = run_cli("decisions", "--job", str(job), **base)
     assert out.exit_code == 0, out.output
     assert "what each node's container had" in out.output
-    rows = [ln for ln in out.output.splitlines() if "libnccl.so.2" in ln]
+    rows = [ln for ln in out.output.splitlines() if ln.startswith("0 ")]  # step 0's
     assert len(rows) == 2 and all("2.18.3" in ln for ln in rows), out.output
+    assert out.output.count("libnccl.so.2") == 2, out.output  # the paths, wrapped not cut
     doc = json.loads(run_cli("decisions", "--job", str(job), "--json", **base).output)
     assert [(r["step"], r["host"], r["nccl_version"]) for r in doc["containers"]] == [
         ("0", "n1", "2.18.3"), ("0", "n2", "2.18.3")]

@@ -49,6 +49,9 @@ def _decision_row(rec: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+#: wrapped, not cut, where the table is too wide: a library's path (a cut one lost what
+#: told two apart: its directory's tail and the file's name)
+CONTAINER_WRAP = ("libnccl", "judged")
 CONTAINER_COLUMNS: list[out.Column] = [
     ("step", "STEP"), ("host", "NODE"), ("nccl_version", "NCCL"), ("net_plugin", "NET PLUGIN"),
     ("libnccl", "LIBNCCL"), ("judged", "AS JUDGED"), ("at", "STARTED"), ("uid", "UID"),
@@ -145,6 +148,6 @@ def decisions(job: str | None, since: float | None, refused: bool, audit_log: st
         text = (out.table(rows, DECISION_COLUMNS, c.width) if rows else "no decisions\n")
         if ran:
             text += "\nwhat each node's container had (the enroot hook's signed records):\n"
-            text += out.table(ran, CONTAINER_COLUMNS, c.width)
+            text += out.table(ran, CONTAINER_COLUMNS, c.width, wrap=CONTAINER_WRAP)
     c.emit(doc, rows=rows, columns=DECISION_COLUMNS, text=text,
            csv_columns=[(k, k) for k, _ in DECISION_COLUMNS])

@@ -144,7 +144,7 @@ def diagnose(
     # what each node's container really had (the enroot hook's records, docs/containers.md)
     ran: list[dict[str, Any]] = []
     if job_id is not None and not no_inventory:
-        from ncclguard.cli.decisions import CONTAINER_COLUMNS, container_rows
+        from ncclguard.cli.decisions import CONTAINER_COLUMNS, CONTAINER_WRAP, container_rows
 
         ran = container_rows(c, job_id)
     if c.fmt == "json":
@@ -159,7 +159,8 @@ def diagnose(
 
             text = (text.rstrip("\n") + "\n\nwhat each node's container had (the enroot "
                     "hook's signed records):\n"
-                    + out.table(ran, CONTAINER_COLUMNS, c.width).rstrip("\n"))
+                    + out.table(ran, CONTAINER_COLUMNS, c.width, wrap=CONTAINER_WRAP)
+                    .rstrip("\n"))
         from ncclguard.text import safe
 
         click.echo(safe(text, keep_newlines=True))  # log lines quoted: no terminal sequence

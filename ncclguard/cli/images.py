@@ -217,8 +217,12 @@ def diff(a: str, b: str, as_json: bool, as_csv: bool) -> None:
             for k in sorted(set(fa) | set(fb)) if fa.get(k) != fb.get(k)]
     cols: list[out.Column] = [("field", "FIELD"), ("a", a), ("b", b)]
     text = None
-    if c.fmt == "table":
-        text = (out.table(rows, cols, c.width) if rows else "") + f"{len(rows)} differences\n"
+    if c.fmt == "table":  # the images named above the table: a path as a header took
+        # the width of the fields (FIELD was cut to 6 columns)
+        short: list[out.Column] = [("field", "FIELD"), ("a", "A"), ("b", "B")]
+        text = (out.kv([("A", a), ("B", b)], indent=0)
+                + (out.table(rows, short, c.width, wrap=("field",)) if rows else "")
+                + f"{len(rows)} differences\n")
     c.emit(lambda: {"a": a, "b": b, "differences": rows}, rows=rows, columns=cols, text=text)
     if rows:
         raise click.exceptions.Exit(1)
