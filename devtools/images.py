@@ -94,8 +94,9 @@ def link_maze(out: Path, dirs: int = 1000, hops: int = 39) -> Path:
     ``hops`` links, and each link's target is 4 KiB of ``a/../`` before the next link:
     every directory resolves to ``/a`` after ``hops + 1`` links (within the kernel's 40)
     and about 30,000 path components. Within every bound of the reader (the search
-    directories are capped at 1,024, the links at 40 per path), it costs about 25 s of
-    resolving (squashfs-tools 4.5.1, Python 3.11, CI's machine of 2026): an image that
+    directories are capped at 1,024, the links at 40 per path), it costs 8 s of resolving
+    on a quiet 2-core machine and 25 s on a loaded one (squashfs-tools 4.5.1, Python
+    3.11, 2026-12-07; CI read it whole once within an 8 s limit): an image that
     runs into its time limit, used where the collector must be seen busy reading
     (tests/test_install_systemd.py, tests/test_collector_watchdog.py)."""
     pad = "a/../" * 796  # 3,980 characters: a target stays under MAX_PATH (4,096)
