@@ -64,12 +64,18 @@ def _part(fp: dict) -> tuple[dict | None, list] | None:
     uses, files = part.get("uses"), part.get("files")
     if not isinstance(uses, dict) or not isinstance(files, list):
         return None
-    if any(e.get("field") == "plugins" and e.get("probe") == "plugins"
-           for e in fp.get("errors") or () if isinstance(e, dict)):
-        return None  # the plugin probe failed as a whole: its parts are empty, not absent
+    if _probe_failed(fp):
+        return None  # its parts are empty, not absent
     if part.get("table") != TABLE:
         return None, []
     return uses, files
+
+
+def _probe_failed(fp: dict) -> bool:
+    """Whether the plugin probe failed as a whole (an ``errors`` item of it for the whole
+    ``plugins`` field)."""
+    return any(e.get("field") == "plugins" and e.get("probe") == "plugins"
+               for e in fp.get("errors") or () if isinstance(e, dict))
 
 
 def pack(rows: dict[str, dict[str, list | None]], files: list[dict]) -> dict[str, Any]:
@@ -209,10 +215,8 @@ def by_kind(fp: dict) -> dict[str, tuple[str | None, str | None]]:
     import json
 
     part = fp.get("offers")
-    failed = any(e.get("field") == "plugins" and e.get("probe") == "plugins"
-                 for e in fp.get("errors") or () if isinstance(e, dict))
     key = None
-    if isinstance(part, dict) and not failed:
+    if isinstance(part, dict) and not _probe_failed(fp):
         try:
             key = json.dumps(part, sort_keys=True, separators=(",", ":"))
         except (TypeError, ValueError, RecursionError):
