@@ -230,3 +230,19 @@ def test_a_job_whose_nccl_cannot_be_read_is_judged_for_any_nccl(node, plugins, t
     (empty / "pyvenv.cfg").write_text("home = /usr/bin\n")
     r = run("check", "c[1-4]", "--env", str(empty))
     assert r.exit_code == 3 and "no libnccl.so.2 there that a job would load" in r.output
+
+
+def test_the_loading_variables_and_their_key() -> None:
+    """What the gate hands on of a job's environment: the variables that decide its
+    libnccl and its NCCL settings, bounded; one key for the same variables in any order,
+    another when one differs."""
+    from ncclguard.fingerprint.jobenv import MAX_VALUE, env_key, loading_vars
+
+    env = {"PATH": "/usr/bin", "VIRTUAL_ENV": "/v", "NCCL_NET": "IB", "LD_PRELOAD": "",
+           "LD_LIBRARY_PATH": "x" * (MAX_VALUE + 1), "HOME": "/h"}
+    got, problems = loading_vars(env)
+    assert got == {"VIRTUAL_ENV": "/v", "NCCL_NET": "IB"}
+    assert problems == (f"LD_LIBRARY_PATH: longer than {MAX_VALUE} characters, not read",)
+    assert env_key(got) == env_key(dict(reversed(list(got.items()))))
+    assert env_key(got) != env_key({**got, "NCCL_NET": "Socket"})
+    assert env_key({"VIRTUAL_ENV": "/v\udcff"}) != env_key({"VIRTUAL_ENV": "/v"})

@@ -29,10 +29,13 @@ Standard library only.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
-__all__ = ["INPUTS", "MAX_ENTRIES", "MAX_VALUE", "NCCL_VARS", "Found", "locate", "wheel_paths"]
+__all__ = ["INPUTS", "MAX_ENTRIES", "MAX_VALUE", "NCCL_VARS", "Found", "env_key", "loading_vars",
+           "locate", "wheel_paths"]
 
 #: The variables that decide which libnccl a job loads.
 INPUTS = ("LD_PRELOAD", "VIRTUAL_ENV", "CONDA_PREFIX", "LD_LIBRARY_PATH")
@@ -99,6 +102,25 @@ def _absolute(path: str) -> bool:
         return False
     parts = [p for p in path.split("/") if p not in ("", ".")]
     return ".." not in parts and not (parts and parts[0] in ("proc", "sys", "dev"))
+
+
+def loading_vars(env: Mapping[str, str]) -> tuple[dict[str, str], tuple[str, ...]]:
+    """The variables of ``env`` that decide which libnccl a job loads and what a node
+    gives it (:data:`INPUTS` and :data:`NCCL_VARS`, those set and non-empty, each bounded
+    as :func:`locate` reads it), and the problems met: what the gate hands on, and
+    :func:`env_key` names."""
+    problems: list[str] = []
+    got = {k: v for k in INPUTS + NCCL_VARS if (v := _value(env, k, problems)) is not None}
+    return got, tuple(problems)
+
+
+def env_key(variables: Mapping[str, str]) -> str:
+    """One name for a job's loading variables (:func:`loading_vars`): the gate looks a job
+    up by it and the collector files what it resolved under it. Two jobs with the same
+    variables load the same library (as long as the files stay as they were)."""
+    text = json.dumps(dict(sorted(variables.items())), separators=(",", ":"),
+                      ensure_ascii=True)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def locate(env: Mapping[str, str], is_file: Callable[[str], bool]) -> Found:
