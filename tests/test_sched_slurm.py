@@ -103,7 +103,8 @@ def sc(sched_cluster: DevCluster) -> Iterator[DevCluster]:
     if "features" not in c._procs:  # a test stopped it
         c.start_features_daemon()
     wait_until(lambda: _features_in_place(c), 30, "the class features")
-    wait_until(lambda: _lua_adds_the_group(c), 30, "job_submit.lua to trust the file again")
+    wait_until(lambda: _lua_adds_the_group(c), 30, "job_submit.lua to trust the file again",
+               detail=lambda: _lua_view(c))
     yield c
     c.cancel_all()
 
@@ -122,6 +123,26 @@ def _lua_adds_the_group(c: DevCluster) -> bool:
                 and set(feats[1:-1].split("|")) <= set(_classes(c).values()))
     finally:
         c.run(["scancel", job], check=False)
+
+
+def _lua_view(c: DevCluster) -> str:
+    """What a failed wait for the lua shows: the file's head, the clock, Slurm's classes,
+    what a probe job gets, and the lua's last lines in slurmctld's log."""
+    try:
+        head = c.classes_file.read_bytes()[:300].decode("latin-1")
+    except OSError as e:
+        head = f"unreadable: {e}"
+    r = c.run(["sbatch", "--hold", "-N2", "-J", "probe", "--wrap", "true"], check=False)
+    feats = "?"
+    if r.returncode == 0:
+        job = int(r.stdout.split()[-1])
+        feats = c.job_field(job, "Features")
+        c.run(["scancel", str(job)], check=False)
+    log = (c.root / "log" / "slurmctld.log").read_text(errors="replace").splitlines()
+    lua = [line for line in log if "ncclguard" in line or "job_submit" in line][-8:]
+    return (f"now {time.time():.1f}; Slurm's classes {_classes(c)}; a probe gets {feats!r} "
+            f"(sbatch rc {r.returncode} {r.stderr.strip()!r})\nthe file:\n{head}\n"
+            "slurmctld.log:\n" + "\n".join(lua))
 
 
 def _sbatch(c: DevCluster, *args: str) -> subprocess.CompletedProcess[str]:
