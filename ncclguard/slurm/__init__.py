@@ -4,6 +4,7 @@
   :class:`Release`) and errors, the same on every release
 - :mod:`~ncclguard.slurm.schema`: reading a ``--json`` answer by its ``meta`` block
 - :mod:`~ncclguard.slurm.paths`: the files a batch job's output goes to
+- :mod:`~ncclguard.slurm.savedenv`: a batch job's environment as slurmctld saved it at submit
 - :mod:`~ncclguard.slurm.adapter`: :class:`Slurm`, the commands themselves
 """
 
