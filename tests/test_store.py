@@ -460,6 +460,7 @@ def test_migration_to_v2_backfills_the_gate_values(tmp_path: Path) -> None:
     conn.execute("ALTER TABLE history DROP COLUMN stored_at")
     for table in ("registry_tags", "registry_images", "registry_layers"):  # v8's
         conn.execute(f"DROP TABLE {table}")
+    conn.execute("DROP TABLE job_envs")  # v9's
     conn.execute("PRAGMA user_version = 1")
     conn.close()
     with Inventory(p, values=GATE_VALUES) as inv:
