@@ -46,19 +46,28 @@ def _namespace() -> tuple[tuple[tuple[int, int, int], ...] | None, int]:
             int(overflow) if overflow and overflow.strip().isdigit() else DEFAULT_OVERFLOW_UID)
 
 
-def owner(uid: int, *, uid_map: tuple[tuple[int, int, int], ...] | None = None,
-          overflow_uid: int | None = None) -> str:
-    """``"uid N"``; for the overflow uid where this process's user namespace does not map
-    it, the words for an owner the process cannot see. ``uid_map`` and ``overflow_uid``
-    default to this process's own."""
+def hidden(uid: int, *, uid_map: tuple[tuple[int, int, int], ...] | None = None,
+           overflow_uid: int | None = None) -> bool:
+    """Whether a file's owner ``uid`` is the overflow uid that this process's user
+    namespace does not map: the real owner cannot be known (the module doc). The
+    collector then judges who may read a file by its "other" bits only
+    (``inventoryd/controller/jobenv_index.py``)."""
     ranges, overflow = _namespace()
     if uid_map is not None:
         ranges = uid_map
     if overflow_uid is not None:
         overflow = overflow_uid
-    if uid == overflow and ranges is not None and not any(
-        inside <= uid < inside + count for inside, _, count in ranges
-    ):
+    return uid == overflow and ranges is not None and not any(
+        inside <= uid < inside + count for inside, _, count in ranges)
+
+
+def owner(uid: int, *, uid_map: tuple[tuple[int, int, int], ...] | None = None,
+          overflow_uid: int | None = None) -> str:
+    """``"uid N"``; for the overflow uid where this process's user namespace does not map
+    it, the words for an owner the process cannot see. ``uid_map`` and ``overflow_uid``
+    default to this process's own."""
+    if hidden(uid, uid_map=uid_map, overflow_uid=overflow_uid):
+        overflow = _namespace()[1] if overflow_uid is None else overflow_uid
         return (f"a user outside this process's user namespace (systemd's PrivateUsers= "
                 f"maps only root and the unit's user; the kernel shows every other owner "
                 f"as uid {overflow})")

@@ -23,7 +23,6 @@ import pytest
 from helpers.cli import runner
 from helpers.parts import build_plugin, place
 
-from devtools import ncclwheels
 from devtools.nodetree import LIBDIR, build_node
 from inventoryd.node.fingerprint import collect
 from ncclguard.config import InventorydConfig, PolicyConfig
@@ -33,28 +32,6 @@ from ncclguard.policy.schedule import class_values
 from ncclguard.store import Inventory
 
 NET = f"{LIBDIR}/libnccl-net.so"
-
-
-@pytest.fixture(scope="module")
-def venv(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    """``venv("2.18.3")``: a virtualenv with pip's nvidia-nccl wheel of that release."""
-    made: dict[str, Path] = {}
-
-    def make(version: str) -> Path:
-        if version not in made:
-            ncclwheels.extract_nccl(version)  # the wheel is cached (or the test skips/fails)
-            project = ncclwheels.NCCL_WHEELS[version]
-            dest = tmp_path_factory.mktemp(f"venv-{version}")
-            subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(dest)],
-                           check=True, timeout=120)
-            subprocess.run([sys.executable, "-m", "pip", "--python", str(dest / "bin/python"),
-                            "install", "-q", "--no-deps", "--no-index", "--find-links",
-                            str(ncclwheels.cache_dir() / "wheels"), f"{project}=={version}"],
-                           check=True, timeout=600)
-            made[version] = dest
-        return made[version]
-
-    return make
 
 
 def test_a_pip_wheel_in_the_venv_wins_over_ld_library_path(venv, nccl_lib, tmp_path) -> None:

@@ -460,6 +460,7 @@ def test_migration_to_v2_backfills_the_gate_values(tmp_path: Path) -> None:
     conn.execute("ALTER TABLE history DROP COLUMN stored_at")
     for table in ("registry_tags", "registry_images", "registry_layers"):  # v8's
         conn.execute(f"DROP TABLE {table}")
+    conn.execute("DROP TABLE job_envs")  # v9's
     conn.execute("PRAGMA user_version = 1")
     conn.close()
     with Inventory(p, values=GATE_VALUES) as inv:
@@ -639,7 +640,7 @@ def test_migrates_a_real_v3_inventory(tmp_path: Path) -> None:
     with pytest.raises(InventoryCorrupt, match="older"):
         Inventory(p, readonly=True)  # a reader never migrates
     with Inventory(p, values=GATE_VALUES) as inv:
-        assert inv.schema_version() == SCHEMA_VERSION == 8
+        assert inv.schema_version() == SCHEMA_VERSION == 9
         rows = {r["host"]: r for r in inv.nodes({})}
     new, old = rows["new"], rows["old"]
     assert (new["tuner_plugin"], new["tuner_abi"]) == ("PackedTuner", 6)

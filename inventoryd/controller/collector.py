@@ -147,6 +147,13 @@ class Collector:
             self.registry = RegistryIndex(config, db=self.inv.path)
             if registry_thread:  # else the caller runs its passes (collect --once)
                 self.registry.start()
+        # the job environments the gate saw (issue 40): resolved in a thread, written here
+        from inventoryd.controller.jobenv_index import JobEnvIndex
+
+        self.jobenvs = JobEnvIndex(config.gate.audit_path(config.inventory), db=self.inv.path,
+                                   inv_config=config.inventory)
+        if registry_thread:
+            self.jobenvs.start()
 
     def _slurm_nodes(self) -> list[tuple[str, str, str]]:
         from ncclguard.slurm import Slurm
@@ -178,6 +185,7 @@ class Collector:
         files in place, which readers can use."""
         if self.registry is not None:
             self.registry.stop()
+        self.jobenvs.stop()
         if not leave_wal:
             try:
                 self.inv.set_journal_mode("delete", wait_s=2.0)
@@ -290,6 +298,7 @@ class Collector:
         if self.pressure is None:  # neither grows the inventory under disk pressure
             self._extra(lambda: self._images(t0, reading))
             self._extra(self._registry)
+            self._extra(self._job_envs)
         elif self.registry is not None:  # the worker waits: nothing it reads is written
             self.registry.hold(self.pressure)
         self._extra(lambda: self._container_records(should_stop))
@@ -336,6 +345,14 @@ class Collector:
         n = write_batches(self.inv, self.registry.drain())
         if n:
             log.info("registry: %d references written", n)
+
+    def _job_envs(self) -> None:
+        """Write the job environments the worker resolved since the last scan."""
+        from inventoryd.controller.jobenv_index import write_job_envs
+
+        n = write_job_envs(self.inv, self.jobenvs)
+        if n:
+            log.info("job environments: %d resolved", n)
 
     def _container_records(self, should_stop: Callable[[], bool]) -> None:
         res = self.containers.scan(self.inv, should_stop, writable=self.pressure is None)

@@ -37,6 +37,7 @@ def collect_once(config: configmod.Config, db: Path | None = None,
             if progress is not None:
                 progress("registry: one pass")
             c.registry.run_pass()
+        c.jobenvs.run_pass()  # the job environments in the trail, written by the scan
         return c.scan(progress=progress)
     finally:
         c.close()

@@ -32,12 +32,10 @@ def _job_nccl(env_dir: str) -> tuple[dict | None, str | None]:
     """``(what the job's libnccl is, None)`` or ``(None, why not)`` for ``--env DIR``:
     the environment such a job has (:func:`ncclguard.fingerprint.jobenv.locate`), and
     the library read by ``ncclguard-inventoryd read-nccl`` (bounded, as this user)."""
-    import json
     import os
-    import subprocess
-    import sys
 
     from ncclguard.fingerprint.jobenv import locate
+    from ncclguard.fingerprint.jobread import read_library
 
     base = os.path.abspath(env_dir)
     if not os.path.isdir(base):
@@ -52,23 +50,7 @@ def _job_nccl(env_dir: str) -> tuple[dict | None, str | None]:
     if found.path is None:
         fail(f"--env {safe(env_dir)}: no libnccl.so.2 there that a job would load "
              f"(read as {', '.join(env)}={safe(base)}; docs/jobs.md)")
-    try:
-        # -P and cwd "/": ``-m`` would put the working directory first on sys.path, and
-        # an admin may run this in the user's directory (or /tmp): their inventoryd/
-        # would run as the admin and say what the library is
-        r = subprocess.run([sys.executable, "-P", "-m", "inventoryd.main", "read-nccl",
-                            found.path], capture_output=True, text=True, timeout=120,
-                           check=False, cwd="/", stdin=subprocess.DEVNULL)
-        got = json.loads(r.stdout)
-    except (OSError, subprocess.SubprocessError, ValueError) as e:
-        return None, f"{found.path}: not read ({e})"
-    if not isinstance(got, dict):
-        return None, f"{found.path}: not read ({r.stderr.strip()[-300:]})"
-    if got.get("error"):
-        return None, str(got["error"])
-    abis = got["abis"] if isinstance(got.get("abis"), dict) else {}
-    return {"nccl_version": got.get("version"), "net_abis": abis.get("net") or [],
-            "path": found.path, "source": found.source}, None
+    return read_library(found.path, found.source)
 
 
 def _members(c: Ctx, names: set[str]) -> list[str]:

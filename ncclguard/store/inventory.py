@@ -8,7 +8,8 @@ for the schema, the locking model and the failure modes.
 Its table families live in modules of their own, one class each, which ``Inventory``
 combines: :mod:`.nodes` (the nodes, their history, the gate's values), :mod:`.classes`
 (each node's class), :mod:`.records` (the collector's publishers, rejections and write
-stamp), :mod:`.images` (the image index and the container runs); :mod:`.connection`
+stamp), :mod:`.images` (the image index and the container runs), :mod:`.jobenvs` (the job
+environments the collector resolved); :mod:`.connection`
 opens, locks and migrates the file.
 
 The read-only path imports only the standard library and the fingerprint model:
@@ -24,17 +25,18 @@ from pathlib import Path
 from ncclguard.config import InventoryConfig
 from ncclguard.store.classes import ClassTables, NodeClass
 from ncclguard.store.images import ImageState, ImageTables, RegistryTables, RegistryTag
+from ncclguard.store.jobenvs import JobEnv, JobEnvTables
 from ncclguard.store.nodes import DEFAULT_HEARTBEAT_S, NodeRecord, NodeTables, NodeWrite
 from ncclguard.store.records import REFUSED, Published, Quota, RecordTables, Rejected
 from ncclguard.store.schema import GateValues
 
 __all__ = [
-    "DEFAULT_HEARTBEAT_S", "REFUSED", "ImageState", "Inventory", "NodeClass", "NodeRecord",
-    "NodeTables", "NodeWrite", "Published", "Quota", "RegistryTag", "Rejected",
+    "DEFAULT_HEARTBEAT_S", "REFUSED", "ImageState", "Inventory", "JobEnv", "NodeClass",
+    "NodeRecord", "NodeTables", "NodeWrite", "Published", "Quota", "RegistryTag", "Rejected",
 ]
 
 
-class Inventory(ClassTables, RecordTables, ImageTables, RegistryTables):
+class Inventory(ClassTables, RecordTables, ImageTables, RegistryTables, JobEnvTables):
     """The node inventory in one SQLite file (:class:`~ncclguard.store.connection.Database`
     says how it is opened, locked and migrated).
 

@@ -311,6 +311,23 @@ def _migrate_7_to_8(conn: sqlite3.Connection, values: GateValues) -> None:
         "summary TEXT NOT NULL, read_at REAL NOT NULL) WITHOUT ROWID")
 
 
+def _migrate_8_to_9(conn: sqlite3.Connection, values: GateValues) -> None:
+    """The job environments (issue 40, docs/jobs.md): ``job_envs``, one row per set of
+    loading variables the gate saw a job start with (``key``: their
+    ``ncclguard.fingerprint.jobenv.env_key``), which libnccl they make a job load
+    (``source``, ``path``, ``why``, ``problems``), what it is (``library``: the dict
+    ``evaluate_nccl`` wants; NULL with ``error``), the file's identity when read
+    (``inode``, ``size``, ``mtime_ns`` holding the ctime, as ``images`` does), when it was
+    resolved and last used. The collector bounds it (ncclguard/store/jobenvs.py)."""
+    conn.execute(
+        "CREATE TABLE job_envs (key TEXT PRIMARY KEY, vars TEXT NOT NULL, uid INTEGER, "
+        "source TEXT NOT NULL, path TEXT, why TEXT NOT NULL, problems TEXT NOT NULL, "
+        "library TEXT, inode INTEGER, size INTEGER, mtime_ns INTEGER, error TEXT, "
+        "resolved_at REAL NOT NULL, used_at REAL) WITHOUT ROWID")
+    conn.execute("CREATE INDEX idx_job_envs_used ON job_envs "
+                 "(coalesce(used_at, resolved_at))")
+
+
 MIGRATIONS: tuple[Callable[[sqlite3.Connection, GateValues], None], ...] = (
     _migrate_0_to_1,
     _migrate_1_to_2,
@@ -320,5 +337,6 @@ MIGRATIONS: tuple[Callable[[sqlite3.Connection, GateValues], None], ...] = (
     _migrate_5_to_6,
     _migrate_6_to_7,
     _migrate_7_to_8,
+    _migrate_8_to_9,
 )
 SCHEMA_VERSION = len(MIGRATIONS)

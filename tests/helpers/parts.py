@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -156,3 +157,25 @@ def checkout_copy(dest: Path) -> Path:
         elif src.is_file():
             shutil.copy2(src, dst)
     return dest
+
+
+@pytest.fixture(scope="session")
+def venv(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """``venv("2.18.3")``: a virtualenv with pip's nvidia-nccl wheel of that release."""
+    made: dict[str, Path] = {}
+
+    def make(version: str) -> Path:
+        if version not in made:
+            extract_nccl(version)  # the wheel is cached (or the test skips/fails)
+            project = ncclwheels.NCCL_WHEELS[version]
+            dest = tmp_path_factory.mktemp(f"venv-{version}")
+            subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(dest)],
+                           check=True, timeout=120)
+            subprocess.run([sys.executable, "-m", "pip", "--python", str(dest / "bin/python"),
+                            "install", "-q", "--no-deps", "--no-index", "--find-links",
+                            str(ncclwheels.cache_dir() / "wheels"), f"{project}=={version}"],
+                           check=True, timeout=600)
+            made[version] = dest
+        return made[version]
+
+    return make
