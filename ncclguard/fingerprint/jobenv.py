@@ -29,7 +29,6 @@ Standard library only.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Callable, Mapping
 from typing import NamedTuple
@@ -118,6 +117,8 @@ def env_key(variables: Mapping[str, str]) -> str:
     """One name for a job's loading variables (:func:`loading_vars`): the gate looks a job
     up by it and the collector files what it resolved under it. Two jobs with the same
     variables load the same library (as long as the files stay as they were)."""
+    import hashlib  # here: not on the gate's path for a job without a saved environment
+
     text = json.dumps(dict(sorted(variables.items())), separators=(",", ":"),
                       ensure_ascii=True)
     return hashlib.sha256(text.encode()).hexdigest()
