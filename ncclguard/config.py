@@ -209,6 +209,10 @@ class GateConfig(_Settings):
     # run, read by the others while younger than this (0: each run computes its own)
     shared_max_age_s: float = 10.0
     shared_dir: str = ""  # where; empty: gate-shared/ beside the audit log (SlurmUser's)
+    # a batch job's own NCCL (docs/jobs.md): read the environment slurmctld saved at submit
+    read_job_env: bool = True
+    # slurmctld's StateSaveLocation, where that environment is; empty: slurm.conf's
+    state_save_location: str = ""
 
     def audit_path(self, inventory: InventoryConfig | None = None) -> Path:
         """``audit_log``, else :func:`default_audit_path`, so that the gate (as SlurmUser)

@@ -65,6 +65,9 @@ class Run:
         self.views: dict[frozenset[str], PartitionView] = {}
         # job id -> Slurm's record of it (one narrow read a run)
         self.jobs: dict[str, Any] = {}
+        # judged by the job's own libnccl (prolog/ownnccl.py), not by the nodes' classes:
+        # steering then asks only that enough other nodes exist (_cannot_steer)
+        self.own_nccl = False
 
     @property
     def on_error(self) -> str:
@@ -262,7 +265,7 @@ def _inventory(run: Run, values: GateValues | None = None) -> Inventory:
 
 
 def decide(run: Run, job: Job) -> int:
-    from ncclguard.policy import evaluate_image, evaluate_values, stale_hosts
+    from ncclguard.policy import evaluate_image, stale_hosts
     from ncclguard.policy.rules.container import is_path_image  # loaded with the policy
     from ncclguard.store import InventoryError
 
@@ -272,9 +275,12 @@ def decide(run: Run, job: Job) -> int:
     image_values = None
     registry_row: dict | None = None
     registry_host: str | None = None  # a registry reference's registry
+    own, resolved = _job_env(run, job) if not image else None, None
     try:
         with _inventory(run) as inv:
             records = inv.load_values(job.nodes)
+            if own is not None and own.own:
+                resolved = inv.load_job_env(own.key, check_file=True)
             if image.startswith("/"):
                 image_values = inv.load_image_values(image, check_file=True)
             elif image and not is_path_image(image):  # a registry reference
@@ -311,9 +317,15 @@ def decide(run: Run, job: Job) -> int:
         verdict = evaluate_image(values, cfg.policy, image, image_values, stale,
                                  job.partition or None)
     else:
-        verdict = evaluate_values(values, cfg.policy, stale, job.partition or None)
+        from prolog import ownnccl
+
+        verdict = ownnccl.judge(values, cfg.policy, stale, job.partition or None, own,
+                                resolved)
+        if resolved is not None:
+            run.record["job_nccl"] = ownnccl.summary(resolved)
+            run.own_nccl = resolved.library is not None
     # refuse path only: several minimum odd sets, ask which to keep (host stacks only)
-    if verdict.odd_tie and not image:
+    if verdict.odd_tie and not image and (resolved is None or resolved.library is None):
         verdict, run.record["tie_break"] = _break_tie(run, job, verdict, values, stale)
     run.record.update(
         decision=verdict.decision,
@@ -344,6 +356,26 @@ def decide(run: Run, job: Job) -> int:
         run.audit(action="none")
         return EXIT_OK
     return refuse(run, job, verdict)
+
+
+def _job_env(run: Run, job: Job) -> Any:
+    """A batch job's loading variables from its saved environment (prolog/ownnccl.py),
+    recorded for the collector; None for a job that has none, or when it is not read."""
+    cfg = run.config
+    assert cfg is not None
+    if not (job.batch and cfg.gate.read_job_env):
+        return None
+    from prolog import ownnccl
+
+    env, why = ownnccl.read(cfg.gate, job.job_id, job.array_job_id)
+    if env is None:
+        run.record["job_env_error"] = why
+        return None
+    if env.variables:
+        run.record["job_env"] = env.record(job.uid)
+    if env.problems:
+        run.record["job_env_problems"] = list(env.problems)
+    return env
 
 
 class PartitionView:
@@ -592,6 +624,15 @@ def _cannot_steer(run: Run, job: Job, odd: list[str]) -> str:
     excluded = set(expand(info.excluded_nodes)) if info and info.excluded_nodes else set()
     partition = job.partition or (info.partition if info else "")
     view = _partition_view(run, partitions_of(partition)) if partition else None
+    if run.own_nccl:
+        # the classes are the nodes' own stacks, which a job of its own NCCL does not
+        # load: only whether enough other nodes exist (a set that holds another node its
+        # NCCL cannot use is refused again, and max_refusals bounds that)
+        left = len(set(view.members()) - excluded - set(odd)) if view else 0
+        if left < job.num_nodes:
+            return (f"partition {partition} has {left} nodes without {compress(odd)}, "
+                    f"the job needs {job.num_nodes}")
+        return ""
     largest = view.largest_without(excluded | set(odd), job.num_nodes) if view else 0
     if largest < job.num_nodes:
         return (

@@ -66,6 +66,9 @@ class Job(NamedTuple):
     #: pyxis's job-level --container-image (sbatch/salloc/srun), as slurmctld hands the
     #: SPANK option to PrologSlurmctld (docs/containers.md); "" when none
     container_image: str = ""
+    #: an array task's master job id (``SLURM_ARRAY_JOB_ID``): slurmctld keeps the
+    #: task's saved environment under it (docs/slurm.md); None for other jobs
+    array_job_id: int | None = None
 
     @property
     def image_path(self) -> str:
@@ -133,4 +136,5 @@ class Job(NamedTuple):
             constraints=e.get("SLURM_JOB_CONSTRAINTS", ""),
             work_dir=e.get("SLURM_JOB_WORK_DIR", ""),
             container_image=e.get(PYXIS_IMAGE_VAR, "").strip(),
+            array_job_id=int(a) if (a := e.get("SLURM_ARRAY_JOB_ID", "")).isdigit() else None,
         )
