@@ -23,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -89,6 +90,8 @@ def sched_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevClust
     with DevCluster(root, nodes=6, prolog=True, job_submit=True) as c:
         _gate_config(c)
         _inventory(c)
+        PRISTINE.update(lua=(c.root / "job_submit.lua").read_text(),
+                        config=c.config_path.read_text())
         c.set_reconfig_trigger()
         c.start_features_daemon()
         wait_until(lambda: _features_in_place(c), 30, "the features daemon's first sync")
@@ -103,10 +106,38 @@ def sc(sched_cluster: DevCluster) -> Iterator[DevCluster]:
     if "features" not in c._procs:  # a test stopped it
         c.start_features_daemon()
     wait_until(lambda: _features_in_place(c), 30, "the class features")
-    wait_until(lambda: _lua_adds_the_group(c), 30, "job_submit.lua to trust the file again",
-               detail=lambda: _lua_view(c))
+    try:
+        wait_until(lambda: _lua_adds_the_group(c), 30,
+                   "job_submit.lua to trust the file again", detail=lambda: _lua_view(c))
+    except AssertionError as e:
+        # What an earlier test left behind, shown, then undone: the module's own lua,
+        # config, inventory and daemon (CI, 26.05 shuffled: every later test of the
+        # module failed here, with nothing to tell why). Each test's own assertions are
+        # untouched; a second timeout fails the test.
+        warnings.warn(f"test_sched_slurm: the module's state restored after: {e}",
+                      stacklevel=1)
+        _restore(c)
+        wait_until(lambda: _lua_adds_the_group(c), 30, "job_submit.lua after the restore",
+                   detail=lambda: _lua_view(c))
     yield c
     c.cancel_all()
+
+
+def _restore(c: DevCluster) -> None:
+    """The module's state as its fixture made it: the shipped lua (a later mtime, so
+    that slurmctld loads it), the config, the inventory and the features daemon."""
+    c.stop_features_daemon()
+    lua = c.root / "job_submit.lua"
+    lua.write_text(PRISTINE["lua"])
+    os.utime(lua)
+    c.write_gate_config(PRISTINE["config"])
+    _inventory(c)
+    c.start_features_daemon()
+    wait_until(lambda: _features_in_place(c), 30, "the class features after the restore")
+
+
+#: what the module's fixture wrote: the lua slurmctld loads and the controller's config
+PRISTINE: dict[str, str] = {}
 
 
 def _lua_adds_the_group(c: DevCluster) -> bool:
