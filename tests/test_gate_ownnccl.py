@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 from helpers.fingerprints import fingerprint
-from helpers.gate import last, run_gate
-from helpers.parts import place
+from helpers.gate import ENV, last, run_gate
 
 from inventoryd.controller.jobenv_index import JobEnvIndex, write_job_envs
 from ncclguard import audit
@@ -81,7 +80,11 @@ def test_a_module_job_is_judged_by_its_own_nccl_once_the_collector_read_it(
     collector resolves the environment the audit record names; the next job from it is
     accepted, judged by 2.23.4 on each node."""
     _inventory(tmp_path, DIFFER)
-    lib = place(world / "nccl-2.23.4", "lib/libnccl.so.2", nccl_lib("2.23.4"))
+    # a copy, not a link to the shared cache: linking to it elsewhere (another test)
+    # changes its ctime, which is part of the identity the collector files
+    lib = world / "nccl-2.23.4" / "lib" / "libnccl.so.2"
+    lib.parent.mkdir(parents=True)
+    shutil.copyfile(nccl_lib("2.23.4"), lib)
     lib.chmod(0o644)
     for d in (world / "nccl-2.23.4", lib.parent):
         d.chmod(0o755)
@@ -216,3 +219,29 @@ def test_the_record_the_gate_hands_on_is_one_the_collector_takes(tmp_path: Path)
     index = JobEnvIndex(tmp_path / "audit.jsonl", db=tmp_path / "inventory.db")
     index.run_pass()
     assert index.ignored == 0
+
+
+def test_a_batch_jobs_read_stays_off_the_heavy_imports(tmp_path: Path) -> None:
+    """The saved environment read on the gate's path imports neither Slurm's adapter
+    (subprocess: 29 ms) nor hashlib (OpenSSL: 3.5 ms; the key's SHA-256 comes from
+    CPython's builtin module), and the key is hashlib's SHA-256 all the same."""
+    import subprocess
+    import sys
+
+    _inventory(tmp_path, {"n1": "2.21.5", "n2": "2.21.5", "n3": "2.21.5"})
+    save_env(tmp_path / "state", 77, {"VIRTUAL_ENV": "/v"})
+    (tmp_path / "c.toml").write_text(f'[gate]\naudit_log = "{tmp_path / "audit.jsonl"}"\n'
+                                     f"{_config(tmp_path)}\n")
+    code = ("import sys; from prolog.gate import main; rc = main();"
+            "heavy = ('hashlib', '_hashlib', 'subprocess', 'ncclguard.slurm.adapter', "
+            "'ncclguard.slurm.model', 'click', 'sqlite_utils');"
+            "print(sorted(m for m in sys.modules if m.startswith(heavy)))")
+    env = {"PATH": "/usr/bin:/bin", "NCCLGUARD_DB": str(tmp_path / "inventory.db"),
+           "NCCLGUARD_CONFIG": str(tmp_path / "c.toml"), **ENV, **BATCH}
+    r = subprocess.run([sys.executable, "-I", "-c", code], env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert r.stdout.strip() == "[]", r.stdout + r.stderr
+    import hashlib
+
+    rec = last(tmp_path)
+    assert rec["job_env"]["key"] == hashlib.sha256(b'{"VIRTUAL_ENV":"/v"}').hexdigest()
