@@ -83,6 +83,10 @@ def read(gate: Any, job_id: int, array_job_id: int | None) -> tuple[JobVars | No
     saved = savedenv.read(path, INPUTS + NCCL_VARS, max_value=MAX_VALUE)
     if saved.missing:
         return None, f"{path}: no saved environment (not an sbatch job's, or purged)"
+    if saved.twice:  # ld.so takes the last LD_* (rtld.c), bash binds the last: not the
+        # first this reader keeps; which one the job's processes see is not one answer
+        return None, (f"{path}: {', '.join(saved.twice)} saved more than once: which value "
+                      "the job's processes use is not known: not resolved")
     if saved.problems and not saved.values:  # a file not taken (whose, what), or unreadable
         return None, "; ".join(saved.problems)
     variables, problems = loading_vars(saved.values)

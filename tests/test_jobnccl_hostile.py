@@ -98,7 +98,9 @@ def test_proc_sys_dev_spelled_otherwise_are_not_looked_at(env: dict[str, str]) -
     into = [p for p in asked
             if os.path.normpath("/" + p.lstrip("/")).startswith(("/proc/", "/sys/", "/dev/"))]
     assert into == [], into
-    assert got.source == "host" and got.problems
+    # not the host's either: what such a path leads to (the job's working directory
+    # through /proc/self/cwd) is not known (test_ownnccl_hostile.py)
+    assert got.source != "host" and got.path is None and got.problems
 
 
 def _node(name: str, abis: list[int]) -> dict:

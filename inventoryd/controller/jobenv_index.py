@@ -233,6 +233,8 @@ class JobEnvIndex:
             "problems": [*found.problems, *access.named()], "library": None, "ident": None,
             "error": None, "used_at": p.used_at}
         if found.path is None:
+            if found.source != "host":  # the rules could not decide: not a library
+                row["error"] = found.why
             return row
         try:
             before = image_identity(os.stat(found.path))

@@ -47,6 +47,9 @@ def _job_nccl(env_dir: str) -> tuple[dict | None, str | None]:
     else:
         env = {"LD_LIBRARY_PATH": base}
     found = locate(env, os.path.isfile)
+    if found.path is None and found.source != "host":
+        fail(f"--env {safe(env_dir)}: which libnccl.so.2 a job would load is "
+             f"{safe(found.why)}")
     if found.path is None:
         fail(f"--env {safe(env_dir)}: no libnccl.so.2 there that a job would load "
              f"(read as {', '.join(env)}={safe(base)}; docs/jobs.md)")

@@ -84,16 +84,6 @@ def _value(env: Mapping[str, str], name: str, problems: list[str]) -> str | None
     return value
 
 
-def _entries(value: str, seps: str, name: str, problems: list[str]) -> list[str]:
-    for sep in seps[1:]:
-        value = value.replace(sep, seps[0])
-    items = [x for x in value.split(seps[0]) if x]
-    if len(items) > MAX_ENTRIES:
-        problems.append(f"{name}: {len(items)} entries, only the first {MAX_ENTRIES} read")
-        items = items[:MAX_ENTRIES]
-    return items
-
-
 def _absolute(path: str) -> bool:
     """Absolute, without a ``..`` component, not into /proc, /sys or /dev however
     spelled (``//proc``, ``/./dev``: the string's components, not where links lead)."""
@@ -159,37 +149,68 @@ def locate(env: Mapping[str, str], is_file: Callable[[str], bool]) -> Found:
                             "or /dev, or through '..': not looked at")
         return None
 
-    def prefix(name: str) -> str | None:
+    def unknown(name: str, why: str) -> Found:
+        problems.append(f"{name}: {why}")
+        return Found(name, None, f"not known: {why}", nccl, tuple(problems))
+
+    def wheel(name: str, base: str) -> str | Found | None:
+        # every python's site-packages: which one the job's python imports is not read
+        got = [p for p in wheel_paths(base) if is_file(p)]
+        if len(got) > 1:
+            return unknown(name, f"nvidia-nccl wheels under {len(got)} python versions "
+                           f"({', '.join(got[:3])}): which the job's python imports is not "
+                           "known")
+        return got[0] if got else None
+
+    def prefix(name: str) -> str | Found | None:
         value = _value(env, name, problems)
         if value is not None and not _absolute(value):
-            problems.append(f"{name}={value[:200]!r}: not an absolute path outside /proc, "
-                            "/sys and /dev: not looked at")
-            return None
+            # the job's python is under it wherever it leads (a relative one from the
+            # working directory): its wheel, not a later rule's library
+            return unknown(name, f"{value[:200]!r}: not an absolute path outside /proc, "
+                           "/sys and /dev: not looked at, what the job loads is not known")
         return value
 
     preload = _value(env, "LD_PRELOAD", problems)
     if preload is not None:
-        # ld.so: LD_PRELOAD is separated by spaces or colons
-        for entry in _entries(preload, ": ", "LD_PRELOAD", problems):
+        # ld.so: LD_PRELOAD is separated by spaces or colons; a name without a slash is
+        # searched for as a library is, a relative one opened from the working directory,
+        # $LIB, $PLATFORM and $ORIGIN expanded: the collector cannot follow those
+        entries = preload.replace(":", " ").split()
+        if len(entries) > MAX_ENTRIES:
+            return unknown("LD_PRELOAD", f"{len(entries)} entries, more than the "
+                           f"{MAX_ENTRIES} looked at: what it loads is not known")
+        for entry in entries:
+            if "$" in entry:
+                return unknown("LD_PRELOAD", f"{entry[:200]!r} holds a token ld.so expands "
+                               "($LIB, $PLATFORM, $ORIGIN): what it loads is not known")
             if entry.rsplit("/", 1)[-1].startswith("libnccl.so"):
                 if not _absolute(entry):
-                    problems.append(f"LD_PRELOAD names {entry!r}, not an absolute path "
-                                    "outside /proc, /sys and /dev: not read")
-                    continue
+                    return unknown("LD_PRELOAD", f"names {entry[:200]!r}, not an absolute "
+                                   "path outside /proc, /sys and /dev: ld.so finds it by "
+                                   "its search or from the job's working directory")
                 if is_file(entry):
                     return Found("LD_PRELOAD", entry, "LD_PRELOAD loads it before anything "
                                  "else", nccl, tuple(problems))
                 problems.append(f"LD_PRELOAD names {entry}, which is not a file")
     venv = prefix("VIRTUAL_ENV")
+    if isinstance(venv, Found):
+        return venv
     if venv is not None:
-        got = first(wheel_paths(venv), "VIRTUAL_ENV")
+        got = wheel("VIRTUAL_ENV", venv)
+        if isinstance(got, Found):
+            return got
         if got is not None:
             return Found("VIRTUAL_ENV", got, "pip's nvidia-nccl wheel in the virtualenv: "
                          "torch's RPATH and JAX find it before LD_LIBRARY_PATH", nccl,
                          tuple(problems))
     conda = prefix("CONDA_PREFIX")
+    if isinstance(conda, Found):
+        return conda
     if conda is not None:
-        got = first(wheel_paths(conda), "CONDA_PREFIX")
+        got = wheel("CONDA_PREFIX", conda)
+        if isinstance(got, Found):
+            return got
         if got is not None:
             return Found("CONDA_PREFIX", got, "pip's nvidia-nccl wheel in the conda env "
                          "(torch's RPATH)", nccl, tuple(problems))
@@ -199,10 +220,25 @@ def locate(env: Mapping[str, str], is_file: Callable[[str], bool]) -> Found:
                          "find it through their RPATH $ORIGIN/../lib", nccl, tuple(problems))
     path = _value(env, "LD_LIBRARY_PATH", problems)
     if path is not None:
-        dirs = _entries(path, ":;", "LD_LIBRARY_PATH", problems)
-        got = first([f"{d.rstrip('/')}/{SONAME}" for d in dirs], "LD_LIBRARY_PATH")
-        if got is not None:
-            return Found("LD_LIBRARY_PATH", got, "the first LD_LIBRARY_PATH directory "
-                         "that holds libnccl.so.2 (a module's)", nccl, tuple(problems))
+        # ld.so searches every entry in order: an empty one is the working directory, a
+        # relative one is relative to it, $LIB and $PLATFORM are expanded. An entry the
+        # collector cannot look at, before the first that holds libnccl.so.2, may hold
+        # the library the job loads: the answer is then not known (never a later one).
+        dirs = path.replace(";", ":").split(":")
+        for i, d in enumerate(dirs):
+            if i >= MAX_ENTRIES:
+                return unknown("LD_LIBRARY_PATH", f"{len(dirs)} entries, none of the first "
+                               f"{MAX_ENTRIES} holds libnccl.so.2: the rest are not looked "
+                               "at")
+            if d == "" or "$" in d or not _absolute(d):
+                why = ("an empty entry (ld.so: the working directory)" if d == "" else
+                       f"{d[:200]!r}: relative, a token ld.so expands, into /proc, /sys or "
+                       "/dev, or through '..'")
+                return unknown("LD_LIBRARY_PATH", f"{why}, searched before any entry that "
+                               "holds libnccl.so.2: what the job loads is not known")
+            if is_file(f"{d.rstrip('/')}/{SONAME}"):
+                return Found("LD_LIBRARY_PATH", f"{d.rstrip('/')}/{SONAME}", "the first "
+                             "LD_LIBRARY_PATH directory that holds libnccl.so.2 (a "
+                             "module's)", nccl, tuple(problems))
     return Found("host", None, "no libnccl of the job's own: the node's (the dynamic "
                  "linker's cache and directories)", nccl, tuple(problems))

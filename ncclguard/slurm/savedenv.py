@@ -50,6 +50,7 @@ class SavedEnv(NamedTuple):
     problems: tuple[str, ...]
     path: str
     missing: bool = False
+    twice: tuple[str, ...] = ()  # requested names present more than once
 
 
 def environment_path(state_dir: str, job_id: int, array_job_id: int | None = None) -> str:
@@ -79,6 +80,7 @@ class _Scan:
         self.name: bytes | None = None
         self.cur = bytearray()
         self.seen: set[bytes] = set()
+        self.twice: dict[str, None] = {}
         self.values: dict[str, str] = {}
         self.problems: list[str] = []
 
@@ -125,6 +127,7 @@ class _Scan:
             return
         text = self.wanted[name]
         if name in self.seen:
+            self.twice[text] = None
             self.problems.append(f"{self.path}: {text} appears more than once: the first "
                                  "kept")
             return
@@ -225,7 +228,8 @@ def read(path: str, names: Iterable[str], *, max_value: int,
             problems.append(f"{path}: larger than {max_bytes} bytes: only the first "
                             f"{max_bytes} read, the variables after them are not known")
         scan.end(cut)
-        return SavedEnv(scan.values, (*problems, *scan.problems), path)
+        return SavedEnv(scan.values, (*problems, *scan.problems), path,
+                        twice=tuple(scan.twice))
     except OSError as e:
         return SavedEnv({}, (f"{path}: cannot read: {e.strerror or e}",), path)
     finally:
