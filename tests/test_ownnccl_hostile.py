@@ -175,3 +175,45 @@ def test_a_venv_with_two_python_versions_is_not_judged_by_the_newest(
     (v / "pyvenv.cfg").write_text("home = /usr/bin\nversion = 3.11.9\n")
     rec = _judged(tmp_path, [("VIRTUAL_ENV", str(v))])
     assert rec["decision"] != "accept", _why(rec)
+
+
+def test_a_directory_the_collector_cannot_look_into_stops_the_search(
+    nccl_lib: Callable[[str], Path],
+) -> None:
+    """The collector runs unprivileged: ``LD_LIBRARY_PATH=<a 0700 directory of the job's
+    owner, holding 2.18.3>:<a shared module directory, 2.23.4>``. The job (root here)
+    loads 2.18.3; the collector cannot look into the first directory. Before: its stat's
+    EACCES read as "nothing there", and the job was judged by the shared 2.23.4. Now: not
+    known (the review's finding, run as uid 65534 under setpriv, as the collector's unit
+    runs as a user of its own)."""
+    import json
+    import subprocess
+    import sys
+
+    base = Path(tempfile.mkdtemp(prefix="ncclguard-eacces-", dir="/tmp"))
+    try:
+        base.chmod(0o755)
+        private = base / "private" / "lib"
+        private.mkdir(parents=True)
+        shutil.copyfile(nccl_lib("2.18.3"), private / "libnccl.so.2")
+        (base / "private").chmod(0o700)  # root's, like a user's 0700 home
+        shared = base / "shared" / "lib"
+        shared.mkdir(parents=True)
+        shutil.copyfile(nccl_lib("2.23.4"), shared / "libnccl.so.2")
+        for d in (base / "shared", shared):
+            d.chmod(0o755)
+        (shared / "libnccl.so.2").chmod(0o644)
+        env = {"LD_LIBRARY_PATH": f"{private}:{shared}"}
+        code = ("import json, sys; from ncclguard.fingerprint.jobenv import locate;"
+                "from inventoryd.controller.jobaccess import Access;"
+                "f = locate(json.loads(sys.argv[1]), Access(0).is_file);"
+                "print(json.dumps([f.source, f.path, f.why]))")
+        r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                            sys.executable, "-c", code, json.dumps(env)],
+                           capture_output=True, text=True, timeout=60, cwd="/")
+        assert r.returncode == 0, r.stderr
+        source, path, why = json.loads(r.stdout)
+        assert (source, path) == ("unknown", None), (source, path, why)
+        assert f"{private}/libnccl.so.2: the collector cannot look (Permission denied)" in why
+    finally:
+        shutil.rmtree(base, ignore_errors=True)

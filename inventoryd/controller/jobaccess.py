@@ -25,6 +25,7 @@ import pwd
 import stat
 
 from ncclguard.fileowner import hidden, kind
+from ncclguard.fingerprint.jobenv import NotKnown
 
 __all__ = ["MAX_NAMED", "Access", "permitted"]
 
@@ -90,15 +91,29 @@ class Access:
         return False
 
     def _stat(self, path: str) -> os.stat_result | None:
+        """The file at ``path``, None when nothing is there (ENOENT, ENOTDIR: ld.so
+        passes over it too); :class:`NotKnown` when this process may not look (EACCES
+        on a directory of the user's: the job's uid may see a file there)."""
         if path not in self._stats:
             try:
                 self._stats[path] = os.stat(path)
-            except (OSError, ValueError):
+            except (FileNotFoundError, NotADirectoryError):
                 self._stats[path] = None
+            except (OSError, ValueError) as e:
+                raise NotKnown(f"{path}: the collector cannot look "
+                               f"({getattr(e, 'strerror', None) or e})") from None
         return self._stats[path]
 
     def _may(self, st: os.stat_result, want: int) -> bool:
         return permitted(st, self.uid, self.groups, want, owner_known=not hidden(st.st_uid))
+
+    def _job_may_load(self, path: str, real: str, st: os.stat_result) -> bool:
+        try:
+            return all((dst := self._stat(d)) is not None and stat.S_ISDIR(dst.st_mode)
+                       and self._may(dst, _X)
+                       for d in dict.fromkeys(_dirs(path) + _dirs(real))) and self._may(st, _R)
+        except NotKnown:
+            return True
 
     def is_file(self, path: str) -> bool:
         """A regular file both the job's uid and this process may read (module doc)."""
@@ -113,6 +128,11 @@ class Access:
         if not stat.S_ISREG(st.st_mode):
             return self._refuse(f"{path}: {kind(st.st_mode)}, not a library: not read")
         if not os.access(path, os.R_OK):
+            # the job's uid may read it (below) where this process may not: the job may
+            # load it, and the search must not go on past it
+            if self._job_may_load(path, real, st):
+                raise NotKnown(f"{path}: the job's uid may read it, the collector (uid "
+                               f"{os.getuid()}) may not")
             return self._refuse(f"{path}: the collector (uid {os.getuid()}) may not read "
                                 "it: not read")
         for d in dict.fromkeys(_dirs(path) + _dirs(real)):

@@ -33,8 +33,8 @@ import json
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
-__all__ = ["INPUTS", "MAX_ENTRIES", "MAX_VALUE", "NCCL_VARS", "Found", "env_key", "loading_vars",
-           "locate", "wheel_paths"]
+__all__ = ["INPUTS", "MAX_ENTRIES", "MAX_VALUE", "NCCL_VARS", "Found", "NotKnown", "env_key",
+           "loading_vars", "locate", "wheel_paths"]
 
 #: The variables that decide which libnccl a job loads.
 INPUTS = ("LD_PRELOAD", "VIRTUAL_ENV", "CONDA_PREFIX", "LD_LIBRARY_PATH")
@@ -50,6 +50,12 @@ MAX_ENTRIES = 256
 #: Python minor versions a venv's ``lib/python3.N`` is looked for under, newest first.
 PYTHONS = tuple(f"python3.{n}" for n in range(20, 5, -1))
 SONAME = "libnccl.so.2"
+
+
+class NotKnown(Exception):
+    """Raised by a :func:`locate` file test for a candidate it cannot judge (a file this
+    reader may not look at, though the job might load it): the search stops there and
+    what the job loads is not known, never a later candidate's library."""
 
 
 class Found(NamedTuple):
@@ -132,7 +138,15 @@ def _sha256(data: bytes) -> Any:
 def locate(env: Mapping[str, str], is_file: Callable[[str], bool]) -> Found:
     """The job's libnccl by the rules of the module doc. ``is_file(path)``: whether a
     regular file the job could load is at that absolute path (the caller decides what it
-    may read, and as whom)."""
+    may read, and as whom); it raises :class:`NotKnown` for a path it cannot judge."""
+    try:
+        return _locate(env, is_file)
+    except NotKnown as e:
+        why = f"{e}: what the job loads is not known"
+        return Found("unknown", None, f"not known: {why}", {}, (why,))
+
+
+def _locate(env: Mapping[str, str], is_file: Callable[[str], bool]) -> Found:
     problems: list[str] = []
     nccl = {k: v for k in NCCL_VARS if (v := _value(env, k, problems)) is not None}
 
