@@ -319,7 +319,14 @@ def test_export_none_saves_only_slurms_own_variables(ctld: DevCluster) -> None:
     _, entries = _entries(path)
     names = sorted(e.split(b"=", 1)[0].decode() for e in entries)
     # 24.11 on also keep the SPANK options (env_array_merge_slurm_spank: "_SLURM_SPANK_OPTION_")
-    assert names and all(n.startswith(("SLURM", "_SLURM_SPANK_OPTION_")) for n in names), names
+    # and set the external MPI launchers' variables (set_env_from_opts, src/common/env.c:
+    # OMPI_MCA_plm_slurm_args, PRTE_MCA_plm_slurm_args, HYDRA_*, I_MPI_HYDRA_*; seen on
+    # 24.11.5 and 26.05 in CI's roots)
+    launchers = ("OMPI_MCA_plm_slurm_args", "PRTE_MCA_plm_slurm_args", "HYDRA_BOOTSTRAP",
+                 "HYDRA_LAUNCHER_EXTRA_ARGS", "I_MPI_HYDRA_BOOTSTRAP",
+                 "I_MPI_HYDRA_BOOTSTRAP_EXEC_EXTRA_ARGS")
+    assert names and all(n.startswith(("SLURM", "_SLURM_SPANK_OPTION_")) or n in launchers
+                         for n in names), names
     assert "SLURM_GET_USER_ENV" in names
 
 
