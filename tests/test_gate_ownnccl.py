@@ -10,8 +10,7 @@ import json
 import os
 import shutil
 import struct
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -37,15 +36,6 @@ def save_env(state: Path, job_id: int, env: dict[str, str], mode: int = 0o600) -
     f.chmod(mode)
     return f
 
-
-@pytest.fixture
-def world() -> Iterator[Path]:
-    """A directory every uid may enter (tmp_path sits under root's 0700 one): job 77 is
-    uid 1000's, and the collector reads only what that uid may read."""
-    d = Path(tempfile.mkdtemp(prefix="ncclguard-gate-own-", dir="/tmp"))
-    d.chmod(0o755)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def _inventory(tmp_path: Path, hosts: dict[str, str]) -> None:

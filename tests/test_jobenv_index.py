@@ -17,13 +17,11 @@ import os
 import shutil
 import stat
 import subprocess
-import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pytest
 from helpers.parts import place
 
 from inventoryd.controller.jobaccess import Access, permitted
@@ -64,14 +62,6 @@ class Reader:
         self.asked.append(path)
         return read_library(path, source, timeout_s=timeout_s)
 
-
-@pytest.fixture
-def world() -> Iterator[Path]:
-    """A directory every uid may enter (tmp_path is under a 0700 directory of root's)."""
-    d = Path(tempfile.mkdtemp(prefix="ncclguard-jobenv-", dir="/tmp"))
-    d.chmod(0o755)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def _index(tmp_path: Path, **kw: Any) -> tuple[JobEnvIndex, Path, Reader]:

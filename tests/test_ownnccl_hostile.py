@@ -11,7 +11,7 @@ from __future__ import annotations
 import shutil
 import struct
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -38,13 +38,6 @@ def save_raw(state: Path, job_id: int, entries: list[tuple[str, str]]) -> Path:
     f.chmod(0o600)
     return f
 
-
-@pytest.fixture
-def world() -> Iterator[Path]:
-    d = Path(tempfile.mkdtemp(prefix="ncclguard-hostile-", dir="/tmp"))
-    d.chmod(0o755)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def _open(world: Path, rel: str, lib: Path) -> Path:

@@ -20,6 +20,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -179,3 +180,13 @@ def venv(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
         return made[version]
 
     return make
+
+
+@pytest.fixture
+def world() -> Iterator[Path]:
+    """A directory every uid may enter (``tmp_path`` sits under a 0700 directory of
+    root's): what a job's uid and the unprivileged collector may read is put here."""
+    d = Path(tempfile.mkdtemp(prefix="ncclguard-world-", dir="/tmp"))
+    d.chmod(0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
