@@ -755,13 +755,17 @@ class DevCluster:
 
     def reset_gate_state(self) -> None:
         """The gate's config and inventory as at start: the config given to the
-        constructor, no inventory file (and no -wal/-shm), an empty gate log. Tests that
-        share one cluster call this between them, so none inherits another's."""
+        constructor, no inventory file (and no -wal/-shm), an empty gate log, and no
+        partition view shared between gate runs (``gate-shared/`` beside the audit log,
+        docs/gate.md "Shared work": one up to 10 s old served the next test the classes
+        of the last one's inventory; CI, 24.11, shuffled). Tests that share one cluster
+        call this between them, so none inherits another's."""
         self.write_gate_config(self.initial_gate_config)
         self.remove_inventory()
         self.remove_records()
         if self.gate_log.exists():
             self.gate_log.write_text("")
+        shutil.rmtree(self.audit_path.parent / "gate-shared", ignore_errors=True)
 
     def cancel_all(self) -> None:
         self.run(["scancel", "--user", "root"], check=False)
