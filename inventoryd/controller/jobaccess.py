@@ -107,40 +107,41 @@ class Access:
     def _may(self, st: os.stat_result, want: int) -> bool:
         return permitted(st, self.uid, self.groups, want, owner_known=not hidden(st.st_uid))
 
-    def _job_may_load(self, path: str, real: str, st: os.stat_result) -> bool:
-        try:
-            return all((dst := self._stat(d)) is not None and stat.S_ISDIR(dst.st_mode)
-                       and self._may(dst, _X)
-                       for d in dict.fromkeys(_dirs(path) + _dirs(real))) and self._may(st, _R)
-        except NotKnown:
-            return True
+    def _job_refusal(self, path: str, real: str, st: os.stat_result) -> str | None:
+        """Why the job's uid may not load the file at ``path`` (``real`` where its links
+        lead, ``st`` its stat), None when it may: each directory on the way searchable,
+        the file readable, by the bits that apply to that uid."""
+        who = f"uid {self.uid}" if self.uid is not None else "an unknown uid (others' bits)"
+        for d in dict.fromkeys(_dirs(path) + _dirs(real)):
+            dst = self._stat(d)
+            if dst is None or not stat.S_ISDIR(dst.st_mode) or not self._may(dst, _X):
+                return f"{path}: {who} may not enter {d}: not read"
+        if not self._may(st, _R):
+            return (f"{path}: {who} may not read it (mode {stat.S_IMODE(st.st_mode):04o}, "
+                    f"owner uid {st.st_uid}): not read")
+        return None
 
     def is_file(self, path: str) -> bool:
         """A regular file both the job's uid and this process may read (module doc)."""
-        who = f"uid {self.uid}" if self.uid is not None else "an unknown uid (others' bits)"
         st = self._stat(path)
         if st is None:
-            return False  # nothing there (or nothing this process may look at)
+            return False  # nothing there (a directory this process may not look into
+            #               raised NotKnown in _stat)
         real = os.path.realpath(path)
         if _outside(real):
             return self._refuse(f"{path}: leads to {real}, into /proc, /sys or /dev: "
                                 "not read")
         if not stat.S_ISREG(st.st_mode):
             return self._refuse(f"{path}: {kind(st.st_mode)}, not a library: not read")
+        job_refusal = self._job_refusal(path, real, st)  # NotKnown where it cannot look
         if not os.access(path, os.R_OK):
-            # the job's uid may read it (below) where this process may not: the job may
-            # load it, and the search must not go on past it
-            if self._job_may_load(path, real, st):
+            # the job's uid may read it where this process may not: the job may load it,
+            # and the search must not go on past it
+            if job_refusal is None:
                 raise NotKnown(f"{path}: the job's uid may read it, the collector (uid "
                                f"{os.getuid()}) may not")
             return self._refuse(f"{path}: the collector (uid {os.getuid()}) may not read "
                                 "it: not read")
-        for d in dict.fromkeys(_dirs(path) + _dirs(real)):
-            dst = self._stat(d)
-            if dst is None or not stat.S_ISDIR(dst.st_mode) or not self._may(dst, _X):
-                return self._refuse(f"{path}: {who} may not enter {d}: not read")
-        if not self._may(st, _R):
-            return self._refuse(f"{path}: {who} may not read it (mode "
-                                f"{stat.S_IMODE(st.st_mode):04o}, owner uid {st.st_uid}): "
-                                "not read")
+        if job_refusal is not None:
+            return self._refuse(job_refusal)
         return True
