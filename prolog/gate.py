@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from ncclguard.slurm import Slurm
     from ncclguard.store import GateValues, Inventory
     from prolog.job import Job
+    from prolog.ownnccl import JobVars
 
 EXIT_OK = 0
 EXIT_REFUSE = 1
@@ -325,7 +326,7 @@ def decide(run: Run, job: Job) -> int:
             run.record["job_nccl"] = ownnccl.summary(resolved)
             run.own_nccl = resolved.library is not None
     # refuse path only: several minimum odd sets, ask which to keep (host stacks only)
-    if verdict.odd_tie and not image and (resolved is None or resolved.library is None):
+    if verdict.odd_tie and not image and not run.own_nccl:
         verdict, run.record["tie_break"] = _break_tie(run, job, verdict, values, stale)
     run.record.update(
         decision=verdict.decision,
@@ -358,7 +359,7 @@ def decide(run: Run, job: Job) -> int:
     return refuse(run, job, verdict)
 
 
-def _job_env(run: Run, job: Job) -> Any:
+def _job_env(run: Run, job: Job) -> JobVars | None:
     """A batch job's loading variables from its saved environment (prolog/ownnccl.py),
     recorded for the collector; None for a job that has none, or when it is not read."""
     cfg = run.config

@@ -99,7 +99,7 @@ def read(gate: Any, job_id: int, array_job_id: int | None) -> tuple[JobVars | No
     return JobVars(env_key(variables), variables, own, problems), None
 
 
-def summary(resolved: Any) -> dict[str, Any]:
+def summary(resolved: JobEnv) -> dict[str, Any]:
     """The audit record's ``job_nccl``: what the collector found for the job's environment
     (a ``JobEnv`` of ``Inventory.load_job_env``)."""
     library = resolved.library or {}
@@ -125,16 +125,15 @@ def judge(
         return evaluate_values(records, config, stale, partition)
     from ncclguard.fingerprint.jobenv import INPUTS
 
+    if resolved is not None and resolved.source != "host":
+        return evaluate_nccl(records, config, resolved.library, resolved.error, stale,
+                             partition)
     named = ", ".join(f"{k}={v[:120]}" for k, v in env.variables.items() if k in INPUTS)
-    if resolved is None:
-        verdict = evaluate_values(records, config, stale, partition)
-        verdict.notes.append(f"the job's own NCCL ({named}) is not read yet: judged by the "
-                             "nodes' stacks and what they add; the collector reads it for "
-                             "the next job from this environment")
-        return verdict
-    if resolved.source == "host":
-        verdict = evaluate_values(records, config, stale, partition)
-        verdict.notes.append(f"the job's environment ({named}) names no libnccl of its "
-                             "own that its owner may read: judged by the node's")
-        return verdict
-    return evaluate_nccl(records, config, resolved.library, resolved.error, stale, partition)
+    verdict = evaluate_values(records, config, stale, partition)
+    verdict.notes.append(
+        f"the job's own NCCL ({named}) is not read yet: judged by the nodes' stacks and "
+        "what they add; the collector reads it for the next job from this environment"
+        if resolved is None else
+        f"the job's environment ({named}) names no libnccl of its own that its owner may "
+        "read: judged by the node's")
+    return verdict
