@@ -160,7 +160,8 @@ def test_hostile_paths_are_refused_named_and_never_read(world: Path, nccl_lib, t
     (world / "fifo").mkdir()
     os.mkfifo(world / "fifo/libnccl.so.2")
     (world / "secret").mkdir()
-    secret = place(world, "secret/libnccl.so.2", real)
+    secret = world / "secret/libnccl.so.2"  # a copy: a hardlink's chmod is the cache's
+    shutil.copyfile(real, secret)
     secret.chmod(0o600)
     (world / "link").mkdir()
     (world / "link/libnccl.so.2").symlink_to(secret)

@@ -11,7 +11,8 @@ hand them out (a plugin of tests/conftest.py).
   from a tiny C file that exports the chosen ``ncclNetPlugin_vN`` (etc.) structs, each
   starting with its name string.
 - ``place(root, node_path, src)`` -> put a file into a root tree by hardlink (copy if
-  the hardlink is refused), creating the directories.
+  the hardlink is refused), creating the directories. The hardlink is the cache's own
+  file: a test that changes its mode or owner fails (``_cached_libs_unchanged``).
 """
 
 from __future__ import annotations
@@ -58,6 +59,39 @@ def extract_nccl(version: str) -> Path:
 def nccl_lib() -> Callable[[str], Path]:
     """``nccl_lib("2.21.5")`` -> Path of that real libnccl.so.2 (skips if not obtainable)."""
     return extract_nccl
+
+
+def _cached_libs() -> dict[Path, tuple[int, int, int]]:
+    """Mode, owner and group of each cached real libnccl (a few stats)."""
+    out = {}
+    for lib in (ncclwheels.cache_dir() / "nccl").glob("*/libnccl.so.2"):
+        try:
+            st = lib.stat()
+        except OSError:
+            continue
+        out[lib] = (st.st_mode & 0o7777, st.st_uid, st.st_gid)
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _cached_libs_unchanged() -> Iterator[None]:
+    """The cached real libraries reach node trees by hardlink (:func:`place`): a test that
+    chmods or chowns its "copy" changes the one file every later test places (CI of stop
+    50: a 0600 libnccl 2.21.5 left by tests/test_jobenv_index.py made the install guide's
+    second node unreadable to its daemon). Such a test fails here, named, and the
+    file's mode and owner are put back."""
+    before = _cached_libs()
+    yield
+    changed = {p: (was, now) for p, now in _cached_libs().items()
+               if (was := before.get(p)) is not None and was != now}
+    for p, (was, _now) in changed.items():
+        os.chown(p, was[1], was[2])
+        os.chmod(p, was[0])
+    if changed:
+        pytest.fail("this test changed a cached real library shared by hardlink (copy it "
+                    "before chmod or chown): " + ", ".join(
+                        f"{p}: mode {oct(w[0])} uid {w[1]} -> mode {oct(n[0])} uid {n[1]}"
+                        for p, (w, n) in changed.items()), pytrace=False)
 
 
 def place(root: Path, node_path: str, src: Path) -> Path:
