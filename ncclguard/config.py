@@ -185,6 +185,11 @@ class FeaturesConfig(_Settings):
     # a node update Slurm refuses is retried after 2 s, then twice as long each time, up
     # to this (the other nodes' updates go on)
     retry_max_s: float = 300.0
+    # a second class feature per node (nc_j...): what the node gives a job that brings
+    # its own NCCL (a pip venv, a conda env, a module); a batch job from an environment
+    # the collector resolved is offered those classes, not confined by the hosts'
+    # libnccl (issue 40, docs/scheduling.md). Off: every node carries one feature.
+    own_nccl: bool = False
 
 
 class PolicyConfig(_Settings):

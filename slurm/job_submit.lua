@@ -64,11 +64,16 @@ ncclguard.MAX_STRING = 1024     -- Slurm's cap (_test_job_desc_fields, job_mgr.c
 ncclguard.MAX_FILE = 1048576    -- ncclguard/sched/classfile.py MAX_BYTES
 ncclguard.MAX_MEMBERS = 262144  -- classfile.py MAX_MEMBERS
 ncclguard.MAX_REQ_NODES = 65536 -- the longest -w list read
-ncclguard.MAGIC = "ncclguard-classes 3"
+ncclguard.MAGIC = "ncclguard-classes 4"
 ncclguard.MAX_IMAGES = 256      -- classfile.py MAX_IMAGES: image lines in the file
 ncclguard.MAX_REF = 1024        -- an image key's length (ncclguard/fingerprint/imageref.py)
 ncclguard.MAX_IMAGE_VALUE = 4096 -- submit.py MAX_IMAGE_VALUE: the longest --container-image read
 ncclguard.MAX_SPANK_ENV = 256   -- submit.py MAX_SPANK_ENV: spank_job_env entries looked at
+ncclguard.MAX_ENVS = 256        -- classfile.py MAX_ENVS: env lines in the file
+-- ncclguard/fingerprint/jobenv.py MAX_SUBMIT_KEY: the longest key built from a job's
+-- environment, and the variables it is built from, in its order (INPUTS)
+ncclguard.MAX_ENV_KEY = 4096
+ncclguard.ENV_INPUTS = { "LD_PRELOAD", "VIRTUAL_ENV", "CONDA_PREFIX", "LD_LIBRARY_PATH" }
 -- pyxis's --container-image in spank_job_env (docs/slurm.md)
 ncclguard.IMAGE_OPTION = "_SLURM_SPANK_OPTION_pyxis_container_image="
 ncclguard.DOCKER_HUB = "registry-1.docker.io"
@@ -95,6 +100,33 @@ local function valid_feature(f)
   if f == "nc_unknown" then return true end
   local hex = string.match(f, "^nc_([0-9a-f]+)$")
   return hex ~= nil and #hex >= 8 and #hex <= 64
+end
+
+-- A class of the second family (what nodes give a job's own NCCL): nc_j and hex digits.
+local function valid_adds(f)
+  local hex = string.match(f, "^nc_j([0-9a-f]+)$")
+  return hex ~= nil and #hex >= 8 and #hex <= 64
+end
+
+-- An env line's key as written (classfile.py decode_key): "!" to "~" but "%", and %XX
+-- for any other byte; nil for anything else, or longer than 3 x MAX_ENV_KEY.
+local function decode_key(word)
+  if #word > 3 * ncclguard.MAX_ENV_KEY or string.find(word, "[^!-~]") then return nil end
+  local rest = string.gsub(word, "%%[0-9A-F][0-9A-F]", "")
+  if string.find(rest, "%", 1, true) then return nil end
+  return (string.gsub(word, "%%([0-9A-F][0-9A-F])",
+    function(h) return string.char(tonumber(h, 16)) end))
+end
+
+-- A partition line's classes ("f:count" words from index 3 on), or nil.
+local function class_list(w, valid)
+  local list = {}
+  for i = 3, #w do
+    local f, count = string.match(w[i], "^([%w_]+):(%d+)$")
+    if not f or not valid(f) or #count > 18 then return nil end
+    list[#list + 1] = { feature = f, nodes = tonumber(count) }
+  end
+  return list
 end
 
 local function valid_partition(p)
@@ -143,7 +175,8 @@ end
 -- The file's lines after line 2 -> a table, or nil and why. The same rules as
 -- ncclguard/sched/classfile.py's parse(): anything unexpected makes the file unusable.
 function ncclguard.parse_body(body, where)
-  local cf = { partitions = {}, members = {}, sizes = {}, nodes = 0, images = {}, nimages = 0 }
+  local cf = { partitions = {}, members = {}, sizes = {}, nodes = 0, images = {}, nimages = 0,
+                adds = {}, envs = {}, nenvs = 0 }
   local n, ended, seen = 2, false, {}
   for line in string.gmatch(body, "([^\n]*)\n") do
     n = n + 1
@@ -175,14 +208,8 @@ function ncclguard.parse_body(body, where)
         if (name ~= "*" and not valid_partition(name)) or cf.partitions[name] then
           return nil, where .. ": line " .. n .. ": bad partition"
         end
-        local list = {}
-        for i = 3, #w do
-          local f, count = string.match(w[i], "^([%w_]+):(%d+)$")
-          if not f or not valid_feature(f) or #count > 18 then
-            return nil, where .. ": line " .. n .. ": bad class"
-          end
-          list[#list + 1] = { feature = f, nodes = tonumber(count) }
-        end
+        local list = class_list(w, valid_feature)
+        if not list then return nil, where .. ": line " .. n .. ": bad class" end
         cf.partitions[name] = list
       elseif key == "members" and #w == 3 then
         local f = w[2]
@@ -209,6 +236,26 @@ function ncclguard.parse_body(body, where)
         end
         cf.images[name] = { expires = tonumber(expires), classes = set, count = #w - 3 }
         cf.nimages = cf.nimages + 1
+      elseif key == "adds" and #w >= 2 then
+        local name = w[2]
+        if (name ~= "*" and not valid_partition(name)) or cf.adds[name] then
+          return nil, where .. ": line " .. n .. ": bad adds"
+        end
+        local list = class_list(w, valid_adds)
+        if not list then return nil, where .. ": line " .. n .. ": bad class" end
+        cf.adds[name] = list
+      elseif key == "env" and #w >= 2 then
+        local name = decode_key(w[2])
+        if name == nil or cf.envs[name] or cf.nenvs >= ncclguard.MAX_ENVS then
+          return nil, where .. ": line " .. n .. ": bad env"
+        end
+        local set = {}
+        for i = 3, #w do
+          if not valid_adds(w[i]) then return nil, where .. ": line " .. n .. ": bad class" end
+          set[w[i]] = true
+        end
+        cf.envs[name] = set
+        cf.nenvs = cf.nenvs + 1
       else
         return nil, where .. ": line " .. n .. ": not understood"
       end
@@ -411,6 +458,25 @@ end
 -- The number of terms in a constraint's bracket groups (matching OR), the terms
 -- slurmctld gives a position each in its 64-bit maps (_valid_features() in
 -- src/slurmctld/node_scheduler.c counts only the terms of a bracket group).
+-- The key of a batch job's environment (jobenv.py submit_key): NAME=value for each
+-- variable of ENV_INPUTS that is set and not empty, joined by NUL; nil when none is, or
+-- the key would be longer than MAX_ENV_KEY. `env` is job_desc.environment: each lookup
+-- is Slurm's scan of the job's variables in C (_job_env_field), four of them; no value
+-- is scanned here (the file's keys are decoded when it is parsed).
+function ncclguard.env_key(env)
+  local parts, size = {}, -1
+  for _, name in ipairs(ncclguard.ENV_INPUTS) do
+    local v = env[name]
+    if v ~= nil and v ~= "" then
+      size = size + #name + #v + 2
+      if size > ncclguard.MAX_ENV_KEY then return nil end
+      parts[#parts + 1] = name .. "=" .. v
+    end
+  end
+  if #parts == 0 then return nil end
+  return table.concat(parts, "\0")
+end
+
 function ncclguard.terms(constraint)
   local count = 0
   for group in string.gmatch(constraint, "%[([^%]]*)%]?") do
@@ -481,13 +547,14 @@ local function guarded(cf, partition)
   return false
 end
 
--- The classes for the job's partition: one partition's own list, else every node's.
-local function classes_for(cf, partition)
+-- The classes for the job's partition: one partition's own list, else every node's
+-- (`lists`: cf.partitions, or cf.adds for the second family).
+local function classes_for(cf, partition, lists)
   local name = partition or cf.default
-  if name ~= nil and string.find(name, ",", 1, true) == nil and cf.partitions[name] then
-    return cf.partitions[name], "partition " .. name
+  if name ~= nil and string.find(name, ",", 1, true) == nil and lists[name] then
+    return lists[name], "partition " .. name
   end
-  return cf.partitions["*"] or {}, "the cluster"
+  return lists["*"] or {}, "the cluster"
 end
 
 -- Whether "(user)&[group]" parses wherever `user` alone does (group.py's joinable()):
@@ -603,7 +670,7 @@ function ncclguard.submit(job_desc)
   if cf.opt_out == 1 and opted_out(job_desc) then return slurm.SUCCESS end
   local partition = job_desc.partition
   if not guarded(cf, partition) then return slurm.SUCCESS end
-  local list, pname = classes_for(cf, partition)
+  local list, pname = classes_for(cf, partition, cf.partitions)
   if #list == 0 then return slurm.SUCCESS end
   local need = 1
   if is_set(job_desc.min_nodes, NO_VAL) and job_desc.min_nodes > 1 then need = job_desc.min_nodes end
@@ -629,6 +696,24 @@ function ncclguard.submit(job_desc)
       list = runnable
       stack = "that run image " .. key .. " with one NCCL stack"
       see = "`ncclguard check --image " .. key .. "`"
+    end
+  elseif key == nil and cf.nenvs > 0 and not has_req and job_desc.script ~= nil then
+    -- a batch job whose environment names a libnccl the collector read (an env line):
+    -- the second family's classes that run it, not confined by the hosts' libnccl
+    -- (environment is read only for batch jobs: Slurm logs each lookup for others)
+    local ek = ncclguard.env_key(job_desc.environment)
+    local set = ek and cf.envs[ek]
+    if set then
+      local alist, aname = classes_for(cf, partition, cf.adds)
+      local runnable = {}
+      for _, c in ipairs(alist) do
+        if set[c.feature] then runnable[#runnable + 1] = c end
+      end
+      if #runnable > 0 then  -- else the host classes, and the gate decides
+        list, pname = runnable, aname
+        stack = "that run its own NCCL with one stack"
+        see = "`ncclguard check --env`"
+      end
     end
   end
   if has_req then

@@ -2,7 +2,11 @@
 classes through ``lua5.1`` (tests/lua/driver.lua, a stub ``slurm`` table and clock) and
 through the Python mirror (``ncclguard.sched.submit`` over ``ncclguard.sched.classfile``),
 every outcome compared, the message to the user included (the harness:
-tests/helpers/lua.py; image jobs' named cases: tests/test_lua_images.py). The real
+tests/helpers/lua.py; image jobs' named cases: tests/test_lua_images.py).
+
+Over 500 lines: the corpus's generators (files, jobs, images, environments) and the named
+cases share the harness and the decisions they check; split, each half would repeat the
+other's helpers. The real
 slurmctld runs the same script in tests/test_sched_slurm.py and
 tests/test_controller_safety.py.
 """
@@ -27,6 +31,7 @@ from helpers.lua import (
     OTHER_SPANK,
     REAL_REFS,
     Case,
+    adds_feature,
     cf_ab,
     feature,
     lua5_1,
@@ -37,13 +42,50 @@ from helpers.lua import (
 )
 
 from ncclguard.config import FeaturesConfig
+from ncclguard.fingerprint.jobenv import INPUTS, MAX_SUBMIT_KEY, submit_key
 from ncclguard.hostlist import compress
 from ncclguard.policy.schedule import MAX_ALTERNATIVES, ClassCount
 from ncclguard.sched import classfile, submit
 from ncclguard.sched.submit import JobDesc
 
-
 # ------------------------------------------------------------------ the corpus
+#: batch jobs' environments (NAME=value entries as sbatch sends them): a pip venv, a
+#: conda env, an Lmod module's LD_LIBRARY_PATH, with NCCL_* beside them; and odd ones
+ENVS: list[tuple[str, ...]] = [
+    ("VIRTUAL_ENV=/home/alice/venv", "PATH=/usr/bin"),
+    ("CONDA_PREFIX=/opt/conda/envs/torch", "NCCL_NET=IB", "NCCL_IB_HCA=mlx5_0:1"),
+    ("LD_LIBRARY_PATH=/sw/nccl/2.23.4/lib:/usr/local/cuda/lib64", "NCCL_DEBUG=INFO"),
+    ("VIRTUAL_ENV=/home/bob/my venv;x%y", "NCCL_SOCKET_IFNAME=ib0"),
+    ("LD_PRELOAD=/home/alice/lib/libnccl.so.2", "VIRTUAL_ENV=/home/alice/venv"),
+]
+ENV_ODD: list[tuple[str, ...]] = [
+    ("VIRTUAL_ENV=/home/alice/venv", "VIRTUAL_ENV=/home/mallory/venv"),  # the first counts
+    ("VIRTUAL_ENV=/home/mallory/venv", "VIRTUAL_ENV=/home/alice/venv"),
+    ("VIRTUAL_ENV=", "CONDA_PREFIX=/opt/conda/envs/torch", "NCCL_NET=IB", "NCCL_IB_HCA=mlx5_0:1"),
+    ("NCCL_NET=IB",),  # NCCL_* alone: the host's libnccl
+    ("VIRTUAL_ENV=/home/caf\xe9/venv",),  # not ASCII: no key
+    ("VIRTUAL_ENV=/x\ty",),  # a tab: no key
+    ("LD_LIBRARY_PATH=" + "/p" * (MAX_SUBMIT_KEY // 2),),  # one byte too long
+    ("LD_LIBRARY_PATH=" + "/p" * (MAX_SUBMIT_KEY // 2 - 8),),  # just fits
+    ("LD_LIBRARY_PATH=" + "/p" * 1500, "VIRTUAL_ENV=" + "/v" * 600),  # too long together
+    ("VIRTUAL_ENV=/home/alice/venv", "NCCL_NET=Socket"),  # NCCL_* is not in the key
+    ("PATH=" + "/usr/bin:" * 3000, "VIRTUAL_ENV=/home/alice/venv"),
+    (*(f"V{i}=x" for i in range(5000)), "CONDA_PREFIX=/opt/conda/envs/torch"),
+]
+
+
+def env_keys() -> list[str]:
+    keys = []
+    for entries in ENVS + ENV_ODD:
+        first: dict[str, str] = {}
+        for e in entries:
+            name, _, value = e.partition("=")
+            first.setdefault(name, value)
+        if (k := submit_key(first)) is not None:
+            keys.append(k)
+    return keys
+
+
 def a_file(rng: random.Random, *, verified: int = NOW - 1) -> classfile.ClassFile:
     nodes = [f"n{i}" for i in range(1, rng.choice([4, 8, 16, 40]) + 1)] + \
             [f"gpu{i:03d}" for i in range(1, rng.choice([0, 3, 12]) + 1)]
@@ -67,6 +109,24 @@ def a_file(rng: random.Random, *, verified: int = NOW - 1) -> classfile.ClassFil
             chosen = tuple(f for f in every if rng.random() < 0.4)
             until = rng.choice([0, 0, NOW + 100, NOW - 10])
             images[key] = classfile.ImageGroup(until, chosen if rng.random() < 0.85 else ())
+    adds: dict[str, tuple[ClassCount, ...]] = {}
+    envs: dict[str, tuple[str, ...]] = {}
+    if rng.random() < 0.6:  # the second family ([features] own_nccl)
+        nadds = rng.choice([1, 2, 2, 3, 70])
+        family = {h: adds_feature(rng.randrange(nadds)) for h in nodes}
+        aby: dict[str, list[str]] = {}
+        for h, f in family.items():
+            aby.setdefault(f, []).append(h)
+        aranked = sorted((ClassCount(f, len(hs)) for f, hs in aby.items() if len(hs) >= 2),
+                         key=lambda c: (-c.nodes, c.feature))
+        apart = sorted((ClassCount(f, n) for f in aby
+                        if (n := sum(h in half for h in aby[f])) >= 2),
+                       key=lambda c: (-c.nodes, c.feature))
+        adds = {"*": tuple(aranked[:limit]), "debug": tuple(apart[:limit])}
+        keys = env_keys()
+        for key in rng.sample(keys, rng.randrange(2, len(keys) + 1)):
+            envs[key] = tuple(f for f in aby if rng.random() < 0.7) \
+                if rng.random() < 0.9 else ()
     return classfile.ClassFile(
         verified=verified,
         min_nodes=rng.choice([2, 2, 3]),
@@ -79,6 +139,8 @@ def a_file(rng: random.Random, *, verified: int = NOW - 1) -> classfile.ClassFil
                     **({"gpu": tuple(ranked[:1])} if rng.random() < 0.5 else {})},
         members={f: compress(hs) for f, hs in by.items()},
         images=images,
+        adds=adds,
+        envs=envs,
     )
 
 
@@ -131,7 +193,19 @@ def a_job(rng: random.Random) -> JobDesc:
         ntasks_per_node=pick(rng, [None], [1, 16, submit.NO_VAL16]),
         het_job_offset=pick(rng, [None], [submit.NO_VAL, 0, 1], 0.1),
         spank_job_env=spank_env(rng),
+        **batch(rng),
     )
+
+
+def batch(rng: random.Random) -> dict[str, Any]:
+    """A batch job's script and environment (half the jobs), or an srun/salloc's none."""
+    roll = rng.random()
+    if roll < 0.3:
+        return {}
+    env = pick(rng, ENVS, ENV_ODD, 0.3)
+    if roll < 0.35:
+        return {"environment": env}  # no script: the lua does not read it
+    return {"script": "#!/bin/sh\nsrun train.py\n", "environment": env}
 
 
 def broken(rng: random.Random, text: str) -> str | bytes:
@@ -140,7 +214,7 @@ def broken(rng: random.Random, text: str) -> str | bytes:
     if pick == 0:
         return text[:-1]  # no final newline
     if pick == 1:
-        return text.replace("ncclguard-classes 3", "ncclguard-classes 2")
+        return text.replace(classfile.MAGIC, "ncclguard-classes 3")
     if pick == 2:
         return "\n".join([lines[0], *lines[2:3], lines[1], *lines[3:]])  # verified moved
     if pick == 3:
@@ -190,12 +264,14 @@ def test_lua_and_python_decide_the_same_on_a_random_corpus(tmp_path: Path) -> No
 
 def test_every_kind_of_outcome_occurs_in_the_corpus() -> None:
     """The corpus exercises what it must: each action, each refusal, bad files."""
-    seen = {}
+    seen: dict[str, int] = {}
     for c in corpus(seed=24, count=3000):
         o = python_outcome(c)
         kind = ("set" if o.features != c.job.features else o.rc if o.rc != "SUCCESS"
                 else "keep") + ("" if o.usable else "-unusable")
         seen[kind] = seen.get(kind, 0) + 1
+        if o.features and "[nc_j" in o.features:
+            seen["own NCCL"] = seen.get("own NCCL", 0) + 1
         if o.user:
             seen[o.user.split(",")[0][:40]] = 1
             if "nodes that run image" in o.user:
@@ -206,6 +282,28 @@ def test_every_kind_of_outcome_occurs_in_the_corpus() -> None:
     assert any(k.startswith("ncclguard: a bracket group") for k in seen), seen
     assert any(k.startswith("ncclguard: container image") for k in seen), seen
     assert "too many nodes for the image" in seen, seen
+    assert seen.get("own NCCL", 0) >= 5, seen
+
+
+def test_the_corpus_offers_jobs_from_a_known_environment_only_its_classes() -> None:
+    """Where a batch job's environment has an env line, the group the mirror sets names
+    only the second-family classes of that line (the lua is compared with the mirror
+    above); never for a job without a script or with an image."""
+    narrowed = 0
+    for c in corpus(seed=24, count=3000):
+        o = python_outcome(c)
+        if not o.usable or o.features == c.job.features or o.features is None:
+            continue
+        group = set(o.features.rsplit("[", 1)[1].rstrip("]").split("|"))
+        if not any(f.startswith("nc_j") for f in group):
+            continue
+        assert c.job.script is not None, c.job
+        assert submit.image_key(submit.container_image(c.job)) is None, c.job
+        cf = classfile.parse(c.text)  # type: ignore[arg-type]
+        key = submit.environment_key(c.job)
+        assert key is not None and group <= set(cf.envs[key]), (key, o.features)
+        narrowed += 1
+    assert narrowed >= 10, narrowed
 
 
 def test_the_corpus_offers_image_jobs_only_the_classes_that_run_their_image() -> None:
@@ -224,7 +322,8 @@ def test_the_corpus_offers_image_jobs_only_the_classes_that_run_their_image() ->
         if g.until and c.now > g.until:
             continue
         group = set(o.features.rsplit("[", 1)[1].rstrip("]").split("|"))  # type: ignore[union-attr]
-        offered = {k.feature for k in submit._classes_for(cf, c.job.partition)[0]}
+        offered = {k.feature for k in submit._classes_for(cf, c.job.partition,
+                                                          cf.partitions)[0]}
         if offered & set(g.classes):
             assert group <= set(g.classes), (key, g, o.features)
             narrowed += 1
@@ -256,7 +355,8 @@ def test_a_field_past_slurms_cap_is_handed_back_for_slurm_to_refuse(tmp_path: Pa
     preference is cut to 1025 characters (still past the cap: still refused)."""
     big = "|".join(f"t{i}" for i in range(400))
     value = ("[" + big + "]") if field_name in ("features", "prefer") else "x" * 1025
-    job = replace(JobDesc(min_nodes=2), **{field_name: value})
+    changed: dict[str, Any] = {field_name: value}
+    job = replace(JobDesc(min_nodes=2), **changed)
     got = one(tmp_path, cf_ab(), job)
     assert got.rc == "SUCCESS" and got.user is None
     if field_name in ("features", "prefer"):  # cut to 1025: Slurm still refuses it
@@ -375,7 +475,7 @@ CLOCK = CLOCK + 1
 write({lua_string(t3)})
 print(job(), parses)
 CLOCK = CLOCK + 1
-write("ncclguard-classes 3\\nverified " .. CLOCK - 1 .. "\\nnonsense\\n")
+write("{classfile.MAGIC}\\nverified " .. CLOCK - 1 .. "\\nnonsense\\n")
 print(job(), parses)
 """)
     r = subprocess.run([lua5_1(), str(script)], capture_output=True, text=True, timeout=30,
@@ -395,6 +495,10 @@ def test_the_lua_and_python_agree_on_limits() -> None:
     assert f"ncclguard.MAX_MEMBERS = {classfile.MAX_MEMBERS} " in lua
     assert f"ncclguard.MAX_REQ_NODES = {submit.MAX_REQ_NODES} " in lua
     assert f'ncclguard.MAGIC = "{classfile.MAGIC}"' in lua
+    assert f"ncclguard.MAX_ENVS = {classfile.MAX_ENVS} " in lua
+    assert f"ncclguard.MAX_ENV_KEY = {MAX_SUBMIT_KEY}\n" in lua
+    listed = re.search(r"ncclguard\.ENV_INPUTS = \{([^}]*)\}", lua)
+    assert listed is not None and tuple(re.findall(r'"(\w+)"', listed[1])) == INPUTS
     assert f'ncclguard.CLASSES_FILE = "{FeaturesConfig().classes_file}"' in lua
     capped = re.search(r"ncclguard\.CAPPED = \{([^}]*)\}", lua)
     assert capped is not None

@@ -151,23 +151,23 @@ def test_file_round_trip() -> None:
     ("", "cut short"),
     ("\n", "line 1"),
     ("ncclguard-classes 1\nverified 1\nend\n", "line 1"),
-    ("ncclguard-classes 3\nend\n", "line 2"),
-    ("ncclguard-classes 3\nmin_nodes 2\nverified 1\nend\n", "line 2"),
-    ("ncclguard-classes 3\nverified 1\nmin_nodes 2\nmax_alternatives 64\nopt_out 1\n"
+    ("ncclguard-classes 4\nend\n", "line 2"),
+    ("ncclguard-classes 4\nmin_nodes 2\nverified 1\nend\n", "line 2"),
+    ("ncclguard-classes 4\nverified 1\nmin_nodes 2\nmax_alternatives 64\nopt_out 1\n"
      "required_nodes refuse\nguarded *\n", "no 'end'"),
-    ("ncclguard-classes 3\nverified x\nend\n", "line 2"),
-    ("ncclguard-classes 3\nverified 1\nverified 2\nend\n", "line 3"),
-    ("ncclguard-classes 3\nverified 1\nmin_nodes 2\nmax_alternatives 65\nopt_out 1\n"
+    ("ncclguard-classes 4\nverified x\nend\n", "line 2"),
+    ("ncclguard-classes 4\nverified 1\nverified 2\nend\n", "line 3"),
+    ("ncclguard-classes 4\nverified 1\nmin_nodes 2\nmax_alternatives 65\nopt_out 1\n"
      "required_nodes refuse\nguarded *\nend\n", "max_alternatives 65"),
-    ("ncclguard-classes 3\nverified 1\nmin_nodes 2\nmax_alternatives 64\nopt_out 1\n"
+    ("ncclguard-classes 4\nverified 1\nmin_nodes 2\nmax_alternatives 64\nopt_out 1\n"
      "guarded *\npartition * nc_x]:3\nend\n", "not a class"),
-    ("ncclguard-classes 3\nverified 1\nmin_nodes 2\nmax_alternatives 64\nopt_out 1\n"
+    ("ncclguard-classes 4\nverified 1\nmin_nodes 2\nmax_alternatives 64\nopt_out 1\n"
      "guarded *\npartition a;b nc_0123abcd:3\nend\n", "partition"),
-    ("ncclguard-classes 3\nverified 1\nmin_nodes 2\nmax_alternatives 64\nopt_out 1\n"
+    ("ncclguard-classes 4\nverified 1\nmin_nodes 2\nmax_alternatives 64\nopt_out 1\n"
      "guarded *\nend\nmore\n", "after 'end'"),
-    ("ncclguard-classes 3\nverified 1\nend\n", "missing min_nodes"),
-    ("ncclguard-classes 3\nverified \u00b2\nend\n", "line 2"),  # isdigit() says yes
-    ("ncclguard-classes 3\nverified 1\nmin_nodes 2\nmax_alternatives 64\nopt_out 1\n"
+    ("ncclguard-classes 4\nverified 1\nend\n", "missing min_nodes"),
+    ("ncclguard-classes 4\nverified \u00b2\nend\n", "line 2"),  # isdigit() says yes
+    ("ncclguard-classes 4\nverified 1\nmin_nodes 2\nmax_alternatives 64\nopt_out 1\n"
      "guarded *\nend", "cut short"),  # the lua needs the final newline too
 ])
 def test_a_bad_file_is_refused_with_the_line(text: str, cause: str) -> None:

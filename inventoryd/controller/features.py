@@ -19,9 +19,13 @@ Each ``[features] interval_s`` (2 s):
    added or gone, a node moved between partitions, another default partition) runs a
    full sync, which reads every node;
 5. else, when the image index changed (a squashfs file scanned, a registry tag resolved:
-   one cheap query, :meth:`~ncclguard.store.Inventory.image_mark`) or ``verify_s`` passed,
-   the file's ``image`` lines are judged again (:func:`~ncclguard.sched.imagelines.image_groups`,
-   the classes as last applied) and, when they differ, rewritten in place: no Slurm call;
+   one cheap query, :meth:`~ncclguard.store.Inventory.image_mark`), the collector
+   resolved a job environment (``[features] own_nccl``) or ``verify_s`` passed, the
+   file's ``image`` lines are judged again (:func:`~ncclguard.sched.imagelines.image_groups`,
+   the classes as last applied), and its ``env`` lines
+   (:func:`~ncclguard.sched.envlines.env_groups`), and, when they differ, rewritten in
+   place: no Slurm call. With ``own_nccl``, every ``verify_s`` the second family of
+   classes is read again too, and a change is a full sync;
 6. then the file's ``verified`` is set to now, so that job_submit.lua keeps trusting it
    (it trusts a file verified since its own slurmctld started, and recently); a file
    that cannot be read is written again by a full sync.
@@ -36,6 +40,10 @@ flips cost three updates.
 
 A full sync also moves pending jobs whose group names a class that is gone
 (:func:`~ncclguard.sched.sync.regroup_pending`).
+
+Over 500 lines: the pass above is one object's state (what was applied, held, backing off
+and last read), and each step reads or changes it; the flapping and back-off rules are
+classes of their own here because only this pass uses them.
 
 A failure of the whole pass (Slurm down, the inventory unreadable) is logged once and
 retried; the lua stops trusting the file ``FRESH_S`` after the last verification, and
@@ -67,8 +75,9 @@ from ncclguard.hostlist import compress, expand
 from ncclguard.policy import GATE_VALUES, load_config
 from ncclguard.policy.schedule import is_class_feature
 from ncclguard.sched import classfile, status
+from ncclguard.sched.envlines import env_groups
 from ncclguard.sched.imagelines import image_groups, write_images
-from ncclguard.sched.sync import SyncResult, desired, mark_verified, sync
+from ncclguard.sched.sync import SyncResult, desired, desired_adds, mark_verified, sync
 from ncclguard.slurm import Slurm, SlurmError
 from ncclguard.store import Inventory, InventoryError
 
@@ -184,6 +193,11 @@ class FeatureKeeper:
         self.image_mark: str | None = None
         self.images_at = 0.0
         self._image_error: str | None = None
+        # [features] own_nccl: each node's class of the second family as last applied, when
+        # it was computed, and the job environments' mark the env lines were read at
+        self.adds: dict[str, str | None] = {}
+        self.adds_at = 0.0
+        self.env_mark: tuple[int, float] | None = None
 
     @classmethod
     def resumed(cls, config: configmod.Config, slurm: Slurm | None = None) -> FeatureKeeper:
@@ -282,6 +296,8 @@ class FeatureKeeper:
             why = "first pass"
         elif self.classes(list(self.applied), now) != self.applied:
             why = "the inventory's classes changed"
+        elif self._adds_changed(now):
+            why = "the classes of what nodes give a job's own NCCL changed"
         elif due := self.backoff.due(now):
             why = f"trying refused updates again ({compress(due)})"
         elif self._features_lost():
@@ -306,6 +322,30 @@ class FeatureKeeper:
         self._write_status(now)
         return ""
 
+    def _adds(self, hosts: Sequence[str], now: float) -> dict[str, str | None]:
+        """Each host's class of the second family (``[features] own_nccl``; else none)."""
+        self.adds_at = now
+        return desired_adds(self.cfg, hosts, now)
+
+    def _adds_changed(self, now: float) -> bool:
+        """Whether the second family changed, looked at every ``verify_s`` (a read of every
+        node's record): a change that moves a node's host class is a full sync anyway."""
+        if not self.cfg.features.own_nccl or self.applied is None \
+                or now - self.adds_at < self.cfg.features.verify_s:
+            return False
+        try:
+            return self._adds(list(self.applied), now) != self.adds
+        except InventoryError as e:
+            log.error("the classes of what nodes add cannot be read: %s", e)
+            return False
+
+    def _env_mark(self, inv: Inventory) -> tuple[int, float] | None:
+        """What changes when the collector resolves a job environment (None: own_nccl off)."""
+        if not self.cfg.features.own_nccl:
+            return None
+        states = inv.job_env_states()
+        return len(states), max((r for r, _ in states.values()), default=0.0)
+
     def _refresh_images(self, now: float) -> str | None:
         """The file's image lines judged again when the image index changed or
         ``verify_s`` passed, and written where the file's differ: what was done ("" when
@@ -316,20 +356,23 @@ class FeatureKeeper:
             return None
         try:
             with Inventory(readonly=True, values=GATE_VALUES, config=self.cfg.inventory) as inv:
-                mark = inv.image_mark()
-                if mark == self.image_mark and now - self.images_at < self.cfg.features.verify_s:
+                mark, env_mark = inv.image_mark(), self._env_mark(inv)
+                if mark == self.image_mark and env_mark == self.env_mark \
+                        and now - self.images_at < self.cfg.features.verify_s:
                     return None
                 images = image_groups(self.cfg, inv, self.applied, now)
+                envs = env_groups(self.cfg, inv, self.adds) if self.adds else None
+                self.env_mark = env_mark
         except InventoryError as e:
             if str(e) != self._image_error:
                 log.error("image groups cannot be judged, the file has none until they can: %s",
                           e)
             self._image_error, self.image_mark = str(e), None
-            images = {}
+            images, envs = {}, ({} if self.adds else None)
         else:
             self._image_error = None
             self.image_mark, self.images_at = mark, now
-        written = write_images(self.cfg, images, now)
+        written = write_images(self.cfg, images, now, envs)
         if written is None:
             return ""
         def classes(g: classfile.ImageGroup | None) -> tuple[str, ...] | None:
@@ -347,9 +390,11 @@ class FeatureKeeper:
     def _sync(self, why: str, now: float) -> str:
         res = sync(self.cfg, self.slurm, now=now,
                    classes=lambda names: self.classes(names, now),
+                   adds=lambda names: self._adds(names, now),
                    skip=self.backoff.waiting(now))
         self.syncs += 1
         self.applied, self.last_full = dict(res.plan.classes), now
+        self.adds = dict(res.plan.adds)
         self.images, self.image_mark, self.images_at = res.images, res.image_mark, now
         if res.image_error is not None and res.image_error != self._image_error:
             log.error("%s; the file has no image lines until it can be read", res.image_error)

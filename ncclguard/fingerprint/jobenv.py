@@ -33,8 +33,8 @@ import json
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
-__all__ = ["INPUTS", "MAX_ENTRIES", "MAX_VALUE", "NCCL_VARS", "Found", "NotKnown", "env_key",
-           "loading_vars", "locate", "wheel_paths"]
+__all__ = ["INPUTS", "MAX_ENTRIES", "MAX_SUBMIT_KEY", "MAX_VALUE", "NCCL_VARS", "Found",
+           "NotKnown", "env_key", "loading_vars", "locate", "submit_key", "wheel_paths"]
 
 #: The variables that decide which libnccl a job loads.
 INPUTS = ("LD_PRELOAD", "VIRTUAL_ENV", "CONDA_PREFIX", "LD_LIBRARY_PATH")
@@ -107,6 +107,27 @@ def loading_vars(env: Mapping[str, str]) -> tuple[dict[str, str], tuple[str, ...
     problems: list[str] = []
     got = {k: v for k in INPUTS + NCCL_VARS if (v := _value(env, k, problems)) is not None}
     return got, tuple(problems)
+
+
+#: The longest key job_submit.lua builds from a job's environment (its MAX_ENV_KEY).
+MAX_SUBMIT_KEY = 4096
+
+
+def submit_key(env: Mapping[str, str]) -> str | None:
+    """The name job_submit.lua gives, at submit, the variables that decide which libnccl a
+    batch job loads (``slurm/job_submit.lua`` ``env_key``; the file of classes' ``env``
+    lines are written under it, docs/scheduling.md): ``NAME=value`` for each of
+    :data:`INPUTS` that is set and not empty, in that order, joined by NUL (no value
+    holds one). Four lookups and a join per job, no scan of a value. None when none is
+    set (the job loads the host's libnccl), a value is not ASCII (the lua reads bytes),
+    or the key is longer than :data:`MAX_SUBMIT_KEY`: the lua then has no line for the
+    job, and offers it the host classes. ``NCCL_*`` variables are not part of it: they do
+    not change which libnccl loads (the gate's :func:`env_key` has them)."""
+    parts = [f"{k}={v}" for k in INPUTS if (v := env.get(k))]
+    key = "\0".join(parts)
+    if not parts or len(key) > MAX_SUBMIT_KEY or not key.isascii():
+        return None
+    return key
 
 
 def env_key(variables: Mapping[str, str]) -> str:

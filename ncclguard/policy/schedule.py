@@ -42,6 +42,7 @@ from ncclguard.policy.rules import COMPARISONS, unknown_node
 from ncclguard.policy.settings import severity_of
 
 __all__ = [
+    "ADDS_PREFIX",
     "CLASS_VERSION",
     "FEATURE_PREFIX",
     "MAX_ALTERNATIVES",
@@ -49,12 +50,15 @@ __all__ = [
     "SHOWN_RULES",
     "UNKNOWN_FEATURE",
     "ClassCount",
+    "adds_features",
+    "adds_key",
     "class_features",
     "class_key",
     "class_policy",
     "class_values",
     "feature_names",
     "is_class_feature",
+    "is_host_class",
     "rank_classes",
     "refuse_values",
     "scheduling_classes",
@@ -64,6 +68,10 @@ __all__ = [
 FEATURE_PREFIX = "nc_"
 #: The class of the nodes without a current record, where ``unknown-node`` lets them run.
 UNKNOWN_FEATURE = FEATURE_PREFIX + "unknown"
+#: The second family (issue 40, ``[features] own_nccl``): classes by what a node gives a
+#: job that brings its own NCCL (:func:`adds_key`). ``j`` is no hex digit: no class of the
+#: first family starts so.
+ADDS_PREFIX = FEATURE_PREFIX + "j"
 #: Slurm's bitmaps for matching-OR features hold 64 positions (``MAX_FEATURES`` in
 #: src/slurmctld/node_scheduler.c, 22.05 to master), one per term of the whole
 #: constraint, with no check: past 64 slurmctld 22.05 crashed (docs/slurm.md, "Constraints").
@@ -76,6 +84,12 @@ CLASS_VERSION = 1
 def is_class_feature(name: str) -> bool:
     """A feature that ncclguard owns (and may replace); anything else is the node's own."""
     return name.startswith(FEATURE_PREFIX)
+
+
+def is_host_class(name: str) -> bool:
+    """A class of the first family (the host's stack, :func:`class_key`), not of
+    :data:`ADDS_PREFIX`'s."""
+    return name.startswith(FEATURE_PREFIX) and not name.startswith(ADDS_PREFIX)
 
 
 def _refuse_rules(config: PolicyConfig) -> list[Any]:
@@ -187,10 +201,10 @@ def class_features(
     return out
 
 
-def feature_names(keys: Iterable[str]) -> dict[str, str]:
-    """Each class key's feature (and the name ``ncclguard classes`` shows): the prefix
-    :data:`FEATURE_PREFIX` and the shortest run of its hex digits (8 or more) that no other
-    key of ``keys`` shares."""
+def feature_names(keys: Iterable[str], prefix: str = FEATURE_PREFIX) -> dict[str, str]:
+    """Each class key's feature (and the name ``ncclguard classes`` shows): ``prefix``
+    (:data:`FEATURE_PREFIX`, or :data:`ADDS_PREFIX` for :func:`adds_key`) and the shortest
+    run of its hex digits (8 or more) that no other key of ``keys`` shares."""
     unique = sorted(set(keys))
     out: dict[str, str] = {}
     for i, d in enumerate(unique):
@@ -198,8 +212,59 @@ def feature_names(keys: Iterable[str]) -> dict[str, str]:
         for other in (unique[i - 1] if i else "", unique[i + 1] if i + 1 < len(unique) else ""):
             while other and d[:width] == other[:width]:
                 width += 1
-        out[d] = FEATURE_PREFIX + d[:width]
+        out[d] = prefix + d[:width]
     return out
+
+
+def _adds_text(record: dict, rules: Sequence[Any]) -> str:
+    job, container = record.get("job"), record.get("container")
+    seen = [job.get("net") if isinstance(job, dict) else None,
+            container.get("internal") if isinstance(container, dict) else None]
+    return json.dumps([_refuse_key(record, rules), seen], separators=(",", ":"))
+
+
+def _adds_rules(config: PolicyConfig) -> list[Any]:
+    from ncclguard.policy.rules.jobnccl import HOST_RULES
+
+    return [r for r in _refuse_rules(config) if r.name not in HOST_RULES]
+
+
+def adds_key(record: dict, config: PolicyConfig) -> str:
+    """A node's class of the second family (issue 40): the SHA-256 of what the gate reads
+    from it for a job that brings its own NCCL (:func:`~ncclguard.policy.evaluate_nccl`):
+    the refuse-level rules but the host-stack ones
+    (:data:`~ncclguard.policy.rules.jobnccl.HOST_RULES`), and what ``job-stack`` reads, the
+    net plugin each release opens there and the node's own transport
+    (:func:`~ncclguard.policy.rules.jobnccl.job_records`). Nodes of one such class give any
+    job's own NCCL the same stack: a set of them is never refused for a job whose NCCL is
+    known (tests/test_sched_adds.py), whatever host libnccl each has."""
+    return hashlib.sha256(_adds_text(record, _adds_rules(config)).encode()).hexdigest()
+
+
+def adds_features(
+    records: Mapping[str, dict | None],
+    config: PolicyConfig,
+    stale: Collection[str] = (),
+) -> dict[str, str | None]:
+    """``{host: feature of the second family}`` (:data:`ADDS_PREFIX`) over gate-style
+    records. A node without a record, or stale where ``unknown-node`` refuses, has none:
+    a job offered these classes is never placed on a node the gate cannot vouch for."""
+    rules = _adds_rules(config)
+    refuse_unknown = severity_of(config, unknown_node.NAME) == "refuse"
+    stale_set = set(stale)
+    keys: dict[str, str | None] = {}
+    by_object: dict[int, str] = {}
+    for host, record in records.items():
+        if record is None or (refuse_unknown and host in stale_set):
+            keys[host] = None
+            continue
+        key = by_object.get(id(record))
+        if key is None:
+            key = by_object[id(record)] = hashlib.sha256(
+                _adds_text(record, rules).encode()).hexdigest()
+        keys[host] = key
+    names = feature_names((k for k in keys.values() if k is not None), ADDS_PREFIX)
+    return {h: (None if k is None else names[k]) for h, k in keys.items()}
 
 
 class ClassCount(NamedTuple):

@@ -5,7 +5,7 @@ One line per fact, words split by spaces; the lua parses it with the same strict
 then adds no constraint: the gate stays the check; ``tests/test_lua_submit.py`` runs one
 corpus of files through both)::
 
-    ncclguard-classes 3
+    ncclguard-classes 4
     verified 1764523456          # Slurm was seen holding these features at this time
     min_nodes 2                  # [policy] min_nodes: smaller jobs are not checked
     max_alternatives 64          # [features] max_alternatives
@@ -19,6 +19,8 @@ corpus of files through both)::
     members nc_99aa00bb gpu[01-04]
     image nvcr.io/nvidia/pytorch:25.01-py3 1764527000 nc_1a2b3c4d   # runs on these only
     image /images/old.sqsh 0                                         # runs on no class
+    adds * nc_j5e6f7a8b:16                       # the second family ([features] own_nccl)
+    env VIRTUAL_ENV=venv%20a nc_j5e6f7a8b        # a known environment: runs on these
     end
 
 Line 1 and line 2 are fixed: the sync rewrites ``verified`` every few seconds, and the
@@ -41,6 +43,16 @@ the time after which the line no longer holds (a registry tag's resolution plus
 job in that image is offered only those (none: it runs on no class, and is refused at
 submit). Only images that some class cannot run are listed, at most
 :data:`MAX_IMAGES`, and only as many as keep the file within :data:`MAX_BYTES`.
+
+``adds`` and ``env`` lines (version 4, issue 40, only with ``[features] own_nccl``): the
+classes of the second family (``nc_j...``: what nodes give a job that brings its own
+NCCL, :func:`ncclguard.policy.schedule.adds_key`) per partition, ranked as ``partition``
+lines are, and for each environment the collector resolved to a libnccl of the job's own
+(``job_envs``), the key job_submit.lua builds from a batch job's environment
+(:func:`ncclguard.fingerprint.jobenv.submit_key`) and the second-family classes whose
+nodes run that NCCL without a ``job-stack`` finding. A job whose key has a line is
+offered those classes instead of the host's (docs/scheduling.md). At most
+:data:`MAX_ENVS` lines, the environments jobs used last first.
 """
 
 from __future__ import annotations
@@ -56,7 +68,8 @@ from typing import NamedTuple
 
 from ncclguard.audit import AuditError, check_dir, lock
 from ncclguard.policy.schedule import MAX_ALTERNATIVES, ClassCount
-from ncclguard.sched.group import FEATURE
+from ncclguard.sched.group import ADDS_FEATURE
+from ncclguard.sched.group import HOST_FEATURE as FEATURE
 from ncclguard.spool import atomic_write
 
 __all__ = [
@@ -65,6 +78,9 @@ __all__ = [
     "ClassFile",
     "ClassFileError",
     "ImageGroup",
+    "decode_key",
+    "encode_key",
+    "env_lines",
     "expand_members",
     "image_line",
     "image_lines",
@@ -78,7 +94,7 @@ __all__ = [
     "write_bytes",
 ]
 
-MAGIC = "ncclguard-classes 3"
+MAGIC = "ncclguard-classes 4"
 FILE_MODE = 0o644  # slurmctld (SlurmUser) reads it; the sync (SlurmUser) writes it
 MAX_BYTES = 1 << 20  # job_submit.lua's MAX_FILE
 #: job_submit.lua's FRESH_S: it ignores a file verified longer ago than this
@@ -95,6 +111,12 @@ MAX_IMAGES = 256
 #: An image key: printable ASCII without spaces, as long as a reference may be
 #: (ncclguard/fingerprint/imageref.py MAX_REF); the lua checks the same.
 IMAGE_KEY = re.compile(r"[!-~]{1,1024}")
+#: The most ``env`` lines the file holds. Their keys
+#: (:func:`ncclguard.fingerprint.jobenv.submit_key`, at most 4,096 bytes) are written with
+#: every byte but ``!`` to ``~`` (and ``%`` itself) as ``%XX``: a NUL, a space.
+MAX_ENVS = 256
+ENV_KEY = re.compile(r"(?:[!-$&-~]|%[0-9A-F]{2})+")
+_ENV_WORD = 3 * 4096  # the longest written key the lua decodes
 
 _PARTITION = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _DIGITS = re.compile(r"[0-9]{1,18}")
@@ -135,6 +157,10 @@ class ClassFile:
     partitions: dict[str, tuple[ClassCount, ...]] = field(default_factory=dict)
     members: dict[str, str] = field(default_factory=dict)  # class -> compressed hostlist
     images: dict[str, ImageGroup] = field(default_factory=dict)  # image key -> its classes
+    # the second family (issue 40): partition -> its classes, ranked; and for each known
+    # environment (its submit key) the classes of that family that run its NCCL
+    adds: dict[str, tuple[ClassCount, ...]] = field(default_factory=dict)
+    envs: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 def render(cf: ClassFile) -> bytes:
@@ -156,6 +182,10 @@ def render(cf: ClassFile) -> bytes:
         if name != ALL and not _PARTITION.fullmatch(name):
             continue  # not a name the lua would match: Slurm's own are plain words
         rest.append(" ".join(["partition", name, *(f"{c.feature}:{c.nodes}" for c in classes)]))
+    for name, classes in cf.adds.items():
+        if (name == ALL or _PARTITION.fullmatch(name)) and all(
+                ADDS_FEATURE.fullmatch(c.feature) for c in classes):
+            rest.append(" ".join(["adds", name, *(f"{c.feature}:{c.nodes}" for c in classes)]))
     members = [f"members {f} {hosts}" for f, hosts in sorted(cf.members.items())]
     required = cf.required_nodes
     size = sum(len(line) + 1 for line in (*head, *rest, *members)) + 40
@@ -164,7 +194,29 @@ def render(cf: ClassFile) -> bytes:
         members, required = [], "gate"  # too many nodes for the lua: -w is the gate's
     lines = [*head, f"required_nodes {required}", *rest, *members]
     room = MAX_BYTES - sum(len(line) + 1 for line in lines) - 4  # "end\n"
-    return ("\n".join([*lines, *image_lines(cf.images, room), "end"]) + "\n").encode()
+    images = image_lines(cf.images, room)
+    room -= sum(len(line) + 1 for line in images)
+    return ("\n".join([*lines, *images, *env_lines(cf.envs, room), "end"]) + "\n").encode()
+
+
+def env_lines(envs: Mapping[str, tuple[str, ...]], room: int) -> list[str]:
+    """The ``env`` lines of ``envs`` (submit key -> second-family classes), chosen in their
+    order (the environments jobs used last first), at most :data:`MAX_ENVS` and as many
+    as fit in ``room`` bytes, written by key. A key or class the lua could not read is
+    left out (the job is offered the host classes, and the gate judges it)."""
+    out: list[str] = []
+    for key, classes in envs.items():
+        if len(out) == MAX_ENVS:
+            break
+        written = encode_key(key)
+        if written is None or not all(ADDS_FEATURE.fullmatch(f) for f in classes):
+            continue
+        line = " ".join(["env", written, *classes])
+        room -= len(line) + 1
+        if room < 0:
+            break
+        out.append(line)
+    return sorted(out)
 
 
 def image_lines(images: Mapping[str, ImageGroup], room: int) -> list[str]:
@@ -186,6 +238,20 @@ def image_lines(images: Mapping[str, ImageGroup], room: int) -> list[str]:
             break  # the rest stay the gate's
         out.append(line)
     return sorted(out)
+
+
+def encode_key(key: str) -> str | None:
+    """An env line's key as the file writes it (None: not ASCII, or empty)."""
+    if not key or not key.isascii():
+        return None
+    return "".join(c if "!" <= c <= "~" and c != "%" else f"%{ord(c):02X}" for c in key)
+
+
+def decode_key(word: str) -> str | None:
+    """An env line's key as the lua decodes it (None: not :data:`ENV_KEY`)."""
+    if len(word) > _ENV_WORD or not ENV_KEY.fullmatch(word):
+        return None
+    return re.sub(r"%([0-9A-F]{2})", lambda m: chr(int(m[1], 16)), word)
 
 
 def image_line(words: list[str]) -> tuple[str, ImageGroup] | None:
@@ -213,6 +279,8 @@ def parse(text: str, where: str = "classes file") -> ClassFile:
     partitions: dict[str, tuple[ClassCount, ...]] = {}
     members: dict[str, str] = {}
     images: dict[str, ImageGroup] = {}
+    adds: dict[str, tuple[ClassCount, ...]] = {}
+    envs: dict[str, tuple[str, ...]] = {}
     seen: set[str] = set()
     ended = False
     for n, line in enumerate(lines[2:], start=3):
@@ -256,6 +324,17 @@ def parse(text: str, where: str = "classes file") -> ClassFile:
             if found is None or found[0] in images or len(images) >= MAX_IMAGES:
                 raise ClassFileError(f"{where}: line {n}: image {line[:80]!r}")
             images[found[0]] = found[1]
+        elif key == "adds" and len(words) >= 2:
+            name = words[1]
+            if (name != ALL and not _PARTITION.fullmatch(name)) or name in adds:
+                raise ClassFileError(f"{where}: line {n}: adds {name[:80]!r}")
+            adds[name] = tuple(_class(w, where, n, ADDS_FEATURE) for w in words[2:])
+        elif key == "env" and len(words) >= 2:
+            name = decode_key(words[1])
+            if name is None or name in envs or len(envs) >= MAX_ENVS \
+                    or not all(ADDS_FEATURE.fullmatch(w) for w in words[2:]):
+                raise ClassFileError(f"{where}: line {n}: env {line[:80]!r}")
+            envs[name] = tuple(words[2:])
         else:
             raise ClassFileError(f"{where}: line {n}: not understood: {line[:80]!r}")
     if not ended:
@@ -278,12 +357,14 @@ def parse(text: str, where: str = "classes file") -> ClassFile:
         partitions=partitions,
         members=members,
         images=images,
+        adds=adds,
+        envs=envs,
     )
 
 
-def _class(word: str, where: str, n: int) -> ClassCount:
+def _class(word: str, where: str, n: int, family: re.Pattern[str] = FEATURE) -> ClassCount:
     feature, _, count = word.partition(":")
-    if not FEATURE.fullmatch(feature) or not _DIGITS.fullmatch(count):
+    if not family.fullmatch(feature) or not _DIGITS.fullmatch(count):
         raise ClassFileError(f"{where}: line {n}: not a class: {word[:80]!r}")
     return ClassCount(feature, int(count))
 

@@ -30,7 +30,9 @@ import re
 from collections.abc import Sequence
 
 __all__ = [
+    "ADDS_FEATURE",
     "FEATURE",
+    "HOST_FEATURE",
     "MAX_CONSTRAINT",
     "MAX_TERMS",
     "is_class_feature_name",
@@ -42,9 +44,14 @@ __all__ = [
     "terms",
 ]
 
-#: A class feature as the sync names it (``nc_`` and 8 to 64 hex digits, or
-#: ``nc_unknown``); :mod:`ncclguard.policy.schedule` makes them.
-FEATURE = re.compile(r"nc_(?:unknown|[0-9a-f]{8,64})")
+#: A class feature of the host's stack as the sync names it (``nc_`` and 8 to 64 hex
+#: digits, or ``nc_unknown``); :mod:`ncclguard.policy.schedule` makes them.
+HOST_FEATURE = re.compile(r"nc_(?:unknown|[0-9a-f]{8,64})")
+#: A class of the second family (what nodes give a job's own NCCL, issue 40): ``nc_j``
+#: and 8 to 64 hex digits (:data:`ncclguard.policy.schedule.ADDS_PREFIX`).
+ADDS_FEATURE = re.compile(r"nc_j[0-9a-f]{8,64}")
+#: Either: a feature the lua may put in a job's group.
+FEATURE = re.compile(r"nc_(?:unknown|j?[0-9a-f]{8,64})")
 #: slurmctld's matching-OR bitmaps: ``MAX_FEATURES`` (64) in
 #: src/slurmctld/node_scheduler.c, one position per term of a bracket group, no check.
 MAX_TERMS = 64
@@ -102,8 +109,9 @@ def parse(constraint: str) -> tuple[str | None, list[str]] | None:
     if not m:
         return None
     group = m["group"].split("|")
-    if not all(is_class_feature_name(g) for g in group):
-        return None
+    if not (all(HOST_FEATURE.fullmatch(g) for g in group)
+            or all(ADDS_FEATURE.fullmatch(g) for g in group)):
+        return None  # the lua's groups are of one family
     return m["user"], group
 
 

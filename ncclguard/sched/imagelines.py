@@ -117,9 +117,11 @@ def image_groups(config: Config, inventory: Inventory, classes: Mapping[str, str
 
 
 def write_images(config: Config, images: Mapping[str, classfile.ImageGroup],
-                 now: float | None = None) -> bool | None:
-    """Replace the file's ``image`` lines (and set ``verified``), the rest as the last sync
-    wrote it: the image index changed, the classes did not. True when written, False when
+                 now: float | None = None,
+                 envs: Mapping[str, tuple[str, ...]] | None = None) -> bool | None:
+    """Replace the file's ``image`` lines, and its ``env`` lines where ``envs`` is given (and
+    set ``verified``), the rest as the last sync wrote it: the image index or the job
+    environments changed, the classes did not. True when written, False when
     the file's lines may stay (their ends :func:`carried`: nothing written), None when there is no
     file of ours to change (a full sync writes it). The lines are compared with the
     file's, not with what this process wrote last: a sync elsewhere (a hook, an admin)
@@ -130,13 +132,17 @@ def write_images(config: Config, images: Mapping[str, classfile.ImageGroup],
         if body is None:
             return None
         lines = body[:-len(b"end\n")].split(b"\n")[:-1]
-        kept = [ln for ln in lines if not ln.startswith(b"image ")]
+        ours = (b"image ", b"env ") if envs is not None else (b"image ",)
+        kept = [ln for ln in lines if not ln.startswith(ours)]
         stamp = int(time.time() if now is None else now)
         top = [classfile.MAGIC.encode(), b"verified %d" % stamp, *kept]
         room = classfile.MAX_BYTES - sum(len(ln) + 1 for ln in top) - 4
         images = carried(body, images, stamp, keep_s(config))
         new = [ln.encode() for ln in classfile.image_lines(images, room)]
-        if new == [ln for ln in lines if ln.startswith(b"image ")]:
+        if envs is not None:
+            room -= sum(len(ln) + 1 for ln in new)
+            new += [ln.encode() for ln in classfile.env_lines(envs, room)]
+        if new == [ln for ln in lines if ln.startswith(ours)]:
             return False
         try:
             classfile.write_bytes(path, b"\n".join([*top, *new, b"end"]) + b"\n")

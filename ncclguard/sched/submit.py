@@ -11,7 +11,7 @@ be joined are :mod:`ncclguard.sched.group`'s; the sync's
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -21,7 +21,7 @@ from ncclguard.policy.schedule import ClassCount
 from ncclguard.sched import classfile, group
 
 __all__ = ["CAPPED", "Decision", "JobDesc", "choose", "constraints", "container_image", "decide",
-           "image_key", "trusted"]
+           "environment_key", "image_key", "trusted"]
 
 NO_VAL = 4294967294
 NO_VAL16 = 65534
@@ -56,6 +56,8 @@ class JobDesc:
     ntasks_per_node: int | None = None
     het_job_offset: int | None = None
     spank_job_env: tuple[str, ...] | None = None  # the lua's 0-based table, and its size
+    script: str | None = None  # a batch job's script (Slurm sends the environment with it)
+    environment: tuple[str, ...] | None = None  # NAME=value entries, as sbatch sent them
 
 
 Action = Literal["keep", "set", "cap", "reject"]
@@ -128,6 +130,23 @@ def _image(cf: classfile.ClassFile, job: JobDesc, now: int
     return key, g
 
 
+def environment_key(job: JobDesc) -> str | None:
+    """The lua's ``env_key(job_desc.environment)``: a lookup gives the first entry of that
+    name (``_job_env_field`` in job_submit_lua.c), then
+    :func:`~ncclguard.fingerprint.jobenv.submit_key`."""
+    from ncclguard.fingerprint.jobenv import INPUTS, submit_key
+
+    if job.environment is None:
+        return None
+    first: dict[str, str] = {}
+    wanted = set(INPUTS)
+    for entry in job.environment:
+        name, eq, value = entry.partition("=")
+        if eq and name in wanted and name not in first:
+            first[name] = value
+    return submit_key(first)
+
+
 def _set(v: int | None, none: int) -> bool:
     return v is not None and v != none
 
@@ -176,12 +195,13 @@ def _guarded(cf: classfile.ClassFile, partition: str | None) -> bool:
     return any(p in cf.guarded for p in partition.split(",") if p)
 
 
-def _classes_for(cf: classfile.ClassFile, partition: str | None
+def _classes_for(cf: classfile.ClassFile, partition: str | None,
+                 lists: Mapping[str, tuple[ClassCount, ...]]
                  ) -> tuple[tuple[ClassCount, ...], str]:
     name = partition if partition is not None else cf.default  # lua: "" is a name
-    if name is not None and "," not in name and name in cf.partitions:
-        return cf.partitions[name], f"partition {name}"
-    return cf.partitions.get(classfile.ALL, ()), "the cluster"
+    if name is not None and "," not in name and name in lists:
+        return lists[name], f"partition {name}"
+    return lists.get(classfile.ALL, ()), "the cluster"
 
 
 def choose(classes: Sequence[ClassCount], need: int, limit: int) -> list[str]:
@@ -305,7 +325,7 @@ def decide(cf: classfile.ClassFile | None, job: JobDesc, now: int = 0) -> Decisi
         return KEEP
     if not _guarded(cf, job.partition):
         return KEEP
-    classes, pname = _classes_for(cf, job.partition)
+    classes, pname = _classes_for(cf, job.partition, cf.partitions)
     if not classes:
         return KEEP
     need = 1
@@ -326,6 +346,18 @@ def decide(cf: classfile.ClassFile | None, job: JobDesc, now: int = 0) -> Decisi
             classes = runnable
             stack = f"that run image {key} with one NCCL stack"
             see = f"`ncclguard check --image {key}`"
+    elif cf.envs and not has_req and job.script is not None \
+            and image_key(container_image(job)) is None:
+        # a batch job whose environment names a libnccl the collector read: the second
+        # family's classes that run it (issue 40)
+        ek = environment_key(job)
+        able = cf.envs.get(ek) if ek is not None else None
+        if able is not None:
+            listed, aname = _classes_for(cf, job.partition, cf.adds)
+            runnable = tuple(c for c in listed if c.feature in able)
+            if runnable:  # else the host classes, and the gate decides
+                classes, pname = runnable, aname
+                stack, see = "that run its own NCCL with one stack", "`ncclguard check --env`"
     if has_req:
         if hosts is None:
             return KEEP

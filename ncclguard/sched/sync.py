@@ -27,10 +27,12 @@ from ncclguard.hostlist import compress
 from ncclguard.policy import GATE_VALUES, stale_hosts
 from ncclguard.policy.schedule import (
     ClassCount,
+    adds_features,
     class_features,
     class_values,
     feature_names,
     is_class_feature,
+    is_host_class,
     rank_classes,
 )
 from ncclguard.sched import classfile, group
@@ -62,6 +64,8 @@ class Plan:
     classes: dict[str, str | None]  # Slurm node -> its class feature (None: none)
     updates: list[Update]
     nodes: list[NodeInfo]  # Slurm's nodes, as read
+    # Slurm node -> its class of the second family ([features] own_nccl; None: none)
+    adds: dict[str, str | None] = field(default_factory=dict)
 
     @property
     def changed_hosts(self) -> list[str]:
@@ -80,6 +84,7 @@ class SyncResult:
     images: dict[str, classfile.ImageGroup] = field(default_factory=dict)  # as written
     image_mark: str | None = None  # the image index's mark they were read at
     image_error: str | None = None  # why they could not be read (the file has none)
+    envs: dict[str, tuple[str, ...]] = field(default_factory=dict)  # env lines, as written
 
 
 def desired(config: Config, hosts: Sequence[str], now: float | None = None,
@@ -102,6 +107,43 @@ def desired(config: Config, hosts: Sequence[str], now: float | None = None,
     return class_features(keys, config.policy, stale, names=names)
 
 
+def desired_adds(config: Config, hosts: Sequence[str], now: float | None = None,
+                 inventory: Inventory | None = None) -> dict[str, str | None]:
+    """Each host's class of the second family (:func:`~ncclguard.policy.schedule.
+    adds_features` of the gate's records, with its freshness test); ``{}`` unless
+    ``[features] own_nccl``. One read of every host's record: the daemon asks at a full
+    sync and every ``verify_s``, not every pass."""
+    if not config.features.own_nccl:
+        return {}
+    now = time.time() if now is None else now
+    with (contextlib.nullcontext(inventory) if inventory is not None else
+          Inventory(readonly=True, values=GATE_VALUES, config=config.inventory)) as inv:
+        loaded = inv.load_values(list(hosts))
+    records: dict[str, dict | None] = {}
+    beats: dict[str, float] = {}
+    for h in hosts:
+        got = loaded.get(h)
+        records[h] = got[0] if got else None
+        if got:
+            beats[h] = got[1]
+    stale = stale_hosts(beats, now, config.inventory.stale_after_s)
+    return adds_features(records, config.policy, stale)
+
+
+def _env_groups(config: Config, adds: Mapping[str, str | None], result: SyncResult
+                ) -> dict[str, tuple[str, ...]]:
+    """:func:`~ncclguard.sched.envlines.env_groups` from the configured inventory; one
+    that cannot be read gives none (such jobs get the host classes), said in ``errors``."""
+    from ncclguard.sched.envlines import env_groups
+
+    try:
+        with Inventory(readonly=True, values=GATE_VALUES, config=config.inventory) as inv:
+            return env_groups(config, inv, adds)
+    except InventoryError as e:
+        result.errors.append(f"env groups: {e}")
+        return {}
+
+
 def _image_groups(config: Config, classes: Mapping[str, str | None], now: float,
                   result: SyncResult) -> dict[str, classfile.ImageGroup]:
     """:func:`image_groups` from the configured inventory, into ``result``; an inventory
@@ -116,31 +158,39 @@ def _image_groups(config: Config, classes: Mapping[str, str | None], now: float,
     return result.images
 
 
-def plan(nodes: Sequence[NodeInfo], classes: Mapping[str, str | None]) -> Plan:
-    """The updates that give each node its own features plus its class feature (any
-    other ``nc_`` feature removed), grouped by the new lists: one call per group."""
+def plan(nodes: Sequence[NodeInfo], classes: Mapping[str, str | None],
+         adds: Mapping[str, str | None] | None = None) -> Plan:
+    """The updates that give each node its own features plus its class feature, and its
+    class of the second family where ``adds`` names one (any other ``nc_`` feature
+    removed), grouped by the new lists: one call per group."""
     groups: dict[tuple[tuple[str, ...], tuple[str, ...]], list[str]] = {}
     wanted: dict[str, str | None] = {}
+    second = adds or {}
     for n in nodes:
         cls = classes.get(n.name)
         wanted[n.name] = cls
-        tail = (cls,) if cls else ()
+        tail = tuple(f for f in (cls, second.get(n.name)) if f)
         available = tuple(f for f in n.features if not is_class_feature(f)) + tail
         active = tuple(f for f in n.active_features if not is_class_feature(f)) + tail
         if set(available) == set(n.features) and set(active) == set(n.active_features):
             continue
         groups.setdefault((available, active), []).append(n.name)
     updates = [Update(tuple(hosts), avail, act) for (avail, act), hosts in groups.items()]
-    return Plan(wanted, updates, list(nodes))
+    return Plan(wanted, updates, list(nodes),
+                {n.name: second.get(n.name) for n in nodes} if adds else {})
 
 
 def class_table(config: Config, nodes: Sequence[NodeInfo], classes: Mapping[str, str | None],
                 verified: float, default: str | None = None,
-                images: Mapping[str, classfile.ImageGroup] | None = None
+                images: Mapping[str, classfile.ImageGroup] | None = None,
+                adds: Mapping[str, str | None] | None = None,
+                envs: Mapping[str, tuple[str, ...]] | None = None,
                 ) -> classfile.ClassFile:
     """The lua's file: for every node and for each partition, the classes in preference
     order (largest first), those of at least two nodes, at most ``max_alternatives``;
-    ``images``: the image lines (:func:`image_groups`)."""
+    ``images``: the image lines (:func:`image_groups`); ``adds``: each node's class of
+    the second family, ranked per partition the same way, and ``envs`` the env lines
+    (:func:`~ncclguard.sched.envlines.env_groups`), both left out without ``adds``."""
     limit = config.features.max_alternatives
     members: dict[str, list[str]] = {classfile.ALL: [n.name for n in nodes]}
     for n in nodes:
@@ -148,6 +198,9 @@ def class_table(config: Config, nodes: Sequence[NodeInfo], classes: Mapping[str,
             members.setdefault(p, []).append(n.name)
     table: dict[str, tuple[ClassCount, ...]] = {
         p: tuple(rank_classes(classes, hosts, limit=limit)) for p, hosts in members.items()
+    }
+    second: dict[str, tuple[ClassCount, ...]] = {} if not adds else {
+        p: tuple(rank_classes(adds, hosts, limit=limit)) for p, hosts in members.items()
     }
     by_class: dict[str, list[str]] = {}
     for n in nodes:
@@ -164,12 +217,22 @@ def class_table(config: Config, nodes: Sequence[NodeInfo], classes: Mapping[str,
         partitions=table,
         members={f: compress(hosts) for f, hosts in by_class.items()},
         images=dict(images or {}),
+        adds=second,
+        envs=dict(envs or {}) if second else {},
     )
 
 
 def in_slurm(nodes: Sequence[NodeInfo]) -> dict[str, str | None]:
-    """Each node's class feature as Slurm has it now (the first ``nc_`` one active)."""
-    return {n.name: next((f for f in n.active_features if is_class_feature(f)), None)
+    """Each node's class feature as Slurm has it now (the first active one of the host's
+    stack, ``nc_`` but not ``nc_j``)."""
+    return {n.name: next((f for f in n.active_features if is_host_class(f)), None)
+            for n in nodes}
+
+
+def adds_in_slurm(nodes: Sequence[NodeInfo]) -> dict[str, str | None]:
+    """Each node's class of the second family as Slurm has it now."""
+    return {n.name: next((f for f in n.active_features
+                          if is_class_feature(f) and not is_host_class(f)), None)
             for n in nodes}
 
 
@@ -219,6 +282,7 @@ def _apply(slurm: Slurm, u: Update, result: SyncResult, budget: list[int]) -> No
 def sync(config: Config, slurm: Slurm, *, dry_run: bool = False, now: float | None = None,
          inventory: Inventory | None = None,
          classes: Callable[[Sequence[str]], Mapping[str, str | None]] | None = None,
+         adds: Callable[[Sequence[str]], Mapping[str, str | None]] | None = None,
          skip: Collection[str] = (),
          progress: Callable[[str], None] | None = None) -> SyncResult:
     """Read Slurm's nodes and the inventory, apply the updates (unless ``dry_run``), and
@@ -226,7 +290,8 @@ def sync(config: Config, slurm: Slurm, *, dry_run: bool = False, now: float | No
 
     ``inventory``: an open one to read (the CLI's), else the configured one. ``classes``:
     each node's class from the names of Slurm's nodes, instead of :func:`desired` (the
-    daemon's, with flapping nodes held). ``skip``: nodes whose update is not tried now
+    daemon's, with flapping nodes held); ``adds``: the same for the second family,
+    instead of :func:`desired_adds`. ``skip``: nodes whose update is not tried now
     (the daemon backs off from updates Slurm refused); they count as failed
     (:data:`NOT_TRIED`), and the other nodes of their group are updated without them.
     A call that Slurm refuses is narrowed down in halves (:func:`_apply`), so that a node
@@ -247,7 +312,8 @@ def sync(config: Config, slurm: Slurm, *, dry_run: bool = False, now: float | No
         nodes = slurm.nodes()
         names = [n.name for n in nodes]
         step(f"{len(names):,} nodes: reading their classes")
-        p = plan(nodes, classes(names) if classes else desired(config, names, now, inventory))
+        p = plan(nodes, classes(names) if classes else desired(config, names, now, inventory),
+                 adds(names) if adds else desired_adds(config, names, now, inventory))
         result = SyncResult(p, dry_run=dry_run)
         if dry_run:
             return result
@@ -255,9 +321,12 @@ def sync(config: Config, slurm: Slurm, *, dry_run: bool = False, now: float | No
         images = result.images = carried(classfile.our_body(path),
                                          _image_groups(config, p.classes, now, result),
                                          now, keep_s(config))
-        before = in_slurm(nodes)
-        if any(before.get(h) != c for h, c in p.classes.items()):
-            # while features move, the lua may only name classes Slurm has before and after
+        envs = result.envs = _env_groups(config, p.adds, result) if p.adds else {}
+        before, before_adds = in_slurm(nodes), adds_in_slurm(nodes)
+        if any(before.get(h) != c for h, c in p.classes.items()) or any(
+                before_adds.get(h) != c for h, c in p.adds.items()):
+            # while features move, the lua may only name classes Slurm has before and
+            # after, and none of the second family (its jobs get the host classes)
             kept = {f for f in before.values() if f} & {f for f in p.classes.values() if f}
             classfile.write(path, class_table(config, nodes, {h: (c if c in kept else None)
                                                      for h, c in p.classes.items()}, now,
@@ -278,9 +347,10 @@ def sync(config: Config, slurm: Slurm, *, dry_run: bool = False, now: float | No
                 path.unlink(missing_ok=True)  # no file: the lua adds nothing, the gate checks
                 return result
             classfile.write(path, class_table(config, nodes, in_slurm(nodes), now, default,
-                                              images))
+                                              images, adds_in_slurm(nodes) if p.adds else None,
+                                              envs))
             return result
-        cf = class_table(config, nodes, p.classes, now, default, images)
+        cf = class_table(config, nodes, p.classes, now, default, images, p.adds, envs)
         classfile.write(path, cf)
         result.written = path
         step("pending jobs: regrouping")
@@ -298,19 +368,24 @@ def regroup_pending(slurm: Slurm, cf: classfile.ClassFile, errors: list[str]
     longer lists, or one now smaller than the job, get the group the lua would give them
     now (``scontrol update jobid=J Features=...``): class names follow the NCCL stack, and
     a job holding only vanished ones would wait for ever. ``(job, old, new)`` for each."""
-    sizes = {name: {k.feature: k.nodes for k in lst} for name, lst in cf.partitions.items()}
+    tables = {id(lists): {name: {k.feature: k.nodes for k in lst} for name, lst in lists.items()}
+              for lists in (cf.partitions, cf.adds)}
     changed = []
     for job, features, partition, need in slurm.pending_features():
         parsed = group.parse(features)
         if parsed is None:
             continue  # no group, or a user's own
         user, classes = parsed
+        # a group of the second family keeps to it while the file has it, else it gets
+        # the host classes (own_nccl was turned off: its features are gone)
+        lists = cf.adds if cf.adds and not is_host_class(classes[0]) else cf.partitions
+        sizes = tables[id(lists)]
         name = partition if partition in sizes else (cf.default if cf.default in sizes
                                                      else classfile.ALL)
         here = sizes.get(name, {})
         if all(here.get(g, 0) >= need for g in classes):
             continue  # every class it names still exists and fits
-        joined = constraints(choose(cf.partitions.get(name, ()), need, cf.max_alternatives),
+        joined = constraints(choose(lists.get(name, ()), need, cf.max_alternatives),
                              user, None)
         if joined is None:
             continue  # nothing fits now: it waits, and the gate checks it when it starts

@@ -96,6 +96,14 @@ def run_lua(tmp_path: Path, cases: list[Case], timeout: float = 120) -> list[Out
         job = {f.name: getattr(c.job, f.name) for f in fields(c.job)}
         if c.job.spank_job_env is not None:
             job["spank_job_env_size"] = len(c.job.spank_job_env)
+        # job_desc.environment: looked up by name, the first entry of it (_job_env_field);
+        # for a job without one, Slurm's lookups give nil
+        first: dict[str, str] = {}
+        for entry in c.job.environment or ():
+            name, eq, value = entry.partition("=")
+            if eq:
+                first.setdefault(name, value)
+        job["environment"] = first
         listing.append("{" + f"file = {lua_string(str(c.path))}, now = {c.now}, "
                        f"loaded = {c.loaded}, modify = {lua_value(c.modify)}, "
                        f"inject = {lua_value(c.inject)}, job = {lua_value(job)}" + "}")
@@ -139,6 +147,11 @@ def python_outcome(c: Case) -> Outcome:
 
 def feature(i: int) -> str:
     return "nc_" + f"{i * 2654435761 % (1 << 32):08x}"
+
+
+def adds_feature(i: int) -> str:
+    """A class of the second family (``nc_j...``)."""
+    return "nc_j" + f"{i * 2246822519 % (1 << 32):08x}"
 
 
 def cf_ab(**kw: Any) -> classfile.ClassFile:
