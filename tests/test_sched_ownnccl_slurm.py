@@ -116,3 +116,6 @@ def test_a_venv_job_is_offered_the_nodes_that_run_its_nccl_not_one_host_class(
     # an srun (no environment sent) and the same venv inside sbatch --export=NONE: hosts
     job, err = _sbatch(c, env, "--export=NONE", "-N4", "--wrap", "true")
     assert job is None and "needs 4 nodes with one NCCL stack" in err, err
+    # the admin's check sees both families in place
+    r = c.ncclguard("features", "check", check=False)
+    assert r.returncode == 0, r.stdout + r.stderr

@@ -111,8 +111,9 @@ def check_cmd(as_json: bool, as_csv: bool) -> None:
         have = [f for f in by_name[host].active_features if is_class_feature(f)]
         if not have and host in holding:
             continue
+        want = [f for f in (res.plan.classes.get(host), res.plan.adds.get(host)) if f]
         rows.append({"host": host, "has": ",".join(have) or "-",
-                     "want": res.plan.classes.get(host) or "-"})
+                     "want": ",".join(want) or "-"})
     path = Path(c.config.features.classes_file)
     state: dict[str, Any] = {"path": str(path)}
     try:
@@ -122,7 +123,8 @@ def check_cmd(as_json: bool, as_csv: bool) -> None:
     else:
         age = c.now - cf.verified
         state.update(verified=out.iso(cf.verified), age_s=round(age, 1))
-        named = {k.feature for lst in cf.partitions.values() for k in lst}
+        named = {k.feature for lists in (cf.partitions, cf.adds) for lst in lists.values()
+                 for k in lst}
         present = {f for n in res.plan.nodes for f in n.active_features}
         missing = sorted(named - present)
         if missing:
