@@ -109,12 +109,13 @@ local function valid_adds(f)
 end
 
 -- An env line's key as written (classfile.py decode_key): "!" to "~" but "%", and %XX
--- for any other byte; nil for anything else, or longer than 3 x MAX_ENV_KEY.
+-- for any other ASCII byte (00 to 7F: a key is ASCII, env_key's bytes are compared as
+-- they are); nil for anything else, or longer than 3 x MAX_ENV_KEY.
 local function decode_key(word)
   if #word > 3 * ncclguard.MAX_ENV_KEY or string.find(word, "[^!-~]") then return nil end
-  local rest = string.gsub(word, "%%[0-9A-F][0-9A-F]", "")
+  local rest = string.gsub(word, "%%[0-7][0-9A-F]", "")
   if string.find(rest, "%", 1, true) then return nil end
-  return (string.gsub(word, "%%([0-9A-F][0-9A-F])",
+  return (string.gsub(word, "%%([0-7][0-9A-F])",
     function(h) return string.char(tonumber(h, 16)) end))
 end
 

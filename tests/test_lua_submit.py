@@ -506,3 +506,17 @@ def test_the_lua_and_python_agree_on_limits() -> None:
 
 
 
+def test_an_env_line_with_a_non_ascii_byte_is_refused_by_both(tmp_path: Path) -> None:
+    """A key written with %80..%FF (the sync never writes one: keys are ASCII) decodes in
+    the lua to bytes that a job's UTF-8 value matches, where the mirror's key of that job is
+    None: both refuse such a line (the file is not used), so they never decide apart."""
+    j = adds_feature(1)
+    text = classfile.render(cf_ab(adds={"*": (ClassCount(j, 4),)},
+                                  envs={"VIRTUAL_ENV=/x": (j,)})).decode()
+    for word in ("VIRTUAL_ENV=/home/caf%C3%A9/venv", "VIRTUAL_ENV=/a%80", "VIRTUAL_ENV=/a%FF"):
+        bad = text.replace("end\n", f"env {word} {j}\nend\n")
+        assert classfile.decode_key(word) is None
+        got = one(tmp_path, bad, JobDesc(min_nodes=2, script="#!/bin/sh\n",
+                                         environment=("VIRTUAL_ENV=/home/caf\u00e9/venv",)))
+        assert not got.usable and got.features is None
+    assert classfile.decode_key("VIRTUAL_ENV=/a%7F%00") == "VIRTUAL_ENV=/a\x7f\0"

@@ -278,3 +278,44 @@ def test_write_images_replaces_env_lines_only_when_given(tmp_path: Path) -> None
     assert imagelines.write_images(cfg, {}, 1_700_000_100, {"VIRTUAL_ENV=/b": ("nc_j0123abcd",)})
     assert classfile.parse(path.read_text()) == replace(
         cf, verified=1_700_000_100, envs={"VIRTUAL_ENV=/b": ("nc_j0123abcd",)})
+
+
+class _Groups:
+    def __init__(self, groups: list[tuple[str, bool, str, tuple[str, ...]]]) -> None:
+        self.groups = groups
+
+    def feature_groups(self) -> list[tuple[str, bool, str, tuple[str, ...]]]:
+        return self.groups
+
+
+def test_the_daemons_check_reads_the_host_class_not_a_second_family_one() -> None:
+    """The periodic check compares each node's host class with the one set: a node that
+    the daemon holds without a host class (its stack keeps changing) keeps its nc_j
+    feature, and a node may list nc_j first; neither is drift (else a full sync at every
+    verify_s while the node is held)."""
+    from inventoryd.controller.features import FeatureKeeper
+
+    groups = [("debug", True, "n1", ("gpu", "nc_j11111111")),
+              ("debug", True, "n2", ("nc_j11111111", "nc_0123abcd"))]
+    keeper = FeatureKeeper(Config(features=FeaturesConfig(own_nccl=True)),
+                           slurm=_Groups(groups))  # type: ignore[arg-type]
+    keeper.expected = {("debug", "n1"): None, ("debug", "n2"): "nc_0123abcd"}
+    assert keeper._drift() == ""
+    keeper.expected[("debug", "n2")] = "nc_4567abcd"
+    assert "n2" in keeper._drift()
+
+
+@pytest.mark.xfail(strict=True, reason="regroup_pending does not know a pending job's "
+                   "environment: a stale nc_j group is regrouped over every class of the "
+                   "second family, also those no env line offers (the gate then refuses)")
+def test_a_stale_second_family_group_is_not_regrouped_onto_a_class_no_env_line_offers() -> None:
+    """The lua offers a job from a known environment only its env line's classes. A pending
+    job whose nc_j class vanished (renamed: a new key shares its first 8 hex digits, or its
+    nodes' plugin changed) must not be moved onto a class of the second family that no
+    known environment runs: the gate refuses the job there."""
+    a, b = "nc_j22222222", "nc_j33333333"
+    cf = _cf(adds={"*": (ClassCount(a, 6), ClassCount(b, 6))},
+             envs={"VIRTUAL_ENV=/home/a/venv": (b,)})
+    slurm = _Pending([("1", "[nc_j99999999]", "debug", 4)])
+    moved = sync.regroup_pending(slurm, cf, [])  # type: ignore[arg-type]
+    assert all(a not in new for _, _, new in moved), moved

@@ -73,7 +73,7 @@ from inventoryd.sdnotify import Notifier
 from ncclguard import config as configmod
 from ncclguard.hostlist import compress, expand
 from ncclguard.policy import GATE_VALUES, load_config
-from ncclguard.policy.schedule import is_class_feature
+from ncclguard.policy.schedule import is_host_class
 from ncclguard.sched import classfile, status
 from ncclguard.sched.envlines import env_groups
 from ncclguard.sched.imagelines import image_groups, write_images
@@ -250,7 +250,7 @@ class FeatureKeeper:
         default = None
         for part, is_default, hosts, feats in self.slurm.feature_groups():
             default = part if is_default else default
-            cls = next((f for f in feats if is_class_feature(f)), None)
+            cls = next((f for f in feats if is_host_class(f)), None)  # not nc_j: own_nccl's
             for host in expand(hosts):
                 seen[(part, host)] = cls
         if self.default is None:

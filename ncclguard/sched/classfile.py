@@ -115,7 +115,7 @@ IMAGE_KEY = re.compile(r"[!-~]{1,1024}")
 #: (:func:`ncclguard.fingerprint.jobenv.submit_key`, at most 4,096 bytes) are written with
 #: every byte but ``!`` to ``~`` (and ``%`` itself) as ``%XX``: a NUL, a space.
 MAX_ENVS = 256
-ENV_KEY = re.compile(r"(?:[!-$&-~]|%[0-9A-F]{2})+")
+ENV_KEY = re.compile(r"(?:[!-$&-~]|%[0-7][0-9A-F])+")  # %XX: ASCII only, as keys are
 _ENV_WORD = 3 * 4096  # the longest written key the lua decodes
 
 _PARTITION = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -251,7 +251,7 @@ def decode_key(word: str) -> str | None:
     """An env line's key as the lua decodes it (None: not :data:`ENV_KEY`)."""
     if len(word) > _ENV_WORD or not ENV_KEY.fullmatch(word):
         return None
-    return re.sub(r"%([0-9A-F]{2})", lambda m: chr(int(m[1], 16)), word)
+    return re.sub(r"%([0-7][0-9A-F])", lambda m: chr(int(m[1], 16)), word)
 
 
 def image_line(words: list[str]) -> tuple[str, ImageGroup] | None:
