@@ -68,7 +68,7 @@ def env_groups(config: Config, inventory: Inventory, adds: Mapping[str, str | No
         return {}
     images: dict[str, list[dict]] = {}
     spoiled: set[str] = set()
-    for row in inventory.job_envs()[: 2 * classfile.MAX_ENVS]:
+    for row in inventory.job_envs(2 * classfile.MAX_ENVS):
         key, image = job_nccl(row)
         if key is None:
             continue

@@ -376,16 +376,21 @@ def regroup_pending(slurm: Slurm, cf: classfile.ClassFile, errors: list[str]
         if parsed is None:
             continue  # no group, or a user's own
         user, classes = parsed
-        # a group of the second family keeps to it while the file has it, else it gets
-        # the host classes (own_nccl was turned off: its features are gone)
-        lists = cf.adds if cf.adds and not is_host_class(classes[0]) else cf.partitions
-        sizes = tables[id(lists)]
+        # a group of the second family stays while its classes exist and fit; else the
+        # host classes, as the lua gives a job whose environment has no line (the sync
+        # does not know a pending job's environment, so not which of the second family
+        # run its NCCL), and the gate judges it by its own NCCL
+        second = not is_host_class(classes[0])
+        sizes = tables[id(cf.adds if second else cf.partitions)]
         name = partition if partition in sizes else (cf.default if cf.default in sizes
                                                      else classfile.ALL)
         here = sizes.get(name, {})
         if all(here.get(g, 0) >= need for g in classes):
             continue  # every class it names still exists and fits
-        joined = constraints(choose(lists.get(name, ()), need, cf.max_alternatives),
+        hosts = tables[id(cf.partitions)]
+        name = partition if partition in hosts else (cf.default if cf.default in hosts
+                                                     else classfile.ALL)
+        joined = constraints(choose(cf.partitions.get(name, ()), need, cf.max_alternatives),
                              user, None)
         if joined is None:
             continue  # nothing fits now: it waits, and the gate checks it when it starts

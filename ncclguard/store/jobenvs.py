@@ -103,13 +103,14 @@ class JobEnvTables(Database):
             "SELECT key, resolved_at, used_at FROM job_envs").fetchall())
         return {r[0]: (r[1], r[2]) for r in rows}
 
-    def job_envs(self) -> list[dict[str, Any]]:
-        """Every row, most recently used first (library and problems decoded)."""
+    def job_envs(self, limit: int = -1) -> list[dict[str, Any]]:
+        """Every row (at most ``limit``), most recently used first (library and problems
+        decoded)."""
         keys = ("key", "vars", "uid", "source", "path", "why", "problems", "library",
                 "error", "resolved_at", "used_at")
         rows = self._reading("read job environments", lambda c: c.execute(
             f"SELECT {', '.join(keys)} FROM job_envs "  # noqa: S608 - fixed names
-            "ORDER BY coalesce(used_at, resolved_at) DESC").fetchall())
+            "ORDER BY coalesce(used_at, resolved_at) DESC LIMIT ?", (limit,)).fetchall())
         out = [dict(zip(keys, r, strict=True)) for r in rows]
         for r in out:
             for k in ("vars", "problems", "library"):
