@@ -156,6 +156,35 @@ def test_a_line_that_lost_its_prefix_belongs_to_the_nearest_host_above(catalog, 
         assert (a.count, a.values, a.printers) == (b.count, b.values, b.printers), sid
 
 
+def test_a_line_nccl_did_not_print_belongs_to_no_host(catalog, tmp_path):
+    """Issue 46: a line without NCCL's prefix that is not NCCL's own format (here PyTorch's
+    DistBackendError, the real line of NVIDIA/nccl#2076, tests/data/diagnose_real/
+    nccl-2076.log) belongs to no host, not to the host of the line above: before, its
+    "NCCL version 2.21.5" was n2's, and the report had n2 loading 2.21.5. NCCL's own
+    unprefixed banner keeps the host above (the test before)."""
+    real = (REAL / "nccl-2076.log").read_text().splitlines()[0]
+    assert real.startswith("torch.distributed.DistBackendError") and real.endswith("2.21.5")
+    log = tmp_path / "slurm-4243.out"
+    log.write_text(
+        "n1:101:101 [0] NCCL INFO NCCL version 2.18.3+cuda12.1\n"
+        "n2:202:202 [0] NCCL INFO NCCL version 2.18.3+cuda12.1\n"
+        "n2:202:202 [0] NCCL INFO NET/IB : No device found.\n"
+        f"{real}\n"
+    )
+    fast, slow = Scanner(catalog), Scanner(catalog, prefilter=False)
+    fast.feed(log)
+    slow.feed(log)
+    for scanner in (fast, slow):
+        for state in scanner.evidence().states.values():
+            for value, hosts in state.values.items():
+                if "2.21.5" in value:
+                    assert "n2" not in hosts and "n1" not in hosts, (value, hosts)
+    r = run([log], catalog=catalog)
+    for d in r.diagnoses:
+        for value, hosts in d.values.items():
+            assert not ("2.21.5" in value and "n2" in hosts), d
+
+
 def test_a_launcher_tag_names_the_host_of_a_line_without_prefix(catalog, tmp_path):
     log = tmp_path / "j.log"
     log.write_text(

@@ -121,6 +121,9 @@ _RANKS = b"anks "  # in NCCL's "comm 0x… rank R nranks N" / "nRanks N" lines
 # NCCLUtils getNcclErrorDetailStr, NCCL src/debug.cc ncclLastError); a flattened paste
 # has it on the same line. That message is read as an NCCL WARN line (an "echo").
 _LAST = b"Last error:"
+# NCCL's own banner as releases before its debug prefix on it printed it (printf, rank 0):
+# the one unprefixed line of NCCL's own format that is not a "NCCL INFO/WARN" line
+_BANNER = re.compile(rb"NCCL version [0-9][^\s]*\s*")
 _CACHE = 50_000  # entries kept in each prefix cache before it is emptied
 _CACHE_BYTES = 8 << 20  # key bytes the three prefix caches hold together before emptied
 _MANY_NEW = 64  # new prefixes in one block past which its lines are registered one by one
@@ -491,19 +494,21 @@ class Scanner:
                 if im is not None and ((host, pid) in self._pid_rank or (
                         len(self._pid_rank) < MAX_PIDS and self._attributed(host))):
                     self._pid_rank[(host, pid)] = int(im.group("rank"))
-        else:
+        own = False  # NCCL's own line without its prefix: the host above is its printer's
+        if info is None:
             host, pid, level = None, None, None
             bare = _BARE.match(raw) if b"NCCL " in raw else None
             if bare is not None:
                 # NCCL's line without its "host:pid:tid": the launcher tag names the host,
                 # else the nearest prefixed line above it does
-                nccl = True
+                nccl = own = True
                 level = bare.group("level").decode("ascii")
                 text = bare.group("msg").rstrip(b"\r")
                 tr = _tag_of(bare)
             else:
                 text = strip_tag(raw) if raw[:1] in b" 0123456789[" else raw
                 tr = launcher_rank(raw) if text is not raw else None
+                own = _BANNER.fullmatch(text) is not None
                 if echo:  # NCCL's WARN message, repeated by PyTorch
                     nccl, level = True, "WARN"
         # the views of the line that signatures are tried on: its message, and the
@@ -528,13 +533,15 @@ class Scanner:
             if hit is None:
                 continue
             if not placed:
-                # a line without NCCL's prefix or a launcher tag (a banner printed with
-                # printf, a paste that lost the prefix, a traceback): the host of the
-                # nearest NCCL-prefixed line above it in this file
+                # a line without NCCL's prefix or a launcher tag: NCCL's own (a banner
+                # printed with printf, a paste that lost the prefix) is the nearest
+                # NCCL-prefixed line's above it in this file; anything else (a
+                # traceback, PyTorch's repeat of NCCL's error) belongs to no host:
+                # printed by any rank, it would be pinned on whichever printed last
                 placed = True
-                if block is not None:
+                if own and block is not None:
                     host = self._host_above(block, at)
-                elif self._tail is not None:
+                elif own and self._tail is not None:
                     host = self._tail[0]
             st = states[sig.id]
             st.count += 1
