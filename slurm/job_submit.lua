@@ -119,6 +119,16 @@ local function decode_key(word)
     function(h) return string.char(tonumber(h, 16)) end))
 end
 
+-- A line's classes as a set (its words from `from` on), or nil.
+local function class_set(w, from, valid)
+  local set = {}
+  for i = from, #w do
+    if not valid(w[i]) then return nil end
+    set[w[i]] = true
+  end
+  return set
+end
+
 -- A partition line's classes ("f:count" words from index 3 on), or nil.
 local function class_list(w, valid)
   local list = {}
@@ -204,14 +214,17 @@ function ncclguard.parse_body(body, where)
             cf.guarded_list[w[i]] = true
           end
         end
-      elseif key == "partition" and #w >= 2 then
+      elseif (key == "partition" or key == "adds") and #w >= 2 then
+        -- a partition's classes, of the host's stack or of the second family
+        local lists, valid = cf.partitions, valid_feature
+        if key == "adds" then lists, valid = cf.adds, valid_adds end
         local name = w[2]
-        if (name ~= "*" and not valid_partition(name)) or cf.partitions[name] then
-          return nil, where .. ": line " .. n .. ": bad partition"
+        if (name ~= "*" and not valid_partition(name)) or lists[name] then
+          return nil, where .. ": line " .. n .. ": bad " .. key
         end
-        local list = class_list(w, valid_feature)
+        local list = class_list(w, valid)
         if not list then return nil, where .. ": line " .. n .. ": bad class" end
-        cf.partitions[name] = list
+        lists[name] = list
       elseif key == "members" and #w == 3 then
         local f = w[2]
         if not valid_feature(f) or cf.sizes[f] then return nil, where .. ": line " .. n .. ": bad class" end
@@ -230,31 +243,17 @@ function ncclguard.parse_body(body, where)
            or not is_digits(expires) or cf.nimages >= ncclguard.MAX_IMAGES then
           return nil, where .. ": line " .. n .. ": bad image"
         end
-        local set = {}
-        for i = 4, #w do
-          if not valid_feature(w[i]) then return nil, where .. ": line " .. n .. ": bad class" end
-          set[w[i]] = true
-        end
+        local set = class_set(w, 4, valid_feature)
+        if not set then return nil, where .. ": line " .. n .. ": bad class" end
         cf.images[name] = { expires = tonumber(expires), classes = set, count = #w - 3 }
         cf.nimages = cf.nimages + 1
-      elseif key == "adds" and #w >= 2 then
-        local name = w[2]
-        if (name ~= "*" and not valid_partition(name)) or cf.adds[name] then
-          return nil, where .. ": line " .. n .. ": bad adds"
-        end
-        local list = class_list(w, valid_adds)
-        if not list then return nil, where .. ": line " .. n .. ": bad class" end
-        cf.adds[name] = list
       elseif key == "env" and #w >= 2 then
         local name = decode_key(w[2])
         if name == nil or cf.envs[name] or cf.nenvs >= ncclguard.MAX_ENVS then
           return nil, where .. ": line " .. n .. ": bad env"
         end
-        local set = {}
-        for i = 3, #w do
-          if not valid_adds(w[i]) then return nil, where .. ": line " .. n .. ": bad class" end
-          set[w[i]] = true
-        end
+        local set = class_set(w, 3, valid_adds)
+        if not set then return nil, where .. ": line " .. n .. ": bad class" end
         cf.envs[name] = set
         cf.nenvs = cf.nenvs + 1
       else

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from ncclguard.config import Config
 from ncclguard.policy.rules import container, jobnccl
 from ncclguard.sched import classfile
+from ncclguard.sched.imagelines import samples_of
 from ncclguard.store import Inventory
 
 __all__ = ["env_groups", "job_nccl"]
@@ -80,9 +81,7 @@ def env_groups(config: Config, inventory: Inventory, adds: Mapping[str, str | No
         images.pop(key, None)
     if not images:
         return {}
-    loaded = inventory.load_values([h for h, c in adds.items() if c is not None])
-    samples = container.class_samples({h: r[0] if r else None for h, r in loaded.items()},
-                                      adds)
+    samples = samples_of(inventory, adds)
     refuses = severity_of(config.policy, jobnccl.STACK) == "refuse"
     out: dict[str, tuple[str, ...]] = {}
     for key, found in images.items():
