@@ -27,7 +27,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -327,7 +327,11 @@ def decide(run: Run, job: Job) -> int:
             run.own_nccl = resolved.library is not None
     # refuse path only: several minimum odd sets, ask which to keep (host stacks only)
     if verdict.odd_tie and not image and not run.own_nccl:
-        verdict, run.record["tie_break"] = _break_tie(run, job, verdict, values, stale)
+        from prolog import ownnccl
+
+        verdict, run.record["tie_break"] = _break_tie(
+            run, job, verdict, lambda prefer: ownnccl.judge(
+                values, cfg.policy, stale, job.partition or None, own, resolved, prefer))
     run.record.update(
         decision=verdict.decision,
         # which check decided: Slurm placing the job on one class (the gate accepted or
@@ -372,8 +376,10 @@ def _job_env(run: Run, job: Job) -> JobVars | None:
     if env is None:
         run.record["job_env_error"] = why
         return None
-    if env.variables:
+    if env.inputs:
         run.record["job_env"] = env.record(job.uid)
+    if env.nccl:  # applied to each node by the verdict (ncclguard/policy/jobvars.py)
+        run.record["job_nccl_vars"] = env.nccl
     if env.problems:
         run.record["job_env_problems"] = list(env.problems)
     return env
@@ -498,12 +504,13 @@ def _compute_view(run: Run, names: list[str]) -> dict[str, Any]:
 
 
 def _break_tie(
-    run: Run, job: Job, verdict: Verdict, values: Mapping[str, Any], stale: Mapping[str, float]
+    run: Run, job: Job, verdict: Verdict, again: Callable[[Collection[str]], Verdict]
 ) -> tuple[Verdict, str | None]:
     """The policy's one tie-break (:func:`ncclguard.policy.break_tie`): keep the largest
     class of the job's partition, as Slurm lists its nodes (of the whole inventory when
-    Slurm cannot say). A failed inventory read keeps the choice by name."""
-    from ncclguard.policy import break_tie, evaluate_values
+    Slurm cannot say). A failed inventory read keeps the choice by name. ``again``: the
+    job's verdict with nodes to keep (``prefer``)."""
+    from ncclguard.policy import break_tie
     from ncclguard.slurm import SlurmError
     from ncclguard.store import InventoryError
 
@@ -534,9 +541,7 @@ def _break_tie(
     try:
         return break_tie(
             verdict,
-            again=lambda prefer: evaluate_values(
-                values, cfg.policy, stale, job.partition or None, prefer
-            ),
+            again=again,
             classes=classes,
             members=members,
         )

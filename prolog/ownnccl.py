@@ -44,14 +44,28 @@ MAX_HANDED = 32 * 1024
 class JobVars(NamedTuple):
     """What the gate took of a job's saved environment."""
 
-    key: str  # env_key(variables)
-    variables: dict[str, str]  # the loading variables that were set
+    key: str  # env_key(inputs): the inputs alone decide which libnccl loads
+    variables: dict[str, str]  # the loading variables that were set, NCCL_* ones included
     own: bool  # whether any of them may name a libnccl of the job's own (jobenv.INPUTS)
     problems: tuple[str, ...]  # what was not read, and why
 
+    @property
+    def inputs(self) -> dict[str, str]:
+        """The variables that decide which libnccl the job loads (``jobenv.INPUTS``)."""
+        from ncclguard.fingerprint.jobenv import INPUTS
+
+        return {k: v for k, v in self.variables.items() if k in INPUTS}
+
+    @property
+    def nccl(self) -> dict[str, str]:
+        """The job's ``NCCL_*`` variables: applied at the gate, never handed on."""
+        return {k: v for k, v in self.variables.items() if k.startswith("NCCL_")}
+
     def record(self, uid: int | None) -> dict[str, Any]:
-        """The audit record's ``job_env``: what the collector resolves."""
-        return {"key": self.key, "vars": self.variables, "uid": uid}
+        """The audit record's ``job_env``: what the collector resolves, the inputs only (a
+        job's ``NCCL_*`` variables do not change which library loads: every combination
+        of them is one resolution, not one each)."""
+        return {"key": self.key, "vars": self.inputs, "uid": uid}
 
 
 def state_dir(gate: Any) -> tuple[str | None, str | None]:
@@ -96,7 +110,8 @@ def read(gate: Any, job_id: int, array_job_id: int | None) -> tuple[JobVars | No
         return None, (f"{path}: the job's loading variables take {size} bytes, more than "
                       f"{MAX_HANDED} handed on: not resolved")
     own = any(k in variables for k in INPUTS)
-    return JobVars(env_key(variables), variables, own, problems), None
+    inputs = {k: v for k, v in variables.items() if k in INPUTS}
+    return JobVars(env_key(inputs), variables, own, problems), None
 
 
 def summary(resolved: JobEnv) -> dict[str, Any]:
@@ -115,21 +130,26 @@ def judge(
     partition: str | None,
     env: JobVars | None,
     resolved: JobEnv | None,
+    prefer: Collection[str] = (),
 ) -> Verdict:
     """The verdict for a job without a container image: by its own libnccl where the
     collector resolved one for ``env`` (``resolved``: ``Inventory.load_job_env``'s
-    answer, None when the key is not filed yet), else as any job (module doc)."""
-    from ncclguard.policy import evaluate_nccl, evaluate_values
+    answer, None when the key is not filed yet), else as any job (module doc); the job's
+    ``NCCL_*`` variables applied to each node either way (``ncclguard.policy.jobvars``).
+    ``prefer``: the tie-break's nodes to keep (``ncclguard.policy.break_tie``)."""
+    from ncclguard.policy import evaluate_env, evaluate_nccl, evaluate_values
 
-    if env is None or not env.own:
-        return evaluate_values(records, config, stale, partition)
+    if env is None:
+        return evaluate_values(records, config, stale, partition, prefer)
+    if not env.own:
+        return evaluate_env(records, config, env.variables, stale, partition, prefer)
     from ncclguard.fingerprint.jobenv import INPUTS
 
     if resolved is not None and resolved.source != "host":
         return evaluate_nccl(records, config, resolved.library, resolved.error, stale,
-                             partition)
+                             partition, prefer, env.variables)
     named = ", ".join(f"{k}={v[:120]}" for k, v in env.variables.items() if k in INPUTS)
-    verdict = evaluate_values(records, config, stale, partition)
+    verdict = evaluate_env(records, config, env.variables, stale, partition, prefer)
     verdict.notes.append(
         f"the job's own NCCL ({named}) is not read yet: judged by the nodes' stacks and "
         "what they add; the collector reads it for the next job from this environment"

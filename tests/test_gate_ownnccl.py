@@ -84,8 +84,11 @@ def test_a_module_job_is_judged_by_its_own_nccl_once_the_collector_read_it(
     r, _ = run_gate(tmp_path, _config(tmp_path), BATCH)
     first = last(tmp_path)
     assert first["decision"] == "refuse", r.stderr
-    variables = {"LD_LIBRARY_PATH": env["LD_LIBRARY_PATH"], "NCCL_IB_HCA": "mlx5_0"}
+    # handed on to the collector: the inputs alone (they decide which libnccl loads);
+    # the NCCL_* ones are the gate's, applied to each node and kept in the record
+    variables = {"LD_LIBRARY_PATH": env["LD_LIBRARY_PATH"]}
     assert first["job_env"] == {"key": env_key(variables), "vars": variables, "uid": 1000}
+    assert first["job_nccl_vars"] == {"NCCL_IB_HCA": "mlx5_0"}
     assert "job_nccl" not in first
     assert any("is not read yet" in n for n in first["notes"]), first["notes"]
 
@@ -131,6 +134,28 @@ def test_a_job_whose_environment_names_no_own_nccl_is_judged_by_the_hosts(
     rec = last(tmp_path)
     assert rec["decision"] == "refuse" and rec["job_nccl"]["source"] == "host"
     assert any("names no libnccl of its own" in n for n in rec["notes"]), rec["notes"]
+
+
+def test_the_jobs_own_nccl_settings_are_applied_to_each_node(tmp_path: Path) -> None:
+    """n3's IB port is down (it falls back to Socket, n[1-2] use IB): a batch job is
+    refused. The same job with NCCL_IB_DISABLE=1 in its saved environment runs on Socket
+    on every node: accepted, the variable in the record and the note. A job's NCCL_*
+    variables are not handed to the collector (they do not change which libnccl loads)."""
+    with Inventory(tmp_path / "inventory.db", values=GATE_VALUES) as inv:
+        for h in ("n1", "n2", "n3"):
+            inv.upsert(fingerprint(h, ports_up=0 if h == "n3" else 1))
+    save_env(tmp_path / "state", 77, {"HOME": "/home/alice", "NCCL_DEBUG": "INFO"})
+    run_gate(tmp_path, _config(tmp_path), BATCH)
+    rec = last(tmp_path)
+    assert rec["decision"] == "refuse" and rec["odd_nodes"] == ["n3"], rec
+    save_env(tmp_path / "state", 77, {"HOME": "/home/alice", "NCCL_IB_DISABLE": "1"})
+    r, _ = run_gate(tmp_path, _config(tmp_path), BATCH)
+    assert r.returncode == 0, r.stderr
+    rec = last(tmp_path)
+    assert rec["decision"] != "refuse", rec
+    assert "transport" not in {f["rule"] for f in rec["findings"]}, rec["findings"]
+    assert rec["job_nccl_vars"] == {"NCCL_IB_DISABLE": "1"} and "job_env" not in rec
+    assert any("NCCL_IB_DISABLE applied on each node" in n for n in rec["notes"]), rec
 
 
 @pytest.mark.parametrize("case", ["group-writable", "symlink", "missing", "too-long",

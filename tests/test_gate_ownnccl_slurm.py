@@ -34,8 +34,8 @@ def _inventory(c: DevCluster, plugin: dict[str, int]) -> None:
     assert f"{len(c.node_names)} accepted, 0 rejected" in r.stderr, r.stderr
 
 
-def _sbatch(c: DevCluster, venv: Path, *args: str) -> int:
-    r = c.run(["sbatch", "--parsable", *args], env={"VIRTUAL_ENV": str(venv)})
+def _sbatch(c: DevCluster, venv: Path, *args: str, **env: str) -> int:
+    r = c.run(["sbatch", "--parsable", *args], env={"VIRTUAL_ENV": str(venv), **env})
     return int(r.stdout.strip().split(";")[0])
 
 
@@ -121,3 +121,23 @@ def test_export_none_hands_nothing_on_and_the_job_is_judged_as_any(
     refusing = [f["rule"] for f in rec["findings"] if f["severity"] == "refuse"]
     assert "nccl-version" in refusing and "job-stack" not in refusing, rec["findings"]
     c.run(["scancel", str(job)], check=False)
+
+
+def test_a_venv_job_with_nccl_net_ib_is_judged_by_ib_on_every_node_and_runs(
+    own: tuple[DevCluster, Path],
+) -> None:
+    """n4's plugin offers v10 only, which NCCL 2.23.4 cannot use (the test above refuses
+    the job). The same job submitted with NCCL_NET=IB takes NCCL's own IB on every node,
+    whatever plugin a node has: slurmctld saves the variable, the gate applies it to each
+    node and accepts the job on n[1-4], and it completes."""
+    c, env = own
+    _inventory(c, {"n4": 10})
+    job = _sbatch(c, env, "-N4", "--wrap", "hostname", NCCL_NET="IB")
+    assert c.wait_job(job, {"COMPLETED", "FAILED"}, 60) == "COMPLETED"
+    (rec,) = _records(c, job)
+    assert (rec["decision"], rec["nodes"]) == ("accept", "n[1-4]"), rec
+    assert rec["job_nccl_vars"] == {"NCCL_NET": "IB"}
+    assert rec["job_env"]["vars"] == {"VIRTUAL_ENV": str(env)}  # what the collector gets
+    assert rec["job_nccl"]["nccl_version"] == "2.23.4"
+    assert any("NCCL_NET applied on each node" in n for n in rec["notes"]), rec["notes"]
+    assert c.job_field(job, "Restarts") == "0"

@@ -56,6 +56,25 @@ def _job_nccl(env_dir: str) -> tuple[dict | None, str | None]:
     return read_library(found.path, found.source)
 
 
+def _variables(given: tuple[str, ...]) -> dict[str, str]:
+    """``--var NCCL_NAME=VALUE`` options as the gate takes a job's variables: the names
+    it reads of a saved environment (``jobenv.NCCL_VARS``), the last of one name wins."""
+    from ncclguard.fingerprint.jobenv import NCCL_VARS
+
+    out: dict[str, str] = {}
+    for item in given:
+        name, eq, value = item.partition("=")
+        if not eq:
+            fail(f"--var {safe(item)}: give NCCL_NAME=VALUE")
+        if name not in NCCL_VARS:
+            fail(f"--var {safe(name)}: not one the gate reads of a job's environment "
+                 f"({', '.join(NCCL_VARS)})")
+        if not value:  # the gate reads set, non-empty values only (jobenv.loading_vars)
+            fail(f"--var {safe(name)}=: an empty value is taken as unset at the gate")
+        out[name] = value
+    return out
+
+
 def _members(c: Ctx, names: set[str]) -> list[str]:
     """The nodes of any of the partitions ``names``, as Slurm lists them; [] when Slurm
     cannot be reached (the tie-break then reads the whole inventory)."""
@@ -78,15 +97,19 @@ def _members(c: Ctx, names: set[str]) -> list[str]:
               help="Judge as a job that brings its own NCCL: DIR is its virtualenv (a "
                    "pyvenv.cfg), its conda env (a conda-meta/) or the directory a module "
                    "puts on LD_LIBRARY_PATH (docs/jobs.md).")
+@click.option("--var", "nccl_vars", multiple=True, metavar="NCCL_NAME=VALUE",
+              help="Judge as a job whose environment sets this NCCL variable (repeat for "
+                   "more): it wins over the nodes' /etc/nccl.conf, as at the gate "
+                   "(docs/jobs.md). Not with --image.")
 @format_options
 def check(hostlist: str, partition: str | None, image: str | None, env_dir: str | None,
-          as_json: bool, as_csv: bool) -> None:
+          nccl_vars: tuple[str, ...], as_json: bool, as_csv: bool) -> None:
     """The gate's verdict for a hypothetical allocation (exit 0 accept, 1 warn, 2 refuse)."""
     from ncclguard.policy import (
         break_tie,
+        evaluate_env,
         evaluate_image,
         evaluate_nccl,
-        evaluate_values,
         stale_hosts,
     )
 
@@ -105,9 +128,14 @@ def check(hostlist: str, partition: str | None, image: str | None, env_dir: str 
     policy = c.config.policy
     if image and env_dir:
         fail("--image and --env: a job in a container loads the image's NCCL; give one")
+    if image and nccl_vars:
+        fail("--image and --var: a container does not read the node's /etc/nccl.conf "
+             "(docs/containers.md); give one")
+    variables = _variables(nccl_vars)
     if env_dir:
         job, why = _job_nccl(env_dir)
-        verdict = evaluate_nccl(values, policy, job, why, stale, partition)
+        verdict = evaluate_nccl(values, policy, job, why, stale, partition,
+                                variables=variables)
         tie_break = None
     elif image:
         if image.startswith("./"):
@@ -129,10 +157,11 @@ def check(hostlist: str, partition: str | None, image: str | None, env_dir: str 
         verdict = evaluate_image(values, policy, image, found, stale, partition)
         tie_break = None
     else:
-        verdict = evaluate_values(values, policy, stale, partition)
+        verdict = evaluate_env(values, policy, variables, stale, partition)
         verdict, tie_break = break_tie(
             verdict,
-            again=lambda prefer: evaluate_values(values, policy, stale, partition, prefer),
+            again=lambda prefer: evaluate_env(values, policy, variables, stale, partition,
+                                              prefer),
             classes=lambda among: [k.hosts for k in c.inv("classes", among)],
             members=lambda names: _members(c, names),
         )

@@ -51,9 +51,10 @@ COMPAT_FIELDS = ("nccl", "nccl_paths", "net_plugin", "net_abi", "env_plugin", "t
 #: values at its next cycle, and until then the gate recomputes them from the stored
 #: fingerprint instead of trusting an older record (slower: a bump costs the gate time
 #: until every daemon has run once).
-VALUES_VERSION = 5  # 3: env-plugin, gin-rma, tuner and compat.env_plugin (issue 13)
+VALUES_VERSION = 6  # 3: env-plugin, gin-rma, tuner and compat.env_plugin (issue 13)
 #                    4: node_values' "container" part: injected net plugin, own transport
 #                    5: node-adds, from the fingerprint's offers part (issue 39)
+#                    6: node_values' job.inputs: the transport's inputs (issue 40)
 
 
 def _configured_paths(fp: dict) -> dict[str, str | None] | None:

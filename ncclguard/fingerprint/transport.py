@@ -19,6 +19,10 @@ Standard library only: this module is on the prolog's hot path.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
+from typing import Any
+
 from ncclguard.fingerprint.fields import (
     errored,
     nccl_settings,
@@ -28,12 +32,20 @@ from ncclguard.fingerprint.fields import (
 )
 
 __all__ = [
+    "TRANSPORT_SETTINGS",
     "effective_transport",
     "hca_matches",
     "nccl_ib_ports",
     "parse_ib_disable",
     "parse_if_list",
+    "transport_inputs",
+    "transport_under",
 ]
+
+#: The ``NCCL_*`` settings the derivation reads (docs/nccl.md, "Which transport a node
+#: ends up on").
+TRANSPORT_SETTINGS = frozenset(
+    ("NCCL_IB_HCA", "NCCL_IB_DISABLE", "NCCL_NET", "NCCL_SOCKET_IFNAME"))
 
 IB = "IB"
 ROCE = "RoCE"
@@ -257,7 +269,8 @@ def _has_ip_interface(fp: dict, settings: dict[str, str]) -> bool | None:
     return False
 
 
-def effective_transport(fp: dict, with_plugin: bool = True) -> str | None:
+def effective_transport(fp: dict, with_plugin: bool = True,
+                        plugin: tuple[bool, str | None] | bool | None = False) -> str | None:
     """The network NCCL would use on this node; ``None`` when it cannot be known.
 
     ``with_plugin=False``: the network NCCL's own transports give this node when no net
@@ -267,6 +280,9 @@ def effective_transport(fp: dict, with_plugin: bool = True) -> str | None:
     ``"IB+RoCE"`` (ACTIVE ports of both link layers) or ``"Socket"``. A ``NCCL_NET`` that
     names no network available on the node gives ``"none (NCCL_NET=<value>)"``: NCCL
     fails to initialise there.
+
+    ``plugin``: the net plugin's ``(used, name)`` when already known (``None``: unknown),
+    in place of :func:`~ncclguard.fingerprint.fields.net_plugin_state` of ``fp`` (False).
     """
     settings = nccl_settings(fp)
     if settings is None:
@@ -274,8 +290,9 @@ def effective_transport(fp: dict, with_plugin: bool = True) -> str | None:
     forced = settings.get("NCCL_NET")
     wanted = forced.lower() if forced is not None else None
     if with_plugin and wanted not in ("ib", "socket"):
-        plugin = net_plugin_state(fp)
-        if plugin is None:
+        if plugin is False:
+            plugin = net_plugin_state(fp)
+        if not isinstance(plugin, tuple):
             return None
         used, name = plugin
         if used and name is not None and (wanted is None or wanted == name.lower()):
@@ -305,3 +322,74 @@ def effective_transport(fp: dict, with_plugin: bool = True) -> str | None:
         return None
     return result if has_ip else fallback
 
+
+
+#: The parts :func:`effective_transport` reads, besides the net plugin's state.
+_INPUT_PARTS = ("nccl_conf", "rdma", "netifs")
+_PORT_KEYS = ("port", "link_layer", "state", "state_code")
+
+
+def transport_inputs(fp: dict) -> str:
+    """What :func:`effective_transport` reads of ``fp``, and nothing else, as compact JSON:
+    kept with a node's record so that the gate can derive the node's transport again
+    under a job's own ``NCCL_*`` settings (:func:`transport_under`, issue 40) without the
+    fingerprint. The net plugin's state is kept as derived (``plugin``: ``[used, name]``,
+    None when unknown); of the RDMA ports and IP interfaces only the fields read; of
+    ``errors`` only those of these parts (an error is what makes a value unknown)."""
+    mini: dict[str, Any] = {}
+    conf = fp.get("nccl_conf")
+    mini["nccl_conf"] = ({k: conf[k] for k in ("present", "settings") if k in conf}
+                         if isinstance(conf, dict) else conf)
+    rdma = fp.get("rdma")
+    if isinstance(rdma, dict):
+        devices = rdma.get("devices")
+        if isinstance(devices, list):
+            devices = [_device(d) for d in devices]
+        mini["rdma"] = {**({"libibverbs": None if rdma["libibverbs"] is None else 1}
+                           if "libibverbs" in rdma else {}), "devices": devices}
+    else:
+        mini["rdma"] = rdma
+    netifs = fp.get("netifs")
+    mini["netifs"] = ([{"name": n.get("name"), "up": n.get("up"),
+                        "addresses": [1] if n.get("addresses") else []}
+                       if isinstance(n, dict) else n for n in netifs]
+                      if isinstance(netifs, list) else netifs)
+    mini["errors"] = [{"field": e.get("field"), "probe": e.get("probe")}
+                      for e in fp.get("errors") or () if isinstance(e, dict)
+                      and str(e.get("field") or "").startswith(_INPUT_PARTS)]
+    state = net_plugin_state(fp)
+    mini["plugin"] = None if state is None else list(state)
+    return json.dumps(mini, separators=(",", ":"), sort_keys=True)
+
+
+def _device(dev: Any) -> Any:
+    if not isinstance(dev, dict):
+        return dev
+    ports = dev.get("ports")
+    if isinstance(ports, list):
+        ports = [{k: p.get(k) for k in _PORT_KEYS} if isinstance(p, dict) else p
+                 for p in ports]
+    return {"name": dev.get("name"), "ports": ports}
+
+
+def transport_under(inputs: str | None, settings: Mapping[str, str],
+                    with_plugin: bool = True) -> str | None:
+    """The transport of the node whose :func:`transport_inputs` are ``inputs``, with
+    ``settings`` (a job's own ``NCCL_*`` variables) over its ``/etc/nccl.conf``'s: NCCL
+    applies the file only where the environment does not set a variable
+    (``setenv(..., 0)``, docs/nccl.md). ``None``: unknown (no inputs, inputs that are
+    not such a value, or a value the node's record cannot tell)."""
+    try:
+        mini = json.loads(inputs) if isinstance(inputs, str) else None
+        if not isinstance(mini, dict):
+            return None
+        conf = nccl_settings(mini)
+        if not isinstance(conf, dict):
+            return None
+        mini["nccl_conf"] = {"present": True, "settings": {**conf, **settings}}
+        state = mini.get("plugin")
+        plugin = (bool(state[0]), state[1] if isinstance(state[1], str) else None) if (
+            isinstance(state, list) and len(state) == 2) else None
+        return effective_transport(mini, with_plugin, plugin)
+    except (ValueError, TypeError, AttributeError, KeyError, RecursionError):
+        return None

@@ -5,7 +5,8 @@ a :class:`Verdict`, and the decisions that several commands share.
   name, default severity, the fingerprint fields it reads and its ``[baseline]`` keys.
 - :mod:`.evaluation`: :func:`evaluate` (classes, findings, odd nodes), :func:`node_values`
   and :data:`GATE_VALUES` (what the store keeps for the gate).
-- :mod:`.ownstack`: :func:`evaluate_image` and :func:`evaluate_nccl`, jobs that bring their
+- :mod:`.ownstack`: :func:`evaluate_image`, :func:`evaluate_nccl` and :func:`evaluate_env`
+  (a job's own ``NCCL_*`` variables, :mod:`.jobvars`), jobs that bring their
   own NCCL (an image, a virtualenv, a conda env, a module).
 - :mod:`.verdict`: the :class:`Verdict` and its findings.
 - :mod:`.tiebreak`: :func:`break_tie`, the one tie-break for odd nodes.
@@ -30,7 +31,7 @@ from ncclguard.policy.evaluation import (
     valid_values,
 )
 from ncclguard.policy.freshness import heartbeat_state, is_stale, stale_hosts
-from ncclguard.policy.ownstack import evaluate_image, evaluate_nccl
+from ncclguard.policy.ownstack import evaluate_env, evaluate_image, evaluate_nccl
 from ncclguard.policy.settings import DEFAULT_SEVERITY, load_config, severity_of
 from ncclguard.policy.tiebreak import break_tie, majority
 from ncclguard.policy.verdict import Finding, Verdict
@@ -43,6 +44,7 @@ __all__ = [
     "Verdict",
     "break_tie",
     "evaluate",
+    "evaluate_env",
     "evaluate_image",
     "evaluate_nccl",
     "evaluate_values",

@@ -56,10 +56,12 @@ def node_values(fp: dict) -> dict:
     comparison together.
     """
     from ncclguard.fingerprint.offers import offered
+    from ncclguard.fingerprint.transport import transport_inputs
 
     values = _rule_values(fp, COMPARISONS)
     return {NODE_VALUES: 1, "rules": {r.name: v for r, v in zip(COMPARISONS, values, strict=True)},
-            "container": container_values(fp), "job": {"net": offered(fp, "net")}}
+            "container": container_values(fp),
+            "job": {"net": offered(fp, "net"), "inputs": transport_inputs(fp)}}
 
 
 def container_values(fp: dict) -> dict[str, str | None]:

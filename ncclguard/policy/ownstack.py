@@ -18,7 +18,7 @@ from ncclguard.policy.rules import COMPARISONS
 from ncclguard.policy.settings import severity_of
 from ncclguard.policy.verdict import SEVERITY_RANK, Finding, Verdict
 
-__all__ = ["evaluate_image", "evaluate_nccl"]
+__all__ = ["evaluate_env", "evaluate_image", "evaluate_nccl"]
 
 
 def evaluate_image(
@@ -132,6 +132,41 @@ def _verdict(findings: list, odd: set[str], hosts: list[str], notes: list[str],
                    notes, partition=partition, odd_tie=tie)
 
 
+def evaluate_env(
+    records: Mapping[str, dict | None],
+    config: PolicyConfig,
+    variables: Mapping[str, str],
+    stale: Collection[str] = (),
+    partition: str | None = None,
+    prefer: Collection[str] = (),
+) -> Verdict:
+    """The verdict for a job on the host's NCCL whose environment sets ``variables``
+    (its ``NCCL_*`` ones are applied to each node: :mod:`ncclguard.policy.jobvars`);
+    without any, :func:`evaluate_values`'s."""
+    from ncclguard.policy.jobvars import apply
+
+    skip = _out_of_scope(records, config, partition)
+    if skip is not None:
+        return skip
+    applied = apply(records, variables)
+    base = evaluate_values(applied.records, config, stale, partition, prefer)
+    if not applied.unapplied and not applied.notes:
+        return base
+    findings = list(base.findings)
+    _vars_findings(applied.unapplied, config, findings)
+    return _verdict(findings, set(base.odd_nodes), sorted(records),
+                    [*base.notes, *applied.notes], partition, base.odd_tie)
+
+
+def _vars_findings(unapplied: list[tuple[str, list[str]]], config: PolicyConfig,
+                   findings: list[Finding]) -> None:
+    from ncclguard.policy.rules import jobnccl
+
+    sev = severity_of(config, jobnccl.VARS)
+    if unapplied and sev != "ignore":
+        findings.append(jobnccl.vars_finding(unapplied, sev))
+
+
 def evaluate_nccl(
     records: Mapping[str, dict | None],
     config: PolicyConfig,
@@ -140,6 +175,7 @@ def evaluate_nccl(
     stale: Collection[str] = (),
     partition: str | None = None,
     prefer: Collection[str] = (),
+    variables: Mapping[str, str] | None = None,
 ) -> Verdict:
     """The verdict for a job that loads its own libnccl (issue 40, docs/jobs.md).
 
@@ -149,9 +185,12 @@ def evaluate_nccl(
     on each node (``job-stack``), without the host-stack rules
     (:data:`ncclguard.policy.rules.jobnccl.HOST_RULES`); one whose NCCL cannot be read by
     every rule, node-adds included (what holds for any NCCL), with ``job-nccl-unknown``.
+    The job's ``NCCL_*`` ``variables`` are applied to each node
+    (:mod:`ncclguard.policy.jobvars`): for the job's release when its NCCL is known.
     """
     from ncclguard.fingerprint.loading import parse_version
     from ncclguard.fingerprint.offers import release_for
+    from ncclguard.policy.jobvars import Applied, apply
     from ncclguard.policy.rules import container, jobnccl
 
     skip = _out_of_scope(records, config, partition)
@@ -167,8 +206,12 @@ def evaluate_nccl(
     where = f"{(job or {}).get('source') or 'its environment'} {(job or {}).get('path') or ''}"
     if job is not None and (version is None or not abis):
         why = why or "its libnccl names no version or no net plugin ABI"
+    applied = Applied(dict(records), [], [])
     if why is not None or job is None:
         why = why or "not read"
+        if variables:
+            applied = apply(records, variables)
+            records = applied.records
         base = evaluate_values(records, config, stale, partition, prefer)
         findings = list(base.findings)
         if unknown_sev != "ignore":
@@ -180,6 +223,10 @@ def evaluate_nccl(
         tie = base.odd_tie
     else:
         assert job is not None and version is not None
+        release = release_for(version)
+        if variables:
+            applied = apply(records, variables, release)
+            records = applied.records
         sev = {r.name: severity_of(config, r.name) for r in COMPARISONS}
         judged = config.replace(severity={**sev, **dict.fromkeys(jobnccl.HOST_RULES,
                                                                   "ignore")})
@@ -187,7 +234,6 @@ def evaluate_nccl(
         findings = list(base.findings)
         odd = set(base.odd_nodes)
         tie = base.odd_tie
-        release = release_for(version)
         label = str(job.get("nccl_version"))
         subject = f"the job's own NCCL {label} ({where.strip()})"
         if stack_sev != "ignore":
@@ -202,4 +248,5 @@ def evaluate_nccl(
                     "NCCL (a node daemon before issue 39)", unsaid, unknown_sev))
         notes = [*base.notes, f"{subject}: judged by it on each node (the plugin NCCL "
                  f"{release} opens there), not by the host's libnccl"]
-    return _verdict(findings, odd, hosts, notes, partition, tie)
+    _vars_findings(applied.unapplied, config, findings)
+    return _verdict(findings, odd, hosts, [*notes, *applied.notes], partition, tie)

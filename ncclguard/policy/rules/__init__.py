@@ -7,7 +7,8 @@
 - :mod:`.gpu` (gpu-driver, gpudirect), :mod:`.unknown_node` (unknown-node),
 - :mod:`.plugin_kinds` (env-plugin, gin-rma, tuner),
 - :mod:`.container` (image-stack, image-unknown: jobs in a container image),
-- :mod:`.jobnccl` (job-stack, job-nccl-unknown: jobs that bring their own NCCL).
+- :mod:`.jobnccl` (job-stack, job-nccl-unknown: jobs that bring their own NCCL; job-vars:
+  a job's NCCL variables whose effect the records cannot tell).
 
 :data:`COMPARISONS` lists every rule that compares values between nodes, in the order
 findings are reported; ``unknown-node`` is about missing records and stands apart.
@@ -51,7 +52,8 @@ COMPARISONS: tuple[Rule, ...] = (
 #: default severities and fields that the config check, ``diff``/``history``, the
 #: baseline and the diagnose catalog read.
 RULES: tuple[Rule, ...] = (*COMPARISONS, unknown_node.RULE, container.STACK_RULE,
-                           container.UNKNOWN_RULE, jobnccl.STACK_RULE, jobnccl.UNKNOWN_RULE)
+                           container.UNKNOWN_RULE, jobnccl.STACK_RULE, jobnccl.UNKNOWN_RULE,
+                           jobnccl.VARS_RULE)
 BY_NAME: dict[str, Rule] = {r.name: r for r in RULES}
 
 __all__ = ["BY_NAME", "COMPARISONS", "RULES", "Rule", "container", "unknown_node"]

@@ -13,6 +13,9 @@ Nodes that end up on different stacks hang the job.
   (it falls back there), or the nodes would use different transports.
 - **job-nccl-unknown** (warn by default): the job names a libnccl that cannot be read,
   or nodes whose records do not say what they offer (a daemon before issue 39).
+- **job-vars** (warn by default): the job sets an ``NCCL_*`` variable whose effect on
+  some nodes their records cannot tell (:mod:`ncclguard.policy.jobvars`); those nodes
+  are judged by their own settings. Any job, with its own NCCL or the host's.
 
 The host's own libnccl, and what it does with the node's plugins, is not what such a job
 loads: :data:`HOST_RULES` are not applied to it. ``/etc/nccl.conf``, the RDMA and GPU
@@ -29,6 +32,7 @@ from ncclguard.policy.verdict import Finding
 
 STACK = "job-stack"
 UNKNOWN = "job-nccl-unknown"
+VARS = "job-vars"
 #: Rules about what the host's libnccl does: a job with its own NCCL does not load it
 #: (node-adds judges any release; job-stack this job's). The container rules' set but
 #: nccl-conf: a job on the host reads the node's /etc/nccl.conf, a container does not.
@@ -42,6 +46,7 @@ def _none(fp: dict) -> Values:
 STACK_RULE = Rule(STACK, _none, lambda _: "the job's own NCCL meets different stacks",
                   severity="refuse")
 UNKNOWN_RULE = Rule(UNKNOWN, _none, lambda _: "the job's own NCCL cannot be checked")
+VARS_RULE = Rule(VARS, _none, lambda _: "the job's NCCL variables cannot be applied")
 
 
 def job_records(records: Mapping[str, dict | None], release: str
@@ -68,3 +73,11 @@ def job_records(records: Mapping[str, dict | None], release: str
 def unknown_finding(subject: str, why: str, hosts: list[str], severity: str) -> Finding:
     return Finding.from_hosts(UNKNOWN, severity, f"{subject} cannot be checked: {why}",
                               [(why, hosts)])
+
+
+def vars_finding(unapplied: list[tuple[str, list[str]]], severity: str) -> Finding:
+    """The job-vars finding of :class:`ncclguard.policy.jobvars.Applied`'s ``unapplied``
+    (``(why, hosts)``: each why names the variable and its value)."""
+    return Finding.from_hosts(VARS, severity, "the job's NCCL variables: their effect on "
+                              "some nodes is not known, those are judged by their own "
+                              "settings", unapplied)

@@ -12,14 +12,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from ncclguard.fingerprint.fields import nccl_settings
+from ncclguard.fingerprint.transport import TRANSPORT_SETTINGS
 from ncclguard.policy.rules.base import ANY, Rule, Values, check_rule
 from ncclguard.policy.verdict import Finding
 
 NAME = "nccl-conf"
 UNSET = "unset"
-TRANSPORT_SETTINGS = frozenset(
-    ("NCCL_IB_HCA", "NCCL_IB_DISABLE", "NCCL_NET", "NCCL_SOCKET_IFNAME")
-)
 
 
 def values(fp: dict) -> Values:
