@@ -9,7 +9,10 @@ This measures, in one run and against a baseline taken here and now:
   decoding gives), the same with the store's shared objects, and three classes with a
   refusal and odd nodes to find; 16,384 nodes as the upper bound; and the same on
   ``node_values()`` records (computed where fingerprints are written), shared by equal
-  nodes, which is how the gate should feed it.
+  nodes, which is how the gate should feed it;
+- a job that sets its own ``NCCL_*`` variables (``evaluate_env``: the transport derived
+  again on each distinct record, issue 40) against the same records without them
+  (``evaluate_values``), interleaved pair by pair.
 
 Run: ``.venv/bin/python bench/bench_policy.py [--repeat N]``. It prints ratios; it asserts
 nothing (timings belong in a bench, not in tests).
@@ -33,7 +36,12 @@ sys.path.insert(0, str(ROOT / "tests"))
 from helpers.fingerprints import device, fingerprint, plugin  # noqa: E402
 
 from ncclguard.config import PolicyConfig  # noqa: E402
-from ncclguard.policy import evaluate, evaluate_values, node_values  # noqa: E402
+from ncclguard.policy import (  # noqa: E402
+    evaluate,
+    evaluate_env,
+    evaluate_values,
+    node_values,
+)
 
 
 def wall(fn: Callable[[], object], repeat: int) -> float:
@@ -113,6 +121,23 @@ def main() -> None:
         t = wall(lambda fps=fps, judge=judge: judge(fps, config), max(3, r // 3))
         print(f"evaluate: {label:44s} {t * 1e3:8.2f} ms  ({t / base:.2f}x of baseline)"
               f"  -> {v.decision}, odd {len(v.odd_nodes)}")
+
+    # a job's own NCCL variables: each pair interleaved, the fastest of each side
+    job = {"NCCL_IB_DISABLE": "1", "NCCL_IB_HCA": "mlx5_0"}
+    for label, recs in [("1024 records, 3 classes", records_mixed),
+                        ("16384 records, shared", {f"n{i:05d}": record for i in range(16384)}),
+                        ("16384 records, 16384 distinct", {
+                            f"n{i:05d}": json.loads(json.dumps(record)) for i in range(16384)})]:
+        plain: list[float] = []
+        with_vars: list[float] = []
+        for _ in range(max(3, r // 3)):
+            for out, fn in ((plain, lambda recs=recs: evaluate_values(recs, config)),
+                            (with_vars, lambda recs=recs: evaluate_env(recs, config, job))):
+                t0 = time.perf_counter()
+                fn()
+                out.append(time.perf_counter() - t0)
+        a, b = min(plain), min(with_vars)
+        print(f"job vars: {label:36s} {a * 1e3:8.2f} -> {b * 1e3:8.2f} ms  ({b / a:.2f}x)")
 
 
 if __name__ == "__main__":

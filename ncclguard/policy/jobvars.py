@@ -89,12 +89,21 @@ def apply(records: Mapping[str, dict | None], variables: Mapping[str, str],
         return Applied(dict(records), [], [])
     out: dict[str, dict | None] = {}
     missed: dict[str, list[str]] = {}
+    # nodes with equal records share one decoded object (Inventory.load_values): each is
+    # worked out once, so the cost follows the distinct records, not the nodes
+    done: dict[int, tuple[dict, list[str]]] = {}
     for host, rec in records.items():
         if not isinstance(rec, dict):
             out[host] = rec
             continue
-        new = _node(rec, variables, transport, plugins, release, own, missed, host)
-        out[host] = new
+        seen = done.get(id(rec))
+        if seen is None:
+            whys: list[str] = []
+            seen = done[id(rec)] = (_node(rec, variables, transport, plugins, release, own,
+                                          whys), whys)
+        out[host] = seen[0]
+        for why in seen[1]:
+            missed.setdefault(why, []).append(host)
     notes = []
     applied = sorted(k for k in variables if k.startswith("NCCL_") and k != CONF_FILE)
     if applied:
@@ -110,7 +119,9 @@ def apply(records: Mapping[str, dict | None], variables: Mapping[str, str],
 
 def _node(rec: dict, variables: Mapping[str, str], transport: Mapping[str, str],
           plugins: Mapping[str, str], release: str | None, own: bool,
-          missed: dict[str, list[str]], host: str) -> dict:
+          missed: list[str]) -> dict:
+    """One node's record as the job meets it; what cannot be applied is added to
+    ``missed``."""
     rules = rec.get("rules")
     if not isinstance(rules, dict):
         return rec
@@ -139,7 +150,7 @@ def _node(rec: dict, variables: Mapping[str, str], transport: Mapping[str, str],
                "that" if known else
                f"{shown(name, value)}: these nodes' /etc/nccl.conf could not be read: "
                "judged by their records")
-        missed.setdefault(why, []).append(host)
+        missed.append(why)
     if transport:
         got = transport_under(job.get("inputs"), transport, with_plugin=not own)
         if got is None:
@@ -147,7 +158,7 @@ def _node(rec: dict, variables: Mapping[str, str], transport: Mapping[str, str],
                    ": these nodes' records cannot tell which transport that gives them "
                    "(a node daemon before this release, or a value the node could not "
                    "read): judged by their own settings")
-            missed.setdefault(why, []).append(host)
+            missed.append(why)
         elif own:
             got_container = rec.get("container")
             container: dict = got_container if isinstance(got_container, dict) else {}
