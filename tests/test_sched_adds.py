@@ -271,6 +271,22 @@ def test_env_groups_from_a_real_inventory(tmp_path: Path) -> None:
         assert envlines.env_groups(warn, inv, adds)[k_old] == tuple(sorted((a, b)))
 
 
+def test_one_users_many_environments_do_not_push_anothers_out() -> None:
+    """User 1001 used 600 environments since user 1002 used its one: taken in turns by
+    uid, 1002's is among the rows the file's lines come from (before: only the 512 most
+    recent were looked at, all 1001's)."""
+    from ncclguard.sched.envlines import in_turns
+
+    rows = [{"key": f"k{i}", "uid": 1001} for i in range(600)] + [{"key": "mine", "uid": 1002}]
+    got = in_turns(rows, 512)
+    assert len(got) == 512 and got[:2] == [rows[0], rows[-1]]
+    assert [r["key"] for r in got[2:4]] == ["k1", "k2"]
+    assert in_turns(rows, 1) == [rows[0]] and in_turns([], 5) == []
+    many = [{"key": f"u{u}-{i}", "uid": u} for i in range(3) for u in range(2000)]
+    got = in_turns(many, 512)
+    assert {r["uid"] for r in got} == set(range(512))  # each user's most recent first
+
+
 def test_write_images_replaces_env_lines_only_when_given(tmp_path: Path) -> None:
     path = tmp_path / "classes"
     cfg = Config(features=FeaturesConfig(classes_file=str(path)))

@@ -19,6 +19,7 @@ from ncclguard.policy.rules import container, jobnccl
 from ncclguard.sched import classfile
 from ncclguard.sched.imagelines import samples_of
 from ncclguard.store import Inventory
+from ncclguard.store.jobenvs import MAX_JOB_ENVS
 
 __all__ = ["env_groups", "job_nccl"]
 
@@ -50,10 +51,31 @@ def job_nccl(row: Mapping) -> tuple[str | None, dict | None]:
                  "plugin": None}
 
 
+def in_turns(rows: list[dict], limit: int) -> list[dict]:
+    """At most ``limit`` of ``rows`` (most recently used first), taken in turns by
+    ``uid``: each user's most recent, then each one's second, and so on, users in the
+    order of their most recent row. One user's thousands of environments then never push
+    another's few out of the file (the lines past ``MAX_ENVS`` are dropped), as the
+    collector takes keys in turns by uid (inventoryd/controller/jobenv_index.py)."""
+    by_uid: dict[object, list[dict]] = {}
+    for row in rows:
+        by_uid.setdefault(row.get("uid"), []).append(row)
+    out: list[dict] = []
+    depth = 0
+    while len(out) < limit:
+        took = [queue[depth] for queue in by_uid.values() if depth < len(queue)]
+        if not took:
+            break
+        out.extend(took[: limit - len(out)])
+        depth += 1
+    return out
+
+
 def env_groups(config: Config, inventory: Inventory, adds: Mapping[str, str | None]
                ) -> dict[str, tuple[str, ...]]:
     """The file's ``env`` lines: for each submit key of the environments jobs used (the
-    most recent first, at most ``2 * MAX_ENVS`` rows looked at), the classes of the second
+    most recent first, in turns by user: :func:`in_turns`, at most ``2 * MAX_ENVS`` rows
+    looked at), the classes of the second
     family (``adds``: host -> class) whose nodes run its NCCL without a ``job-stack``
     finding (:func:`~ncclguard.policy.rules.container.runnable_classes` over
     :func:`~ncclguard.policy.rules.jobnccl.job_records`; every class while job-stack does
@@ -69,7 +91,7 @@ def env_groups(config: Config, inventory: Inventory, adds: Mapping[str, str | No
         return {}
     images: dict[str, list[dict]] = {}
     spoiled: set[str] = set()
-    for row in inventory.job_envs(2 * classfile.MAX_ENVS):
+    for row in in_turns(inventory.job_envs(MAX_JOB_ENVS), 2 * classfile.MAX_ENVS):
         key, image = job_nccl(row)
         if key is None:
             continue
