@@ -697,12 +697,15 @@ function ncclguard.submit(job_desc)
       stack = "that run image " .. key .. " with one NCCL stack"
       see = "`ncclguard check --image " .. key .. "`"
     end
-  elseif key == nil and cf.nenvs > 0 and not has_req and job_desc.script ~= nil then
+  elseif key == nil and cf.nenvs > 0 and job_desc.script ~= nil then
     -- a batch job whose environment names a libnccl the collector read (an env line):
     -- the second family's classes that run it, not confined by the hosts' libnccl
     -- (environment is read only for batch jobs: Slurm logs each lookup for others)
     local ek = ncclguard.env_key(job_desc.environment)
     local set = ek and cf.envs[ek]
+    -- -w: the file's members are of host classes, which such a job does not load; the
+    -- gate judges it by its own NCCL
+    if set and has_req then return slurm.SUCCESS end
     if set then
       local alist, aname = classes_for(cf, partition, cf.adds)
       local runnable = {}

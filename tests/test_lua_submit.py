@@ -396,6 +396,26 @@ def test_required_nodes_in_one_class_get_that_class_alone(tmp_path: Path) -> Non
     assert got.rc == "ERROR" and got.user is not None and "which has 2 nodes" in got.user
 
 
+def test_required_nodes_of_a_job_from_a_known_environment_are_left_to_the_gate(
+        tmp_path: Path) -> None:
+    """n1 and n5 are in two host classes: a -w job of the host's NCCL is refused at submit.
+    A batch job from an environment with an env line does not load the hosts' libnccl and
+    the file names no second-family members: it goes on without a group, the gate judges
+    it by its own NCCL (before: refused for a difference it never loads)."""
+    j = adds_feature(1)
+    cf = cf_ab(adds={"*": (ClassCount(j, 6),)}, envs={"VIRTUAL_ENV=/home/a/v": (j,)})
+    env = ("VIRTUAL_ENV=/home/a/v",)
+    got = one(tmp_path, cf, JobDesc(req_nodes="n1,n5", min_nodes=2, script="#!/bin/sh\n",
+                                    environment=env))
+    assert (got.rc, got.features) == ("SUCCESS", None), got
+    other = ("VIRTUAL_ENV=/home/a/other",)
+    for job in (JobDesc(req_nodes="n1,n5", min_nodes=2, script="#!/bin/sh\n",
+                        environment=other),
+                JobDesc(req_nodes="n1,n5", min_nodes=2, environment=env)):  # no script
+        got = one(tmp_path, cf, job)
+        assert got.rc == "ERROR" and "the required nodes (-w) have 2" in str(got.user), got
+
+
 @pytest.mark.parametrize("req", ["n[1-2]x", "n1 n5", "zz9", "n[1-99999999]"])
 def test_a_required_list_the_lua_cannot_read_is_left_to_the_gate(tmp_path: Path,
                                                                   req: str) -> None:

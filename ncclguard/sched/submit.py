@@ -346,12 +346,15 @@ def decide(cf: classfile.ClassFile | None, job: JobDesc, now: int = 0) -> Decisi
             classes = runnable
             stack = f"that run image {key} with one NCCL stack"
             see = f"`ncclguard check --image {key}`"
-    elif cf.envs and not has_req and job.script is not None \
-            and image_key(container_image(job)) is None:
+    elif cf.envs and job.script is not None and image_key(container_image(job)) is None:
         # a batch job whose environment names a libnccl the collector read: the second
         # family's classes that run it (issue 40)
         ek = environment_key(job)
         able = cf.envs.get(ek) if ek is not None else None
+        if able is not None and has_req:
+            # -w: the file's members are of host classes, which such a job does not load;
+            # the gate judges it by its own NCCL
+            return KEEP
         if able is not None:
             listed, aname = _classes_for(cf, job.partition, cf.adds)
             runnable = tuple(c for c in listed if c.feature in able)
