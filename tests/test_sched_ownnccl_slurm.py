@@ -113,6 +113,13 @@ def test_a_venv_job_is_offered_the_nodes_that_run_its_nccl_not_one_host_class(
     (rec,) = audit.read(c.audit_path, job=job)
     assert (rec["decision"], rec["nodes"], rec["path"]) == ("accept", "n[1-4]", "features"), rec
     assert rec["job_nccl"]["nccl_version"] == "2.23.4"
+    # -w across the two host classes: the lua leaves it to the gate, which judges it by
+    # its own NCCL and accepts it (a job of the hosts' NCCL is refused at submit)
+    job, err = _sbatch(c, env, "-N2", "-w", "n1,n3", "--wrap", "true")
+    assert job is not None, err
+    assert c.wait_job(job, {"COMPLETED", "FAILED"}, 60) == "COMPLETED"
+    (rec,) = audit.read(c.audit_path, job=job)
+    assert (rec["decision"], rec["nodes"]) == ("accept", "n[1,3]"), rec
     # an srun (no environment sent) and the same venv inside sbatch --export=NONE: hosts
     job, err = _sbatch(c, env, "--export=NONE", "-N4", "--wrap", "true")
     assert job is None and "needs 4 nodes with one NCCL stack" in err, err
