@@ -79,7 +79,7 @@ def build_image(work: Path) -> Path:
         i += 1
     images.build_image(out, files, {"/usr/lib/x86_64-linux-gnu/libnccl.so.2": "libnccl.so.2.18.3",
                                      "/usr/lib/x86_64-linux-gnu/libnccl.so": "libnccl.so.2"},
-                       comp="zstd")
+                       comp="zstd", compress_data=True)
     print(f"built {out} ({out.stat().st_size / 2**20:.0f} MiB) in {time.perf_counter() - t:.0f}s")
     return out
 
