@@ -105,12 +105,14 @@ def read(gate: Any, job_id: int, array_job_id: int | None) -> tuple[JobVars | No
         return None, "; ".join(saved.problems)
     variables, problems = loading_vars(saved.values)
     problems = (*saved.problems, *problems)
-    size = len(json.dumps(variables, ensure_ascii=True))
+    inputs = {k: v for k, v in variables.items() if k in INPUTS}
+    # what is handed on is the inputs alone: the NCCL_* variables, applied here, never
+    # count (a 40 KB NCCL_TUNER_PLUGIN dropped the job's NCCL_IB_DISABLE with them)
+    size = len(json.dumps(inputs, ensure_ascii=True))
     if size > MAX_HANDED:
         return None, (f"{path}: the job's loading variables take {size} bytes, more than "
                       f"{MAX_HANDED} handed on: not resolved")
     own = any(k in variables for k in INPUTS)
-    inputs = {k: v for k, v in variables.items() if k in INPUTS}
     return JobVars(env_key(inputs), variables, own, problems), None
 
 

@@ -19,6 +19,7 @@ Standard library only: this module is on the prolog's hot path.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping
 from typing import Any
@@ -57,33 +58,51 @@ IfList = tuple[bool, bool, list[tuple[str, int]]]
 
 
 def _atoi(text: str) -> int:
-    """C's ``atoi``: leading white space, an optional sign, digits; anything else is 0."""
+    """glibc's ``atoi``: ``(int) strtol(text, NULL, 10)``: leading white space, an optional
+    sign, ASCII digits (no other digit: NCCL reads bytes); the long saturates at its
+    range, then is cut to 32 bits (``"4294967297"`` is 1, a 20-digit number -1)."""
     s = text.lstrip(" \t\n\v\f\r")
     sign = 1
     if s[:1] in ("+", "-"):
         sign = -1 if s[0] == "-" else 1
         s = s[1:]
-    n = 0
-    for ch in s:
-        if not ch.isdigit():
-            break
-        n = n * 10 + int(ch)
-    return sign * n
+    end = 0
+    while end < len(s) and s[end] in "0123456789":
+        end += 1
+    digits = s[:end].lstrip("0")
+    n = sign * (int(digits) if len(digits) <= 20 else _INT64_MAX + 1) if digits else 0
+    n = max(_INT64_MIN, min(_INT64_MAX, n))
+    n &= 0xFFFFFFFF
+    return n - (1 << 32) if n >= 1 << 31 else n
 
 
-def parse_if_list(spec: str | None) -> IfList:
+#: How many entries of a list NCCL reads (``parseStringList``'s ``maxList``):
+#: ``MAX_IB_DEVS`` for ``NCCL_IB_HCA`` (16 before 2.18.5), ``MAX_IFS`` for
+#: ``NCCL_SOCKET_IFNAME``; the rest of the list is ignored.
+MAX_IB_DEVS, MAX_IB_DEVS_OLD, MAX_IFS = 32, 16, 16
+
+
+def parse_if_list(spec: str | None, limit: int | None = None) -> IfList:
     """Parse ``NCCL_IB_HCA`` (or ``NCCL_SOCKET_IFNAME``) as NCCL does.
 
     A leading ``^`` makes it an exclude list, a following ``=`` makes names exact instead
     of prefixes. Entries are separated by ``,``; ``name:port`` selects one port (anything
     after a second ``:`` is ignored, as ``:rail:plane`` of 2.30.7). Empty names are skipped.
-    No white space is trimmed.
+    No white space is trimmed. ``limit``: NCCL's ``maxList``, the entries read.
 
     >>> parse_if_list("^=mlx5_0:1,mlx5_1")
     (True, True, [('mlx5_0', 1), ('mlx5_1', -1)])
     """
     if spec is None:
         return (False, False, [])
+    exclude, exact, entries = _parsed(spec, limit)
+    return (exclude, exact, list(entries))
+
+
+@functools.lru_cache(maxsize=64)
+def _parsed(spec: str, limit: int | None) -> tuple[bool, bool, tuple[tuple[str, int], ...]]:
+    """:func:`parse_if_list`, once per value: a job's value (up to 64 KiB) is the same on
+    every node, and the gate derives each distinct record's transport with it."""
     exclude = spec.startswith("^")
     if exclude:
         spec = spec[1:]
@@ -95,8 +114,10 @@ def parse_if_list(spec: str | None) -> IfList:
         name, colon, rest = item.partition(":")
         if not name:
             continue
+        if limit is not None and len(entries) >= limit:
+            break
         entries.append((name, _atoi(rest.split(":", 1)[0]) if colon else -1))
-    return (exclude, exact, entries)
+    return (exclude, exact, tuple(entries))
 
 
 def hca_matches(spec: str | IfList | None, device: str, port: int = -1) -> bool:
@@ -161,12 +182,14 @@ def strtoll_base0(text: str) -> int | None:
         j += 1
     if j == i:
         return 0  # no conversion: strtoll returns 0 (glibc leaves errno alone)
+    if j - i - (len(text[i:j]) - len(text[i:j].lstrip("0"))) > 64:
+        return None  # out of range in any base (and never a 64 KiB int() for a job's value)
     value = sign * int(text[i:j], base)
     return value if _INT64_MIN <= value <= _INT64_MAX else None
 
 
 def _selected_ports(
-    fp: dict, settings: dict[str, str]
+    fp: dict, settings: dict[str, str], limit: int = MAX_IB_DEVS
 ) -> list[tuple[str, dict, bool | None, str | None]] | None:
     """``(device, port, active, kind)`` of every port that ``NCCL_IB_HCA`` selects.
 
@@ -181,7 +204,7 @@ def _selected_ports(
     bad = {e.get("field") for e in fp.get("errors") or ()}
     if devices is None or "rdma.devices" in bad:
         return None
-    spec = parse_if_list(settings.get("NCCL_IB_HCA"))
+    spec = parse_if_list(settings.get("NCCL_IB_HCA"), limit)
     out: list[tuple[str, dict, bool | None, str | None]] = []
     for dev in devices:
         name = dev.get("name")
@@ -238,7 +261,17 @@ def _ib_result(fp: dict, settings: dict[str, str]) -> str | None:
     Ports whose state or link layer is unknown make the result unknown only if they
     could add a link layer that the known ports don't already give.
     """
-    selected = _selected_ports(fp, settings)
+    got = _ib_kinds(_selected_ports(fp, settings))
+    # NCCL before 2.18.5 reads 16 entries: known only where both readings agree
+    if (len(parse_if_list(settings.get("NCCL_IB_HCA"), MAX_IB_DEVS)[2]) > MAX_IB_DEVS_OLD
+            and _ib_kinds(_selected_ports(fp, settings, MAX_IB_DEVS_OLD)) != got):
+        return None
+    return got
+
+
+def _ib_kinds(
+    selected: list[tuple[str, dict, bool | None, str | None]] | None,
+) -> str | None:
     if selected is None:
         return None
     sure: set[str] = set()
@@ -259,7 +292,12 @@ def _has_ip_interface(fp: dict, settings: dict[str, str]) -> bool | None:
     netifs = part(fp, "netifs")
     if netifs is None:
         return None
-    spec = parse_if_list(settings.get("NCCL_SOCKET_IFNAME"))
+    value = settings.get("NCCL_SOCKET_IFNAME")
+    # NCCL takes the value only when longer than one byte (``strlen(env) > 1``), else
+    # picks interfaces itself: ib, any but docker and lo, docker, lo: any that is up
+    if value is not None and len(value.encode("utf-8", "surrogateescape")) <= 1:
+        value = None
+    spec = parse_if_list(value, MAX_IFS)
     for nif in netifs:
         name = nif.get("name")
         if nif.get("up") is False or not nif.get("addresses") or not isinstance(name, str):
@@ -299,7 +337,9 @@ def effective_transport(fp: dict, with_plugin: bool = True,
             return name
     if wanted == "socket":
         return SOCKET
-    unavailable = f"none (NCCL_NET={forced})"
+    # the value may be a job's (issue 40): cut, as every user string in a message
+    shown = forced if forced is None or len(forced) <= 120 else forced[:120] + "..."
+    unavailable = f"none (NCCL_NET={shown})"
     if wanted not in (None, "ib"):
         return unavailable
     fallback = unavailable if wanted == "ib" else SOCKET
