@@ -69,8 +69,6 @@ def _variables(given: tuple[str, ...]) -> dict[str, str]:
         if name not in NCCL_VARS:
             fail(f"--var {safe(name)}: not one the gate reads of a job's environment "
                  f"({', '.join(NCCL_VARS)})")
-        if not value:  # the gate reads set, non-empty values only (jobenv.loading_vars)
-            fail(f"--var {safe(name)}=: an empty value is taken as unset at the gate")
         out[name] = value
     return out
 

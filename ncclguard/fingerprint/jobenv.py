@@ -79,7 +79,9 @@ def wheel_paths(prefix: str) -> list[str]:
 
 def _value(env: Mapping[str, str], name: str, problems: list[str]) -> str | None:
     value = env.get(name)
-    if value is None or value == "":
+    # an empty NCCL_* is set all the same: it keeps /etc/nccl.conf's line out (setenv(...,
+    # 0)) and NCCL reads "" (docs/jobs.md); an empty input names no library
+    if value is None or (value == "" and name not in NCCL_VARS):
         return None
     if not isinstance(value, str) or len(value) > MAX_VALUE:
         problems.append(f"{name}: longer than {MAX_VALUE} characters, not read")
@@ -101,7 +103,7 @@ def _absolute(path: str) -> bool:
 
 def loading_vars(env: Mapping[str, str]) -> tuple[dict[str, str], tuple[str, ...]]:
     """The variables of ``env`` that decide which libnccl a job loads and what a node
-    gives it (:data:`INPUTS` and :data:`NCCL_VARS`, those set and non-empty, each bounded
+    gives it (:data:`INPUTS` set and non-empty, :data:`NCCL_VARS` set, each bounded
     as :func:`locate` reads it), and the problems met: what the gate hands on, and
     :func:`env_key` names."""
     problems: list[str] = []
