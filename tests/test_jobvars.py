@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from helpers.cli import runner
 from helpers.fingerprints import device, error, fingerprint, port
 from hypothesis import given, settings
@@ -173,15 +174,18 @@ def test_a_setting_the_job_makes_is_not_compared_between_nodes_files() -> None:
 
 # ---- the verdict of a job with its own NCCL ------------------------------------------
 
-def _plugins(abis: dict[str, int]) -> dict[str, dict]:
-    return {h: node_values(fingerprint(h, plugin_abi=a, offers=True)) for h, a in abis.items()}
+def _plugins(abis: dict[str, int], nccl: str | None = "2.21.5") -> dict[str, dict]:
+    return {h: node_values(fingerprint(h, nccl=nccl, plugin_abi=a, offers=True))
+            for h, a in abis.items()}
 
 
-def test_nccl_net_ib_keeps_a_jobs_own_nccl_off_every_nodes_plugin() -> None:
+@pytest.mark.parametrize("host_nccl", ["2.21.5", None])  # None: no system libnccl
+def test_nccl_net_ib_keeps_a_jobs_own_nccl_off_every_nodes_plugin(host_nccl: str | None
+                                                                  ) -> None:
     """The plugin offers v8 on n[1-3] and v10 only on n4: NCCL 2.23.4 (v8..v5) uses it on
     n[1-3] and falls back to IB on n4: refused. With NCCL_NET=IB the job takes NCCL's own
-    IB on every node: accepted."""
-    records = _plugins({"n1": 8, "n2": 8, "n3": 8, "n4": 10})
+    IB on every node: accepted. Alike on nodes that have no libnccl of their own."""
+    records = _plugins({"n1": 8, "n2": 8, "n3": 8, "n4": 10}, host_nccl)
     job = {"nccl_version": "2.23.4", "net_abis": [8, 7, 6, 5], "path": "/v/libnccl.so.2",
            "source": "VIRTUAL_ENV"}
     v = evaluate_nccl(records, POLICY, job)

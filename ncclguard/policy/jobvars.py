@@ -38,6 +38,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import NamedTuple
 
+from ncclguard.fingerprint.loading import own_names, parse_version, rules_for
+from ncclguard.fingerprint.offers import NONE
 from ncclguard.fingerprint.transport import TRANSPORT_SETTINGS, transport_under
 from ncclguard.policy.rules.base import ANY
 
@@ -81,12 +83,12 @@ def apply(records: Mapping[str, dict | None], variables: Mapping[str, str],
     table, :func:`ncclguard.fingerprint.offers.release_for`), None for a job on the
     host's NCCL. Records are copied where changed, never changed in place (the gate shares
     one decoded record between equal nodes)."""
+    if not any(k.startswith("NCCL_") for k in variables):
+        return Applied(dict(records), [], [])
     own = release is not None
     transport = {k: v for k, v in variables.items() if k in TRANSPORT_SETTINGS}
     plugins = {k: v for k, v in variables.items() if k in PLUGIN_VARS
                and (PLUGIN_VARS[k] == "net" or not own)}
-    if not any(k.startswith("NCCL_") for k in variables):
-        return Applied(dict(records), [], [])
     out: dict[str, dict | None] = {}
     missed: dict[str, list[str]] = {}
     # nodes with equal records share one decoded object (Inventory.load_values): each is
@@ -143,7 +145,7 @@ def _node(rec: dict, variables: Mapping[str, str], transport: Mapping[str, str],
             if outcome == "same":
                 continue
             if outcome == "none":
-                job = new["job"] = {**job, "net": _none()}
+                job = new["job"] = {**job, "net": NONE}
                 continue
         why = (f"{shown(name, value)}: which library it opens on these nodes is not in their "
                "records (they record what their /etc/nccl.conf's value opens): judged by "
@@ -166,7 +168,7 @@ def _node(rec: dict, variables: Mapping[str, str], transport: Mapping[str, str],
             if str(transport.get("NCCL_NET", "")).lower() in _INTERNAL:
                 # NCCL takes the network so named: its own, never a plugin's (the
                 # transport's rule 1, ncclguard/fingerprint/transport.py)
-                new["job"] = {**job, "net": _none()}
+                new["job"] = {**job, "net": NONE}
         else:
             before = rules.get("transport")
             new_rules["transport"] = {**(before if isinstance(before, dict) else {}),
@@ -174,18 +176,10 @@ def _node(rec: dict, variables: Mapping[str, str], transport: Mapping[str, str],
     return new
 
 
-def _none() -> str:
-    from ncclguard.fingerprint.offers import NONE
-
-    return NONE
-
-
 def _own_net(value: str, conf: str | None, release: str) -> str:
     """For a job's own NCCL of ``release``: ``"same"`` when ``value`` of
     ``NCCL_NET_PLUGIN`` names the libraries the node's ``conf`` value names, ``"none"``
     when it names none at all, else ``"other"``."""
-    from ncclguard.fingerprint.loading import own_names, parse_version, rules_for
-
     rules = rules_for(parse_version(release))
     mine = own_names("net", value, rules)
     if mine == own_names("net", conf, rules):
