@@ -68,6 +68,16 @@ def safe(text: str, *, keep_newlines: bool = False) -> str:
     return pattern.sub(_escape, text) if pattern.search(text) else text
 
 
+#: The most of a user's value (a job's variable) a message shows.
+SHOWN = 120
+
+
+def cut(text: str, limit: int = SHOWN) -> str:
+    """``text``, or its first ``limit`` characters and ``...`` when it is longer: a
+    user's value in a message, a finding's label, an audit record (issue 40)."""
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def count(n: int, noun: str, plural: str | None = None) -> str:
     """``1 node``, ``2 nodes``: a number with its noun as English reads it (issue 46: the
     CLI printed "1 nodes")."""

@@ -379,12 +379,11 @@ def _job_env(run: Run, job: Job) -> JobVars | None:
     if env.inputs:
         run.record["job_env"] = env.record(job.uid)
     if env.nccl:  # applied to each node by the verdict (ncclguard/policy/jobvars.py)
-        from ncclguard.policy.jobvars import SHOWN
+        from ncclguard.text import cut
 
         # the user's values, cut as in every message (a line that outgrows the audit's
         # bound loses its findings: ncclguard.audit); JSON escapes the rest
-        run.record["job_nccl_vars"] = {
-            k: v if len(v) <= SHOWN else v[:SHOWN] + "..." for k, v in env.nccl.items()}
+        run.record["job_nccl_vars"] = {k: cut(v) for k, v in env.nccl.items()}
     if env.problems:
         run.record["job_env_problems"] = list(env.problems)
     return env

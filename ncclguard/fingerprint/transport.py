@@ -338,8 +338,9 @@ def effective_transport(fp: dict, with_plugin: bool = True,
     if wanted == "socket":
         return SOCKET
     # the value may be a job's (issue 40): cut, as every user string in a message
-    shown = forced if forced is None or len(forced) <= 120 else forced[:120] + "..."
-    unavailable = f"none (NCCL_NET={shown})"
+    from ncclguard.text import cut  # here only: off the gate's usual path
+
+    unavailable = f"none (NCCL_NET={forced if forced is None else cut(forced)})"
     if wanted not in (None, "ib"):
         return unavailable
     fallback = unavailable if wanted == "ib" else SOCKET

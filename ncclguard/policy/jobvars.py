@@ -52,8 +52,6 @@ PLUGIN_VARS = {"NCCL_NET_PLUGIN": "net", "NCCL_ENV_PLUGIN": "env",
                "NCCL_TUNER_PLUGIN": "tuner", "NCCL_GIN_PLUGIN": "gin",
                "NCCL_RMA_PLUGIN": "rma"}
 CONF_FILE = "NCCL_CONF_FILE"
-#: The most of a value a message shows.
-SHOWN = 120
 #: ``NCCL_NET`` values that name NCCL's own networks (compared case-insensitively).
 _INTERNAL = ("ib", "socket")
 
@@ -68,12 +66,11 @@ class Applied(NamedTuple):
 
 
 def shown(name: str, value: str) -> str:
-    """``NAME=value`` for a message: at most :data:`SHOWN` characters of the value, and
-    every character that is not printable ASCII escaped (the value is the user's)."""
-    from ncclguard.text import safe
+    """``NAME=value`` for a message: the value cut (:func:`ncclguard.text.cut`) and every
+    character that is not printable ASCII escaped (the value is the user's)."""
+    from ncclguard.text import cut, safe
 
-    cut = value[:SHOWN]
-    return f"{name}={safe(cut)}{'...' if len(value) > SHOWN else ''}"
+    return f"{name}={safe(cut(value))}"
 
 
 def apply(records: Mapping[str, dict | None], variables: Mapping[str, str],
