@@ -282,7 +282,10 @@ class DevCluster:
         """Node ``node``'s own config: the spool, and its own munged."""
         path = self.root / f"node-{node}.toml"
         sock = self.root / "munge" / f"{node}.socket"
-        path.write_text(f'[spool]\ndir = "{self.records}"\nmunge_socket = "{sock}"\n')
+        # several slurmd on one machine: a job process is node X's when its environment
+        # says SLURMD_NODENAME=X (ncclguard-inventoryd jobmaps, docs/runtime.md)
+        path.write_text(f'[spool]\ndir = "{self.records}"\nmunge_socket = "{sock}"\n'
+                        '[runtime]\nnode_from_env = true\n')
         return path
 
     def _write_files(self) -> None:
@@ -639,15 +642,34 @@ class DevCluster:
             raise ClusterError(f"publishing {node} failed ({r.returncode}): {r.stderr}")
         return r
 
-    def publish_fingerprint(self, node: str, fp: Mapping[str, object]) -> Path:
+    def publish_fingerprint(self, node: str, fp: Mapping[str, object],
+                            loaded: Mapping[str, object] | None = None) -> Path:
         """Publish a fingerprint built by a test, signed by ``node``'s own munged, as
-        the node's publisher does (:class:`inventoryd.node.publish.Publisher`)."""
+        the node's publisher does (:class:`inventoryd.node.publish.Publisher`), with
+        ``loaded``: what the node's running job steps loaded (:meth:`jobmaps`)."""
         from inventoryd.node.publish import Publisher
         from ncclguard.config import SpoolConfig
 
         cfg = SpoolConfig(dir=str(self.records),
                           munge_socket=str(self.root / "munge" / f"{node}.socket"))
-        return Publisher(cfg, heartbeat_s=300).publish(fp)
+        return Publisher(cfg, heartbeat_s=300).publish(fp, loaded=loaded)
+
+    def jobmaps(self, node: str) -> dict[str, object] | None:
+        """One scan of ``ncclguard-inventoryd jobmaps --once`` for node ``node`` (its
+        processes told apart by SLURMD_NODENAME), read back as the node daemon reads it
+        (:func:`inventoryd.node.jobmaps.read_loaded`)."""
+        from inventoryd.node.jobmaps import read_loaded
+
+        out = self.root / "jobmaps" / f"{node}.json"
+        out.parent.mkdir(exist_ok=True)
+        r = self._inventoryd(["jobmaps", "--once", "--hostname", node, "--out", str(out)],
+                             self.node_config(node))
+        if r.returncode != 0:
+            raise ClusterError(f"jobmaps for {node} failed ({r.returncode}): {r.stderr}")
+        doc, why = read_loaded(str(out), node, 600)
+        if why is not None:
+            raise ClusterError(f"jobmaps for {node}: {why}")
+        return doc
 
     def store_fingerprints(self, fps: Iterable[Mapping[str, object]]) -> None:
         """Write fingerprints straight into this cluster's inventory, as the collector

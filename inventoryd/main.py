@@ -80,6 +80,18 @@ def _parser() -> argparse.ArgumentParser:
                        "(bounded; never loaded) and print its version and ABIs as JSON. "
                        "Run as the job's owner or an unprivileged user.")
     r.add_argument("path")
+    j = sub.add_parser("jobmaps", help="read what the running Slurm job steps on this node "
+                       "mapped (libnccl, NCCL plugins) for the node's record (the "
+                       "ncclguard-jobmaps service; needs CAP_SYS_PTRACE)",
+                       description="Every [runtime] scan_interval_s, find this node's Slurm "
+                       "job steps (their cgroups, or their slurmstepd), read their "
+                       "processes' /proc/PID/maps, identify each libnccl and NCCL plugin "
+                       "mapped, and write it to [runtime] loaded_file (docs/runtime.md).")
+    j.add_argument("--config", default=None)
+    j.add_argument("--hostname", default=None, help="node name (default: the short hostname)")
+    j.add_argument("--out", default=None, help="the file written (default: [runtime] "
+                   "loaded_file)")
+    j.add_argument("--once", action="store_true", help="one scan, then exit")
     m = _controller_command(sub, "metrics", "print the cluster's metrics once, as the "
                             "collector serves them to Prometheus (docs/metrics.md)")
     m.add_argument("--no-slurm", action="store_true",
@@ -120,10 +132,20 @@ def main(argv: list[str] | None = None) -> int:
     except configmod.ConfigError as e:
         print(f"ncclguard-inventoryd: {e}", file=sys.stderr)
         return 2
-    if args.db:
+    if getattr(args, "db", None):
         os.environ["NCCLGUARD_DB"] = args.db
     if getattr(args, "spool", None):
         os.environ["NCCLGUARD_SPOOL"] = args.spool
+    if args.command == "jobmaps":
+        from inventoryd.node import jobmaps
+
+        out = args.out or cfg.runtime.loaded_file
+        if not out:
+            print("ncclguard-inventoryd: jobmaps: [runtime] loaded_file is empty and no "
+                  "--out given: nowhere to write", file=sys.stderr)
+            return 2
+        return jobmaps.main(args.hostname, out, cfg.runtime, once=args.once,
+                            config_path=args.config)
     if args.command == "features":
         from inventoryd.controller import features
 

@@ -295,6 +295,25 @@ class RegistryConfig(_Settings):
         return registry in self.registries or registry in configured
 
 
+class RuntimeConfig(_Settings):
+    """What running jobs loaded (docs/runtime.md, issue 42)."""
+
+    #: the node: where ``ncclguard-inventoryd jobmaps`` writes what the job steps mapped,
+    #: and the node daemon reads it for its record; empty: not watched
+    loaded_file: str = "/run/ncclguard-jobmaps/loaded.json"
+    scan_interval_s: float = 15.0  # the node: how often jobmaps reads the steps' maps
+    #: the node: a document older than this is not published (the scanner has stopped)
+    max_age_s: float = 120.0
+    #: the dev cluster only: several slurmd on one machine; a process is a node's when
+    #: its environment says SLURMD_NODENAME=<node> (the user's word: never on a cluster)
+    node_from_env: bool = False
+    on_mixed: str = "notify"  # the collector: "notify", or "requeue" a mixed job once
+    settle_s: float = 60.0  # a node's net taken as chosen this long after it mapped NCCL
+    exempt_users: tuple[str, ...] = ()  # never requeued or cancelled (user names or uids)
+    exempt_partitions: tuple[str, ...] = ()  # never requeued or cancelled
+    keep_days: float = 14.0  # job_loads and mixed_steps kept this long
+
+
 class Config(_Settings):
     inventory: InventoryConfig = InventoryConfig()
     inventoryd: InventorydConfig = InventorydConfig()
@@ -307,6 +326,7 @@ class Config(_Settings):
     diagnose: DiagnoseConfig = DiagnoseConfig()
     images: ImagesConfig = ImagesConfig()
     registry: RegistryConfig = RegistryConfig()
+    runtime: RuntimeConfig = RuntimeConfig()
     baseline: dict[str, str] = {}  # noqa: RUF012 - copied per instance; pinned baseline, e.g. nccl
     source: str = "<defaults>"  # the file this came from
 
@@ -323,11 +343,13 @@ _SECTIONS: dict[str, type] = {
     "diagnose": DiagnoseConfig,
     "registry": RegistryConfig,
     "images": ImagesConfig,
+    "runtime": RuntimeConfig,
 }
 
 _CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
     ("inventory", "journal_mode"): ("delete", "wal"),
     ("gate", "on_error"): ("accept", "refuse"),
+    ("runtime", "on_mixed"): ("notify", "requeue"),
     ("gate", "steering"): ("steer", "requeue", "hold"),
     ("features", "required_nodes"): ("refuse", "gate"),  # sched.classfile.REQUIRED_NODES
 }

@@ -172,8 +172,11 @@ def check_dir(path: Path, *, create: bool = False) -> None:
 # ------------------------------------------------------------------ the payload
 
 
-def payload(fingerprint: dict[str, Any], seq: int | None = None) -> bytes:
-    """The bytes a node signs: its canonical record (``seq``: default, the clock in ns)."""
+def payload(fingerprint: dict[str, Any], seq: int | None = None,
+            loaded: dict[str, Any] | None = None) -> bytes:
+    """The bytes a node signs: its canonical record (``seq``: default, the clock in ns;
+    ``loaded``: what its running job steps loaded, :mod:`ncclguard.fingerprint.loaded`,
+    beside the fingerprint and never part of its hash)."""
     import time
 
     from ncclguard.fingerprint.canonical import canonical_json
@@ -183,6 +186,8 @@ def payload(fingerprint: dict[str, Any], seq: int | None = None) -> bytes:
     record_name(host)
     doc = {"ncclguard_record": RECORD_VERSION, "host": host,
            "seq": time.time_ns() if seq is None else seq, "fingerprint": fingerprint}
+    if loaded is not None:
+        doc["loaded"] = loaded
     return canonical_json(doc).encode()
 
 
@@ -281,6 +286,10 @@ class Record(NamedTuple):
     host: str
     seq: int
     fingerprint: dict[str, Any]
+    #: what the node's running job steps loaded (None: the record carries none, or
+    #: ``loaded_error`` says why it was left out: the fingerprint is kept all the same)
+    loaded: dict[str, Any] | None = None
+    loaded_error: str | None = None
 
 
 def _versioned(data: bytes, max_bytes: int, key: str, version: int, what: str
@@ -331,7 +340,19 @@ def parse_payload(data: bytes, *, max_bytes: int) -> Record:
             "name-mismatch", f"record for {host!r} holds the fingerprint of {str(fp_host)[:80]!r}"
         )
     check_values(fp, "the fingerprint", data)
-    return Record(host, seq, fp)
+    loaded, why = doc.get("loaded"), None
+    if loaded is not None:
+        from ncclguard.fingerprint.loaded import loaded_problem
+
+        why = loaded_problem(loaded, host)
+        if why is None:
+            try:
+                check_values(loaded, "the loaded part")
+            except RecordError as e:
+                why = e.detail
+        if why is not None:
+            loaded = None
+    return Record(host, seq, fp, loaded, why)
 
 
 # ------------------------------------------------------------------ container records

@@ -18,9 +18,6 @@ from typing import NamedTuple
 
 from ncclguard.hostlist import HostlistError, expand
 
-OPT_OUT = "ncclguard=off"
-
-
 BATCH_VARIABLES = ("SLURM_JOB_STDIN", "SLURM_JOB_STDOUT", "SLURM_JOB_STDERR")
 
 
@@ -93,11 +90,9 @@ class Job(NamedTuple):
     @property
     def opted_out(self) -> bool:
         """``ncclguard=off`` as a word of the comment (22.05) or of ``--extra`` (23.02+)."""
-        for text in (self.comment, self.extra):
-            words = text.replace(",", " ").replace(";", " ").split()
-            if any(w.lower() == OPT_OUT for w in words):
-                return True
-        return False
+        from ncclguard.policy.optout import opted_out
+
+        return opted_out(self.comment, self.extra)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Job:

@@ -640,7 +640,7 @@ def test_migrates_a_real_v3_inventory(tmp_path: Path) -> None:
     with pytest.raises(InventoryCorrupt, match="older"):
         Inventory(p, readonly=True)  # a reader never migrates
     with Inventory(p, values=GATE_VALUES) as inv:
-        assert inv.schema_version() == SCHEMA_VERSION == 9
+        assert inv.schema_version() == SCHEMA_VERSION == 10
         rows = {r["host"]: r for r in inv.nodes({})}
     new, old = rows["new"], rows["old"]
     assert (new["tuner_plugin"], new["tuner_abi"]) == ("PackedTuner", 6)

@@ -15,7 +15,8 @@ SYSTEMD = Path(__file__).resolve().parents[1] / "systemd"
 UNIT = SYSTEMD / "ncclguard-inventoryd.service"
 COLLECTOR = SYSTEMD / "ncclguard-collector.service"
 FEATURES = SYSTEMD / "ncclguard-features.service"
-UNITS = {UNIT: "run", COLLECTOR: "collect", FEATURES: "features"}
+JOBMAPS = SYSTEMD / "ncclguard-jobmaps.service"
+UNITS = {UNIT: "run", COLLECTOR: "collect", FEATURES: "features", JOBMAPS: "jobmaps"}
 
 needs_analyze = pytest.mark.skipif(shutil.which("systemd-analyze") is None,
                                    reason="systemd-analyze is not installed")
@@ -72,6 +73,24 @@ def test_unit_runs_as_the_sysusers_user_with_one_readwrite_path() -> None:
         "ReadWritePaths=/var/lib/ncclguard"]  # the spool is only read
     sysusers = (SYSTEMD / "ncclguard.sysusers.conf").read_text()
     assert re.search(r"^u ncclguard ", sysusers, re.M)
+
+
+def test_the_jobmaps_unit_holds_cap_sys_ptrace_alone_and_never_ptrace() -> None:
+    """Issue 42: the one capability (reading other users' maps) in the one unit that needs
+    it; the system calls that would use it to attach are filtered out, it has no network
+    and no user namespace of its own (where the capability would reach no host process)."""
+    lines = [x.strip() for x in JOBMAPS.read_text().splitlines()
+             if x.strip() and not x.startswith("#")]
+    assert "CapabilityBoundingSet=CAP_SYS_PTRACE" in lines
+    assert "AmbientCapabilities=CAP_SYS_PTRACE" in lines
+    assert "NoNewPrivileges=yes" in lines and "PrivateNetwork=yes" in lines
+    assert any(x.startswith("SystemCallFilter=~") and "@debug" in x for x in lines)
+    assert not any(x.startswith(("PrivateUsers=yes", "ReadWritePaths=")) for x in lines)
+    assert "User=ncclguard" in lines and "RuntimeDirectory=ncclguard-jobmaps" in lines
+    for unit in (UNIT, COLLECTOR, FEATURES):
+        text = unit.read_text()
+        assert "CAP_SYS_PTRACE" not in text, unit
+        assert "\nCapabilityBoundingSet=\n" in text, unit  # none at all
 
 
 def test_every_shipped_dropin_names_a_shipped_unit_and_is_in_the_wheel() -> None:

@@ -48,6 +48,11 @@ class ClusterSnapshot:
     partitions: dict[str, PartitionView] | None = None  # None: Slurm's map is not known
     rejections: dict[str, int] = field(default_factory=dict)  # cause -> unresolved files
     written_at: float | None = None  # the collector's last write stamp
+    #: what running job steps loaded (docs/runtime.md): steps watched, mixed ones running
+    #: and kept, by what differs
+    loaded_steps: int = 0
+    mixed_running: dict[str, int] = field(default_factory=dict)
+    mixed_kept: dict[str, int] = field(default_factory=dict)
     at: float = 0.0
     seconds: float = 0.0
 
@@ -141,9 +146,11 @@ def read_snapshot(
         beats = inv.heartbeats()
         rejected = [r["cause"] for r in inv.rejections()]
         written_at, _ = inv.writer_state()
+        runtime = inv.runtime_counts()
     snap = snapshot(((view.name(c.key), c.values, c.hosts) for c in view.classes), beats,
                     config, now, partitions, rejected)
     snap.written_at = written_at
+    snap.loaded_steps, snap.mixed_running, snap.mixed_kept = runtime
     snap.seconds = time.monotonic() - t0
     return snap
 

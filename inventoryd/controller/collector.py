@@ -134,6 +134,11 @@ class Collector:
         # it on: collector_service.py): the owner who used least goes first
         self.image_time: OwnerTime | None = None  # made at the first pass
         self.containers = ContainerRecords(self.spool, config, self.addresses)
+        # what running job steps loaded (issue 42): stored and judged after each batch
+        from inventoryd.controller.runtime import Runtime
+        from ncclguard.slurm import Slurm
+
+        self.runtime = Runtime(config, self.inv, Slurm.from_config(config.gate, timeout=10.0))
         # free space below collector.min_free_bytes, or a failed write: records are still
         # judged; the inventory stops growing (inventoryd/controller/pressure.py)
         self.disk = DiskPressure(self.inv.path, config.collector.min_free_bytes)
@@ -250,8 +255,13 @@ class Collector:
             return reject("replayed", f"signed at {verify.ts(cred.encoded_at)} (seq "
                           f"{rec.seq}), not newer than the record accepted from "
                           f"{verify.ts(latest[1])} (seq {latest[2]})")
+        if rec.loaded_error is not None and self.logged.get(f"loaded:{shown}") != rec.loaded_error:
+            self.logged[f"loaded:{shown}"] = rec.loaded_error
+            log.error("%s: the record's loaded part is left out (the fingerprint is kept): %s",
+                      host, rec.loaded_error)
         return Published(rec.fingerprint, float(min(cred.encoded_at, now)), shown, state,
-                         digest, cred.origin, cred.uid, float(cred.encoded_at), rec.seq)
+                         digest, cred.origin, cred.uid, float(cred.encoded_at), rec.seq,
+                         rec.loaded)
 
     # ---------------------------------------------------------------- one scan
 
@@ -302,6 +312,7 @@ class Collector:
         elif self.registry is not None:  # the worker waits: nothing it reads is written
             self.registry.hold(self.pressure)
         self._extra(lambda: self._container_records(should_stop))
+        self._extra(lambda: self._judge_steps())
         self.disk.stamp(self.inv, t0, result.written)
         result.seconds = time.monotonic() - t0
         return result
@@ -354,6 +365,9 @@ class Collector:
         if n:
             log.info("job environments: %d resolved", n)
 
+    def _judge_steps(self) -> None:
+        self.runtime.judge_pending()
+
     def _container_records(self, should_stop: Callable[[], bool]) -> None:
         res = self.containers.scan(self.inv, should_stop, writable=self.pressure is None)
         if res.accepted or res.rejected:
@@ -393,6 +407,10 @@ class Collector:
         if n:
             log.info("container records: %d older than %d days deleted", n,
                      inv.container_days)
+        n = self.inv.prune_loads(time.time(), self.cfg.runtime.keep_days)
+        if n:
+            log.info("job loads: %d rows older than %g days deleted", n,
+                     self.cfg.runtime.keep_days)
 
     # ---------------------------------------------------------------- disk pressure
 
@@ -465,6 +483,9 @@ class Collector:
                 self.seen[name] = state
                 self.confirmed.discard(name)
         by_shown = {printable(n): n for n, _ in judged}
+        self._extra(lambda: self.runtime.accepted(
+            [p for p, s in zip(accepted, statuses, strict=True)
+             if not s.startswith(("invalid", "unwritten", *REFUSED)) and p.file not in unwritten]))
         for p, status in zip(accepted, statuses, strict=True):
             if status.startswith(("invalid", "unwritten", *REFUSED)):
                 continue

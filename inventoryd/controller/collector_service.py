@@ -147,7 +147,8 @@ def _report(served: Served, collector: Collector, res: ScanResult, scans: int) -
         last_scan=time.time(), postponed=res.postponed, unwritten=res.unwritten,
         pressure=collector.pressure is not None,
         writable=collector.disk.write_failure is None, free_bytes=collector.disk.free_bytes,
-        containers={"accepted": collector.containers.accepted, **collector.containers.counts}))
+        containers={"accepted": collector.containers.accepted, **collector.containers.counts},
+        mixed_found=collector.runtime.found, mixed_actions=dict(collector.runtime.acted)))
     try:
         path = served.write_textfile()
     except OSError as e:

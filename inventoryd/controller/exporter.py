@@ -63,6 +63,7 @@ from inventoryd.controller.container_records import CAUSES as CONTAINER_CAUSES
 from inventoryd.controller.labels import MAX_SERIES, _capped, _label
 from inventoryd.controller.metrics_server import BoundedServer
 from ncclguard import config as configmod
+from ncclguard.policy.loaded import PLUGIN_KINDS
 from ncclguard.sched import status as features_status
 from ncclguard.spool import CAUSES
 
@@ -86,6 +87,12 @@ COLLECTOR_FILE_NAME = "ncclguard-collector.prom"
 # ----------------------------------------------------------------- the exporter
 
 
+#: what a mixed step's nodes differ in (ncclguard.policy.loaded.judge), and what
+#: [runtime] on_mixed = "requeue" did (inventoryd.controller.runtime): always exported
+MIXED_KINDS = ("nccl", "net-missing", *(f"{k}-plugin" for k in PLUGIN_KINDS))
+MIXED_RESULTS = ("requeued", "cancelled", "exempt", "skipped", "failed", "none")
+
+
 @dataclass
 class ScanStats:
     """What the collector's loop reports after each scan."""
@@ -103,6 +110,8 @@ class ScanStats:
     writable: bool = True  # the last write of the inventory worked
     free_bytes: int | None = None  # on the inventory's filesystem
     containers: Mapping[str, int] = field(default_factory=dict)  # "accepted", causes
+    mixed_found: int = 0  # running job steps found mixed (docs/runtime.md)
+    mixed_actions: Mapping[str, int] = field(default_factory=dict)  # result -> jobs
 
 
 class Exporter:
@@ -225,6 +234,16 @@ class Exporter:
                 k: v for k, v in s.containers.items() if k in CONTAINER_CAUSES}).items()):
             rej.add_metric([cause], n)
         yield rej
+        found = counter("ncclguard_mixed_steps_found", "Running job steps whose nodes loaded "
+                        "different NCCL libraries or plugins, found since the collector "
+                        "started (docs/runtime.md)")
+        found.add_metric([], s.mixed_found)
+        yield found
+        acts = counter("ncclguard_mixed_job_actions", "What [runtime] on_mixed did to mixed "
+                       "jobs since the collector started, by result", labels=["result"])
+        for result, n in sorted((dict.fromkeys(MIXED_RESULTS, 0) | dict(s.mixed_actions)).items()):
+            acts.add_metric([result], n)
+        yield acts
         if s.free_bytes is not None:
             g = gauge("ncclguard_collector_disk_free_bytes", "Free bytes on the inventory's "
                       "filesystem at the last scan")
@@ -322,6 +341,14 @@ def _inventory_families(snap: ClusterSnapshot, now: float, gauge: Any) -> Iterat
     yield one("ncclguard_exporter_snapshot_seconds", "How long the last read of the "
               "inventory for these metrics took", snap.seconds)
     yield one("ncclguard_inventory_nodes", "Nodes in the inventory", snap.nodes)
+    yield one("ncclguard_loaded_steps", "Running job steps that loaded NCCL, as the nodes' "
+              "last records say (docs/runtime.md)", snap.loaded_steps)
+    yield many("ncclguard_mixed_steps", "Running job steps whose nodes loaded different "
+               "NCCL libraries or plugins, by what differs", ["kind"],
+               {(k,): n for k, n in (dict.fromkeys(MIXED_KINDS, 0) | snap.mixed_running).items()})
+    yield many("ncclguard_mixed_steps_kept", "Job steps found mixed, running or not, kept "
+               "for [runtime] keep_days, by what differs", ["kind"],
+               {(k,): n for k, n in (dict.fromkeys(MIXED_KINDS, 0) | snap.mixed_kept).items()})
     yield one("ncclguard_inventory_stale_nodes", "Nodes whose heartbeat is not current "
               "(older than inventory.stale_after_s, or dated ahead)", snap.stale)
     if snap.oldest_heartbeat is not None:

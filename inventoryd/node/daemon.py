@@ -77,11 +77,32 @@ def store_once(fp: Mapping[str, Any], cfg: configmod.Config) -> int:
     return 0
 
 
+def _loaded(cfg: configmod.Config, host: str, said: dict[str, str | None] | None = None
+            ) -> dict[str, Any] | None:
+    """What the node's running job steps loaded (``[runtime] loaded_file``), for the
+    record; None when not watched or not trusted (said once per cause in ``said``)."""
+    path = cfg.runtime.loaded_file
+    if not path:
+        return None
+    from inventoryd.node.jobmaps import read_loaded
+
+    doc, why = read_loaded(path, host, cfg.runtime.max_age_s)
+    if said is None or said.get("loaded") != why:
+        if why is not None:
+            log.error("%s: what running jobs loaded is not published: %s", host, safe(why))
+        elif said is not None and said.get("loaded") is not None:
+            log.info("%s: what running jobs loaded is published again", host)
+        if said is not None:
+            said["loaded"] = why
+    return doc
+
+
 def publish_once(fp: Mapping[str, Any], cfg: configmod.Config) -> int:
     """Sign and publish one fingerprint (``once --publish``). 0, or 1 with a message."""
     host = _host(fp, _short_hostname())
     try:
-        path = Publisher(cfg.spool, cfg.inventoryd.heartbeat_s).publish(fp)
+        path = Publisher(cfg.spool, cfg.inventoryd.heartbeat_s).publish(
+            fp, loaded=_loaded(cfg, host))
     except (PublishError, ValueError) as e:
         print(f"ncclguard-inventoryd: {safe(host)}: not published: {safe(str(e))}", file=sys.stderr)
         return 1
@@ -140,6 +161,7 @@ class Daemon:
         self.last_change: float | None = None
         self.last_publish: float | None = None
         self.cycles = 0
+        self.said: dict[str, str | None] = {}  # what was last logged of the loaded file
 
     @property
     def label(self) -> str:
@@ -157,6 +179,7 @@ class Daemon:
         new.metrics_log = self.metrics_log
         new.last_change, new.last_publish = self.last_change, self.last_publish
         new.cycles = self.cycles
+        new.said = self.said
         return new
 
     def close(self, *, replaced: bool = False) -> None:
@@ -181,19 +204,19 @@ class Daemon:
         finally:
             progress.reset(token)
         self.node = _host(fp, self.node)
-        ok = self._publish(fp)
+        ok = self._publish(fp, _loaded(self.cfg, self.node, self.said))
         self._metrics(fp)
         return Outcome(ok=ok, status=f"publishing {self.publish_state or 'unknown'}")
 
-    def _publish(self, fp: Mapping[str, Any]) -> bool:
+    def _publish(self, fp: Mapping[str, Any], loaded: Mapping[str, Any] | None = None) -> bool:
         now = time.time()
 
-        if not self.publisher.due(fp, now):
+        if not self.publisher.due(fp, now, loaded):
             return True
         before = self.publisher.last_hash  # the stack: a change; the errors: shown only
         changed = before is None or before[:64] != publish_state(fp)[:64]
         try:
-            path = self.publisher.publish(fp, now)
+            path = self.publisher.publish(fp, now, loaded)
         except PublishError as e:
             self._set_publish_state(
                 e.kind, f"record not published, collecting on and retrying: {e}", error=True

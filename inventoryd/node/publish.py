@@ -23,12 +23,18 @@ __all__ = ["PublishError", "Publisher", "publish_state"]
 LEFTOVER_S = 3600.0  # a temporary file of ours older than this is a dead write's
 
 
-def publish_state(fp: Mapping[str, Any]) -> str:
-    """What makes a publish due: the stack (the fingerprint hash) and the probes' errors,
-    which the hash leaves out but the inventory shows."""
-    from ncclguard.fingerprint.canonical import errors_hash, fingerprint_hash
+def publish_state(fp: Mapping[str, Any], loaded: Mapping[str, Any] | None = None) -> str:
+    """What makes a publish due: the stack (the fingerprint hash), the probes' errors,
+    which the hash leaves out but the inventory shows, and the steps of what running jobs
+    loaded (not when they were scanned)."""
+    import hashlib
 
-    return fingerprint_hash(dict(fp)) + errors_hash(dict(fp))
+    from ncclguard.fingerprint.canonical import canonical_json, errors_hash, fingerprint_hash
+
+    out = fingerprint_hash(dict(fp)) + errors_hash(dict(fp))
+    if loaded is not None:
+        out += hashlib.sha256(canonical_json(loaded.get("steps")).encode()).hexdigest()
+    return out
 
 
 class PublishError(Exception):
@@ -59,24 +65,27 @@ class Publisher:
             return False
         return (st.st_ino, st.st_size, st.st_mtime_ns) == self.written
 
-    def due(self, fp: Mapping[str, Any], now: float) -> bool:
+    def due(self, fp: Mapping[str, Any], now: float,
+            loaded: Mapping[str, Any] | None = None) -> bool:
         from ncclguard.fingerprint.model import hostname
 
-        if self.last_at is None or publish_state(fp) != self.last_hash:
+        if self.last_at is None or publish_state(fp, loaded) != self.last_hash:
             return True
         if now - self.last_at >= self.heartbeat_s or now < self.last_at:
             return True
         return not self._in_place(hostname(fp))
 
-    def publish(self, fp: Mapping[str, Any], now: float | None = None) -> Path:
-        """Sign and write ``fp`` now. :class:`PublishError` when it cannot be done;
-        ``ValueError`` for a fingerprint without a usable host name."""
+    def publish(self, fp: Mapping[str, Any], now: float | None = None,
+                loaded: Mapping[str, Any] | None = None) -> Path:
+        """Sign and write ``fp`` now (with ``loaded``: what its running job steps loaded).
+        :class:`PublishError` when it cannot be done; ``ValueError`` for a fingerprint
+        without a usable host name."""
         from ncclguard.fingerprint.model import hostname
 
         now = time.time() if now is None else now
         record = dict(fp)
         host = hostname(record)
-        data = spool.payload(record)
+        data = spool.payload(record, loaded=dict(loaded) if loaded is not None else None)
         d = self.dir
         try:
             spool.check_dir(d, create=True)
@@ -99,6 +108,6 @@ class Publisher:
             raise PublishError("spool", f"cannot write {d / spool.record_name(host)}: "
                                f"{e.strerror or e}") from None
         self.written = (st.st_ino, st.st_size, st.st_mtime_ns)
-        self.last_hash = publish_state(record)
+        self.last_hash = publish_state(record, loaded)
         self.last_at = now
         return path

@@ -12,6 +12,7 @@ import click
 from ncclguard.cli import output as out
 from ncclguard.cli.context import TIME, TIME_HELP, format_options, get_ctx
 from ncclguard.cli.errors import fail
+from ncclguard.text import safe
 
 __all__ = ["decisions"]
 
@@ -141,13 +142,29 @@ def decisions(job: str | None, since: float | None, refused: bool, audit_log: st
     digest = next((r.get("image_digest") for r in reversed(records)
                    if r.get("image_digest")), None)
     ran = container_rows(c, job, digest) if job is not None else []
+    loaded: list[dict[str, Any]] = []
     if job is not None:
+        from ncclguard.cli.jobs import loaded_rows
+
         doc["containers"] = ran
+        loaded, mixed = loaded_rows(c, job, current=False)
+        doc["loaded"], doc["mixed"] = loaded, mixed
     text = None
     if c.fmt == "table":
         text = (out.table(rows, DECISION_COLUMNS, c.width) if rows else "no decisions\n")
         if ran:
             text += "\nwhat each node's container had (the enroot hook's signed records):\n"
             text += out.table(ran, CONTAINER_COLUMNS, c.width, wrap=CONTAINER_WRAP)
+        if loaded:
+            from ncclguard.cli.jobs import LOADED_COLUMNS, LOADED_WRAP
+
+            text += ("\nwhat each node's processes loaded (the gate's prediction is above; "
+                     "the nodes' signed records):\n")
+            text += out.table(loaded, LOADED_COLUMNS, c.width, wrap=LOADED_WRAP,
+                              optional=("seen", "path"))
+            for m in doc["mixed"]:
+                text += f"job {m['job']} step {m['step']} mixed: {safe(m['summary'])}\n"
+                if m.get("action"):
+                    text += f"  {m['action']}: {safe(m['result'])}\n"
     c.emit(doc, rows=rows, columns=DECISION_COLUMNS, text=text,
            csv_columns=[(k, k) for k, _ in DECISION_COLUMNS])

@@ -30,6 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "rejections": ("ncclguard.cli.rejections", "rejections"),
     "features": ("ncclguard.cli.features", "features"),
     "images": ("ncclguard.cli.images", "images"),
+    "jobs": ("ncclguard.cli.jobs", "jobs"),
 }
 
 

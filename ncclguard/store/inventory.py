@@ -9,7 +9,8 @@ Its table families live in modules of their own, one class each, which ``Invento
 combines: :mod:`.nodes` (the nodes, their history, the gate's values), :mod:`.classes`
 (each node's class), :mod:`.records` (the collector's publishers, rejections and write
 stamp), :mod:`.images` (the image index and the container runs), :mod:`.jobenvs` (the job
-environments the collector resolved); :mod:`.connection`
+environments the collector resolved), :mod:`.runtime` (what running job steps loaded,
+and the steps found mixed); :mod:`.connection`
 opens, locks and migrates the file.
 
 The read-only path imports only the standard library and the fingerprint model:
@@ -28,6 +29,7 @@ from ncclguard.store.images import ImageState, ImageTables, RegistryTables, Regi
 from ncclguard.store.jobenvs import JobEnv, JobEnvTables
 from ncclguard.store.nodes import DEFAULT_HEARTBEAT_S, NodeRecord, NodeTables, NodeWrite
 from ncclguard.store.records import REFUSED, Published, Quota, RecordTables, Rejected
+from ncclguard.store.runtime import RuntimeTables
 from ncclguard.store.schema import GateValues
 
 __all__ = [
@@ -36,7 +38,8 @@ __all__ = [
 ]
 
 
-class Inventory(ClassTables, RecordTables, ImageTables, RegistryTables, JobEnvTables):
+class Inventory(ClassTables, RecordTables, ImageTables, RegistryTables, JobEnvTables,
+                RuntimeTables):
     """The node inventory in one SQLite file (:class:`~ncclguard.store.connection.Database`
     says how it is opened, locked and migrated).
 

@@ -29,6 +29,9 @@ class Published(NamedTuple):
     uid: int
     encoded_at: float = 0.0  # the credential's encode time, as signed
     seq: int = 0  # the publisher's signed sequence: orders records of one second
+    #: what the node's running job steps loaded (:mod:`ncclguard.fingerprint.loaded`),
+    #: None when the record carries none
+    loaded: Mapping[str, Any] | None = None
 
 
 class Rejected(NamedTuple):

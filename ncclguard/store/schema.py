@@ -328,6 +328,24 @@ def _migrate_8_to_9(conn: sqlite3.Connection, values: GateValues) -> None:
                  "(coalesce(used_at, resolved_at))")
 
 
+def _migrate_9_to_10(conn: sqlite3.Connection, values: GateValues) -> None:
+    """What running job steps loaded (issue 42, docs/runtime.md): ``job_loads``, one row
+    per (job, step, node) whose processes had a libnccl or an NCCL plugin mapped, from the
+    node records' ``loaded`` part; ``mixed_steps``, one row per step found mixed
+    (``ncclguard.policy.loaded.judge``) and what was done about its job."""
+    conn.execute(
+        "CREATE TABLE job_loads (job TEXT NOT NULL, step TEXT NOT NULL, host TEXT NOT NULL, "
+        "uid INTEGER NOT NULL, procs INTEGER NOT NULL, since REAL, libs TEXT NOT NULL, "
+        "cut INTEGER NOT NULL, seen_at REAL NOT NULL, gone_at REAL, "
+        "PRIMARY KEY (job, step, host)) WITHOUT ROWID")
+    conn.execute("CREATE INDEX idx_job_loads_host ON job_loads (host, seen_at)")
+    conn.execute(
+        "CREATE TABLE mixed_steps (job TEXT NOT NULL, step TEXT NOT NULL, "
+        "found_at REAL NOT NULL, kind TEXT NOT NULL, summary TEXT NOT NULL, "
+        "groups TEXT NOT NULL, odd TEXT NOT NULL, action TEXT, result TEXT, acted_at REAL, "
+        "PRIMARY KEY (job, step)) WITHOUT ROWID")
+
+
 MIGRATIONS: tuple[Callable[[sqlite3.Connection, GateValues], None], ...] = (
     _migrate_0_to_1,
     _migrate_1_to_2,
@@ -338,5 +356,6 @@ MIGRATIONS: tuple[Callable[[sqlite3.Connection, GateValues], None], ...] = (
     _migrate_6_to_7,
     _migrate_7_to_8,
     _migrate_8_to_9,
+    _migrate_9_to_10,
 )
 SCHEMA_VERSION = len(MIGRATIONS)

@@ -1,0 +1,576 @@
+"""What each running Slurm job step on this node has mapped: its ``libnccl`` and NCCL
+plugin libraries, read from ``/proc/PID/maps`` (issue 42, docs/runtime.md).
+
+``ncclguard-inventoryd jobmaps``: the one program of ncclguard that holds a capability,
+``CAP_SYS_PTRACE``, which the kernel asks of a reader of another user's ``maps`` (and of
+its ``/proc/PID/root``). It runs as its own unit (``systemd/ncclguard-jobmaps.service``),
+reads ``/proc`` and the mapped library files, and writes what it found to one file
+(:data:`DEFAULT_OUT`) that ``ncclguard-inventoryd run`` puts into the node's signed record.
+It never writes anywhere else, never signs, never connects.
+
+**Which processes are a job's.** A process belongs to step ``J.S`` when its cgroup is one
+Slurm made for that step (:func:`step_of_cgroup`: cgroup v1 ``/slurm[_NODE]/uid_U/job_J/
+step_S/...``, cgroup v2 ``/system.slice/[NODE_]slurmstepd.scope/job_J/step_S/...``: paths
+only root can create), or, where Slurm keeps no cgroup (``ProctrackType=proctrack/
+linuxproc``), when it descends from a root-owned ``slurmstepd: [J.S]`` (its process title).
+A user cannot name a process into another job: the cgroup path is anchored at Slurm's own
+directory, and the ancestor must be root's.
+
+**Bounded whatever the jobs run.** Per scan at most :data:`MAX_PIDS` processes are looked
+at; each process's ``maps`` is read to at most :data:`MAX_MAPS_BYTES` and all of them to
+:data:`SCAN_BYTES`, the steps taken in turn from where the last scan stopped (one job of
+100,000 mappings holds back no other); at most :data:`LIBS_PER_STEP` libraries are kept per
+step and :data:`MAX_STEPS` steps per node; a library file is read (hashed) once per
+(device, inode, size, mtime), at most :data:`HASH_BYTES` of new files per scan (the rest
+next scan). What is cut says so (``cut``), and is never called different.
+
+**Identity.** A library is identified as the node probe identifies files (size, sha256,
+version, ABIs; :mod:`inventoryd.probes.nccl`, :mod:`inventoryd.probes.plugins`, their file
+cache), read through ``/proc/PID/root`` so that a container's view is the one read. The
+file read must be the one mapped: its device and inode must be the ``maps`` line's, or the
+library is recorded without identity (``error``: replaced since it was mapped, deleted,
+unreadable). Paths are kept as the kernel wrote them (``\\012`` for a newline), cut at
+:data:`MAX_PATH` characters, and escaped by every view that shows them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import socket
+import stat
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from inventoryd.loop import Outcome
+from ncclguard.config import Config, RuntimeConfig
+from ncclguard.fingerprint.loaded import (
+    LIBS_PER_STEP,
+    LOADED_VERSION,
+    MAX_PATH,
+    MAX_STEPS,
+    loaded_problem,
+)
+from ncclguard.fingerprint.loading import PREFIXES
+
+__all__ = [
+    "DEFAULT_OUT", "HASH_BYTES", "MAX_MAPS_BYTES", "MAX_PIDS", "SCAN_BYTES", "Scanner",
+    "lib_kind", "parse_maps_line", "step_of_cgroup", "step_of_title",
+]
+
+log = logging.getLogger("ncclguard.jobmaps")
+
+DEFAULT_OUT = "/run/ncclguard-jobmaps/loaded.json"
+MAX_PIDS = 131072  # processes looked at per scan (the kernel's default pid_max is 4 M)
+MAX_MAPS_BYTES = 16 << 20  # of one process's maps: 100,000 mappings are about 10 MB
+SCAN_BYTES = 256 << 20  # of all maps per scan
+HASH_BYTES = 4 << 30  # of library files not yet known, read per scan
+MAX_DEPTH = 64  # ancestors followed to a slurmstepd
+CHUNK = 1 << 20
+
+#: cgroup v1 (``/slurm/uid_U/job_J/step_S``, ``/slurm_NODE/...`` with several slurmd on
+#: one host) and cgroup v2 (``/system.slice/slurmstepd.scope/job_J/step_S``,
+#: ``NODE_slurmstepd.scope``; from 26.05 the job's directory is its SLUID, ``s`` and 13
+#: Crockford base-32 characters, unless cgroup.conf says ``CgroupJobIdPaths=yes``):
+#: docs/runtime.md, "Which processes are a job's". Anchored: Slurm's own directory at the
+#: top, or under systemd's slices only (a user's delegated subtree is below a .service).
+_CGROUP = re.compile(
+    r"(?:/[^/]+\.slice)*/(?:slurm(?:_(?P<n1>[^/]+))?/uid_\d+|(?:(?P<n2>[^/]+)_)?slurmstepd\.scope)"
+    r"/(?:job_(?P<job>\d+)|(?P<sluid>s[0-9A-HJKMNP-TV-Z]{13}))"
+    r"/step_(?P<step>[a-z]+|\d+(?:\+\d+)?)(?=/|$)")
+#: the process title of a step's slurmstepd: ``slurmstepd: [J.S]`` (cut at the length of
+#: its original argv: ``[1.batch]`` can read ``[1.bat``; from 24.11 `` stepmgr`` may follow
+#: the step inside the brackets)
+_TITLE = re.compile(rb"slurmstepd: \[(\d+)\.([a-z]+|\d+(?:\+\d+)?)")
+_STEP_NAMES = {"bat": "batch", "ext": "extern", "int": "interactive"}
+
+
+def step_dir_of_cgroup(text: str, node: str | None = None
+                       ) -> tuple[str, str | None, str] | None:
+    """``(the step's cgroup directory, job or None, step)`` of a ``/proc/PID/cgroup`` text
+    when a line is a cgroup Slurm made for a step (of node ``node`` when the path names
+    one), else None. The job is None where the directory holds a SLUID (cgroup v2 from
+    26.05): the step's slurmstepd, in that directory too, names it."""
+    for line in text.splitlines():
+        m = _CGROUP.match(line.split(":", 2)[-1])
+        if m is None:
+            continue
+        named = m.group("n1") or m.group("n2")
+        if named and node is not None and named != node:
+            continue
+        return m.group(0), m.group("job"), m.group("step")
+    return None
+
+
+def step_of_cgroup(text: str, node: str | None = None) -> tuple[str, str] | None:
+    """``(job, step)`` of a ``/proc/PID/cgroup`` text whose path names the job (cgroup
+    v1, and v2 with ``job_J``), else None."""
+    got = step_dir_of_cgroup(text, node)
+    return (got[1], got[2]) if got is not None and got[1] is not None else None
+
+
+def step_of_title(cmdline: bytes) -> tuple[str, str] | None:
+    """``(job, step)`` of a slurmstepd's process title, else None."""
+    m = _TITLE.match(cmdline)
+    if m is None:
+        return None
+    step = m.group(2).decode()
+    return m.group(1).decode(), _STEP_NAMES.get(step, step)
+
+
+def lib_kind(path: str) -> str | None:
+    """"nccl" for a libnccl, the plugin kind (``net``, ``tuner``, ...) for a
+    ``libnccl-<kind>`` library, "ibverbs" for libibverbs, else None."""
+    base = path.rsplit("/", 1)[-1]
+    if base == "libnccl.so" or base.startswith("libnccl.so."):
+        return "nccl"
+    if base.startswith("libnccl-") and ".so" in base:
+        for kind, prefix in PREFIXES.items():
+            if base.startswith(prefix):
+                return kind
+        return None
+    if base.startswith("libibverbs.so"):
+        return "ibverbs"
+    return None
+
+
+@dataclass(frozen=True)
+class Mapping:
+    path: str  # as the kernel wrote it, " (deleted)" removed
+    dev: tuple[int, int]
+    ino: int
+    deleted: bool
+
+
+def parse_maps_line(line: bytes) -> Mapping | None:
+    """The file of one ``maps`` line, when it is a library of :func:`lib_kind`."""
+    parts = line.split(None, 5)
+    if len(parts) < 6 or not parts[5].startswith(b"/"):
+        return None
+    try:
+        major, minor = (int(x, 16) for x in parts[3].split(b":"))
+        ino = int(parts[4])
+    except ValueError:
+        return None
+    raw = parts[5].rstrip(b"\n")
+    deleted = raw.endswith(b" (deleted)")
+    if deleted:
+        raw = raw[: -len(b" (deleted)")]
+    path = raw.decode("utf-8", "backslashreplace")
+    if ino == 0 or lib_kind(path) is None:
+        return None
+    return Mapping(path[:MAX_PATH], (major, minor), ino, deleted)
+
+
+@dataclass
+class Proc:
+    pid: int
+    ppid: int
+    uid: int
+    start: int  # clock ticks after boot: a pid reused is another process
+
+
+def _stat(pid: int, proc: Path) -> Proc | None:
+    try:
+        data = (proc / str(pid) / "stat").read_bytes()
+        uid = os.stat(proc / str(pid)).st_uid
+    except OSError:
+        return None
+    fields = data[data.rfind(b")") + 2:].split()  # the name may hold spaces and ")"
+    try:
+        return Proc(pid, int(fields[1]), uid, int(fields[19]))
+    except (IndexError, ValueError):
+        return None
+
+
+def _read(path: Path, limit: int) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(limit)
+
+
+@dataclass
+class Step:
+    job: str
+    step: str
+    uid: int
+    pids: list[int] = field(default_factory=list)
+
+
+def read_maps(path: Path, limit: int) -> tuple[list[Mapping], int, bool]:
+    """The library mappings of one ``maps`` file: ``(mappings, bytes read, cut)``. Read in
+    chunks, only the lines naming a library of interest parsed, one entry per file."""
+    out: dict[tuple[tuple[int, int], int, str], Mapping] = {}
+    done = 0
+    cut = False
+    rest = b""
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            want = min(CHUNK, limit - done)
+            if want <= 0:
+                cut = bool(f.read(1))
+                break
+            chunk = f.read(want)
+            if not chunk:
+                break
+            done += len(chunk)
+            data = rest + chunk
+            last = data.rfind(b"\n")
+            rest, data = (data[last + 1:], data[: last + 1]) if last >= 0 else (data, b"")
+            if len(rest) > 2 * CHUNK:
+                rest = b""  # a line longer than any the kernel writes: not one of ours
+            if b"lib" not in data:
+                continue
+            for line in data.split(b"\n"):
+                if b"libnccl" in line or b"libibverbs" in line:
+                    m = parse_maps_line(line)
+                    if m is not None:
+                        out.setdefault((m.dev, m.ino, m.path), m)
+        if rest and (b"libnccl" in rest or b"libibverbs" in rest):
+            m = parse_maps_line(rest)
+            if m is not None:
+                out.setdefault((m.dev, m.ino, m.path), m)
+    return list(out.values()), done, cut
+
+
+class Scanner:
+    """One node's scans. ``node``: its name; ``node_from_env``: several slurmd on one
+    machine (the dev cluster only): a process is this node's when its environment says
+    ``SLURMD_NODENAME=<node>`` (a user's word: never on a real cluster)."""
+
+    def __init__(self, node: str, *, proc: str = "/proc", cache: Any = None,
+                 node_from_env: bool = False, hash_bytes: int = HASH_BYTES,
+                 scan_bytes: int = SCAN_BYTES, maps_bytes: int = MAX_MAPS_BYTES) -> None:
+        self.node = node
+        self.proc = Path(proc)
+        self.cache = cache
+        self.node_from_env = node_from_env
+        self.hash_bytes, self.scan_bytes, self.maps_bytes = hash_bytes, scan_bytes, maps_bytes
+        self.since: dict[tuple[str, str], float] = {}  # step -> first scan with a libnccl
+        self.turn = 0  # where the next scan starts in the list of steps
+        self.stats = {"procs": 0, "maps_bytes": 0, "hashed_bytes": 0}
+
+    # ---- which processes are whose
+
+    def _mine(self, pid: int) -> bool:
+        if not self.node_from_env:
+            return True
+        try:
+            env = _read(self.proc / str(pid) / "environ", 1 << 20)
+        except OSError:
+            return False
+        return f"SLURMD_NODENAME={self.node}".encode() in env.split(b"\0")
+
+    def steps(self) -> dict[tuple[str, str], Step]:
+        procs: dict[int, Proc] = {}
+        titles: dict[int, tuple[str, str]] = {}
+        dirs: dict[int, tuple[str, str | None, str]] = {}  # pid -> its step's cgroup
+        with os.scandir(self.proc) as it:
+            for n, entry in enumerate(it):
+                if n >= MAX_PIDS:
+                    break
+                if not entry.name.isdigit():
+                    continue
+                p = _stat(int(entry.name), self.proc)
+                if p is None:
+                    continue
+                procs[p.pid] = p
+                try:
+                    cg = _read(self.proc / entry.name / "cgroup", 1 << 16).decode(
+                        "utf-8", "replace")
+                except OSError:
+                    cg = ""
+                got = step_dir_of_cgroup(cg, None if self.node_from_env else self.node)
+                if got is not None:
+                    dirs[p.pid] = got
+                if p.uid == 0:
+                    with contextlib.suppress(OSError):
+                        t = step_of_title(_read(self.proc / entry.name / "cmdline", 64))
+                        if t is not None:
+                            titles[p.pid] = t
+        # a step directory named by a SLUID: its job is the one its slurmstepd's title says
+        named = {dirs[pid][0]: t for pid, t in titles.items() if pid in dirs}
+        by_cgroup: dict[int, tuple[str, str]] = {}
+        for pid, (where, job, step) in dirs.items():
+            if job is not None:
+                by_cgroup[pid] = (job, step)
+            elif where in named:
+                by_cgroup[pid] = (named[where][0], step)
+        self.stats["procs"] = len(procs)
+        memo: dict[int, tuple[str, str] | None] = {}
+
+        def ancestry(pid: int) -> tuple[str, str] | None:
+            chain = []
+            cur: int | None = pid
+            found = None
+            for _ in range(MAX_DEPTH):
+                if cur is None or cur in memo:
+                    found = memo.get(cur) if cur is not None else None
+                    break
+                chain.append(cur)
+                p = procs.get(cur)
+                if p is None or p.ppid in (0, cur):
+                    break
+                cur = p.ppid
+                if cur in titles and procs[cur].uid == 0:
+                    found = titles[cur]
+                    break
+            for c in chain:
+                memo[c] = found
+            return found
+
+        out: dict[tuple[str, str], Step] = {}
+        for pid, p in procs.items():
+            if pid in titles:
+                continue  # the slurmstepd itself
+            key = by_cgroup.get(pid) or (ancestry(pid) if titles else None)
+            if key is None or not self._mine(pid):
+                continue
+            s = out.get(key)
+            if s is None:
+                s = out[key] = Step(key[0], key[1], p.uid)
+            s.pids.append(pid)
+        return out
+
+    # ---- one scan
+
+    def _identify(self, pid: int, m: Mapping, budget: list[int]) -> dict[str, Any]:
+        kind = lib_kind(m.path) or "?"
+        rec: dict[str, Any] = {"kind": kind, "path": m.path,
+                               "dev": f"{m.dev[0]:x}:{m.dev[1]:x}", "ino": m.ino,
+                               "size": None, "sha256": None, "version": None, "abis": [],
+                               "name": None, "error": None}
+        if kind == "ibverbs":
+            return rec
+        if m.deleted:
+            rec["error"] = "deleted since it was mapped"
+            return rec
+        from inventoryd.nodefs import NodeFS
+        from inventoryd.probes import nccl, plugins
+        from inventoryd.probes.linker import open_regular
+
+        fs = NodeFS(self.proc / str(pid) / "root")
+        try:
+            f, st, _ = open_regular(fs, m.path)
+        except (OSError, ValueError) as e:
+            rec["error"] = f"cannot read: {getattr(e, 'strerror', None) or e}"
+            return rec
+        with f:
+            if (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino) != (*m.dev, m.ino):
+                rec["error"] = "replaced since it was mapped"
+                return rec
+            analyze = nccl.analyze if kind == "nccl" else plugins.analyze
+            ckind = nccl.KIND if kind == "nccl" else plugins.KIND
+            facts = self.cache.get(ckind, m.path, st) if self.cache is not None else None
+            if facts is None:
+                if st.st_size > budget[0]:
+                    rec["error"] = "not read yet (this scan's reading budget is spent)"
+                    return rec
+                budget[0] -= st.st_size
+                self.stats["hashed_bytes"] += st.st_size
+                facts = analyze(f, m.path)
+                if self.cache is not None:
+                    self.cache.put(ckind, m.path, st, facts)
+        rec["size"], rec["sha256"] = facts.get("size"), facts.get("sha256")
+        if kind == "nccl":
+            rec["version"] = facts.get("version")
+            rec["error"] = facts.get("version_error")
+            abis = facts.get("abis") or {}
+            rec["abis"] = sorted({int(a) for a in abis.get("net") or []
+                                  if isinstance(a, int)})[:16]
+        else:
+            abis = facts.get("abis") or {}
+            rec["abis"] = [int(a) for a in abis.get(kind) or [] if isinstance(a, int)][:16]
+            rec["name"] = (facts.get("names") or {}).get(kind)
+            rec["error"] = facts.get("error")
+        return rec
+
+    def scan(self, now: float | None = None) -> dict[str, Any]:
+        """One scan: the document :mod:`inventoryd.node.daemon` publishes."""
+        now = time.time() if now is None else now
+        steps = self.steps()
+        order = sorted(steps)
+        if order:
+            k = self.turn % len(order)
+            order = order[k:] + order[:k]
+            self.turn = k + 1
+        left = self.scan_bytes
+        budget = [self.hash_bytes]
+        files: dict[tuple[tuple[int, int], int, str], dict[str, Any]] = {}
+        out: list[dict[str, Any]] = []
+        complete = len(steps) <= MAX_STEPS
+        self.stats["maps_bytes"] = 0
+        for key in order[:MAX_STEPS]:
+            s = steps[key]
+            found: dict[tuple[tuple[int, int], int, str], tuple[int, Mapping]] = {}
+            cut = False
+            for pid in s.pids:
+                if left <= 0:
+                    cut = True
+                    break
+                try:
+                    maps, used, over = read_maps(self.proc / str(pid) / "maps",
+                                                 min(self.maps_bytes, left))
+                except OSError:
+                    continue  # gone, or not ours to read
+                left -= used
+                self.stats["maps_bytes"] += used
+                cut |= over
+                for m in maps:
+                    found.setdefault((m.dev, m.ino, m.path), (pid, m))
+            libs: list[dict[str, Any]] = []
+            for k2, (pid, m) in sorted(found.items(), key=lambda kv: kv[1][1].path):
+                if len(libs) >= LIBS_PER_STEP:
+                    cut = True
+                    break
+                rec = files.get(k2)
+                if rec is None or (rec.get("error") or "").startswith("not read yet"):
+                    rec = files[k2] = self._identify(pid, m, budget)
+                libs.append(rec)
+            if not libs:
+                continue  # a step that loaded no NCCL is not listed
+            if any(lib["kind"] == "nccl" for lib in libs):
+                self.since.setdefault(key, now)
+            out.append({"job": s.job, "step": s.step, "uid": s.uid, "procs": len(s.pids),
+                        "since": self.since.get(key), "libs": libs, "cut": cut})
+        for gone in set(self.since) - set(steps):
+            del self.since[gone]
+        out.sort(key=lambda d: (int(d["job"]), d["step"]))
+        if self.cache is not None:
+            self.cache.save()
+        return {"ncclguard_loaded": LOADED_VERSION, "host": self.node, "scanned_at": now,
+                "complete": complete and left > 0, "steps": out}
+
+
+def write(doc: dict[str, Any], out: Path) -> None:
+    """Write ``doc`` to ``out`` atomically, mode 0644 (the node daemon reads it)."""
+    why = loaded_problem(doc)
+    if why:
+        raise ValueError(f"not written: {why}")
+    data = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+    tmp = out.with_name(f".{out.name}.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o644)
+    try:
+        os.write(fd, data)
+        os.fchmod(fd, 0o644)
+    finally:
+        os.close(fd)
+    os.replace(tmp, out)
+
+
+class JobMaps:
+    """The ``ncclguard-jobmaps`` service (:class:`inventoryd.loop.Service`): one scan per
+    step, written to ``out``."""
+
+    what = "scan"
+
+    def __init__(self, node: str, out: str, cfg: RuntimeConfig,
+                 scanner: Scanner | None = None) -> None:
+        from inventoryd.filecache import FileCache
+
+        self.node, self.out, self.cfg = node, Path(out), cfg
+        self.scanner = scanner or Scanner(
+            node, cache=FileCache(self.out.with_name("filecache.json")),
+            node_from_env=cfg.node_from_env)
+
+    @property
+    def label(self) -> str:
+        return f"{self.node}: jobmaps:"
+
+    def started(self) -> str:
+        return f"writing {self.out} every {self.cfg.scan_interval_s:g} s"
+
+    def step(self, should_stop: Callable[[], bool] = lambda: False) -> Outcome:
+        doc = _fit(self.scanner.scan())
+        write(doc, self.out)
+        n = len(doc["steps"])
+        return Outcome(ok=True, status=f"{n} step{'s' if n != 1 else ''} with NCCL loaded")
+
+    def delay(self, ok: bool) -> float:
+        return self.cfg.scan_interval_s
+
+    def reloaded(self, config: Config) -> JobMaps:
+        return JobMaps(self.node, str(self.out), config.runtime, self.scanner)
+
+    def close(self, *, replaced: bool = False) -> None:
+        pass
+
+
+def main(hostname: str | None, out: str, cfg: RuntimeConfig, *, once: bool = False,
+         config_path: str | None = None) -> int:
+    """``ncclguard-inventoryd jobmaps``: scan until SIGTERM (``once``: one scan)."""
+    from inventoryd.loop import log_to_stderr, serve
+
+    log_to_stderr(log)
+    node = hostname or socket.gethostname().split(".")[0]
+    service = JobMaps(node, out, cfg)
+    if once:
+        try:
+            service.step()
+        except (OSError, ValueError) as e:
+            log.error("%s %s", service.label, e)
+            return 1
+        return 0
+    return serve(service, log, config_path=config_path)
+
+
+def _fit(doc: dict[str, Any]) -> dict[str, Any]:
+    """``doc`` within the record's quota (:func:`ncclguard.fingerprint.loaded.loaded_problem`): the
+    last steps left out, and ``complete`` false, until it fits."""
+    while loaded_problem(doc) is not None and doc["steps"]:
+        doc = {**doc, "steps": doc["steps"][: len(doc["steps"]) * 3 // 4], "complete": False}
+    return doc
+
+
+def file_ok(path: Path) -> bool:
+    """Whether ``path`` is a regular file no one but its owner (this service's user or
+    root) can write: what the node daemon trusts."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return False
+    return (stat.S_ISREG(st.st_mode) and not st.st_mode & 0o022
+            and st.st_uid in (0, os.geteuid()))
+
+
+def read_loaded(path: str, host: str, max_age_s: float, now: float | None = None
+                ) -> tuple[dict[str, Any] | None, str | None]:
+    """The document at ``path`` for the node's record: ``(doc, None)``, or ``(None, why
+    not)`` (no file: not watched; a file others can write, too large, not of this
+    host's shape, or older than ``max_age_s``: the scanner has stopped)."""
+    from ncclguard.fingerprint.loaded import MAX_LOADED_BYTES
+
+    now = time.time() if now is None else now
+    p = Path(path)
+    try:
+        fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None, None
+    except OSError as e:
+        return None, f"{p}: cannot open: {e.strerror or e}"
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_mode & 0o022 or st.st_uid not in (
+                0, os.geteuid()):
+            return None, (f"{p}: not a regular file of this service's user or root that "
+                          "no one else can write: not trusted")
+        data = f.read(MAX_LOADED_BYTES + 1)
+    if len(data) > MAX_LOADED_BYTES:
+        return None, f"{p}: over {MAX_LOADED_BYTES} bytes"
+    try:
+        doc = json.loads(data)
+    except (ValueError, RecursionError) as e:
+        return None, f"{p}: not JSON: {str(e)[:100]}"
+    why = loaded_problem(doc, host)
+    if why:
+        return None, f"{p}: {why}"
+    if now - float(doc["scanned_at"]) > max_age_s:
+        return None, f"{p}: written {now - float(doc['scanned_at']):.0f} s ago (the scanner " \
+            "has stopped?)"
+    return doc, None

@@ -1,0 +1,169 @@
+"""What running jobs really loaded, on a real cluster (issue 42, docs/runtime.md).
+
+Real ``sbatch``/``srun`` jobs on the dev cluster run ``loadnccl`` (tests/helpers/loader.py,
+compiled with gcc), which ``dlopen``s the real ``libnccl.so.2`` of an nvidia-nccl wheel
+that its node's ``LD_LIBRARY_PATH`` names, and, where told, a gcc-built net plugin, as
+NCCL's net set-up would. Each node's ``ncclguard-inventoryd jobmaps`` reads the steps'
+``/proc/PID/maps`` (their processes found under their slurmstepd: the dev cluster runs
+``proctrack/linuxproc``), the node publishes it in its signed record, and one collector
+scan joins the nodes.
+
+- job A: n1 loads 2.21.5, n2 loads 2.23.4: mixed (another release), each node's named;
+- job B: 2.21.5 on n3 and n4, the net plugin on n3 only: mixed (a plugin on some nodes);
+- job C: 2.21.5 on n2 and n4, nothing else: never mixed;
+- with ``on_mixed = "requeue"``, a mixed batch job is requeued away from its odd node and
+  completes.
+
+The nodes' net is taken as chosen at once (``settle_s = 0``): the loader maps no
+libibverbs, and waiting a minute per test would only cost time (the settle rule:
+tests/test_runtime.py).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from helpers.fingerprints import fingerprint
+from helpers.loader import build_loader
+from helpers.parts import build_plugin
+from helpers.wait import wait_until
+
+from devtools.devcluster import DevCluster
+from ncclguard.store import Inventory
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+CONFIG = '[gate]\naudit_log = "{audit}"\nsteer_wait_s = 30\n[runtime]\nsettle_s = 0\n'
+
+
+def _script(path: Path, loader: Path, libdir: dict[str, Path], plugin: dict[str, Path],
+            seconds: str) -> Path:
+    """A batch script whose one srun step loads, on each node, the libnccl of
+    ``libdir[node]`` (else ``libdir["*"]``) and the plugin of ``plugin[node]``."""
+    cases = "".join(f'  {n}) export LD_LIBRARY_PATH={d}; EXTRA={plugin.get(n, "")} ;;\n'
+                    for n, d in libdir.items() if n != "*")
+    path.write_text(
+        "#!/bin/bash\n"
+        f"SECS={seconds}\n"
+        "srun bash -c 'case \"$SLURMD_NODENAME\" in\n"
+        f"{cases}"
+        f'  *) export LD_LIBRARY_PATH={libdir["*"]}; EXTRA= ;;\n'
+        "esac\n"
+        f"exec {loader} $0 $EXTRA' \"$SECS\"\n")
+    path.chmod(0o755)
+    return path
+
+
+def _loaded(out: Path, nodes: int) -> bool:
+    try:
+        return out.read_text().count("loaded ") >= nodes
+    except OSError:
+        return False
+
+
+def _publish_and_collect(c: DevCluster) -> None:
+    """Each node: one jobmaps scan, then its signed record with what it found; one scan."""
+    for host in c.node_names:
+        doc = c.jobmaps(host)
+        c.publish_fingerprint(host, fingerprint(host, nccl="2.21.5"), loaded=doc)
+    r = c.collect()
+    assert f"{len(c.node_names)} accepted, 0 rejected" in r.stderr, r.stderr
+
+
+def _mixed(c: DevCluster) -> dict[str, dict]:
+    with Inventory(c.db, readonly=True) as inv:
+        return {m["job"]: m for m in inv.mixed_steps()}
+
+
+@pytest.fixture
+def parts(tmp_path: Path, nccl_lib: Callable[[str], Path]) -> dict[str, Path]:
+    return {"loader": build_loader(tmp_path / "bin"),
+            "old": nccl_lib("2.21.5").parent, "new": nccl_lib("2.23.4").parent,
+            "plugin": build_plugin(tmp_path / "plugin", net_abis=[8, 7], name="IBtest")}
+
+
+def test_mixed_jobs_are_found_within_one_scan_and_the_consistent_one_never(
+    cluster: DevCluster, parts: dict[str, Path], tmp_path: Path,
+) -> None:
+    c = cluster
+    c.write_gate_config(CONFIG.format(audit=c.audit_path))
+    c.remove_inventory()
+    c.remove_records()
+    loader, old, new, plugin = (parts[k] for k in ("loader", "old", "new", "plugin"))
+    jobs = {}
+    for name, nodes, libdir, plug in (
+        ("A", "n[1-2]", {"n2": new, "*": old}, {}),
+        ("B", "n[3-4]", {"n3": old, "*": old}, {"n3": plugin}),
+        ("C", "n[2,4]", {"*": old}, {}),
+    ):
+        script = _script(tmp_path / f"{name}.sh", loader, libdir, plug, "120")
+        out = tmp_path / f"{name}.out"
+        jobs[name] = (c.sbatch(["-N2", "-w", nodes, "-o", str(out), str(script)]), out)
+    for name, (job, out) in jobs.items():
+        wait_until(lambda out=out: _loaded(out, 2), 60, f"job {name}'s two loaders",
+                   detail=lambda job=job, out=out: c.show_job(job) + (
+                       out.read_text() if out.exists() else ""))
+    _publish_and_collect(c)
+    a, b, cc = (str(jobs[k][0]) for k in "ABC")
+    mixed = _mixed(c)
+    assert set(mixed) == {a, b}, mixed
+    assert mixed[a]["kind"] == "nccl" and mixed[a]["step"] == "0"
+    assert "different NCCL releases" in mixed[a]["summary"]
+    assert "n1: libnccl 2.21.5" in mixed[a]["summary"]
+    assert "n2: libnccl 2.23.4" in mixed[a]["summary"], mixed[a]
+    assert mixed[b]["kind"] == "net-missing" and mixed[b]["action"] is None
+    assert "n3: net plugin 'IBtest'" in mixed[b]["summary"], mixed[b]
+    # the views: ncclguard jobs, decisions --job, the metrics
+    r = c.ncclguard("jobs")
+    for job in (a, b, cc):
+        assert job in r.stdout, r.stdout
+    assert "consistent" in r.stdout and "MIXED nccl" in r.stdout, r.stdout
+    r = c.ncclguard("--json", "jobs")
+    verdicts = {(x["job"], x["host"]): x["verdict"] for x in json.loads(r.stdout)["steps"]}
+    assert verdicts[(cc, "n2")] == verdicts[(cc, "n4")] == "consistent", verdicts
+    assert {verdicts[(b, "n3")], verdicts[(b, "n4")]} == {
+        "MIXED net-missing", "MIXED net-missing, odd"}, verdicts
+    r = c.ncclguard("--json", "decisions", "--job", a)
+    doc = json.loads(r.stdout)
+    assert {x["host"]: x["nccl"].split(" (")[0] for x in doc["loaded"]} == {
+        "n1": "libnccl 2.21.5", "n2": "libnccl 2.23.4"}, doc["loaded"]
+    assert doc["mixed"][0]["odd"] in (["n1"], ["n2"])
+    m = c._inventoryd(["metrics", "--no-slurm"], c.config_path).stdout
+    assert 'ncclguard_mixed_steps{kind="nccl"} 1.0' in m, m
+    assert 'ncclguard_mixed_steps{kind="net-missing"} 1.0' in m
+    assert "ncclguard_loaded_steps 3.0" in m
+    # a second scan finds nothing new: each step is kept once
+    _publish_and_collect(c)
+    assert set(_mixed(c)) == {a, b}
+    c.cancel_all()
+
+
+def test_on_mixed_requeue_steers_a_mixed_batch_job_away_and_it_completes(
+    cluster: DevCluster, parts: dict[str, Path], tmp_path: Path,
+) -> None:
+    c = cluster
+    c.write_gate_config(CONFIG.format(audit=c.audit_path)
+                        + 'on_mixed = "requeue"\n')
+    c.remove_inventory()
+    c.remove_records()
+    c.cancel_all()
+    # n1 loads 2.23.4, the others 2.21.5: on n[1-3] n1 is odd; its second run, away
+    # from n1, loads 2.21.5 everywhere and ends at once
+    script = _script(tmp_path / "D.sh", parts["loader"], {"n1": parts["new"], "*": parts["old"]},
+                     {}, '$([ "${SLURM_RESTART_COUNT:-0}" -gt 0 ] && echo 1 || echo 300)')
+    out = tmp_path / "D.out"
+    job = c.sbatch(["-N3", "--requeue", "-o", str(out), str(script)])
+    wait_until(lambda: _loaded(out, 3), 60, "the job's three loaders",
+               detail=lambda: c.show_job(job))
+    assert c.job_field(job, "NodeList") == "n[1-3]"
+    _publish_and_collect(c)
+    (m,) = _mixed(c).values()
+    assert m["odd"] == ["n1"] and m["action"] == "requeue", m
+    assert m["result"].startswith("requeued: requeued, steered away from n1"), m
+    assert c.wait_job(job, {"COMPLETED", "FAILED"}, 120) == "COMPLETED", c.show_job(job)
+    assert c.job_field(job, "NodeList") == "n[2-4]"
+    assert c.job_field(job, "Restarts") == "1"
+    assert "AdminComment=ncclguard: mixed NCCL, different NCCL releases" in c.show_job(job)
