@@ -58,7 +58,7 @@ def test_every_alert_has_series_that_fire_it_and_series_that_must_not() -> None:
     fires = {a for a, empty in cases if not empty}
     silent = {a for a, empty in cases if empty}
     names = set(alerts())
-    assert len(names) == 17
+    assert len(names) == 18
     assert names == fires, names ^ fires
     assert names == silent, names ^ silent
     # and each one names what to run next

@@ -85,11 +85,12 @@ BLOCK = re.compile(
     re.M | re.S)
 # The guide's steps in the order this test runs them: the one-machine path top to bottom,
 # a reboot, then what a cluster adds (the shared spool), an upgrade, the removal.
-ORDER = ["slurm", "wheelhouse", "package", "users", "node", "node-check",
+ORDER = ["slurm", "wheelhouse", "package", "users", "node", "node-check", "jobmaps",
+         "jobmaps-check",
          "one-machine-address", "collector", "collector-check", "gate", "gate-check",
          "features", "features-check", "metrics", "shared-spool", "upgrade", "removal"]
 HOST = "nc1"
-UNITS = ["ncclguard-inventoryd", "ncclguard-collector", "ncclguard-features"]
+UNITS = ["ncclguard-inventoryd", "ncclguard-jobmaps", "ncclguard-collector", "ncclguard-features"]
 # what runs on the machine once the second node is there
 ALL_UNITS = [*UNITS, "munge", "slurmctld", "slurmd", "munge-n2", "slurmd-n2",
              "ncclguard-inventoryd-n2"]
@@ -279,6 +280,31 @@ def give_this_machine_a_libnccl(box: Machine, nccl_lib: Callable[[str], Path]) -
     except OSError:
         shutil.copyfile(nccl_lib("2.18.3"), dest)
     box.run(["ldconfig"])
+
+
+def check_jobmaps(box: Machine, step: Callable[..., subprocess.CompletedProcess[str]]
+                  ) -> None:
+    """Issue 42 under a real systemd: the unit, as ncclguard with CAP_SYS_PTRACE and its
+    sandbox, reads the maps of another user's job (nobody's, under proctrack/linuxproc)
+    and names its step and the real libnccl it loaded."""
+    # scaffolding: a job of nobody's that loads the machine's libnccl and waits
+    box.path("/srv/loadnccl.py").write_text(
+        "import ctypes, time\nctypes.CDLL('libnccl.so.2')\ntime.sleep(600)\n")
+    job = box.sh("sbatch --parsable --uid=nobody --chdir=/srv -o /dev/null "
+                 "--wrap 'exec python3 /srv/loadnccl.py'").stdout.strip()
+    try:
+        box.sh("timeout 90 sh -c 'until grep -q libnccl /run/ncclguard-jobmaps/loaded.json "
+               "2>/dev/null; do sleep 1; done'")
+        out = step("jobmaps-check").stdout
+        assert out.startswith("active\n"), out
+        doc = json.loads(out.split("\n", 1)[1])
+        (st,) = [x for x in doc["steps"] if x["job"] == job]
+        assert (st["step"], st["uid"]) == ("batch", 65534), st
+        (lib,) = st["libs"]
+        assert (lib["kind"], lib["version"], lib["error"]) == ("nccl", "2.18.3", None), lib
+        assert lib["path"] == "/usr/lib/x86_64-linux-gnu/libnccl.so.2", lib
+    finally:
+        box.sh(f"scancel {job}")
 
 
 def add_second_node(box: Machine, nccl_lib: Callable[[str], Path]) -> None:
@@ -543,6 +569,8 @@ def test_the_install_guide_under_systemd(
     step("node")
     out = step("node-check").stdout
     assert f"{HOST}: publishing to /var/lib/ncclguard/spool/{HOST}.rec" in out, out
+    step("jobmaps")
+    check_jobmaps(box, step)
     step("one-machine-address")
     step("collector")
     out = step("collector-check").stdout

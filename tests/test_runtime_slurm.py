@@ -167,3 +167,15 @@ def test_on_mixed_requeue_steers_a_mixed_batch_job_away_and_it_completes(
     assert c.job_field(job, "NodeList") == "n[2-4]"
     assert c.job_field(job, "Restarts") == "1"
     assert "AdminComment=ncclguard: mixed NCCL, different NCCL releases" in c.show_job(job)
+    # the same job from an exempt user is only recorded: it runs on
+    c.write_gate_config(CONFIG.format(audit=c.audit_path)
+                        + 'on_mixed = "requeue"\nexempt_users = ["root", "0"]\n')
+    out = tmp_path / "E.out"
+    job = c.sbatch(["-N3", "--requeue", "-o", str(out), str(script)])
+    wait_until(lambda: _loaded(out, 3), 60, "the job's three loaders",
+               detail=lambda: c.show_job(job))
+    _publish_and_collect(c)
+    m = _mixed(c)[str(job)]
+    assert m["result"] == "exempt: user root is exempt ([runtime] exempt_users)", m
+    assert c.job_field(job, "JobState") == "RUNNING" and c.job_field(job, "Restarts") == "0"
+    c.cancel_all()

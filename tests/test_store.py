@@ -461,6 +461,8 @@ def test_migration_to_v2_backfills_the_gate_values(tmp_path: Path) -> None:
     for table in ("registry_tags", "registry_images", "registry_layers"):  # v8's
         conn.execute(f"DROP TABLE {table}")
     conn.execute("DROP TABLE job_envs")  # v9's
+    conn.execute("DROP TABLE job_loads")  # v10's
+    conn.execute("DROP TABLE mixed_steps")
     conn.execute("PRAGMA user_version = 1")
     conn.close()
     with Inventory(p, values=GATE_VALUES) as inv:

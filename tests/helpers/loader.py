@@ -2,6 +2,7 @@
 ``libnccl.so.2`` (found as the dynamic linker finds it: ``LD_LIBRARY_PATH``, the cache),
 calls ``ncclGetVersion`` (no GPU needed), then ``dlopen``s each further library it is
 given (a net plugin, as NCCL's own net initialisation would), prints one line and sleeps.
+``--fork N`` first: N processes in all, forked after the load (bench/bench_jobmaps.py).
 
     loader = build_loader(tmp_path)
     subprocess.Popen([loader, "60", "/opt/plugin/libnccl-net.so"])
@@ -26,7 +27,13 @@ SOURCE = r"""
 #include <unistd.h>
 
 int main(int argc, char **argv) {
-    if (argc < 2) { fprintf(stderr, "usage: loadnccl SECONDS [LIB...]\n"); return 2; }
+    int fork_n = 1;  /* --fork N: N processes in all share the loaded library (benches) */
+    if (argc > 2 && argv[1][0] == '-' && argv[1][1] == '-') {
+        fork_n = atoi(argv[2]);
+        argv += 2;
+        argc -= 2;
+    }
+    if (argc < 2) { fprintf(stderr, "usage: loadnccl [--fork N] SECONDS [LIB...]\n"); return 2; }
     void *h = dlopen("libnccl.so.2", RTLD_NOW | RTLD_LOCAL);
     if (!h) { fprintf(stderr, "loadnccl: %s\n", dlerror()); return 1; }
     int (*get)(int *) = (int (*)(int *))dlsym(h, "ncclGetVersion");
@@ -40,6 +47,9 @@ int main(int argc, char **argv) {
     }
     printf("loaded %d libnccl.so.2\n", v);
     fflush(stdout);
+    for (int i = 1; i < fork_n; i++)
+        if (fork() == 0)
+            break;
     sleep((unsigned)atoi(argv[1]));
     return 0;
 }
