@@ -155,3 +155,55 @@ def test_a_node_really_without_the_net_plugin_is_still_found(tmp_path: Path) -> 
         found = rt.judge_pending(now=110.5)
         assert [(j, s, v.kind, v.odd) for j, s, v in found] == [("42", "0", "net-missing",
                                                                  ("n2",))]
+
+
+# ---- the collector acting twice on one job
+
+
+class _Slurm:
+    """A Slurm whose job 42 is a running batch job; the calls made, kept."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, list[str]]] = []
+
+    def job(self, job: str) -> object:
+        from types import SimpleNamespace
+
+        return SimpleNamespace(state="RUNNING", batch=True, partition="", user="u",
+                               user_id=1000, comment="", raw={}, node_count=2, end_time=None)
+
+    def set_admin_comment(self, job: str, text: str) -> None:
+        self.calls.append(("admin_comment", [job]))
+
+    def run(self, cmd: str, args: list[str]) -> None:
+        self.calls.append((cmd, args))
+
+    def notify(self, job: str, text: str) -> None:
+        self.calls.append(("notify", [job]))
+
+
+def test_a_job_acted_on_is_not_acted_on_again_for_another_step(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Job 42 found mixed in step 0 and requeued; its next run (the same job id) found mixed
+    # in step 1: requeued again, and the second action recorded nowhere (at most one is
+    # kept per job), so neither `decisions --job` nor the metrics said so.
+    from inventoryd.controller import runtime as rtmod
+    from ncclguard.config import Config
+    from ncclguard.policy import GATE_VALUES
+    from ncclguard.store import Inventory
+
+    monkeypatch.setattr(rtmod.Runtime, "_steer", lambda self, job, odd: None)
+    monkeypatch.setattr(rtmod.Runtime, "_exempt", lambda self, info: None)
+    cfg = Config()
+    object.__setattr__(cfg.runtime, "on_mixed", "requeue")
+    slurm = _Slurm()
+    a, b = _lib("nccl", "a", version="2.21.5"), _lib("nccl", "c", version="2.18.3")
+    with Inventory(tmp_path / "db.sqlite", values=GATE_VALUES) as inv:
+        rt = rtmod.Runtime(cfg, inv, slurm)  # type: ignore[arg-type]
+        for step, at in (("0", 10.0), ("1", 500.0)):
+            for host, lib in (("n1", a), ("n2", b)):
+                doc = _doc(host, at, [lib], at)
+                doc["steps"][0]["step"] = step  # type: ignore[index]
+                rt.pending |= inv.write_loaded([(host, doc, at)])
+            assert [s for _, s, _ in rt.judge_pending(now=at + 1)] == [step]
+        assert [c for c in slurm.calls if c[0] == "scontrol"] == [("scontrol", ["requeue", "42"])]

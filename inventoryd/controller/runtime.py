@@ -132,6 +132,8 @@ class Runtime:
         from ncclguard.hostlist import compress
         from ncclguard.slurm import SlurmError
 
+        if any(m.get("action") for m in self.inv.mixed_steps(job)):
+            return "already"  # at most one action per job: a requeued job's next run too
         if self.slurm is None:
             return self._done(job, "none", "no Slurm to act through", now)
         try:
