@@ -48,6 +48,16 @@ ACTIONS_PER_SCAN = 8
 STEER_WAIT_S = 60.0
 
 
+def _before_the_plugin(loads: Sequence[Any], rows: Sequence[dict[str, Any]]) -> bool:
+    """Whether a node found without a net plugin said so in a record older than the
+    newest of those with one: it may have been scanned before its NCCL set up its net
+    (which its other nodes' did since), so its absence is no evidence yet."""
+    seen = {r["host"]: float(r["seen_at"] or 0.0) for r in rows}
+    with_net = [seen[n.host] for n in loads if n.net_chosen and n.plugins.get("net")]
+    without = [seen[n.host] for n in loads if n.net_chosen and "net" not in n.plugins]
+    return bool(with_net and without) and min(without) < max(with_net)
+
+
 class Runtime:
     def __init__(self, cfg: configmod.Config, inv: Inventory,
                  slurm: Slurm | None = None) -> None:
@@ -77,10 +87,15 @@ class Runtime:
                 by_job[job] = self.inv.job_loads(job, current=True)
         for job, step in todo:
             rows = [r for r in by_job[job] if r["step"] == step]
-            loads = [node_load(r["host"], r["libs"], r["since"], now, self.cfg.runtime.settle_s)
-                     for r in rows]
+            # each node's net is judged as of its own record (a node gone silent does not
+            # settle past its last word)
+            loads = [node_load(r["host"], r["libs"], r["since"], r["seen_at"] or now,
+                               self.cfg.runtime.settle_s) for r in rows]
             verdict = judge(loads)
             if verdict is None:
+                continue
+            if verdict.kind == "net-missing" and _before_the_plugin(loads, rows):
+                self.pending.add((job, step))  # judged again on its nodes' next records
                 continue
             if self.inv.record_mixed(job, step, now, verdict.kind, verdict.summary,
                                      verdict.groups, verdict.odd):
@@ -117,6 +132,8 @@ class Runtime:
         from ncclguard.hostlist import compress
         from ncclguard.slurm import SlurmError
 
+        if any(m.get("action") for m in self.inv.mixed_steps(job)):
+            return "already"  # at most one action per job: a requeued job's next run too
         if self.slurm is None:
             return self._done(job, "none", "no Slurm to act through", now)
         try:

@@ -96,8 +96,11 @@ def step_dir_of_cgroup(text: str, node: str | None = None
     """``(the step's cgroup directory, job or None, step)`` of a ``/proc/PID/cgroup`` text
     when a line is a cgroup Slurm made for a step (of node ``node`` when the path names
     one), else None. The job is None where the directory holds a SLUID (cgroup v2 from
-    26.05): the step's slurmstepd, in that directory too, names it."""
-    for line in text.splitlines():
+    26.05): the step's slurmstepd, in that directory too, names it. Lines end at "\\n"
+    only: the kernel refuses it in a cgroup's name, but prints the name's other line
+    separators (``\\x1e``, ``\\x0b``, ``\\r``, ...) as they are, which ``splitlines`` takes
+    for the start of a line of Slurm's own making."""
+    for line in text.split("\n"):
         m = _CGROUP.match(line.split(":", 2)[-1])
         if m is None:
             continue
@@ -187,6 +190,21 @@ def _stat(pid: int, proc: Path) -> Proc | None:
         return Proc(pid, int(fields[1]), uid, int(fields[19]))
     except (IndexError, ValueError):
         return None
+
+
+def _root_in_all(pid: int, proc: Path) -> bool:
+    """Whether process ``pid`` is root in its real, effective, saved and fs uid: the owner
+    of ``/proc/PID`` is its effective uid only, root for a set-user-ID program a user ran
+    (under a title of the user's choosing)."""
+    try:
+        status = _read(proc / str(pid) / "status", 4096)
+    except OSError:
+        return False
+    for line in status.split(b"\n"):
+        if line.startswith(b"Uid:"):
+            uids = line.split()[1:]
+            return len(uids) == 4 and all(u == b"0" for u in uids)
+    return False
 
 
 def _read(path: Path, limit: int) -> bytes:
@@ -291,7 +309,7 @@ class Scanner:
                 if p.uid == 0:
                     with contextlib.suppress(OSError):
                         t = step_of_title(_read(self.proc / entry.name / "cmdline", 64))
-                        if t is not None:
+                        if t is not None and _root_in_all(p.pid, self.proc):
                             titles[p.pid] = t
         # a step directory named by a SLUID: its job is the one its slurmstepd's title says
         named = {dirs[pid][0]: t for pid, t in titles.items() if pid in dirs}
