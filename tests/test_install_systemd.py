@@ -290,7 +290,7 @@ def check_jobmaps(box: Machine, step: Callable[..., subprocess.CompletedProcess[
     # scaffolding: a job of nobody's that loads the machine's libnccl and waits
     box.path("/srv/loadnccl.py").write_text(
         "import ctypes, time\nctypes.CDLL('libnccl.so.2')\ntime.sleep(600)\n")
-    job = box.sh("sbatch --parsable --uid=nobody --chdir=/srv -o /dev/null "
+    job = box.sh("runuser -u nobody -- sbatch --parsable --chdir=/srv -o /dev/null "
                  "--wrap 'exec python3 /srv/loadnccl.py'").stdout.strip()
     try:
         box.sh("timeout 90 sh -c 'until grep -q libnccl /run/ncclguard-jobmaps/loaded.json "
@@ -342,8 +342,9 @@ def add_second_node(box: Machine, nccl_lib: Callable[[str], Path]) -> None:
         (units / "slurmd.service.d").mkdir(exist_ok=True)
         (units / "slurmd.service.d" / "pidfile.conf").write_text(
             f"[Service]\nPIDFile=/run/slurmd-{HOST}.pid\n")
+    # (n2 runs no ncclguard-jobmaps: the machine's file is nc1's)
     box.path("/etc/ncclguard/n2.toml").write_text(
-        '[spool]\nmunge_socket = "/run/munge-n2/munge.socket.2"\n')
+        '[spool]\nmunge_socket = "/run/munge-n2/munge.socket.2"\n[runtime]\nloaded_file = ""\n')
     shipped = box.path("/etc/systemd/system/ncclguard-inventoryd.service").read_text()
     n2_unit = shipped.replace(
         "ExecStart=/opt/ncclguard/bin/ncclguard-inventoryd run",

@@ -4,6 +4,7 @@ tries to claim another job's step, or to have a consistent job called mixed."""
 from __future__ import annotations
 
 import os
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -15,13 +16,17 @@ ROOT_STAT = "1 (x) S 0 1 1 0 -1 0 0 0 0 0 0 0 0 0 20 0 1 0 100 0 0\n"
 
 def _proc(root: Path, pid: int, *, ppid: int, uid: int, cmdline: bytes = b"x\0",
           cgroup: str = "0::/\n", uids: tuple[int, int, int, int] | None = None,
-          maps: str = "") -> None:
+          maps: str = "", comm: str | None = None) -> None:
     """One fake /proc/PID laid out as the kernel lays it out: the directory owned by the
-    process's effective uid, ``status`` with its real, effective, saved and fs uids."""
+    process's effective uid, ``status`` with its real, effective, saved and fs uids,
+    ``stat`` with its name (``comm``: by default ``slurmstepd`` for a process of that
+    title, else ``x``)."""
     d = root / str(pid)
     d.mkdir()
-    (d / "stat").write_text(f"{pid} (x) S {ppid} {pid} {pid} 0 -1 0 0 0 0 0 0 0 0 0 20 0 1 0 "
-                            "100 0 0\n")
+    if comm is None:
+        comm = "slurmstepd" if cmdline.startswith(b"slurmstepd:") else "x"
+    (d / "stat").write_text(f"{pid} ({comm}) S {ppid} {pid} {pid} 0 -1 0 0 0 0 0 0 0 0 0 20 0 "
+                            "1 0 100 0 0\n")
     (d / "cmdline").write_bytes(cmdline)
     (d / "cgroup").write_text(cgroup)
     (d / "maps").write_text(maps)
@@ -80,8 +85,9 @@ def test_a_setuid_process_titled_slurmstepd_adopts_no_one(tmp_path: Path) -> Non
     proc = tmp_path / "proc"
     proc.mkdir()
     _proc(proc, 1, ppid=0, uid=0)
+    # (run through a symlink named slurmstepd: the kernel names the process by it)
     _proc(proc, 600, ppid=1, uid=0, uids=(1000, 0, 0, 0),
-          cmdline=b"slurmstepd: [999.0]\0/bin/su\0")
+          cmdline=b"slurmstepd: [999.0]\0/bin/su\0", comm="slurmstepd")
     _proc(proc, 601, ppid=600, uid=1000)
     assert Scanner("n1", proc=str(proc)).steps() == {}
     # a real slurmstepd (root in all four) still names its step's processes
@@ -207,3 +213,114 @@ def test_a_job_acted_on_is_not_acted_on_again_for_another_step(
                 rt.pending |= inv.write_loaded([(host, doc, at)])
             assert [s for _, s, _ in rt.judge_pending(now=at + 1)] == [step]
         assert [c for c in slurm.calls if c[0] == "scontrol"] == [("scontrol", ["requeue", "42"])]
+
+
+def test_what_jobs_loaded_never_costs_the_node_its_fingerprint(
+    tmp_path: Path, node_munged: Any,
+) -> None:
+    """A node's record with a full ``loaded`` part (a user's steps with the longest paths
+    the quota allows) over ``[spool] max_record_bytes``: published without it, the
+    fingerprint whole, and why said (before: the record was written too large and the
+    collector rejected it, fingerprint and all)."""
+    from helpers.fingerprints import fingerprint
+
+    from inventoryd.node.publish import Publisher
+    from ncclguard import spool
+    from ncclguard.config import SpoolConfig
+    from ncclguard.fingerprint.loaded import LIBS_PER_STEP, MAX_PATH, loaded_problem
+
+    def lib() -> dict[str, Any]:  # a path munged's compression cannot shrink much
+        return {"kind": "nccl", "path": "/" + os.urandom(MAX_PATH // 2 - 1).hex(),
+                "dev": "fd:1", "ino": 1, "size": None, "sha256": None, "version": None,
+                "abis": [], "name": None, "error": "cannot read: Permission denied"}
+
+    steps = [{"job": str(j), "step": "0", "uid": 1000, "procs": 1, "since": None,
+              "cut": False, "libs": [lib() for _ in range(LIBS_PER_STEP)]}
+             for j in range(1, 40)]
+    doc = {"ncclguard_loaded": 1, "host": "n1", "scanned_at": 1.0, "complete": False,
+           "steps": steps}
+    while loaded_problem(doc) is not None:
+        doc["steps"] = doc["steps"][:-1]
+    fp = fingerprint("n1")
+    sock = str(node_munged("n1").socket)
+    plain = Publisher(SpoolConfig(dir=str(tmp_path / "a"), munge_socket=sock), 300)
+    size = plain.publish(fp).stat().st_size
+    pub = Publisher(SpoolConfig(dir=str(tmp_path / "b"), munge_socket=sock,
+                                max_record_bytes=size + 4096), 300)
+    path = pub.publish(fp, loaded=doc)
+    assert pub.loaded_left_out is not None and "max_record_bytes" in pub.loaded_left_out
+    assert path.stat().st_size <= size + 4096
+    from ncclguard.munge import decode
+
+    rec = spool.parse_payload(decode(path.read_bytes().strip(), socket_path=sock).payload,
+                              max_bytes=1 << 22)
+    assert rec.loaded is None and rec.fingerprint["host"]["hostname"] == "n1"
+    # with room, it goes with the record
+    roomy = Publisher(SpoolConfig(dir=str(tmp_path / "c"), munge_socket=sock), 300)
+    rec = spool.parse_payload(decode(roomy.publish(fp, loaded=doc).read_bytes().strip(),
+                                     socket_path=sock).payload, max_bytes=1 << 22)
+    assert roomy.loaded_left_out is None and rec.loaded == doc
+
+
+@needs_root
+def test_a_pid_reused_between_discovery_and_its_maps_is_not_the_steps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Step 5.0's process 701 ends after the scan found it; its pid goes to another
+    process (of a user's, mapping their own libnccl) before its maps are read. Before: the
+    other process's libraries were put down as step 5.0's. Now: its start time (``stat``
+    field 22) is read again after the maps, and a changed one leaves them out."""
+    from inventoryd.node import jobmaps
+
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    _proc(proc, 1, ppid=0, uid=0)
+    _proc(proc, 700, ppid=1, uid=0, cmdline=b"slurmstepd: [5.0]\0\0\0")
+    maps = "7f-8f r-xp 0 fd:01 12 /home/u/v/libnccl.so.2\n"
+    _proc(proc, 701, ppid=700, uid=1000, maps=maps)
+    read = jobmaps.read_maps
+
+    def reused(path: Path, limit: int) -> tuple[list[jobmaps.Mapping], int, bool]:
+        out = read(path, limit)  # the maps read are the new process's: it started later
+        stat = proc / "701" / "stat"
+        stat.write_text(stat.read_text().replace(" 100 0 0", " 999 0 0"))
+        return out
+
+    monkeypatch.setattr(jobmaps, "read_maps", reused)
+    assert Scanner("n1", proc=str(proc)).scan()["steps"] == []
+    monkeypatch.setattr(jobmaps, "read_maps", read)  # the same process all along: listed
+    (proc / "701" / "stat").write_text(
+        (proc / "701" / "stat").read_text().replace(" 999 0 0", " 100 0 0"))
+    (st,) = Scanner("n1", proc=str(proc)).scan()["steps"]
+    assert (st["job"], st["libs"][0]["path"]) == ("5", "/home/u/v/libnccl.so.2")
+
+
+@needs_root
+def test_a_process_whose_nccl_opened_its_net_plugin_is_read_once(tmp_path: Path) -> None:
+    """Bounded work per scan (docs/runtime.md, "Bounds"): a process that mapped libnccl
+    and its net plugin has nothing more to show, and its maps are not read again while it
+    lives (counted in bytes read); one with libnccl only is read every scan (its plugin may
+    come); a pid reused is read anew."""
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    _proc(proc, 1, ppid=0, uid=0)
+    _proc(proc, 700, ppid=1, uid=0, cmdline=b"slurmstepd: [5.0]\0")
+    both = ("7f-8f r-xp 0 fd:01 12 /v/libnccl.so.2\n"
+            "8f-9f r-xp 0 fd:01 13 /opt/p/libnccl-net.so\n")
+    _proc(proc, 701, ppid=700, uid=1000, maps=both)
+    _proc(proc, 702, ppid=700, uid=1000, maps="7f-8f r-xp 0 fd:01 12 /v/libnccl.so.2\n")
+    sc = Scanner("n1", proc=str(proc))
+    first = sc.scan()
+    read_first = sc.stats["maps_bytes"]
+    assert read_first == len(both) + len("7f-8f r-xp 0 fd:01 12 /v/libnccl.so.2\n")
+    second = sc.scan()
+    assert sc.stats["maps_bytes"] == read_first - len(both)  # 702 only
+    assert [lib["path"] for lib in second["steps"][0]["libs"]] == [
+        lib["path"] for lib in first["steps"][0]["libs"]] == ["/opt/p/libnccl-net.so",
+                                                              "/v/libnccl.so.2"]
+    stat = proc / "701" / "stat"  # 701 ended; its pid reused by a process started later
+    stat.write_text(stat.read_text().replace(" 100 0 0", " 200 0 0"))
+    (proc / "701" / "maps").write_text("")
+    sc.scan()
+    assert sc.stats["maps_bytes"] == read_first - len(both)  # both read again, 701's empty
+    assert list(sc.settled) == []

@@ -226,6 +226,12 @@ class Daemon:
             self._set_publish_state("invalid", f"fingerprint not published: {e}", error=True)
             return False
         self.last_publish = now
+        left_out = self.publisher.loaded_left_out
+        if self.said.get("left_out") != left_out:
+            if left_out is not None:
+                log.error("%s: record published without what running jobs loaded: %s",
+                          self.node, left_out)
+            self.said["left_out"] = left_out
         if changed:
             self.last_change = now
             log.info("%s: fingerprint published to %s", self.node, path)

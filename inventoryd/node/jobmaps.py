@@ -175,20 +175,31 @@ def parse_maps_line(line: bytes) -> Mapping | None:
 class Proc:
     pid: int
     ppid: int
-    uid: int
+    uid: int  # -1: not read
     start: int  # clock ticks after boot: a pid reused is another process
+    comm: bytes = b""  # the kernel's name of it: the executable's (not the title)
 
 
 def _stat(pid: int, proc: Path) -> Proc | None:
+    """Process ``pid``'s parent, start and name (``comm``), from ``/proc/PID/stat``; its
+    uid is read later, for the processes of a step only."""
     try:
-        data = (proc / str(pid) / "stat").read_bytes()
-        uid = os.stat(proc / str(pid)).st_uid
+        data = _read(f"{proc}/{pid}/stat", 4096)
     except OSError:
         return None
-    fields = data[data.rfind(b")") + 2:].split()  # the name may hold spaces and ")"
+    end = data.rfind(b")")
+    fields = data[end + 2:].split()  # the name may hold spaces and ")"
     try:
-        return Proc(pid, int(fields[1]), uid, int(fields[19]))
+        return Proc(pid, int(fields[1]), -1, int(fields[19]),
+                    data[data.find(b"(") + 1:end])
     except (IndexError, ValueError):
+        return None
+
+
+def _uid(pid: int, proc: Path) -> int | None:
+    try:
+        return os.stat(proc / str(pid)).st_uid
+    except OSError:
         return None
 
 
@@ -207,9 +218,20 @@ def _root_in_all(pid: int, proc: Path) -> bool:
     return False
 
 
-def _read(path: Path, limit: int) -> bytes:
-    with open(path, "rb") as f:
-        return f.read(limit)
+def _read(path: Path | str, limit: int) -> bytes:
+    """At most ``limit`` bytes of a /proc file (one ``read`` for the small ones: os-level,
+    a scan does this for every process)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        data = os.read(fd, limit)
+        while len(data) < limit:
+            more = os.read(fd, limit - len(data))
+            if not more:
+                break
+            data += more
+        return data
+    finally:
+        os.close(fd)
 
 
 @dataclass
@@ -218,22 +240,40 @@ class Step:
     step: str
     uid: int
     pids: list[int] = field(default_factory=list)
+    starts: dict[int, int] = field(default_factory=dict)  # pid -> its start (clock ticks)
 
 
-def read_maps(path: Path, limit: int) -> tuple[list[Mapping], int, bool]:
+def _lines_naming(data: bytes) -> list[bytes]:
+    """The lines of ``data`` that hold ``libnccl`` or ``libibverbs`` (each once), found
+    with ``bytes.find`` at C speed: most of a process's maps is other libraries."""
+    out = []
+    for word in (b"libnccl", b"libibverbs"):
+        at = data.find(word)
+        while at >= 0:
+            start = data.rfind(b"\n", 0, at) + 1
+            end = data.find(b"\n", at)
+            end = len(data) if end < 0 else end
+            out.append(data[start:end])
+            at = data.find(word, end)
+    return out
+
+
+def read_maps(path: Path | str, limit: int) -> tuple[list[Mapping], int, bool]:
     """The library mappings of one ``maps`` file: ``(mappings, bytes read, cut)``. Read in
-    chunks, only the lines naming a library of interest parsed, one entry per file."""
+    chunks of whole lines; only the lines naming a library of interest are parsed, one
+    entry per file."""
     out: dict[tuple[tuple[int, int], int, str], Mapping] = {}
     done = 0
     cut = False
     rest = b""
-    with open(path, "rb", buffering=0) as f:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
         while True:
             want = min(CHUNK, limit - done)
             if want <= 0:
-                cut = bool(f.read(1))
+                cut = bool(os.read(fd, 1))
                 break
-            chunk = f.read(want)
+            chunk = os.read(fd, want)
             if not chunk:
                 break
             done += len(chunk)
@@ -242,17 +282,16 @@ def read_maps(path: Path, limit: int) -> tuple[list[Mapping], int, bool]:
             rest, data = (data[last + 1:], data[: last + 1]) if last >= 0 else (data, b"")
             if len(rest) > 2 * CHUNK:
                 rest = b""  # a line longer than any the kernel writes: not one of ours
-            if b"lib" not in data:
-                continue
-            for line in data.split(b"\n"):
-                if b"libnccl" in line or b"libibverbs" in line:
-                    m = parse_maps_line(line)
-                    if m is not None:
-                        out.setdefault((m.dev, m.ino, m.path), m)
-        if rest and (b"libnccl" in rest or b"libibverbs" in rest):
-            m = parse_maps_line(rest)
+            for line in _lines_naming(data):
+                m = parse_maps_line(line)
+                if m is not None:
+                    out.setdefault((m.dev, m.ino, m.path), m)
+        for line in _lines_naming(rest):
+            m = parse_maps_line(line)
             if m is not None:
                 out.setdefault((m.dev, m.ino, m.path), m)
+    finally:
+        os.close(fd)
     return list(out.values()), done, cut
 
 
@@ -271,6 +310,8 @@ class Scanner:
         self.hash_bytes, self.scan_bytes, self.maps_bytes = hash_bytes, scan_bytes, maps_bytes
         self.since: dict[tuple[str, str], float] = {}  # step -> first scan with a libnccl
         self.turn = 0  # where the next scan starts in the list of steps
+        #: (pid, start) -> the mappings of a process whose NCCL opened its net plugin
+        self.settled: dict[tuple[int, int], list[Mapping]] = {}
         self.stats = {"procs": 0, "maps_bytes": 0, "hashed_bytes": 0}
 
     # ---- which processes are whose
@@ -299,14 +340,16 @@ class Scanner:
                     continue
                 procs[p.pid] = p
                 try:
-                    cg = _read(self.proc / entry.name / "cgroup", 1 << 16).decode(
+                    cg = _read(f"{self.proc}/{entry.name}/cgroup", 1 << 16).decode(
                         "utf-8", "replace")
                 except OSError:
                     cg = ""
                 got = step_dir_of_cgroup(cg, None if self.node_from_env else self.node)
                 if got is not None:
                     dirs[p.pid] = got
-                if p.uid == 0:
+                # a step's slurmstepd: the kernel names it so (its title is in argv), and
+                # it is root in all its uids (Slurm's find_ancestor() reads the same title)
+                if p.comm == b"slurmstepd":
                     with contextlib.suppress(OSError):
                         t = step_of_title(_read(self.proc / entry.name / "cmdline", 64))
                         if t is not None and _root_in_all(p.pid, self.proc):
@@ -335,7 +378,7 @@ class Scanner:
                 if p is None or p.ppid in (0, cur):
                     break
                 cur = p.ppid
-                if cur in titles and procs[cur].uid == 0:
+                if cur in titles:
                     found = titles[cur]
                     break
             for c in chain:
@@ -349,10 +392,14 @@ class Scanner:
             key = by_cgroup.get(pid) or (ancestry(pid) if titles else None)
             if key is None or not self._mine(pid):
                 continue
+            uid = _uid(pid, self.proc)
+            if uid is None:
+                continue  # gone
             s = out.get(key)
             if s is None:
-                s = out[key] = Step(key[0], key[1], p.uid)
+                s = out[key] = Step(key[0], key[1], uid)
             s.pids.append(pid)
+            s.starts[pid] = p.start
         return out
 
     # ---- one scan
@@ -423,6 +470,7 @@ class Scanner:
         out: list[dict[str, Any]] = []
         complete = len(steps) <= MAX_STEPS
         self.stats["maps_bytes"] = 0
+        seen: set[tuple[int, int]] = set()
         for key in order[:MAX_STEPS]:
             s = steps[key]
             found: dict[tuple[tuple[int, int], int, str], tuple[int, Mapping]] = {}
@@ -431,14 +479,26 @@ class Scanner:
                 if left <= 0:
                     cut = True
                     break
-                try:
-                    maps, used, over = read_maps(self.proc / str(pid) / "maps",
-                                                 min(self.maps_bytes, left))
-                except OSError:
-                    continue  # gone, or not ours to read
-                left -= used
-                self.stats["maps_bytes"] += used
-                cut |= over
+                known = (pid, s.starts.get(pid, -1))
+                seen.add(known)
+                maps = self.settled.get(known)
+                if maps is None:
+                    try:
+                        maps, used, over = read_maps(f"{self.proc}/{pid}/maps",
+                                                     min(self.maps_bytes, left))
+                    except OSError:
+                        continue  # gone, or not ours to read
+                    left -= used
+                    self.stats["maps_bytes"] += used
+                    again = _stat(pid, self.proc)
+                    if again is None or again.start != known[1]:
+                        continue  # the pid ended and was reused since: another's maps
+                    cut |= over
+                    # NCCL opened its net plugin: it opens nothing more that is judged,
+                    # and unloads nothing while it runs; this process's maps are not read
+                    # again (it is dropped when it ends: its pid and start)
+                    if not over and {lib_kind(m.path) for m in maps} >= {"nccl", "net"}:
+                        self.settled[known] = maps
                 for m in maps:
                     found.setdefault((m.dev, m.ino, m.path), (pid, m))
             libs: list[dict[str, Any]] = []
@@ -458,6 +518,9 @@ class Scanner:
                         "since": self.since.get(key), "libs": libs, "cut": cut})
         for gone in set(self.since) - set(steps):
             del self.since[gone]
+        if len(order) <= MAX_STEPS:  # every step looked at: the processes not seen ended
+            for ended in set(self.settled) - seen:
+                del self.settled[ended]
         out.sort(key=lambda d: (int(d["job"]), d["step"]))
         if self.cache is not None:
             self.cache.save()

@@ -53,6 +53,8 @@ class Publisher:
         self.last_at: float | None = None
         self.written: tuple[int, int, int] | None = None  # (ino, size, mtime_ns) we wrote
         self.cleaned = False
+        #: why the last record went without what running jobs loaded, or None
+        self.loaded_left_out: str | None = None
 
     @property
     def dir(self) -> Path:
@@ -64,6 +66,14 @@ class Publisher:
         except OSError:
             return False
         return (st.st_ino, st.st_size, st.st_mtime_ns) == self.written
+
+    def _sign(self, data: bytes) -> bytes:
+        try:
+            return munge.encode(
+                data, socket_path=self.config.munge_socket or None, ttl=self.config.record_ttl_s
+            )
+        except munge.MungeError as e:
+            raise PublishError("munge", str(e)) from None
 
     def due(self, fp: Mapping[str, Any], now: float,
             loaded: Mapping[str, Any] | None = None) -> bool:
@@ -85,18 +95,29 @@ class Publisher:
         now = time.time() if now is None else now
         record = dict(fp)
         host = hostname(record)
-        data = spool.payload(record, loaded=dict(loaded) if loaded is not None else None)
         d = self.dir
         try:
             spool.check_dir(d, create=True)
         except spool.SpoolError as e:
             raise PublishError("spool", str(e)) from None
-        try:
-            cred = munge.encode(
-                data, socket_path=self.config.munge_socket or None, ttl=self.config.record_ttl_s
-            )
-        except munge.MungeError as e:
-            raise PublishError("munge", str(e)) from None
+        self.loaded_left_out = None
+        cred = None
+        if loaded is not None:
+            # what running jobs loaded never costs the node its fingerprint: a record that
+            # would be too large with it (or that munged refuses) is published without it
+            data = spool.payload(record, loaded=dict(loaded))
+            try:
+                cred = self._sign(data)
+            except PublishError as e:
+                self.loaded_left_out = f"munged refused the record with it: {e}"
+            else:
+                if len(cred) + 1 > self.config.max_record_bytes:
+                    self.loaded_left_out = (f"the record with it is {len(cred) + 1} bytes, over "
+                                            f"[spool] max_record_bytes "
+                                            f"({self.config.max_record_bytes})")
+                    cred = None
+        if cred is None:
+            cred = self._sign(spool.payload(record))
         try:
             if not self.cleaned:
                 spool.remove_leftovers(d, host, LEFTOVER_S, now)
