@@ -38,7 +38,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "tests")]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # devtools
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # helpers
 
 from helpers.loader import build_loader
 

@@ -4,8 +4,8 @@ tries to claim another job's step, or to have a consistent job called mixed."""
 from __future__ import annotations
 
 import os
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import pytest
 
