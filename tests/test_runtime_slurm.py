@@ -131,6 +131,15 @@ def test_mixed_jobs_are_found_within_one_scan_and_the_consistent_one_never(
     assert {x["host"]: x["nccl"].split(" (")[0] for x in doc["loaded"]} == {
         "n1": "libnccl 2.21.5", "n2": "libnccl 2.23.4"}, doc["loaded"]
     assert doc["mixed"][0]["odd"] in (["n1"], ["n2"])
+    # the node keeps the evidence; diagnose --job starts from what was loaded
+    r = c.ncclguard("show", "n2")
+    assert "what its job steps loaded" in r.stdout and f"{a}.0" in r.stdout, r.stdout
+    r = c.ncclguard("diagnose", "--job", a, ok=(0, 1, 2, 3))
+    head = r.stdout.split("\n\n", 1)[0]
+    assert "what each node's processes loaded" in head, r.stdout
+    assert f"job {a} step 0 MIXED: different NCCL releases" in r.stdout, r.stdout
+    r = c.ncclguard("diagnose", "--job", cc, ok=(0, 1, 2, 3))
+    assert "loaded the same NCCL libraries and plugins" in r.stdout, r.stdout
     m = c._inventoryd(["metrics", "--no-slurm"], c.config_path).stdout
     assert 'ncclguard_mixed_steps{kind="nccl"} 1.0' in m, m
     assert 'ncclguard_mixed_steps{kind="net-missing"} 1.0' in m

@@ -70,7 +70,10 @@ class Runtime:
 
     def accepted(self, records: Sequence[Published]) -> None:
         """Store what the accepted ``records`` say their nodes' steps loaded."""
-        docs = [(str(p.loaded["host"]), p.loaded, p.at) for p in records
+        # a step's rows are dated by the node's scan (the clock its "since" is on; a
+        # credential's time is whole seconds), never past the record's own time
+        docs = [(str(p.loaded["host"]), p.loaded,
+                 min(float(p.loaded["scanned_at"]), p.at + 1.0)) for p in records
                 if p.loaded is not None]
         if docs:
             self.pending |= self.inv.write_loaded(docs)

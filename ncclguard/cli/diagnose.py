@@ -143,17 +143,37 @@ def diagnose(
         shown.done()
     # what each node's container really had (the enroot hook's records, docs/containers.md)
     ran: list[dict[str, Any]] = []
+    # what each node's processes of the job loaded (docs/runtime.md): the ground truth
+    # the log's reading starts from
+    loaded: list[dict[str, Any]] = []
+    mixed: list[dict[str, Any]] = []
     if job_id is not None and not no_inventory:
         from ncclguard.cli.decisions import CONTAINER_COLUMNS, CONTAINER_WRAP, container_rows
+        from ncclguard.cli.jobs import loaded_rows
 
         ran = container_rows(c, job_id)
+        loaded, mixed = loaded_rows(c, job_id, current=False)
     if c.fmt == "json":
         doc = report.to_dict()
         if job_id is not None:
             doc["containers"] = ran
+            doc["loaded"], doc["mixed"] = loaded, mixed
         click.echo(json.dumps(doc, indent=2, default=str))
     else:
         text = report.text()
+        if loaded:
+            from ncclguard.cli import output as out
+            from ncclguard.cli.jobs import LOADED_COLUMNS, LOADED_WRAP
+
+            head = "what each node's processes loaded (ncclguard-jobmaps, docs/runtime.md):\n"
+            head += out.table(loaded, LOADED_COLUMNS, c.width, wrap=LOADED_WRAP,
+                              optional=("seen", "path"))
+            for m in mixed:
+                head += f"job {m['job']} step {m['step']} MIXED: {m['summary']}\n"
+            if not mixed:
+                head += ("its nodes loaded the same NCCL libraries and plugins, as far as "
+                         "the nodes that ran ncclguard-jobmaps could tell\n")
+            text = head + "\n" + text
         if ran:
             from ncclguard.cli import output as out
 

@@ -19,6 +19,7 @@ __all__ = ["show"]
 #: show's columns that wrap rather than being cut to fit (a path, a field, an error: read
 #: whole); the others (a plugin's ABIs, an address list) are cut
 _LONG = ("path", "plugin", "via", "field", "error", "version_error", "reason")
+SHOWN_STEPS = 20  # the last job steps seen on the node, with what they loaded
 
 
 def _load_one(c: Ctx, host: str) -> Any:
@@ -172,5 +173,28 @@ def show(node: str, as_json: bool, as_csv: bool) -> None:
         "in_force": _in_force(rec.fingerprint),
         "fingerprint": rec.fingerprint,
     }
-    c.emit(doc, text=_show_text(rec, c.now, c.stale_after, klass, c.width)
-           if c.fmt == "table" else None)
+    # the evidence of what its processes last loaded (docs/runtime.md): its last steps
+    from ncclguard.store import InventoryError
+
+    try:
+        seen = c.inventory.host_loads(rec.host, limit=SHOWN_STEPS)
+    except InventoryError:
+        seen = []
+    doc["job_loads"] = seen
+    text = None
+    if c.fmt == "table":
+        text = _show_text(rec, c.now, c.stale_after, klass, c.width)
+        if seen:
+            from ncclguard.policy.loaded import shown_lib
+
+            rows = [{"job": f"{x['job']}.{x['step']}",
+                     "loaded": ", ".join(shown_lib(lib) for lib in x["libs"]
+                                         if lib.get("kind") != "ibverbs"),
+                     "seen": out.iso(x["seen_at"]),
+                     "state": "running" if x["gone_at"] is None else "ended"} for x in seen]
+            text = (text.rstrip("\n") + f"\n\nwhat its job steps loaded (the last "
+                    f"{len(rows)}, ncclguard jobs):\n"
+                    + out.table(rows, [("job", "STEP"), ("loaded", "LOADED"),
+                                       ("seen", "SEEN"), ("state", "STATE")], c.width,
+                                wrap=("loaded",)))
+    c.emit(doc, text=text)

@@ -5,7 +5,7 @@ the document ``ncclguard-inventoryd jobmaps`` writes and the node's record carri
     {"ncclguard_loaded": 1, "host": "n1", "scanned_at": 1796000000.0, "complete": true,
      "steps": [{"job": "42", "step": "0", "uid": 1000, "procs": 4, "since": 1796...,
                 "cut": false,
-                "libs": [{"kind": "nccl", "path": "/home/u/venv/.../libnccl.so.2",
+                "libs": [{"kind": "nccl", "path": "<venv>/nvidia/nccl/lib/libnccl.so.2",
                           "dev": "fd:1", "ino": 1234, "size": 2.3e8, "sha256": "...",
                           "version": "2.21.5", "abis": [8, 7], "name": null,
                           "error": null}]}]}
