@@ -304,9 +304,8 @@ class RuntimeConfig(_Settings):
     scan_interval_s: float = 15.0  # the node: how often jobmaps reads the steps' maps
     #: the node: a document older than this is not published (the scanner has stopped)
     max_age_s: float = 120.0
-    #: the dev cluster only: several slurmd on one machine; a process is a node's when
-    #: its environment says SLURMD_NODENAME=<node> (the user's word: never on a cluster)
-    node_from_env: bool = False
+    #: the dev cluster only (several slurmd on one machine): a process is a node's when its
+    node_from_env: bool = False  # environment says SLURMD_NODENAME=<node>
     on_mixed: str = "notify"  # the collector: "notify", or "requeue" a mixed job once
     settle_s: float = 60.0  # a node's net taken as chosen this long after it mapped NCCL
     exempt_users: tuple[str, ...] = ()  # never requeued or cancelled (user names or uids)

@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from inventoryd.node.jobmaps import Scanner, step_dir_of_cgroup, step_of_cgroup
+from inventoryd.node.jobmaps import Scanner
+from inventoryd.node.procfs import step_dir_of_cgroup, step_of_cgroup
 
 ROOT_STAT = "1 (x) S 0 1 1 0 -1 0 0 0 0 0 0 0 0 0 20 0 1 0 100 0 0\n"
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from inventoryd.node.jobmaps import (
+from inventoryd.node.jobmaps import read_loaded
+from inventoryd.node.procfs import (
     lib_kind,
     parse_maps_line,
-    read_loaded,
     step_dir_of_cgroup,
     step_of_cgroup,
     step_of_title,

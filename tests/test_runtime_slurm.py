@@ -22,6 +22,7 @@ tests/test_runtime.py).
 from __future__ import annotations
 
 import json
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
@@ -188,3 +189,22 @@ def test_on_mixed_requeue_steers_a_mixed_batch_job_away_and_it_completes(
     assert m["result"] == "exempt: user root is exempt ([runtime] exempt_users)", m
     assert c.job_field(job, "JobState") == "RUNNING" and c.job_field(job, "Restarts") == "0"
     c.cancel_all()
+    # an interactive job (srun, no batch script) is told why on its terminal and cancelled
+    c.write_gate_config(CONFIG.format(audit=c.audit_path) + 'on_mixed = "requeue"\n')
+    cmd = (f'case "$SLURMD_NODENAME" in n1) export LD_LIBRARY_PATH={parts["new"]} ;; '
+           f'*) export LD_LIBRARY_PATH={parts["old"]} ;; esac; '
+           f'exec {parts["loader"]} 300 > {tmp_path}/F.$SLURMD_NODENAME.out')
+    srun = subprocess.Popen(["srun", "-N2", "-w", "n[1-2]", "bash", "-c", cmd], env=c.env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_until(lambda: all(_loaded(tmp_path / f"F.{n}.out", 1) for n in ("n1", "n2")),
+                   60, "the srun's two loaders")
+        _publish_and_collect(c)
+        (m,) = [x for x in _mixed(c).values() if x["result"] and "interactive" in x["result"]]
+        assert m["result"].startswith("cancelled: interactive: cancelled"), m
+        said, _ = srun.communicate(timeout=60)
+    finally:
+        srun.kill()
+    assert "ncclguard: mixed NCCL, different NCCL releases" in said, said
+    assert "cancelled, resubmit to run on one class" in said, said
+
