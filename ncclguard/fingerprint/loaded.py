@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from typing import Any
 
 __all__ = [
@@ -91,14 +92,16 @@ def _step_problem(s: Any) -> str | None:
             and (s.get("since") is None or _num(s.get("since")))
             and type(s.get("cut")) is bool):
         return f"job {s['job']}.{s['step']}: uid, procs, since or cut not valid"
-    libs = s.get("libs")
-    if not isinstance(libs, list) or len(libs) > LIBS_PER_STEP:
-        return f"job {s['job']}.{s['step']}: libs not a list of at most {LIBS_PER_STEP}"
-    for lib in libs:
-        why = _lib_problem(lib)
-        if why:
-            return f"job {s['job']}.{s['step']}: {why}"
-    return None
+    why = _each(s.get("libs"), LIBS_PER_STEP, "libs", _lib_problem)
+    return f"job {s['job']}.{s['step']}: {why}" if why else None
+
+
+def _each(items: Any, most: int, what: str, problem: Callable[[Any], str | None]
+          ) -> str | None:
+    """The first problem of a list of at most ``most`` items, or None."""
+    if not isinstance(items, list) or len(items) > most:
+        return f"{what} not a list of at most {most}"
+    return next((why for why in map(problem, items) if why), None)
 
 
 def loaded_problem(doc: Any, host: str | None = None) -> str | None:
@@ -111,13 +114,9 @@ def loaded_problem(doc: Any, host: str | None = None) -> str | None:
         return f"of host {str(doc.get('host'))[:80]!r}, not {host!r}"
     if not (_num(doc.get("scanned_at")) and type(doc.get("complete")) is bool):
         return "scanned_at or complete not valid"
-    steps = doc.get("steps")
-    if not isinstance(steps, list) or len(steps) > MAX_STEPS:
-        return f"steps not a list of at most {MAX_STEPS}"
-    for s in steps:
-        why = _step_problem(s)
-        if why:
-            return why
+    why = _each(doc.get("steps"), MAX_STEPS, "steps", _step_problem)
+    if why:
+        return why
     size = len(json.dumps(doc, separators=(",", ":")))
     if size > MAX_LOADED_BYTES:
         return f"{size} bytes, over its quota of {MAX_LOADED_BYTES}"
