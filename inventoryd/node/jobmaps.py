@@ -65,7 +65,9 @@ from ncclguard.fingerprint.loaded import (
     LIBS_PER_STEP,
     LOADED_VERSION,
     MAX_STEPS,
+    MAX_TEXT,
     loaded_problem,
+    step_problem,
 )
 
 __all__ = [
@@ -202,6 +204,17 @@ class Scanner:
     # ---- one scan
 
     def _identify(self, pid: int, m: Mapping, budget: list[int]) -> dict[str, Any]:
+        """One mapped library's record (:mod:`ncclguard.fingerprint.loaded`); its texts
+        (an error naming a path, a name from an ELF string) cut to fit the shape."""
+        rec = self._facts(pid, m, budget)
+        for k in ("name", "error"):
+            if isinstance(rec[k], str) and len(rec[k]) > MAX_TEXT:
+                rec[k] = rec[k][: MAX_TEXT - 1] + "…"
+            elif rec[k] is not None and not isinstance(rec[k], str):
+                rec[k] = None
+        return rec
+
+    def _facts(self, pid: int, m: Mapping, budget: list[int]) -> dict[str, Any]:
         kind = lib_kind(m.path) or "?"
         rec: dict[str, Any] = {"kind": kind, "path": m.path,
                                "dev": f"{m.dev[0]:x}:{m.dev[1]:x}", "ino": m.ino,
@@ -219,6 +232,16 @@ class Scanner:
         fs = NodeFS(self.proc / str(pid) / "root")
         try:
             f, st, _ = open_regular(fs, m.path)
+        except FileNotFoundError as e:
+            # the kernel writes a newline in a path as \012 (and a backslash as itself):
+            # the path with newlines is tried too; the device and inode say which it was
+            try:
+                if "\\012" not in m.path:
+                    raise
+                f, st, _ = open_regular(fs, m.path.replace("\\012", "\n"))
+            except (OSError, ValueError):
+                rec["error"] = f"cannot read: {e.strerror or e}"
+                return rec
         except (OSError, ValueError) as e:
             rec["error"] = f"cannot read: {getattr(e, 'strerror', None) or e}"
             return rec
@@ -250,6 +273,8 @@ class Scanner:
             rec["abis"] = [int(a) for a in abis.get(kind) or [] if isinstance(a, int)][:16]
             rec["name"] = (facts.get("names") or {}).get(kind)
             rec["error"] = facts.get("error")
+            if not rec["abis"] and not rec["error"]:  # a file with the name only
+                rec["error"] = f"exports no NCCL {kind} plugin symbol"
         return rec
 
     def scan(self, now: float | None = None) -> dict[str, Any]:
@@ -399,8 +424,15 @@ def main(hostname: str | None, out: str, cfg: RuntimeConfig, *, once: bool = Fal
 
 
 def _fit(doc: dict[str, Any]) -> dict[str, Any]:
-    """``doc`` within the record's quota (:func:`ncclguard.fingerprint.loaded.loaded_problem`): the
-    last steps left out, and ``complete`` false, until it fits."""
+    """``doc`` of the shape and within the quota of
+    :func:`ncclguard.fingerprint.loaded.loaded_problem`: a step that does not fit the shape
+    left out (never the whole document), then the last steps, ``complete`` false, until it
+    fits."""
+    steps = [s for s in doc["steps"] if step_problem(s) is None]
+    if len(steps) < len(doc["steps"]):
+        log.error("%s: %d step(s) left out of the document: not of its shape",
+                  doc.get("host"), len(doc["steps"]) - len(steps))
+        doc = {**doc, "steps": steps, "complete": False}
     while loaded_problem(doc) is not None and doc["steps"]:
         doc = {**doc, "steps": doc["steps"][: len(doc["steps"]) * 3 // 4], "complete": False}
     return doc

@@ -27,7 +27,7 @@ from typing import Any
 
 __all__ = [
     "LIBS_PER_STEP", "LOADED_VERSION", "MAX_LOADED_BYTES", "MAX_PATH", "MAX_STEPS", "SCAN_S",
-    "loaded_problem",
+    "loaded_problem", "step_problem",
 ]
 
 LOADED_VERSION = 1
@@ -81,7 +81,7 @@ def _lib_problem(lib: Any) -> str | None:
     return f"a library whose {bad!r} is not valid" if bad else None
 
 
-def _step_problem(s: Any) -> str | None:
+def step_problem(s: Any) -> str | None:
     if not isinstance(s, dict):
         return "a step that is not an object"
     if not (type(s.get("job")) is str and _JOB.fullmatch(s["job"])):
@@ -114,7 +114,7 @@ def loaded_problem(doc: Any, host: str | None = None) -> str | None:
         return f"of host {str(doc.get('host'))[:80]!r}, not {host!r}"
     if not (_num(doc.get("scanned_at")) and type(doc.get("complete")) is bool):
         return "scanned_at or complete not valid"
-    why = _each(doc.get("steps"), MAX_STEPS, "steps", _step_problem)
+    why = _each(doc.get("steps"), MAX_STEPS, "steps", step_problem)
     if why:
         return why
     size = len(json.dumps(doc, separators=(",", ":")))

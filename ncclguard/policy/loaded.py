@@ -27,7 +27,8 @@ from typing import Any
 
 from ncclguard.fingerprint.abi import highest_common
 
-__all__ = ["PLUGIN_KINDS", "SETTLE_S", "Mixed", "NodeLoad", "judge", "node_load", "shown_lib"]
+__all__ = ["PLUGIN_KINDS", "SETTLE_S", "Mixed", "NodeLoad", "identified", "judge", "node_load",
+           "shown_lib"]
 
 SETTLE_S = 60.0  # a node's net is taken as chosen this long after it mapped libnccl
 PLUGIN_KINDS = ("net", "gin", "rma", "tuner", "profiler", "env")
@@ -62,6 +63,18 @@ class NodeLoad:
     unknown: tuple[str, ...] = ()  # libraries left out, and why
 
 
+def identified(lib: Mapping[str, Any]) -> bool:
+    """Whether a library's record says what it is: a libnccl with its hash and the
+    version its banner gives; a plugin with its hash and an ABI of its kind it exports. A
+    file that only has the name (a user's program or data file called ``libnccl.so.2``
+    or ``libnccl-net.so``) is not one, and is never compared."""
+    if not lib.get("sha256"):
+        return False
+    if lib.get("kind") == "nccl":
+        return bool(lib.get("version"))
+    return bool(lib.get("abis"))
+
+
 def node_load(host: str, libs: Iterable[Mapping[str, Any]], since: float | None,
               now: float, settle_s: float = SETTLE_S) -> NodeLoad:
     libs = list(libs)
@@ -71,7 +84,7 @@ def node_load(host: str, libs: Iterable[Mapping[str, Any]], since: float | None,
     for lib in libs:
         if lib.get("kind") != "nccl":
             continue
-        if lib.get("sha256"):
+        if identified(lib):
             ncclv[str(lib["sha256"])] = shown_lib(lib)
             net_abis += [a for a in lib.get("abis") or [] if isinstance(a, int)]
         else:
@@ -85,7 +98,7 @@ def node_load(host: str, libs: Iterable[Mapping[str, Any]], since: float | None,
             ibverbs = True
         if kind not in PLUGIN_KINDS:
             continue
-        if not lib.get("sha256"):
+        if not identified(lib):
             unknown.append(f"{lib.get('path')}: {lib.get('error') or 'not identified'}")
             plugins.setdefault(str(kind), set())
             continue
