@@ -302,3 +302,15 @@ def test_plugins_that_differ_or_speak_another_abi_are_mixed() -> None:
                    load("n2", lib(), lib("tuner", sha=SHA["q"])), load("n3", lib())])
     assert tuner is not None and tuner.kind == "tuner-plugin"
     assert "n3" not in tuner.summary  # a node without a tuner is not compared for it
+
+
+def test_a_step_not_of_the_shape_is_left_out_alone_and_the_rest_written(tmp_path: Path) -> None:
+    """A text past the shape (a 3 KB error) used to fail the whole document's check: not
+    written, and the node's jobs went unpublished. Now that step alone is left out."""
+    from inventoryd.node.jobmaps import _fit, write
+
+    bad = step(job="7", libs=[lib(error="x" * 3000)])
+    d = _fit(doc(steps=[step(), bad]))
+    assert [s["job"] for s in d["steps"]] == ["42"] and d["complete"] is False
+    write(d, tmp_path / "loaded.json")
+    assert read_loaded(str(tmp_path / "loaded.json"), "n1", 1e12, 1000.0)[0] == d
