@@ -65,10 +65,11 @@ def _loaded(out: Path, nodes: int) -> bool:
         return False
 
 
-def _publish_and_collect(c: DevCluster) -> None:
-    """Each node: one jobmaps scan, then its signed record with what it found; one scan."""
+def _publish_and_collect(c: DevCluster, forged: dict[str, dict] | None = None) -> None:
+    """Each node: one jobmaps scan, then its signed record with what it found (or what
+    ``forged`` says for it); one collector scan."""
     for host in c.node_names:
-        doc = c.jobmaps(host)
+        doc = (forged or {}).get(host) or c.jobmaps(host)
         c.publish_fingerprint(host, fingerprint(host, nccl="2.21.5"), loaded=doc)
     r = c.collect()
     assert f"{len(c.node_names)} accepted, 0 rejected" in r.stderr, r.stderr
@@ -189,8 +190,26 @@ def test_on_mixed_requeue_steers_a_mixed_batch_job_away_and_it_completes(
     assert m["result"] == "exempt: user root is exempt ([runtime] exempt_users)", m
     assert c.job_field(job, "JobState") == "RUNNING" and c.job_field(job, "Restarts") == "0"
     c.cancel_all()
-    # an interactive job (srun, no batch script) is told why on its terminal and cancelled
+    # a node's record that claims a step of a job Slurm did not give it: kept as its word,
+    # not acted on (n3 says it ran a step of a job of n[1-2])
     c.write_gate_config(CONFIG.format(audit=c.audit_path) + 'on_mixed = "requeue"\n')
+    script = _script(tmp_path / "G.sh", parts["loader"], {"*": parts["old"]}, {}, "300")
+    out = tmp_path / "G.out"
+    job = c.sbatch(["-N2", "-w", "n[1-2]", "--requeue", "-o", str(out), str(script)])
+    wait_until(lambda: _loaded(out, 2), 60, "the job's two loaders")
+    real = c.jobmaps("n1")
+    assert real is not None
+    claim = json.loads(json.dumps(real).replace('"host":"n1"', '"host":"n3"')
+                       .replace('"host": "n1"', '"host": "n3"'))
+    for st in claim["steps"]:
+        for x in st["libs"]:
+            x.update(sha256="f" * 64, version="2.23.4")
+    _publish_and_collect(c, {"n3": claim})
+    m = _mixed(c)[str(job)]
+    assert m["result"].startswith("skipped: n3 not the job's nodes (n[1-2])"), m
+    assert c.job_field(job, "JobState") == "RUNNING" and c.job_field(job, "Restarts") == "0"
+    c.cancel_all()
+    # an interactive job (srun, no batch script) is told why on its terminal and cancelled
     cmd = (f'case "$SLURMD_NODENAME" in n1) export LD_LIBRARY_PATH={parts["new"]} ;; '
            f'*) export LD_LIBRARY_PATH={parts["old"]} ;; esac; '
            f'exec {parts["loader"]} 300 > {tmp_path}/F.$SLURMD_NODENAME.out')

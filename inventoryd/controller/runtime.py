@@ -132,7 +132,7 @@ class Runtime:
 
     def act(self, job: str, verdict: Mixed, now: float) -> str:
         """Requeue (batch) or cancel (interactive) mixed job ``job`` once; the result."""
-        from ncclguard.hostlist import compress
+        from ncclguard.hostlist import HostlistError, compress, expand
         from ncclguard.slurm import SlurmError
 
         if any(m.get("action") for m in self.inv.mixed_steps(job)):
@@ -145,6 +145,16 @@ class Runtime:
             return self._done(job, "failed", f"cannot read the job: {e}", now)
         if info is None or info.state not in ("RUNNING", "CONFIGURING"):
             return self._done(job, "skipped", f"job is {info.state if info else 'gone'}", now)
+        # a node's record speaks for that node: one that claims a step of a job Slurm did
+        # not give it is not believed enough to act on
+        try:
+            allocated = set(expand(info.nodes)) if info.nodes else set()
+        except HostlistError:
+            allocated = set()
+        strangers = sorted({h for _, hosts in verdict.groups for h in hosts} - allocated)
+        if strangers:
+            return self._done(job, "skipped", f"{compress(strangers)} not the job's nodes "
+                              f"({info.nodes or 'none'}): their records are not believed", now)
         why = self._exempt(info)
         if why is not None:
             return self._done(job, "exempt", why, now)
