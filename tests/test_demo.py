@@ -83,12 +83,17 @@ def test_demo_end_to_end_twice(demo_env: dict[str, str], tmp_path: Path) -> None
     # munged, one per node, slurmctld, 7 slurmd, the features daemon, the collector service
     assert len(first_pids) == 1 + 7 + 1 + 7 + 2
 
-    r = run_demo(demo_env)  # run twice, works twice
+    # run twice, works twice: on the first pass (this machine's Slurm) only; the passes in a
+    # newer Slurm's root (scripts/slurm-root.sh) check the demo's run once, at half the time
+    # (CI's budget), since stopping one's own daemons does not depend on the release
+    r = first
+    if not os.environ.get("NCCLGUARD_IN_SLURM_ROOT"):
+        r = run_demo(demo_env)
+        assert r.returncode == 0, failed(r)
+        assert f"stopped the demo that was running in {base}" in r.stdout
+        pids = set(demo_pids(base))
+        assert len(pids) == 18 and not pids & first_pids
     out = r.stdout
-    assert r.returncode == 0, failed(r)
-    assert f"stopped the demo that was running in {base}" in out
-    pids = set(demo_pids(base))
-    assert len(pids) == 18 and not pids & first_pids
     state = json.loads((base / "state.json").read_text())
 
     # -- classes: what it printed is what the inventory holds
