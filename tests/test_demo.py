@@ -86,7 +86,7 @@ def test_demo_end_to_end_twice(demo_env: dict[str, str], tmp_path: Path) -> None
     # run twice, works twice: on the first pass (this machine's Slurm) only; the passes in a
     # newer Slurm's root (scripts/slurm-root.sh) check the demo's run once, at half the time
     # (CI's budget), since stopping one's own daemons does not depend on the release
-    r = first
+    r, pids = first, first_pids
     if not os.environ.get("NCCLGUARD_IN_SLURM_ROOT"):
         r = run_demo(demo_env)
         assert r.returncode == 0, failed(r)
