@@ -177,7 +177,8 @@ class _Slurm:
         from types import SimpleNamespace
 
         return SimpleNamespace(state="RUNNING", batch=True, partition="", user="u",
-                               user_id=1000, comment="", raw={}, node_count=2, end_time=None)
+                               user_id=1000, comment="", raw={}, node_count=2, end_time=None,
+                               nodes="n[1-2]")
 
     def set_admin_comment(self, job: str, text: str) -> None:
         self.calls.append(("admin_comment", [job]))
