@@ -312,7 +312,7 @@ class Collector:
         elif self.registry is not None:  # the worker waits: nothing it reads is written
             self.registry.hold(self.pressure)
         self._extra(lambda: self._container_records(should_stop))
-        self._extra(lambda: self._judge_steps())
+        self._extra(self._judge_steps)
         self.disk.stamp(self.inv, t0, result.written)
         result.seconds = time.monotonic() - t0
         return result
@@ -483,12 +483,11 @@ class Collector:
                 self.seen[name] = state
                 self.confirmed.discard(name)
         by_shown = {printable(n): n for n, _ in judged}
-        self._extra(lambda: self.runtime.accepted(
-            [p for p, s in zip(accepted, statuses, strict=True)
-             if not s.startswith(("invalid", "unwritten", *REFUSED)) and p.file not in unwritten]))
+        kept: list[Published] = []
         for p, status in zip(accepted, statuses, strict=True):
             if status.startswith(("invalid", "unwritten", *REFUSED)):
                 continue
+            kept.append(p)
             host = spool.host_of(by_shown.get(p.file, p.file)) or p.file
             self.latest[host] = (p.digest, p.encoded_at, p.seq)
             self.judged.pop(by_shown.get(p.file, p.file), None)
@@ -499,6 +498,8 @@ class Collector:
             if status in ("inserted", "changed"):
                 log.info("%s: fingerprint %s (record signed at %s)", host, status,
                          _ts(p.encoded_at))
+        # what the kept records say their running jobs loaded (issue 42)
+        self._extra(lambda: self.runtime.accepted(kept))
         for r in [*rejected, *invalid]:
             if r.file in unwritten:
                 continue  # its row could not be written: judged again at the next scan

@@ -355,16 +355,9 @@ def write(doc: dict[str, Any], out: Path) -> None:
     why = loaded_problem(doc)
     if why:
         raise ValueError(f"not written: {why}")
-    data = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
-    tmp = out.with_name(f".{out.name}.{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
-                 0o644)
-    try:
-        os.write(fd, data)
-        os.fchmod(fd, 0o644)
-    finally:
-        os.close(fd)
-    os.replace(tmp, out)
+    from ncclguard.spool import atomic_write
+
+    atomic_write(out, json.dumps(doc, sort_keys=True, separators=(",", ":")).encode(), 0o644)
 
 
 class JobMaps:

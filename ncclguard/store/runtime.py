@@ -16,8 +16,16 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ncclguard.store.connection import Database
+from ncclguard.store.decoding import decoded
 
 __all__ = ["RuntimeTables"]
+
+
+def _objects(text: Any) -> list[dict[str, Any]]:
+    """A stored list of libraries, read through the one guard of stored JSON
+    (:func:`ncclguard.store.decoding.decoded`): its objects; [] when it cannot be read."""
+    v = decoded(text, [])
+    return [x for x in v if isinstance(x, dict)] if isinstance(v, list) else []
 
 
 class RuntimeTables(Database):
@@ -81,10 +89,7 @@ class RuntimeTables(Database):
         out = []
         for r in rows:
             d = dict(zip(keys, r, strict=True))
-            try:
-                d["libs"] = json.loads(d["libs"])
-            except ValueError:
-                d["libs"] = []
+            d["libs"] = _objects(d["libs"])
             d["cut"] = bool(d["cut"])
             out.append(d)
         return out
@@ -96,11 +101,7 @@ class RuntimeTables(Database):
             "ORDER BY seen_at DESC LIMIT ?", (host, int(limit))).fetchall())
         out = []
         for job, step, libs, since, seen, gone in rows:
-            try:
-                parsed = json.loads(libs)
-            except ValueError:
-                parsed = []
-            out.append({"job": job, "step": step, "libs": parsed, "since": since,
+            out.append({"job": job, "step": step, "libs": _objects(libs), "since": since,
                         "seen_at": seen, "gone_at": gone})
         return out
 
@@ -138,10 +139,8 @@ class RuntimeTables(Database):
         for r in rows:
             d = dict(zip(keys, r, strict=True))
             for k in ("groups", "odd"):
-                try:
-                    d[k] = json.loads(d[k])
-                except ValueError:
-                    d[k] = []
+                v = decoded(d[k], [])
+                d[k] = v if isinstance(v, list) else []
             out.append(d)
         return out
 
