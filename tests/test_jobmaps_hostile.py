@@ -203,7 +203,7 @@ def test_a_job_acted_on_is_not_acted_on_again_for_another_step(
     monkeypatch.setattr(rtmod.Runtime, "_steer", lambda self, job, odd: None)
     monkeypatch.setattr(rtmod.Runtime, "_exempt", lambda self, info: None)
     cfg = Config()
-    object.__setattr__(cfg.runtime, "on_mixed", "requeue")
+    cfg = cfg.replace(runtime=cfg.runtime.replace(on_mixed="requeue"))
     slurm = _Slurm()
     a, b = _lib("nccl", "a", version="2.21.5"), _lib("nccl", "c", version="2.18.3")
     with Inventory(tmp_path / "db.sqlite", values=GATE_VALUES) as inv:
