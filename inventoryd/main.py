@@ -68,6 +68,10 @@ def _parser() -> argparse.ArgumentParser:
                    "same as ncclguard-features-hook)")
     f.add_argument("--log", default=None, help="with --hook: the detached sync's log file "
                    "(default: syslog)")
+    k = _controller_command(sub, "canary", "hold a changed node out of multi-node jobs until "
+                            "a canary job on it and a known-good peer passes (the "
+                            "controller's service, as ncclguard; docs/canary.md)")
+    k.add_argument("--once", action="store_true", help="one pass, then exit")
     h = sub.add_parser("container-record", help="record the NCCL of a starting container "
                        "(run by the enroot hook; never fails)",
                        description="Fingerprint the container root ENROOT_ROOTFS of Slurm job "
@@ -155,6 +159,21 @@ def main(argv: list[str] | None = None) -> int:
         if args.once:
             return _features_once(cfg)
         return features.run(args.config, cfg)
+    if args.command == "canary":
+        from inventoryd.controller import canary
+
+        if args.once:
+            from ncclguard.slurm import SlurmError
+            from ncclguard.store import InventoryError
+
+            try:
+                did = canary.CanaryService(cfg).apply()
+            except (SlurmError, InventoryError) as e:
+                print(f"ncclguard-inventoryd: canary: {e}", file=sys.stderr)
+                return 1
+            print(f"ncclguard-inventoryd: canary: {did or 'nothing to do'}", file=sys.stderr)
+            return 0
+        return canary.run(args.config, cfg)
     if args.command == "collect":
         from inventoryd.controller import collector_service as collector
 

@@ -313,6 +313,30 @@ class RuntimeConfig(_Settings):
     keep_days: float = 14.0  # job_loads and mixed_steps kept this long
 
 
+class CanaryConfig(_Settings):
+    """The canary before a changed node takes multi-node jobs (docs/canary.md, issue 43)."""
+
+    enabled: bool = False  # hold changed nodes until their canary passes
+    #: the site's test, run as a batch job on the changed nodes and their peers (an
+    #: argument list; the job's script runs it with ``exec``), e.g. ``["srun", "--mpi=pmix",
+    #: "all_reduce_perf", "-b", "8", "-e", "256M", "-g", "1"]``
+    command: tuple[str, ...] = ()
+    partition: str = ""  # the canary job's partition (empty: Slurm's default)
+    qos: str = ""  # its QOS (empty: the association's default)
+    account: str = ""  # its account (empty: the user's default)
+    time_limit_s: float = 600.0  # its time limit (Slurm's, rounded up to a minute)
+    #: a canary still pending this long (its peers were taken) is cancelled and tried again
+    pending_timeout_s: float = 300.0
+    settle_s: float = 300.0  # a node's stack must stay the same this long before its canary
+    max_running: int = 2  # canary jobs at once, across the cluster
+    max_nodes: int = 4  # changed nodes of one class that share a canary
+    peers: int = 1  # known-good nodes of the class beside them
+    #: where the canary job's output goes (owned by the service's user, not writable by
+    #: others, shared with the controller to show the last lines); empty: /dev/null
+    output_dir: str = ""
+    interval_s: float = 15.0  # the service's pass
+
+
 class Config(_Settings):
     inventory: InventoryConfig = InventoryConfig()
     inventoryd: InventorydConfig = InventorydConfig()
@@ -326,6 +350,7 @@ class Config(_Settings):
     images: ImagesConfig = ImagesConfig()
     registry: RegistryConfig = RegistryConfig()
     runtime: RuntimeConfig = RuntimeConfig()
+    canary: CanaryConfig = CanaryConfig()
     baseline: dict[str, str] = {}  # noqa: RUF012 - copied per instance; pinned baseline, e.g. nccl
     source: str = "<defaults>"  # the file this came from
 
@@ -343,6 +368,7 @@ _SECTIONS: dict[str, type] = {
     "registry": RegistryConfig,
     "images": ImagesConfig,
     "runtime": RuntimeConfig,
+    "canary": CanaryConfig,
 }
 
 _CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
@@ -422,6 +448,14 @@ def _section(
         if key not in specs:
             raise ConfigError(f"{source}: {section}.{key}: unknown key (known: {', '.join(specs)})")
         kwargs[key] = _check(section, key, cls.field_type(key), value, where)
+    if section == "canary":
+        if kwargs.get("enabled") and not kwargs.get("command"):
+            raise ConfigError(f"{source}: canary.enabled = true needs canary.command (the "
+                              "site's test: docs/canary.md)")
+        out = kwargs.get("output_dir", "")
+        if out and not out.startswith("/"):
+            raise ConfigError(f"{source}: canary.output_dir = {out!r}: expected an absolute "
+                              "path (or empty)")
     return cls(**kwargs)
 
 
@@ -447,6 +481,9 @@ def _check(section: str, key: str, typ: Any, value: Any, where: str) -> Any:
             raise ConfigError(f"{where}: expected 1 to 64 (past 64 slurmctld crashes)")
         if key == "metrics_port" and value > 65535:
             raise ConfigError(f"{where}: expected a TCP port (1-65535), or 0 for none")
+        if section == "canary" and key in ("max_running", "max_nodes", "peers") \
+                and not 1 <= value <= 64:
+            raise ConfigError(f"{where}: expected 1 to 64")
         if key == "record_ttl_s" and value >= 2**31:
             raise ConfigError(f"{where}: at most {2**31 - 1} (munged caps it at its --max-ttl)")
         return value
@@ -457,7 +494,7 @@ def _check(section: str, key: str, typ: Any, value: Any, where: str) -> Any:
         if key in ("max_share", "majority", "jitter") and value > 1:
             raise ConfigError(f"{where}: expected a share between 0 and 1")
         if key in ("interval_s", "deadline_s", "scan_interval_s", "verify_s",
-                   "metrics_timeout_s", "retry_max_s") and value == 0:
+                   "metrics_timeout_s", "retry_max_s", "time_limit_s") and value == 0:
             raise ConfigError(f"{where}: must be greater than 0")
         return float(value)
     if typ == "str":

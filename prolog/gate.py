@@ -295,6 +295,7 @@ def decide(run: Run, job: Job) -> int:
                 except RefError as e:
                     run.record["image_ref_error"] = str(e)
             written_at, pressure = inv.writer_state()
+            holds = inv.canary_holds(job.nodes) if cfg.canary.enabled else {}
     except InventoryError as e:
         return run.fail("inventory", e)
     from ncclguard.policy.freshness import writer_note
@@ -332,6 +333,13 @@ def decide(run: Run, job: Job) -> int:
         verdict, run.record["tie_break"] = _break_tie(
             run, job, verdict, lambda prefer: ownnccl.judge(
                 values, cfg.policy, stale, job.partition or None, own, resolved, prefer))
+    if holds:  # nodes held until a canary passes (docs/canary.md)
+        from ncclguard.policy.canary import gate_holds
+
+        verdict, canary = gate_holds(verdict, holds, int(job.job_id))
+        run.record["canary_held"] = sorted(holds)
+        if canary:
+            run.record["canary"] = True
     run.record.update(
         decision=verdict.decision,
         # which check decided: Slurm placing the job on one class (the gate accepted or

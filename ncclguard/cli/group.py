@@ -31,6 +31,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "features": ("ncclguard.cli.features", "features"),
     "images": ("ncclguard.cli.images", "images"),
     "jobs": ("ncclguard.cli.jobs", "jobs"),
+    "canary": ("ncclguard.cli.canary", "canary"),
 }
 
 

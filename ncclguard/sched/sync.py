@@ -104,7 +104,20 @@ def desired(config: Config, hosts: Sequence[str], now: float | None = None,
     stale = stale_hosts({h: beats[h] for h in hosts if keys[h] is not None and h in beats}, now,
                         config.inventory.stale_after_s)
     names = feature_names(k for k in every.values() if k is not None)
-    return class_features(keys, config.policy, stale, names=names)
+    out = class_features(keys, config.policy, stale, names=names)
+    return _without_held(config, out, inventory)
+
+
+def _without_held(config: Config, classes: dict[str, str | None],
+                  inventory: Inventory | None) -> dict[str, str | None]:
+    """``classes`` with the nodes the canary holds (``[canary] enabled``) given none: no
+    multi-node job is placed on them until their canary passes (docs/canary.md)."""
+    if not config.canary.enabled:
+        return classes
+    with (contextlib.nullcontext(inventory) if inventory is not None else
+          Inventory(readonly=True, values=GATE_VALUES, config=config.inventory)) as inv:
+        held = inv.canary_held()
+    return {h: (None if h in held else c) for h, c in classes.items()}
 
 
 def desired_adds(config: Config, hosts: Sequence[str], now: float | None = None,
@@ -127,7 +140,7 @@ def desired_adds(config: Config, hosts: Sequence[str], now: float | None = None,
         if got:
             beats[h] = got[1]
     stale = stale_hosts(beats, now, config.inventory.stale_after_s)
-    return adds_features(records, config.policy, stale)
+    return _without_held(config, adds_features(records, config.policy, stale), inventory)
 
 
 def _env_groups(config: Config, adds: Mapping[str, str | None], result: SyncResult

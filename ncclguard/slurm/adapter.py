@@ -25,6 +25,7 @@ module runs one.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -437,6 +438,29 @@ class Slurm:
                                nodes=nodes)
         return None
 
+    def job_progress(self, job_id: int | str) -> JobInfo | None:
+        """One job's state, the reason Slurm gives for it, its priority (0: held) and start
+        time, for the canary service; None when Slurm no longer knows it. ``squeue -h -t
+        all -j J -o "%A|%T|%r|%Q|%S"`` in text, which asks for that job alone on every
+        release (as :meth:`job_owner`)."""
+        jid = _job_id(job_id)
+        try:
+            out = self.run("squeue", ["-h", "-t", "all", "-j", jid, "-o", "%A|%T|%r|%Q|%S"])
+        except SlurmError as e:
+            if _unknown_job(e):
+                return None
+            raise
+        for line in out.splitlines():
+            fields = line.split("|")
+            if len(fields) != 5 or not fields[0].isdigit():
+                raise SlurmSchemaError(f"squeue -j {jid} -o %A|%T|%r|%Q|%S: not five fields: "
+                                       f"{line[:200]!r}")
+            if fields[0] == jid:
+                return JobInfo(job_id=int(jid), state=fields[1], state_reason=fields[2],
+                               priority=int(fields[3]) if fields[3].isdigit() else 0,
+                               start_time=_squeue_time(fields[4]))
+        return None
+
     def job_state(self, job_id: int | str) -> str | None:
         """The job's state (``squeue -h -o %T``, the cheapest query), None if unknown."""
         try:
@@ -482,6 +506,29 @@ class Slurm:
 
     def release(self, job_id: int | str) -> None:
         self.run("scontrol", ["release", _job_id(job_id)])
+
+    def submit(self, args: Sequence[str], script: str) -> int:
+        """``sbatch --parsable ARGS FILE`` with ``script`` in a private file of our own
+        (``mkstemp``: mode 0600, created here; sbatch copies it to slurmctld); the job id.
+        The arguments are a list (never a shell); the script is ours."""
+        import tempfile
+
+        fd, path = tempfile.mkstemp(prefix="ncclguard-job-", suffix=".sh")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(script)
+            out = self.run("sbatch", ["--parsable", *args, path]).strip()
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        jid = out.split(";", 1)[0]
+        if not jid.isdigit():
+            raise SlurmSchemaError(f"sbatch --parsable: not a job id: {out[:200]!r}")
+        return int(jid)
+
+    def cancel(self, job_id: int | str) -> None:
+        """``scancel J``."""
+        self.run("scancel", [_job_id(job_id)])
 
     def requeue_hold(self, job_id: int | str) -> None:
         self.run("scontrol", ["requeuehold", _job_id(job_id)])
@@ -572,3 +619,13 @@ def _error_texts(errors: list[Any]) -> str:
         else:
             out.append(str(e))
     return "; ".join(out)
+
+
+def _squeue_time(text: str) -> float | None:
+    """squeue's ``%S`` (``2026-12-07T18:50:00``, local time), or None (``N/A``, unknown)."""
+    import datetime as dt
+
+    try:
+        return dt.datetime.fromisoformat(text).timestamp()
+    except ValueError:
+        return None

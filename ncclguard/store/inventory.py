@@ -24,6 +24,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ncclguard.config import InventoryConfig
+from ncclguard.store.canary import CanaryTables
 from ncclguard.store.classes import ClassTables, NodeClass
 from ncclguard.store.images import ImageState, ImageTables, RegistryTables, RegistryTag
 from ncclguard.store.jobenvs import JobEnv, JobEnvTables
@@ -39,7 +40,7 @@ __all__ = [
 
 
 class Inventory(ClassTables, RecordTables, ImageTables, RegistryTables, JobEnvTables,
-                RuntimeTables):
+                RuntimeTables, CanaryTables):
     """The node inventory in one SQLite file (:class:`~ncclguard.store.connection.Database`
     says how it is opened, locked and migrated).
 

@@ -346,6 +346,23 @@ def _migrate_9_to_10(conn: sqlite3.Connection, values: GateValues) -> None:
         "PRIMARY KEY (job, step)) WITHOUT ROWID")
 
 
+def _migrate_10_to_11(conn: sqlite3.Connection, values: GateValues) -> None:
+    """The canary (issue 43, docs/canary.md): ``canary_nodes``, each node's vetted class,
+    its class now and whether it is held until its canary passes; ``canary_history``, what
+    happened and who did it."""
+    conn.execute(
+        "CREATE TABLE canary_nodes (host TEXT PRIMARY KEY, accepted TEXT, class_key TEXT, "
+        "state TEXT NOT NULL, changed_at REAL NOT NULL, held_since REAL, "
+        "reason TEXT NOT NULL DEFAULT '', job_id INTEGER, job_nodes TEXT, submitted_at REAL, "
+        "attempts INTEGER NOT NULL DEFAULT 0, updated_at REAL NOT NULL) WITHOUT ROWID")
+    conn.execute("CREATE INDEX idx_canary_nodes_state ON canary_nodes (state)")
+    conn.execute(
+        "CREATE TABLE canary_history (id INTEGER PRIMARY KEY, at REAL NOT NULL, "
+        "host TEXT NOT NULL, event TEXT NOT NULL, class_key TEXT, job_id INTEGER, "
+        "detail TEXT NOT NULL, by TEXT NOT NULL)")
+    conn.execute("CREATE INDEX idx_canary_history_host ON canary_history (host, id)")
+
+
 MIGRATIONS: tuple[Callable[[sqlite3.Connection, GateValues], None], ...] = (
     _migrate_0_to_1,
     _migrate_1_to_2,
@@ -357,5 +374,6 @@ MIGRATIONS: tuple[Callable[[sqlite3.Connection, GateValues], None], ...] = (
     _migrate_7_to_8,
     _migrate_8_to_9,
     _migrate_9_to_10,
+    _migrate_10_to_11,
 )
 SCHEMA_VERSION = len(MIGRATIONS)

@@ -1,0 +1,140 @@
+"""The canary's state: which nodes are held until their canary passes, and its history
+(issue 43, docs/canary.md, docs/store.md).
+
+``canary_nodes``: one row per node the canary service has seen: the class it was last
+vetted in (``accepted``), the class it has now (``class_key``), its ``state`` (``ok``, or
+one of :data:`HELD_STATES`), since when it is held, why (``reason``, shown by ``ncclguard
+nodes``, ``show`` and ``canary status``) and its canary job. ``canary_history``: each
+event (held, canary submitted, passed, failed, approved, released) with who did it
+(``ncclguard`` or the admin's name). Only the canary service and an admin's ``ncclguard
+canary`` write them; the gate and the features daemon read them.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from ncclguard.store.connection import Database, chunks
+
+__all__ = ["CANARY_FIELDS", "HELD_STATES", "CanaryTables"]
+
+#: a held node's states: its stack still moving, waiting (for a slot, an idle peer, its own
+#: idleness), its canary running, failed, or the first of a new class waiting for an admin
+HELD_STATES = ("settling", "waiting", "running", "failed", "approval")
+CANARY_FIELDS = ("host", "accepted", "class_key", "state", "changed_at", "held_since",
+                 "reason", "job_id", "job_nodes", "submitted_at", "attempts", "updated_at")
+_SELECT = "SELECT " + ", ".join(CANARY_FIELDS) + " FROM canary_nodes"  # noqa: S608 - fixed names
+_INSERT = ("INSERT OR REPLACE INTO canary_nodes (" + ", ".join(CANARY_FIELDS)  # noqa: S608 - fixed
+           + ") VALUES (" + ",".join("?" * len(CANARY_FIELDS)) + ")")
+_HISTORY = ("at", "host", "event", "class_key", "job_id", "detail", "by")
+_ADOPTED = "canary_adopted"  # collector_state: when the service first took the classes as good
+
+
+class CanaryTables(Database):
+    """The canary tables of an :class:`~ncclguard.store.Inventory`."""
+
+    def canary_nodes(self) -> dict[str, dict[str, Any]]:
+        """Every node's row, by host."""
+        rows = self._reading("read the canary's nodes", lambda c: c.execute(
+            _SELECT).fetchall())
+        return {r[0]: dict(zip(CANARY_FIELDS, r, strict=True)) for r in rows}
+
+    def canary_holds(self, hosts: Iterable[str]) -> dict[str, dict[str, Any]]:
+        """The rows of the held ones among ``hosts`` (the gate's question: one indexed
+        read per 500 hosts)."""
+        wanted = list(dict.fromkeys(hosts))
+
+        def q(c: sqlite3.Connection) -> list[Any]:
+            out: list[Any] = []
+            for part in chunks(wanted):
+                out += c.execute(
+                    _SELECT + " WHERE state != 'ok' AND host IN ("
+                    + ",".join("?" * len(part)) + ")", part).fetchall()
+            return out
+
+        rows = self._reading("read the canary's holds", q)
+        return {r[0]: dict(zip(CANARY_FIELDS, r, strict=True)) for r in rows}
+
+    def canary_held(self) -> set[str]:
+        """Every held node (the features daemon's question: they get no class)."""
+        return {r[0] for r in self._reading("read the canary's holds", lambda c: c.execute(
+            "SELECT host FROM canary_nodes WHERE state != 'ok'").fetchall())}
+
+    def canary_adopted(self) -> float | None:
+        """When the service first took every node's class as vetted (None: not yet)."""
+        row = self._reading("read the canary's start", lambda c: c.execute(
+            "SELECT value FROM collector_state WHERE name = ?", (_ADOPTED,)).fetchone())
+        try:
+            return float(row[0]) if row else None
+        except (TypeError, ValueError):
+            return None
+
+    def canary_write(self, rows: Sequence[Mapping[str, Any]],
+                     events: Sequence[Mapping[str, Any]] = (), *, adopted: float | None = None,
+                     expect: Mapping[str, tuple[str, int | None]] | None = None) -> bool:
+        """Write node rows and history events in one transaction; ``adopted``: also mark
+        the service's first pass. ``expect``: ``{host: (state, job_id)}`` each row must
+        still have (an admin's ``approve`` or ``run`` since the service read them wins):
+        when one differs nothing is written and False is returned."""
+        self._require_rw()
+
+        def body(conn: sqlite3.Connection) -> bool:
+            for host, (state, job) in (expect or {}).items():
+                got = conn.execute("SELECT state, job_id FROM canary_nodes WHERE host = ?",
+                                   (host,)).fetchone()
+                if (got is None and state != "") or (got is not None and
+                                                     (got[0], got[1]) != (state, job)):
+                    return False
+            for r in rows:
+                conn.execute(
+                    _INSERT, tuple(r.get(f) for f in CANARY_FIELDS))
+            for e in events:
+                conn.execute(
+                    "INSERT INTO canary_history (at, host, event, class_key, job_id, detail, "
+                    "by) VALUES (?,?,?,?,?,?,?)",
+                    (float(e["at"]), e["host"], e["event"], e.get("class_key"),
+                     e.get("job_id"), str(e.get("detail", ""))[:2000], e.get("by", "ncclguard")))
+            if adopted is not None:
+                conn.execute("INSERT OR REPLACE INTO collector_state (name, value, at) "
+                             "VALUES (?,?,?)", (_ADOPTED, repr(adopted), adopted))
+            return True
+
+        return bool(self._retrying(self._conn, body, "write the canary's state"))
+
+    def canary_history(self, host: str | None = None, limit: int = 50
+                       ) -> list[dict[str, Any]]:
+        """The last ``limit`` events (of ``host``), newest first."""
+        rows = self._reading("read the canary's history", lambda c: c.execute(
+            "SELECT at, host, event, class_key, job_id, detail, by FROM canary_history "
+            "WHERE (? IS NULL OR host = ?) ORDER BY id DESC LIMIT ?",
+            (host, host, int(limit))).fetchall())
+        return [dict(zip(_HISTORY, r, strict=True)) for r in rows]
+
+    def canary_counts(self, now: float | None = None) -> dict[str, Any]:
+        """For the metrics: nodes per state, the longest-held node's seconds, and the
+        canaries' results so far (``passed``, ``failed``, ``approved``)."""
+        now = time.time() if now is None else now
+
+        def q(c: sqlite3.Connection) -> tuple[list[Any], Any, list[Any]]:
+            return (c.execute("SELECT state, count(*) FROM canary_nodes GROUP BY state")
+                    .fetchall(),
+                    c.execute("SELECT min(held_since) FROM canary_nodes WHERE state != 'ok'")
+                    .fetchone()[0],
+                    c.execute("SELECT event, count(*) FROM canary_history WHERE event IN "
+                              "('passed', 'failed', 'approved', 'submitted') GROUP BY event")
+                    .fetchall())
+
+        states, oldest, results = self._reading("count the canary's nodes", q)
+        return {"states": {s: int(n) for s, n in states},
+                "held_max_s": max(now - float(oldest), 0.0) if oldest is not None else 0.0,
+                "events": {e: int(n) for e, n in results}}
+
+    def prune_canary_history(self, before: float) -> int:
+        """Drop events older than ``before``; the count dropped."""
+        self._require_rw()
+        return int(self._retrying(self._conn, lambda c: c.execute(
+            "DELETE FROM canary_history WHERE at < ?", (float(before),)).rowcount,
+            "prune the canary's history"))

@@ -1,0 +1,449 @@
+"""The canary's rules and its service against a model of Slurm (issue 43, docs/canary.md).
+
+The real-Slurm tests (tests/test_canary_slurm.py) show each step on Slurm itself; here a
+small scheduler on a virtual clock (:class:`FakeSlurm`: idle nodes, held and released
+jobs, a time per job) drives the service through what a real cluster takes hours to
+show: a rolling upgrade of 64 nodes, jobs that pend, fail, vanish, and Slurm going away.
+The inventory is a real one, written as the collector writes it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers.inventory import NodeSpec, base_fingerprint, build
+
+from inventoryd.controller.canary import CanaryService
+from ncclguard.config import CanaryConfig, Config, InventoryConfig, PolicyConfig
+from ncclguard.hostlist import compress, expand
+from ncclguard.policy.canary import gate_holds
+from ncclguard.policy.schedule import class_values
+from ncclguard.policy.verdict import Verdict
+from ncclguard.sched.sync import desired
+from ncclguard.slurm import SlurmError
+from ncclguard.slurm.model import JobInfo, NodeInfo
+from ncclguard.store import Inventory
+
+
+class FakeSlurm:
+    """A scheduler on a virtual clock: a released job starts when all its nodes are idle
+    and ends ``duration`` later with ``outcome(nodes)``; a node runs one job at a time."""
+
+    def __init__(self, hosts: list[str], clock: Callable[[], float]) -> None:
+        self.hosts = hosts
+        self.clock = clock
+        self.drained: dict[str, str] = {}
+        self.busy: set[str] = set()  # taken by other work
+        self.jobs: dict[int, dict[str, Any]] = {}
+        self.next_id = 100
+        self.up = True
+        self.duration = 60.0
+        self.outcome: Callable[[list[str]], str] = lambda nodes: "COMPLETED"
+        self.calls: list[tuple[str, Any]] = []
+
+    def _check(self) -> None:
+        if not self.up:
+            raise SlurmError("squeue: exit 1: Unable to contact slurm controller")
+
+    def default_partition(self) -> str:
+        self._check()
+        return "batch"
+
+    def _allocated(self) -> set[str]:
+        return {h for j in self.jobs.values() if j["state"] == "RUNNING" for h in j["nodes"]}
+
+    def nodes(self) -> list[NodeInfo]:
+        self._check()
+        alloc = self._allocated() | self.busy
+        out = []
+        for h in self.hosts:
+            flags = ("DRAIN",) if h in self.drained else ()
+            out.append(NodeInfo(name=h, state="allocated" if h in alloc else "idle",
+                                flags=flags, reason=self.drained.get(h, ""),
+                                partitions=("batch",)))
+        return out
+
+    def submit(self, args: list[str], script: str) -> int:
+        self._check()
+        self.calls.append(("submit", args))
+        nodes = expand(args[args.index("-w") + 1])
+        assert args[args.index("-N") + 1] == str(len(nodes))
+        assert "-H" in args and "--exclusive" in args and "--no-requeue" in args
+        job = self.next_id
+        self.next_id += 1
+        self.jobs[job] = {"state": "PENDING", "nodes": nodes, "priority": 0,
+                          "start": None, "script": script, "submitted": self.clock()}
+        return job
+
+    def release(self, job: int) -> None:
+        self._check()
+        self.calls.append(("release", job))
+        self.jobs[job]["priority"] = 1
+
+    def cancel(self, job: int) -> None:
+        self._check()
+        self.calls.append(("cancel", job))
+        if self.jobs[job]["state"] in ("PENDING", "RUNNING"):
+            self.jobs[job]["state"] = "CANCELLED"
+
+    def job_progress(self, job: int) -> JobInfo | None:
+        self._check()
+        j = self.jobs.get(job)
+        if j is None:
+            return None
+        return JobInfo(job_id=job, state=j["state"], priority=j["priority"],
+                       start_time=j["start"], state_reason="None")
+
+    def tick(self) -> None:
+        """Start and end jobs as of now."""
+        now = self.clock()
+        for j in self.jobs.values():
+            if j["state"] == "RUNNING" and now >= j["start"] + self.duration:
+                j["state"] = self.outcome(j["nodes"])
+        for _, j in sorted(self.jobs.items()):
+            alloc = self._allocated() | self.busy | set(self.drained)
+            if j["state"] == "PENDING" and j["priority"] > 0 and not set(j["nodes"]) & alloc:
+                j["state"], j["start"] = "RUNNING", now
+
+    def running(self) -> int:
+        return sum(1 for j in self.jobs.values() if j["state"] == "RUNNING")
+
+    # what the service must never call: an admin's drain is never touched
+    def update_nodes(self, *a: Any) -> None:
+        raise AssertionError("the canary changed a node's state in Slurm")
+
+    drain = resume = update_nodes
+
+
+class Clock:
+    def __init__(self, t: float = 1_000_000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _config(db: Path, **canary: Any) -> Config:
+    c = {"enabled": True, "command": ("nccl-check", "--quick"), "settle_s": 60.0,
+         "interval_s": 15.0, "max_running": 2, "max_nodes": 4, "peers": 1,
+         "time_limit_s": 300.0, "pending_timeout_s": 300.0, **canary}
+    return Config(inventory=InventoryConfig(db=str(db), stale_after_s=1e9),
+                  canary=CanaryConfig(**c))
+
+
+def _set(db: Path, host: str, spec: NodeSpec, now: float) -> None:
+    with Inventory(db, values=class_values(PolicyConfig())) as inv:
+        inv.upsert(base_fingerprint(host, spec), now=now)
+
+
+class Cluster:
+    """An inventory, the model of Slurm and the service, on one virtual clock."""
+
+    def __init__(self, tmp_path: Path, specs: dict[str, NodeSpec], **canary: Any) -> None:
+        self.clock = Clock()
+        self.db = build(tmp_path / "inventory.db", specs, now=self.clock())
+        self.cfg = _config(self.db, **canary)
+        self.slurm = FakeSlurm(sorted(specs), self.clock)
+        self.svc = CanaryService(self.cfg, self.slurm, clock=self.clock)  # type: ignore[arg-type]
+        self.notes = [self.svc.apply()]
+
+    def change(self, host: str, spec: NodeSpec) -> None:
+        _set(self.db, host, spec, self.clock())
+
+    def passes(self, seconds: float) -> None:
+        """The service's passes over ``seconds``, Slurm's time moving between them."""
+        end = self.clock.t + seconds
+        while self.clock.t < end:
+            self.clock.t += self.cfg.canary.interval_s
+            self.slurm.tick()
+            self.notes.append(self.svc.apply())
+
+    def rows(self) -> dict[str, dict[str, Any]]:
+        with Inventory(self.db, readonly=True, values=class_values(PolicyConfig())) as inv:
+            return inv.canary_nodes()
+
+    def state(self, host: str) -> str:
+        return str(self.rows()[host]["state"])
+
+    def classes(self) -> dict[str, str | None]:
+        return desired(self.cfg, self.slurm.hosts, self.clock())
+
+
+def two_classes(n: int = 4) -> dict[str, NodeSpec]:
+    """n1..n(n/2) on NCCL 2.21.5, the rest on 2.18.3: two classes."""
+    half = n // 2
+    return {f"n{i}": NodeSpec(nccl="2.21.5" if i <= half else "2.18.3")
+            for i in range(1, n + 1)}
+
+
+def test_the_first_pass_takes_every_node_as_vetted_and_holds_none(tmp_path: Path) -> None:
+    c = Cluster(tmp_path, two_classes())
+    assert c.notes[0] == "first pass: 4 nodes taken as vetted in their classes"
+    assert {r["state"] for r in c.rows().values()} == {"ok"}
+    assert all(c.classes().values())
+    c.passes(600)
+    assert c.slurm.calls == []
+
+
+def test_a_changed_node_is_held_canaried_with_a_peer_and_rejoins(tmp_path: Path) -> None:
+    c = Cluster(tmp_path, two_classes())
+    before = c.classes()
+    c.change("n4", NodeSpec(nccl="2.21.5"))  # upgraded: leaves 2.18.3's class for 2.21.5's
+    c.passes(15)
+    assert c.state("n4") == "settling"
+    assert c.classes()["n4"] is None  # no class feature: no multi-node job is offered it
+    assert "its stack changed" in c.rows()["n4"]["reason"]
+    c.passes(60)  # settled, submitted
+    submits = [a for k, a in c.slurm.calls if k == "submit"]
+    assert len(submits) == 1
+    args = submits[0]
+    nodes = expand(args[args.index("-w") + 1])
+    assert "n4" in nodes and len(nodes) == 2 and ({"n1", "n2"} & set(nodes))
+    job = max(c.slurm.jobs)
+    assert "exec nccl-check --quick" in c.slurm.jobs[job]["script"]
+    assert c.state("n4") == "running" and c.rows()["n4"]["job_id"] == job
+    c.passes(90)  # the job runs 60 s
+    assert c.state("n4") == "ok"
+    after = c.classes()
+    assert after["n4"] == before["n1"] == after["n1"]
+    events = [e["event"] for e in _history(c, "n4")]
+    assert events == ["passed", "submitted", "held"]
+
+
+def test_a_failing_canary_keeps_the_node_out_with_its_job_and_output(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir(mode=0o700)
+    c = Cluster(tmp_path, two_classes(), output_dir=str(out))
+    c.slurm.outcome = lambda nodes: "FAILED"
+    c.change("n4", NodeSpec(nccl="2.21.5"))
+    c.passes(90)
+    job = max(c.slurm.jobs)
+    (out / f"ncclguard-canary-{job}.out").write_text(
+        "# nccl-tests\nn4: NCCL WARN NET/IB : No device found.\n\x1b[31mbusbw 0.00\n")
+    c.passes(90)
+    r = c.rows()["n4"]
+    assert r["state"] == "failed"
+    assert f"its canary job {job} ended FAILED" in r["reason"]
+    assert "No device found" in r["reason"] and "\x1b" not in r["reason"]
+    assert c.classes()["n4"] is None
+    c.passes(3600)  # it stays out: no canary again until its stack moves or an admin asks
+    assert c.state("n4") == "failed"
+    assert sum(1 for k, _ in c.slurm.calls if k == "submit") == 1
+
+
+def test_an_output_file_that_is_a_link_is_not_followed(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir(mode=0o700)
+    secret = tmp_path / "secret"
+    secret.write_text("the munge key\n")
+    c = Cluster(tmp_path, two_classes(), output_dir=str(out))
+    c.slurm.outcome = lambda nodes: "FAILED"
+    c.change("n4", NodeSpec(nccl="2.21.5"))
+    c.passes(90)
+    job = max(c.slurm.jobs)
+    (out / f"ncclguard-canary-{job}.out").symlink_to(secret)
+    c.passes(90)
+    reason = c.rows()["n4"]["reason"]
+    assert "munge key" not in reason and "a link" in reason
+
+
+def test_a_node_the_admin_drained_waits_and_its_drain_is_never_touched(
+        tmp_path: Path) -> None:
+    c = Cluster(tmp_path, two_classes())
+    c.slurm.drained["n4"] = "replacing the HCA (jane)"
+    c.change("n4", NodeSpec(nccl="2.21.5"))
+    c.passes(300)
+    r = c.rows()["n4"]
+    assert r["state"] == "waiting"
+    assert "drained (replacing the HCA (jane)), left as the admin set it" in r["reason"]
+    assert not [k for k, _ in c.slurm.calls if k == "submit"]
+    del c.slurm.drained["n4"]  # the admin resumes it
+    c.passes(120)
+    assert c.state("n4") == "ok"
+
+
+def test_no_idle_peer_waits_and_says_so(tmp_path: Path) -> None:
+    c = Cluster(tmp_path, two_classes())
+    c.slurm.busy = {"n1", "n2"}
+    c.change("n4", NodeSpec(nccl="2.21.5"))
+    c.passes(300)
+    r = c.rows()["n4"]
+    assert r["state"] == "waiting" and "no idle known-good peer" in r["reason"]
+    c.slurm.busy = set()
+    c.passes(120)
+    assert c.state("n4") == "ok"
+
+
+def test_a_canary_pending_too_long_is_cancelled_and_tried_again(tmp_path: Path) -> None:
+    c = Cluster(tmp_path, two_classes(), pending_timeout_s=120.0)
+    c.change("n4", NodeSpec(nccl="2.21.5"))
+    c.passes(75)
+    first = max(c.slurm.jobs)
+    c.slurm.busy = {"n1", "n2", "n4"}  # taken after the service saw them idle
+    c.passes(150)
+    assert ("cancel", first) in c.slurm.calls
+    assert c.state("n4") == "waiting"
+    assert [e["event"] for e in _history(c, "n4")][:1] == ["retry"]
+    c.slurm.busy = set()
+    c.passes(150)
+    assert c.state("n4") == "ok" and max(c.slurm.jobs) > first
+
+
+def test_a_rolled_back_node_is_let_go_without_a_canary(tmp_path: Path) -> None:
+    c = Cluster(tmp_path, two_classes())
+    c.change("n4", NodeSpec(nccl="2.21.5"))
+    c.passes(15)
+    c.change("n4", NodeSpec(nccl="2.18.3"))
+    c.passes(15)
+    assert c.state("n4") == "ok" and c.classes()["n4"] == c.classes()["n3"]
+    assert not c.slurm.calls
+
+
+def test_a_stack_that_moves_while_its_canary_runs_cancels_it(tmp_path: Path) -> None:
+    c = Cluster(tmp_path, two_classes())
+    c.change("n4", NodeSpec(nccl="2.21.5"))
+    c.passes(90)
+    job = max(c.slurm.jobs)
+    assert c.state("n4") == "running"
+    c.change("n4", NodeSpec(nccl="2.23.4"))  # another change mid-canary
+    c.passes(15)
+    assert ("cancel", job) in c.slurm.calls
+    assert c.state("n4") == "settling"
+
+
+def test_a_new_class_pairs_two_changed_nodes_and_a_lone_one_waits_for_an_admin(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    c = Cluster(tmp_path, two_classes(6))
+    c.change("n1", NodeSpec(nccl="2.23.4"))  # a combination no node has run
+    c.passes(120)
+    r = c.rows()["n1"]
+    assert r["state"] == "approval" and "no node has run" in r["reason"]
+    c.change("n2", NodeSpec(nccl="2.23.4"))  # a second node of it: they pair
+    c.passes(90)
+    job = max(c.slurm.jobs)
+    assert sorted(c.slurm.jobs[job]["nodes"]) == ["n1", "n2"]
+    c.passes(90)
+    assert c.state("n1") == c.state("n2") == "ok"
+    # a lone node of yet another class: an admin approves it, recorded with the name
+    c.change("n6", NodeSpec(nccl="2.24.3"))
+    c.passes(120)
+    assert c.state("n6") == "approval"
+    from click.testing import CliRunner
+
+    from ncclguard.cli import main
+
+    monkeypatch.setenv("SUDO_USER", "jane")
+    res = CliRunner().invoke(main, ["--db", str(c.db), "canary", "approve", "n6",
+                                    "--reason", "vendor-certified image"])
+    assert res.exit_code == 0, res.output
+    assert c.state("n6") == "ok"
+    e = _history(c, "n6")[0]
+    assert (e["event"], e["by"]) == ("approved", "jane")
+    assert "vendor-certified image" in e["detail"]
+    c.passes(60)
+    assert c.state("n6") == "ok"
+
+
+def test_slurm_not_answering_submits_nothing_and_the_pass_fails(tmp_path: Path) -> None:
+    c = Cluster(tmp_path, two_classes())
+    c.change("n4", NodeSpec(nccl="2.21.5"))
+    c.passes(30)
+    c.slurm.up = False
+    c.clock.t += 60
+    with pytest.raises(SlurmError):
+        c.svc.apply()
+    assert not [k for k, _ in c.slurm.calls if k == "submit"]
+    assert c.state("n4") == "waiting"
+    c.slurm.up = True
+    c.passes(120)
+    assert c.state("n4") == "ok"
+
+
+def test_an_admin_run_holds_a_vetted_node_and_its_canary_runs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from click.testing import CliRunner
+
+    from ncclguard.cli import main
+
+    c = Cluster(tmp_path, two_classes())
+    monkeypatch.setenv("SUDO_USER", "root-on-behalf-of-bob")
+    res = CliRunner().invoke(main, ["--db", str(c.db), "canary", "run", "n2"])
+    assert res.exit_code == 0, res.output
+    assert c.state("n2") == "waiting" and c.classes()["n2"] is None
+    c.passes(15)
+    job = max(c.slurm.jobs)
+    assert sorted(c.slurm.jobs[job]["nodes"]) == ["n1", "n2"]
+    c.passes(90)
+    assert c.state("n2") == "ok"
+    res = CliRunner().invoke(main, ["--db", str(c.db), "canary", "status", "--history",
+                                    "--json"])
+    assert res.exit_code == 0 and '"run"' in res.output and "bob" in res.output
+
+
+@pytest.mark.parametrize(("max_running", "max_nodes"), [(4, 4), (2, 1)])
+def test_a_rolling_upgrade_of_64_nodes_is_canaried_in_waves(
+        tmp_path: Path, max_running: int, max_nodes: int) -> None:
+    """64 of 80 nodes upgraded at once: at most ``max_running`` canaries at a time, each
+    node back within waves x (its canary's time + the service's overhead)."""
+    specs = {f"n{i:02d}": NodeSpec(nccl="2.21.5" if i <= 16 else "2.18.3")
+             for i in range(1, 81)}
+    c = Cluster(tmp_path, specs, max_running=max_running, max_nodes=max_nodes, peers=1)
+    t0 = c.clock()
+    changed = [f"n{i:02d}" for i in range(17, 81)]
+    for h in changed:
+        c.change(h, NodeSpec(nccl="2.21.5"))
+    back: dict[str, float] = {}
+    most = 0
+    while len(back) < 64 and c.clock() < t0 + 86400:
+        c.passes(15)
+        most = max(most, c.slurm.running())
+        rows = c.rows()
+        back.update({h: c.clock() for h in changed if rows[h]["state"] == "ok"
+                     and h not in back})
+    assert len(back) == 64
+    assert most <= max_running
+    waves = math.ceil(64 / (max_running * max_nodes))
+    interval = c.cfg.canary.interval_s
+    # a wave: submitted at a pass, started by Slurm, ended after the job's time, seen at
+    # the next pass: job time + 2 passes; before the first: settle + 2 passes
+    bound = c.cfg.canary.settle_s + 2 * interval + waves * (c.slurm.duration + 2 * interval)
+    assert max(back.values()) - t0 <= bound
+    jobs = [j for j in c.slurm.jobs.values()]
+    assert len(jobs) == waves * max_running
+    assert all(len([n for n in j["nodes"] if n in changed]) <= max_nodes for j in jobs)
+
+
+def test_the_gate_refuses_a_held_node_unless_the_job_is_its_canary() -> None:
+    accept = Verdict("accept", nodes=["n1", "n4"])
+    held = {"n4": {"state": "running", "job_id": 812, "reason": "its canary job 812 runs"}}
+    v, canary = gate_holds(accept, held, 812)
+    assert (v.decision, canary) == ("accept", True)
+    v, canary = gate_holds(accept, held, 813)
+    assert (v.decision, canary) == ("refuse", False)
+    assert v.odd_nodes == ["n4"] and v.findings[0].rule == "canary-hold"
+    waiting = {"n4": dict(held["n4"], state="waiting", job_id=None)}
+    assert gate_holds(accept, waiting, 812)[0].decision == "refuse"
+    # a canary job cannot vouch for a held node it is not the canary of
+    other = {**held, "n3": {"state": "running", "job_id": 700, "reason": "x"}}
+    assert gate_holds(accept, other, 812)[0].decision == "refuse"
+    assert gate_holds(accept, {}, 1) == (accept, False)
+
+
+def _history(c: Cluster, host: str) -> list[dict[str, Any]]:
+    with Inventory(c.db, readonly=True, values=class_values(PolicyConfig())) as inv:
+        return inv.canary_history(host)
+
+
+def test_hostlists_shown_are_compressed() -> None:  # what describe() prints
+    from ncclguard.policy.canary import Launch, describe
+
+    text = describe(Launch(("n3", "n4"), ("n1",), "ab" * 32))
+    assert text == "n[3-4] with peer n1 (class ababababab)"
+    assert re.fullmatch(r"n\[3-4\] \(a new class: no known-good peer\) \(class \w{10}\)",
+                        describe(Launch(("n3", "n4"), (), "cd" * 32)))
+    assert compress(["n1"]) == "n1"
