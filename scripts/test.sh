@@ -57,11 +57,11 @@ fi
 # skip fails instead, and any skip fails the run (tests/conftest.py).
 export NCCLGUARD_REQUIRE_SLURM=1 NCCLGUARD_REQUIRE_PARTS=1
 echo "scripts/test.sh: the suite on $(slurmctld -V 2>/dev/null || echo 'Slurm ?') and $(.venv/bin/python --version)"
-# The order: as written on this machine's Slurm; shuffled across files in the second run
-# (NCCLGUARD_SHUFFLE=1, which slurm-root.sh sets; pytest-randomly prints its seed, and
-# --randomly-seed=SEED repeats it), so that no test leans on what another left behind.
+# The order: shuffled across files (pytest-randomly prints its seed, and
+# --randomly-seed=SEED repeats it), so that no test leans on what another left behind;
+# NCCLGUARD_SHUFFLE=0 keeps the written order.
 # --durations: the slowest tests of each run in its log, where CI's time goes
-if [[ ${NCCLGUARD_SHUFFLE:-0} == 1 ]]; then
+if [[ ${NCCLGUARD_SHUFFLE:-1} == 1 ]]; then
     .venv/bin/python -m pytest --durations=25 "$@"
 else
     .venv/bin/python -m pytest --randomly-dont-reorganize --durations=25 "$@"
@@ -76,12 +76,12 @@ if [[ -z ${NCCLGUARD_IN_SLURM_ROOT:-} ]]; then
             "(CI always runs them)" >&2
     else
         for suite in ${NCCLGUARD_SLURM_SUITES:-trixie forky}; do
-            # The oldest Slurm (here) and the newest run the whole suite; 24.11, between
-            # them, the tests that start a real Slurm (-m slurm), so that CI's three
-            # releases fit its hour (README, docs/development.md). Everything there too:
-            # NCCLGUARD_WHOLE_SUITE_ON=trixie.
+            # The oldest Slurm (here) runs the whole suite; 24.11 and 26.05 the tests
+            # that start a real Slurm (-m slurm), so that CI's three releases fit its hour
+            # (README, docs/development.md). Everything there too:
+            # NCCLGUARD_WHOLE_SUITE_ON="trixie forky".
             sel=()
-            if [[ $suite == trixie && " ${NCCLGUARD_WHOLE_SUITE_ON:-} " != *" trixie "* ]]; then
+            if [[ " ${NCCLGUARD_WHOLE_SUITE_ON:-} " != *" $suite "* ]]; then
                 sel=(-m slurm)
             fi
             NCCLGUARD_SLURM_SUITE=$suite bash scripts/slurm-root.sh test "${sel[@]}" "$@"
