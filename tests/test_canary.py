@@ -447,3 +447,28 @@ def test_hostlists_shown_are_compressed() -> None:  # what describe() prints
     assert re.fullmatch(r"n\[3-4\] \(a new class: no known-good peer\) \(class \w{10}\)",
                         describe(Launch(("n3", "n4"), (), "cd" * 32)))
     assert compress(["n1"]) == "n1"
+
+
+def test_ncclguard_check_refuses_a_held_node_as_the_gate_does(tmp_path: Path) -> None:
+    import json
+
+    from click.testing import CliRunner
+
+    from ncclguard.cli import main
+
+    c = Cluster(tmp_path, two_classes())
+    c.change("n4", NodeSpec(nccl="2.21.5"))
+    c.passes(15)
+    conf = tmp_path / "config.toml"
+    conf.write_text(f'[inventory]\ndb = "{c.db}"\nstale_after_s = 1000000000\n'
+                    '[canary]\nenabled = true\ncommand = ["true"]\n')
+    res = CliRunner().invoke(main, ["--config", str(conf), "check", "n[1,4]", "--json"])
+    assert res.exit_code == 2, res.output
+    doc = json.loads(res.output)
+    assert doc["decision"] == "refuse" and doc["odd_nodes"] == "n4"
+    assert doc["findings"][0]["rule"] == "canary-hold"
+    # the same nodes once n4's canary passed: accepted
+    c.passes(150)
+    res = CliRunner().invoke(main, ["--config", str(conf), "check", "n[1,4]", "--json"])
+    doc = json.loads(res.output)  # warn: the virtual clock's records are old by the real one
+    assert doc["decision"] != "refuse" and not doc["odd_nodes"], res.output

@@ -163,6 +163,10 @@ def check(hostlist: str, partition: str | None, image: str | None, env_dir: str 
             classes=lambda among: [k.hosts for k in c.inv("classes", among)],
             members=lambda names: _members(c, names),
         )
+    if c.config.canary.enabled and len(hosts) > 1:  # held nodes, as the gate refuses them
+        from ncclguard.policy.canary import gate_holds
+
+        verdict, _ = gate_holds(verdict, c.inv("canary_holds", hosts), -1)
     decision = str(verdict.decision)
     doc = verdict.to_dict()
     if tie_break is not None:
