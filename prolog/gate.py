@@ -296,6 +296,7 @@ def decide(run: Run, job: Job) -> int:
                     run.record["image_ref_error"] = str(e)
             written_at, pressure = inv.writer_state()
             holds = inv.canary_holds(job.nodes) if cfg.canary.enabled else {}
+            owner = inv.canary_owner() if holds else None
     except InventoryError as e:
         return run.fail("inventory", e)
     from ncclguard.policy.freshness import writer_note
@@ -334,9 +335,12 @@ def decide(run: Run, job: Job) -> int:
             run, job, verdict, lambda prefer: ownnccl.judge(
                 values, cfg.policy, stale, job.partition or None, own, resolved, prefer))
     if holds:  # nodes held until a canary passes (docs/canary.md)
-        from ncclguard.policy.canary import gate_holds
+        from ncclguard.policy.canary import gate_holds, submitted_by_service
 
-        verdict, canary = gate_holds(verdict, holds, int(job.job_id))
+        # a row names its canary by job id; only a job the service can have submitted
+        # (its name, the inventory owner's uid) may be that job: ids are reused
+        ours = submitted_by_service(job.name, job.uid, owner)
+        verdict, canary = gate_holds(verdict, holds, int(job.job_id) if ours else 0)
         run.record["canary_held"] = sorted(holds)
         if canary:
             run.record["canary"] = True

@@ -99,6 +99,11 @@ class FakeSlurm:
         return JobInfo(job_id=job, state=j["state"], priority=j["priority"],
                        start_time=j["start"], state_reason="None")
 
+    def own_jobs(self, name: str) -> list[JobInfo]:
+        self._check()
+        return [JobInfo(job_id=job, state=j["state"], priority=j["priority"], name=name)
+                for job, j in self.jobs.items() if j["state"] in ("PENDING", "RUNNING")]
+
     def tick(self) -> None:
         """Start and end jobs as of now."""
         now = self.clock()

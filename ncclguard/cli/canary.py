@@ -53,15 +53,23 @@ def _writable(c: Any) -> Any:
         fail(str(e))
 
 
-def _write(inv: Any, rows: list[dict[str, Any]], events: list[dict[str, Any]]) -> None:
+def _write(inv: Any, rows: list[dict[str, Any]], events: list[dict[str, Any]],
+           read: dict[str, dict[str, Any]]) -> None:
+    """Write ``rows`` only if each node's row is still as ``read`` (the service's pass may
+    have written since: a canary submitted, passed or failed)."""
     from ncclguard.store import InventoryError
 
     if not rows:
         return
+    expect = {r["host"]: ((read[r["host"]]["state"], read[r["host"]]["job_id"])
+                          if r["host"] in read else ("", None)) for r in rows}
     try:
-        inv.canary_write(rows, events)
+        written = inv.canary_write(rows, events, expect=expect)
     except InventoryError as e:
         fail(str(e))
+    if not written:
+        fail("the canary service changed these nodes' rows meanwhile (a canary submitted or "
+             "ended): nothing written; see `ncclguard canary status` and run it again")
 
 
 def _hosts(c: Any, nodes: str) -> list[str]:
@@ -149,7 +157,7 @@ def approve(nodes: str, reason: str) -> None:
                            "job_id": r["job_id"], "by": who,
                            "detail": f"approved by {who}" + (f": {safe(reason)}" if reason
                                                              else "")})
-        _write(inv, upd, events)
+        _write(inv, upd, events, rows)
     for e in events:
         click.echo(f"{e['host']}: approved (class {str(e['class_key'])[:10]}), by {who}")
     if not upd:
@@ -187,7 +195,7 @@ def run_(nodes: str, reason: str) -> None:
             upd.append(new)
             events.append({"at": now, "host": h, "event": "run", "class_key": key,
                            "job_id": None, "by": who, "detail": why})
-        _write(inv, upd, events)
+        _write(inv, upd, events, rows)
     for e in events:
         click.echo(f"{e['host']}: held, its canary runs at the service's next pass")
     if not upd:

@@ -30,10 +30,11 @@ from ncclguard.config import CanaryConfig
 from ncclguard.hostlist import compress
 from ncclguard.policy.verdict import Finding, Verdict
 
-__all__ = ["HELD_STATES", "RULE", "Launch", "Plan", "gate_holds", "held_row", "observe", "plan",
-           "short"]
+__all__ = ["HELD_STATES", "JOB_NAME", "RULE", "Launch", "Plan", "gate_holds", "held_row",
+           "observe", "plan", "short", "submitted_by_service"]
 
 RULE = "canary-hold"  # the finding of a job refused for a held node
+JOB_NAME = "ncclguard-canary"  # the canary job's name (sbatch -J)
 
 HELD_STATES = ("settling", "waiting", "running", "failed", "approval")
 #: states a canary may be started from (a lone ``approval`` node joins a second one)
@@ -150,6 +151,12 @@ def plan(rows: Mapping[str, Mapping[str, Any]], keys: Mapping[str, str | None],
     for host, row in sorted(rows.items()):
         if row["state"] == "ok" and keys.get(host) == row["accepted"] and host not in stale:
             good.setdefault(str(row["accepted"]), []).append(host)
+    # each class's running canaries, read once (not once per class: a pass over thousands
+    # of held nodes in as many classes stays linear)
+    running_of: dict[str, list[int]] = {}
+    for r in rows.values():
+        if r["state"] == "running" and r["job_id"]:
+            running_of.setdefault(str(r["class_key"]), []).append(int(r["job_id"]))
     launches: list[Launch] = []
     taken: set[str] = set()
 
@@ -171,12 +178,16 @@ def plan(rows: Mapping[str, Mapping[str, Any]], keys: Mapping[str, str | None],
                 free.append(h)
         peers_of = good.get(key, [])
         need = min(cfg.peers, len(peers_of))
-        first = [int(r["job_id"]) for r in rows.values()
-                 if r["state"] == "running" and r["class_key"] == key and r["job_id"]]
+        first = list(running_of.get(key, ()))
         while free:
             peers: list[str] = []
             if peers_of:
-                peers = [p for p in peers_of if p in idle and p not in taken][:need]
+                cand = [p for p in peers_of if p in idle and p not in taken]
+                if cand:  # a canary tried again starts from another peer (one that changed
+                    # under it, or failed it, is not asked first again)
+                    turn = int(rows[free[0]]["attempts"] or 0) % len(cand)
+                    cand = cand[turn:] + cand[:turn]
+                peers = cand[:need]
                 if len(peers) < need:
                     n = len(peers_of)
                     say(free, f"waiting: no idle known-good peer of its class {short(key)} "
@@ -217,6 +228,14 @@ def describe(launch: Launch) -> str:
     peers = f" with peer{'s' if len(launch.peers) > 1 else ''} {compress(launch.peers)}" \
         if launch.peers else " (a new class: no known-good peer)"
     return f"{compress(launch.nodes)}{peers} (class {short(launch.class_key)})"
+
+
+def submitted_by_service(name: str, uid: int | None, owner: int | None) -> bool:
+    """Whether a job can be the canary service's: named :data:`JOB_NAME` and run by the
+    inventory's owner (the service writes the inventory, and submits as itself) or root.
+    A user's job never is, whatever its id: a row that still names an ended canary's id
+    (the service was down, Slurm's ids wrapped or restarted) vouches for no other job."""
+    return name == JOB_NAME and uid is not None and owner is not None and uid in (owner, 0)
 
 
 def gate_holds(verdict: Verdict, holds: Mapping[str, Mapping[str, Any]], job_id: int

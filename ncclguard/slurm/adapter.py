@@ -439,27 +439,48 @@ class Slurm:
         return None
 
     def job_progress(self, job_id: int | str) -> JobInfo | None:
-        """One job's state, the reason Slurm gives for it, its priority (0: held) and start
-        time, for the canary service; None when Slurm no longer knows it. ``squeue -h -t
-        all -j J -o "%A|%T|%r|%Q|%S"`` in text, which asks for that job alone on every
-        release (as :meth:`job_owner`)."""
+        """One job's state, the reason Slurm gives for it, its priority (0: held), start
+        time, uid and name, for the canary service; None when Slurm no longer knows it.
+        ``squeue -h -t all -j J -o "%A|%T|%r|%Q|%S|%U|%j"`` in text, which asks for that
+        job alone on every release (as :meth:`job_owner`); the name, which its owner
+        chose, last (it may hold a ``|``)."""
         jid = _job_id(job_id)
+        fmt = "%A|%T|%r|%Q|%S|%U|%j"
         try:
-            out = self.run("squeue", ["-h", "-t", "all", "-j", jid, "-o", "%A|%T|%r|%Q|%S"])
+            out = self.run("squeue", ["-h", "-t", "all", "-j", jid, "-o", fmt])
         except SlurmError as e:
             if _unknown_job(e):
                 return None
             raise
         for line in out.splitlines():
-            fields = line.split("|")
-            if len(fields) != 5 or not fields[0].isdigit():
-                raise SlurmSchemaError(f"squeue -j {jid} -o %A|%T|%r|%Q|%S: not five fields: "
+            fields = line.split("|", 6)
+            if len(fields) != 7 or not _number(fields[0]) or not _number(fields[5]):
+                raise SlurmSchemaError(f"squeue -j {jid} -o {fmt}: not a job id, a state, a "
+                                       f"reason, a priority, a time, a uid and a name: "
                                        f"{line[:200]!r}")
             if fields[0] == jid:
                 return JobInfo(job_id=int(jid), state=fields[1], state_reason=fields[2],
-                               priority=int(fields[3]) if fields[3].isdigit() else 0,
-                               start_time=_squeue_time(fields[4]))
+                               priority=int(fields[3]) if _number(fields[3]) else 0,
+                               start_time=_squeue_time(fields[4]), user_id=int(fields[5]),
+                               name=fields[6])
         return None
+
+    def own_jobs(self, name: str) -> list[JobInfo]:
+        """This process's user's live jobs named ``name`` (their id, state and priority):
+        the canary service's view of what it submitted, whatever its rows say. ``squeue -h
+        -u UID -n NAME -o "%A|%T|%Q"`` (numeric uids are taken by every release)."""
+        fmt = "%A|%T|%Q"
+        out = self.run("squeue", ["-h", "-u", str(os.geteuid()), "-n", name, "-o", fmt])
+        jobs = []
+        for line in out.splitlines():
+            fields = line.split("|")
+            if len(fields) != 3 or not _number(fields[0]):
+                raise SlurmSchemaError(f"squeue -n {name} -o {fmt}: not a job id, a state and "
+                                       f"a priority: {line[:200]!r}")
+            jobs.append(JobInfo(job_id=int(fields[0]), state=fields[1], name=name,
+                                user_id=os.geteuid(),
+                                priority=int(fields[2]) if _number(fields[2]) else 0))
+        return jobs
 
     def job_state(self, job_id: int | str) -> str | None:
         """The job's state (``squeue -h -o %T``, the cheapest query), None if unknown."""
@@ -522,7 +543,7 @@ class Slurm:
             with contextlib.suppress(OSError):
                 os.unlink(path)
         jid = out.split(";", 1)[0]
-        if not jid.isdigit():
+        if not _number(jid):
             raise SlurmSchemaError(f"sbatch --parsable: not a job id: {out[:200]!r}")
         return int(jid)
 
@@ -619,6 +640,12 @@ def _error_texts(errors: list[Any]) -> str:
         else:
             out.append(str(e))
     return "; ".join(out)
+
+
+def _number(text: str) -> bool:
+    """Digits 0-9 only (``str.isdigit`` takes ``²`` and ``٣``: ``int()`` then fails or
+    reads another number)."""
+    return text.isascii() and text.isdigit()
 
 
 def _squeue_time(text: str) -> float | None:

@@ -12,6 +12,7 @@ canary`` write them; the gate and the features daemon read them.
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -31,6 +32,7 @@ _INSERT = ("INSERT OR REPLACE INTO canary_nodes (" + ", ".join(CANARY_FIELDS)  #
            + ") VALUES (" + ",".join("?" * len(CANARY_FIELDS)) + ")")
 _HISTORY = ("at", "host", "event", "class_key", "job_id", "detail", "by")
 _ADOPTED = "canary_adopted"  # collector_state: when the service first took the classes as good
+_POLICY = "canary_policy"  # collector_state: the class policy the rows' keys are under
 
 
 class CanaryTables(Database):
@@ -63,6 +65,14 @@ class CanaryTables(Database):
         return {r[0] for r in self._reading("read the canary's holds", lambda c: c.execute(
             "SELECT host FROM canary_nodes WHERE state != 'ok'").fetchall())}
 
+    def canary_owner(self) -> int | None:
+        """The inventory file's owner: the user the canary service runs and submits its
+        jobs as (it writes this file, which only its owner can); None if unreadable."""
+        try:
+            return os.stat(self.path).st_uid
+        except OSError:
+            return None
+
     def canary_adopted(self) -> float | None:
         """When the service first took every node's class as vetted (None: not yet)."""
         row = self._reading("read the canary's start", lambda c: c.execute(
@@ -72,13 +82,22 @@ class CanaryTables(Database):
         except (TypeError, ValueError):
             return None
 
+    def canary_policy(self) -> str | None:
+        """The class policy (:func:`~ncclguard.policy.schedule.class_policy`) the rows'
+        class keys were derived under (None: not recorded)."""
+        row = self._reading("read the canary's class policy", lambda c: c.execute(
+            "SELECT value FROM collector_state WHERE name = ?", (_POLICY,)).fetchone())
+        return str(row[0]) if row and row[0] is not None else None
+
     def canary_write(self, rows: Sequence[Mapping[str, Any]],
                      events: Sequence[Mapping[str, Any]] = (), *, adopted: float | None = None,
-                     expect: Mapping[str, tuple[str, int | None]] | None = None) -> bool:
+                     expect: Mapping[str, tuple[str, int | None]] | None = None,
+                     policy: str | None = None) -> bool:
         """Write node rows and history events in one transaction; ``adopted``: also mark
-        the service's first pass. ``expect``: ``{host: (state, job_id)}`` each row must
-        still have (an admin's ``approve`` or ``run`` since the service read them wins):
-        when one differs nothing is written and False is returned."""
+        the service's first pass; ``policy``: the class policy the keys written are under.
+        ``expect``: ``{host: (state, job_id)}`` each row must still have (an admin's
+        ``approve`` or ``run`` since the service read them wins): when one differs
+        nothing is written and False is returned."""
         self._require_rw()
 
         def body(conn: sqlite3.Connection) -> bool:
@@ -100,6 +119,9 @@ class CanaryTables(Database):
             if adopted is not None:
                 conn.execute("INSERT OR REPLACE INTO collector_state (name, value, at) "
                              "VALUES (?,?,?)", (_ADOPTED, repr(adopted), adopted))
+            if policy is not None:
+                conn.execute("INSERT OR REPLACE INTO collector_state (name, value, at) "
+                             "VALUES (?,?,?)", (_POLICY, policy, time.time()))
             return True
 
         return bool(self._retrying(self._conn, body, "write the canary's state"))
@@ -132,9 +154,24 @@ class CanaryTables(Database):
                 "held_max_s": max(now - float(oldest), 0.0) if oldest is not None else 0.0,
                 "events": {e: int(n) for e, n in results}}
 
-    def prune_canary_history(self, before: float) -> int:
-        """Drop events older than ``before``; the count dropped."""
+    def prune_canary_history(self, before: float | None, per_host: int | None = None) -> int:
+        """Drop events older than ``before`` (None: none for their age) and, with
+        ``per_host``, each node's but its newest ``per_host``; the count dropped."""
         self._require_rw()
-        return int(self._retrying(self._conn, lambda c: c.execute(
-            "DELETE FROM canary_history WHERE at < ?", (float(before),)).rowcount,
-            "prune the canary's history"))
+
+        def body(c: sqlite3.Connection) -> int:
+            n = 0
+            if before is not None:
+                n += c.execute("DELETE FROM canary_history WHERE at < ?",
+                               (float(before),)).rowcount
+            if per_host is not None:
+                over = c.execute("SELECT host FROM canary_history GROUP BY host "
+                                 "HAVING count(*) > ?", (int(per_host),)).fetchall()
+                for (host,) in over:
+                    n += c.execute(
+                        "DELETE FROM canary_history WHERE host = ? AND id <= (SELECT id FROM "
+                        "canary_history WHERE host = ? ORDER BY id DESC LIMIT 1 OFFSET ?)",
+                        (host, host, int(per_host))).rowcount
+            return n
+
+        return int(self._retrying(self._conn, body, "prune the canary's history"))
