@@ -42,7 +42,7 @@ def test_migrates_a_real_v4_inventory(tmp_path: Path) -> None:
     with pytest.raises(InventoryCorrupt, match="older"):
         Inventory(p, readonly=True)
     with Inventory(p, values=GATE_VALUES) as inv:
-        assert inv.schema_version() == SCHEMA_VERSION == 10
+        assert inv.schema_version() == SCHEMA_VERSION == 11
         assert inv.images() == []
         assert sorted(inv.hosts()) == ["new", "old"]
         assert inv.heartbeats()["new"] == 1_800_000_600

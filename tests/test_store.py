@@ -463,6 +463,8 @@ def test_migration_to_v2_backfills_the_gate_values(tmp_path: Path) -> None:
     conn.execute("DROP TABLE job_envs")  # v9's
     conn.execute("DROP TABLE job_loads")  # v10's
     conn.execute("DROP TABLE mixed_steps")
+    conn.execute("DROP TABLE canary_nodes")  # v11's
+    conn.execute("DROP TABLE canary_history")
     conn.execute("PRAGMA user_version = 1")
     conn.close()
     with Inventory(p, values=GATE_VALUES) as inv:
@@ -642,7 +644,7 @@ def test_migrates_a_real_v3_inventory(tmp_path: Path) -> None:
     with pytest.raises(InventoryCorrupt, match="older"):
         Inventory(p, readonly=True)  # a reader never migrates
     with Inventory(p, values=GATE_VALUES) as inv:
-        assert inv.schema_version() == SCHEMA_VERSION == 10
+        assert inv.schema_version() == SCHEMA_VERSION == 11
         rows = {r["host"]: r for r in inv.nodes({})}
     new, old = rows["new"], rows["old"]
     assert (new["tuner_plugin"], new["tuner_abi"]) == ("PackedTuner", 6)
