@@ -703,6 +703,14 @@ class DevCluster:
             raise ClusterError(f"collect --once failed ({r.returncode}): {r.stderr}")
         return r
 
+    def canary_once(self, *, check: bool = True) -> subprocess.CompletedProcess[str]:
+        """One pass of the canary service (``ncclguard-inventoryd canary --once``) with
+        this cluster's config (its ``[canary]``) and inventory."""
+        r = self._inventoryd(["canary", "--once"], self.config_path)
+        if check and r.returncode != 0:
+            raise ClusterError(f"canary --once failed ({r.returncode}): {r.stderr}")
+        return r
+
     # ------------------------------------------------------- class features
     def ncclguard(self, *args: str, check: bool = True, ok: Iterable[int] = (0,)
                   ) -> subprocess.CompletedProcess[str]:

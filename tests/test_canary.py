@@ -21,6 +21,7 @@ from helpers.inventory import NodeSpec, base_fingerprint, build
 from inventoryd.controller.canary import CanaryService
 from ncclguard.config import CanaryConfig, Config, InventoryConfig, PolicyConfig
 from ncclguard.hostlist import compress, expand
+from ncclguard.policy import GATE_VALUES
 from ncclguard.policy.canary import gate_holds
 from ncclguard.policy.schedule import class_values
 from ncclguard.policy.verdict import Verdict
@@ -297,6 +298,32 @@ def test_a_canary_pending_too_long_is_cancelled_and_tried_again(tmp_path: Path) 
     c.slurm.busy = set()
     c.passes(150)
     assert c.state("n4") == "ok" and max(c.slurm.jobs) > first
+
+
+def test_a_changed_node_is_held_from_the_collectors_write_before_the_next_pass(
+        tmp_path: Path) -> None:
+    """Between the collector's write and the service's next pass (up to interval_s), the
+    features sync and the gate hold the node already: before, the sync gave it its new
+    class and the gate let it into multi-node jobs (found on the real cluster,
+    tests/test_canary_slurm.py)."""
+    c = Cluster(tmp_path, two_classes())
+    c.change("n4", NodeSpec(nccl="2.21.5"))  # collected; the service has not looked yet
+    assert c.state("n4") == "ok"
+    assert c.classes()["n4"] is None
+    _set(c.db, "n5", NodeSpec(nccl="2.21.5"), c.clock())  # first seen after the first pass
+    with Inventory(c.db, readonly=True, values=GATE_VALUES) as inv:
+        holds = inv.canary_holds(["n1", "n4", "n5"])
+        assert inv.canary_held() == {"n4", "n5"}
+    assert sorted(holds) == ["n4", "n5"]
+    assert holds["n4"]["state"] == holds["n5"]["state"] == "settling"
+    assert "its stack changed" in holds["n4"]["reason"]
+    assert holds["n5"]["reason"].startswith("first seen")
+    v, canary = gate_holds(Verdict("accept", nodes=["n1", "n4"]), holds, 1)
+    assert (v.decision, canary, v.odd_nodes) == ("refuse", False, ["n4", "n5"])
+    c.change("n4", NodeSpec(nccl="2.18.3"))  # rolled back before any pass: not held
+    assert c.classes()["n4"] == c.classes()["n3"]
+    c.passes(15)  # the service's pass writes what the readers said
+    assert c.state("n4") == "ok" and c.state("n5") == "settling"
 
 
 def test_a_rolled_back_node_is_let_go_without_a_canary(tmp_path: Path) -> None:

@@ -28,6 +28,7 @@ from inventoryd.controller.canary import JOB_NAME
 from ncclguard.config import CanaryConfig, PolicyConfig
 from ncclguard.policy import GATE_VALUES
 from ncclguard.policy.canary import held_row, plan
+from ncclguard.policy.schedule import class_policy, class_values
 from ncclguard.slurm import Slurm, SlurmError
 from ncclguard.slurm.model import JobInfo, SlurmSchemaError, SlurmTimeout
 from ncclguard.store import Inventory, InventoryError
@@ -301,6 +302,13 @@ def test_a_policy_change_holds_no_node(tmp_path: Path) -> None:
     canary ran, max_running at a time)."""
     c = Cluster(tmp_path, two_classes())
     cfg = c.cfg.replace(policy=PolicyConfig(severity={"nccl-conf": "refuse"}))
+    # the collector re-derives every key under the new policy before the service's pass:
+    # the gate and the features sync must not take every node as changed meanwhile
+    with Inventory(c.db, values=class_values(cfg.policy)) as inv:
+        inv.derive_classes()
+        assert inv.stored_class_policy() == class_policy(cfg.policy)
+        assert inv.canary_held() == set()
+        assert inv.canary_holds(["n1", "n2", "n3", "n4"]) == {}
     c.cfg = cfg
     c.svc = service.CanaryService(cfg, c.slurm, clock=c.clock)  # type: ignore[arg-type]
     c.passes(120)

@@ -7,7 +7,9 @@ one of :data:`HELD_STATES`), since when it is held, why (``reason``, shown by ``
 nodes``, ``show`` and ``canary status``) and its canary job. ``canary_history``: each
 event (held, canary submitted, passed, failed, approved, released) with who did it
 (``ncclguard`` or the admin's name). Only the canary service and an admin's ``ncclguard
-canary`` write them; the gate and the features daemon read them.
+canary`` write them; the gate and the features daemon read them (:meth:`~CanaryTables.
+canary_holds`, :meth:`~CanaryTables.canary_held`), and take a node whose record's class
+moved as held from the collector's write on, before the service's next pass writes it.
 """
 
 from __future__ import annotations
@@ -30,6 +32,22 @@ CANARY_FIELDS = ("host", "accepted", "class_key", "state", "changed_at", "held_s
 _SELECT = "SELECT " + ", ".join(CANARY_FIELDS) + " FROM canary_nodes"  # noqa: S608 - fixed names
 _INSERT = ("INSERT OR REPLACE INTO canary_nodes (" + ", ".join(CANARY_FIELDS)  # noqa: S608 - fixed
            + ") VALUES (" + ",".join("?" * len(CANARY_FIELDS)) + ")")
+#: a row and the class its node's record has now (the collector's ``gate_nodes``)
+_SELECT_NOW = ("SELECT " + ", ".join(f"c.{f}" for f in CANARY_FIELDS)  # noqa: S608 - fixed
+               + ", g.class_key FROM canary_nodes c LEFT JOIN gate_nodes g ON g.host = c.host")
+#: held: by its row, or its record's class is no longer the one it was vetted in (the
+#: service's next pass holds it: ncclguard.policy.canary.observe)
+#: (only when the stored keys were derived under the policy the rows are under: after an
+#: admin changes a severity, every key moves and the service's next pass re-keys the rows)
+_HELD = ("(c.state != 'ok' OR (c.accepted IS NOT NULL AND g.class_key IS NOT NULL "
+         "AND g.class_key != c.accepted AND (SELECT value FROM collector_state WHERE "
+         "name = 'class_policy') IS (SELECT value FROM collector_state WHERE "
+         "name = 'canary_policy')))")
+_HELD_HOSTS = ("SELECT c.host FROM canary_nodes c LEFT JOIN gate_nodes g "  # noqa: S608 - fixed
+               "ON g.host = c.host WHERE " + _HELD)
+#: nodes with a class and no row: first seen since the service's first pass
+_UNSEEN = ("SELECT g.host, g.class_key FROM gate_nodes g WHERE g.class_key IS NOT NULL "
+           "AND NOT EXISTS (SELECT 1 FROM canary_nodes c WHERE c.host = g.host)")
 _HISTORY = ("at", "host", "event", "class_key", "job_id", "detail", "by")
 _ADOPTED = "canary_adopted"  # collector_state: when the service first took the classes as good
 _POLICY = "canary_policy"  # collector_state: the class policy the rows' keys are under
@@ -46,24 +64,38 @@ class CanaryTables(Database):
 
     def canary_holds(self, hosts: Iterable[str]) -> dict[str, dict[str, Any]]:
         """The rows of the held ones among ``hosts`` (the gate's question: one indexed
-        read per 500 hosts)."""
+        read per 500 hosts). Held from the collector's write on: a node whose stored
+        class is not the one it was vetted in, or that the service has not seen since
+        its first pass, is held before the service's next pass writes its row (a row
+        made up here, ``settling``); until then the features sync gave it its new class
+        and the gate let it into multi-node jobs."""
         wanted = list(dict.fromkeys(hosts))
 
-        def q(c: sqlite3.Connection) -> list[Any]:
+        def q(c: sqlite3.Connection) -> tuple[list[Any], list[Any]]:
             out: list[Any] = []
+            new: list[Any] = []
+            adopted = _adopted(c)
             for part in chunks(wanted):
+                marks = ",".join("?" * len(part))
                 out += c.execute(
-                    _SELECT + " WHERE state != 'ok' AND host IN ("
-                    + ",".join("?" * len(part)) + ")", part).fetchall()
-            return out
+                    _SELECT_NOW + f" WHERE c.host IN ({marks}) AND " + _HELD, part).fetchall()
+                if adopted:
+                    new += c.execute(_UNSEEN + f" AND g.host IN ({marks})", part).fetchall()
+            return out, new
 
-        rows = self._reading("read the canary's holds", q)
-        return {r[0]: dict(zip(CANARY_FIELDS, r, strict=True)) for r in rows}
+        rows, new = self._reading("read the canary's holds", q)
+        return _rows_now(rows, new)
 
     def canary_held(self) -> set[str]:
-        """Every held node (the features daemon's question: they get no class)."""
-        return {r[0] for r in self._reading("read the canary's holds", lambda c: c.execute(
-            "SELECT host FROM canary_nodes WHERE state != 'ok'").fetchall())}
+        """Every held node (the features daemon's question: they get no class), from the
+        collector's write on (:meth:`canary_holds`)."""
+        def q(c: sqlite3.Connection) -> list[Any]:
+            rows = c.execute(_HELD_HOSTS).fetchall()
+            if _adopted(c):
+                rows += c.execute(_UNSEEN).fetchall()
+            return rows
+
+        return {r[0] for r in self._reading("read the canary's holds", q)}
 
     def canary_owner(self) -> int | None:
         """The inventory file's owner: the user the canary service runs and submits its
@@ -175,3 +207,32 @@ class CanaryTables(Database):
             return n
 
         return int(self._retrying(self._conn, body, "prune the canary's history"))
+
+
+def _adopted(c: sqlite3.Connection) -> bool:
+    return c.execute("SELECT 1 FROM collector_state WHERE name = ?",
+                     (_ADOPTED,)).fetchone() is not None
+
+
+def _rows_now(rows: Sequence[Any], new: Sequence[Any]) -> dict[str, dict[str, Any]]:
+    """The held rows as the service's next pass will write them: a row still ``ok`` whose
+    class moved, and a node without one, ``settling`` (as ``observe`` holds them)."""
+    out: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        row = dict(zip(CANARY_FIELDS, r[:-1], strict=True))
+        now = r[-1]
+        if row["state"] == "ok":
+            row.update(state="settling", class_key=now, job_id=None, job_nodes=None,
+                       reason=f"its stack changed (class {_short(row['accepted'])} -> "
+                       f"{_short(now)}): held until its canary passes")
+        out[row["host"]] = row
+    for host, key in new:
+        out[host] = {**dict.fromkeys(CANARY_FIELDS), "host": host, "class_key": key,
+                     "state": "settling", "attempts": 0,
+                     "reason": f"first seen (class {_short(key)}): held until its canary "
+                     "passes"}
+    return out
+
+
+def _short(key: str | None) -> str:
+    return key[:10] if key else "none"
