@@ -504,3 +504,23 @@ def test_ncclguard_check_refuses_a_held_node_as_the_gate_does(tmp_path: Path) ->
     res = CliRunner().invoke(main, ["--config", str(conf), "check", "n[1,4]", "--json"])
     doc = json.loads(res.output)  # warn: the virtual clock's records are old by the real one
     assert doc["decision"] != "refuse" and not doc["odd_nodes"], res.output
+
+
+def test_the_features_daemon_gives_a_node_its_class_back_as_its_canary_passes(
+        tmp_path: Path) -> None:
+    """The daemon damps nodes whose class flaps ([features] settle_s); a canary's hold and
+    its end are not a flap: before, a canary that passed within settle_s of the hold left
+    the node without a class for another settle_s."""
+    from inventoryd.controller.features import FeatureKeeper
+    from ncclguard.config import FeaturesConfig
+
+    c = Cluster(tmp_path, two_classes(), settle_s=0.0)
+    cfg = c.cfg.replace(features=FeaturesConfig(settle_s=3600.0))
+    keeper = FeatureKeeper(cfg, slurm=c.slurm, clock=c.clock)  # type: ignore[arg-type]
+    first = keeper.classes(c.slurm.hosts, c.clock())
+    c.change("n4", NodeSpec(nccl="2.21.5"))
+    c.passes(15)
+    assert keeper.classes(c.slurm.hosts, c.clock())["n4"] is None
+    c.passes(90)
+    assert c.state("n4") == "ok"
+    assert keeper.classes(c.slurm.hosts, c.clock())["n4"] == first["n1"]

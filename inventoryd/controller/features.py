@@ -77,7 +77,14 @@ from ncclguard.policy.schedule import is_host_class
 from ncclguard.sched import classfile, status
 from ncclguard.sched.envlines import env_groups
 from ncclguard.sched.imagelines import image_groups, write_images
-from ncclguard.sched.sync import SyncResult, desired, desired_adds, mark_verified, sync
+from ncclguard.sched.sync import (
+    SyncResult,
+    desired,
+    desired_adds,
+    mark_verified,
+    sync,
+    without_held,
+)
 from ncclguard.slurm import Slurm, SlurmError
 from ncclguard.store import Inventory, InventoryError
 
@@ -269,8 +276,11 @@ class FeatureKeeper:
         return ""
 
     def classes(self, hosts: Sequence[str], now: float) -> dict[str, str | None]:
-        """Each host's class as the daemon applies it: the inventory's, flapping ones held."""
-        return self.flaps.damp(desired(self.cfg, hosts, now), now)
+        """Each host's class as the daemon applies it: the inventory's, flapping ones held,
+        then the nodes the canary holds without one. A canary's hold is not a flap: a node
+        held and let go within ``settle_s`` gets its class back at once."""
+        return without_held(self.cfg, self.flaps.damp(desired(self.cfg, hosts, now,
+                                                                held=False), now))
 
     def started(self) -> str:
         return f"config {self.cfg.source}, classes file {self.cfg.features.classes_file}"

@@ -42,7 +42,7 @@ from ncclguard.slurm import NodeInfo, Slurm, SlurmError, SlurmTimeout
 from ncclguard.store import Inventory, InventoryError
 
 __all__ = ["Plan", "SyncResult", "Update", "class_table", "desired", "mark_verified", "plan",
-           "regroup_pending", "sync"]
+           "regroup_pending", "sync", "without_held"]
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,8 @@ class SyncResult:
 
 
 def desired(config: Config, hosts: Sequence[str], now: float | None = None,
-            inventory: Inventory | None = None) -> dict[str, str | None]:
+            inventory: Inventory | None = None, *, held: bool = True
+            ) -> dict[str, str | None]:
     """Each host's class feature: its class in the inventory
     (:meth:`~ncclguard.store.Inventory.class_keys`, named over every class of the
     inventory), with the gate's freshness test (stale nodes follow ``unknown-node``).
@@ -105,11 +106,11 @@ def desired(config: Config, hosts: Sequence[str], now: float | None = None,
                         config.inventory.stale_after_s)
     names = feature_names(k for k in every.values() if k is not None)
     out = class_features(keys, config.policy, stale, names=names)
-    return _without_held(config, out, inventory)
+    return without_held(config, out, inventory) if held else out
 
 
-def _without_held(config: Config, classes: dict[str, str | None],
-                  inventory: Inventory | None) -> dict[str, str | None]:
+def without_held(config: Config, classes: dict[str, str | None],
+                 inventory: Inventory | None = None) -> dict[str, str | None]:
     """``classes`` with the nodes the canary holds (``[canary] enabled``) given none: no
     multi-node job is placed on them until their canary passes (docs/canary.md)."""
     if not config.canary.enabled:
@@ -140,7 +141,7 @@ def desired_adds(config: Config, hosts: Sequence[str], now: float | None = None,
         if got:
             beats[h] = got[1]
     stale = stale_hosts(beats, now, config.inventory.stale_after_s)
-    return _without_held(config, adds_features(records, config.policy, stale), inventory)
+    return without_held(config, adds_features(records, config.policy, stale), inventory)
 
 
 def _env_groups(config: Config, adds: Mapping[str, str | None], result: SyncResult
