@@ -9,6 +9,10 @@ sit above this module: the programs load the file with ``ncclguard.policy.load_c
 which checks those names too and fills in each rule's default severity.
 
 This module is on the prolog's hot path: it imports only the standard library.
+
+Over 500 lines: one settings class per section of the file and the one validator of
+every key (its type, bounds and choices), so that what a key means, its default and what
+is refused are read in one place; splitting the sections would split the validator.
 """
 
 from __future__ import annotations
