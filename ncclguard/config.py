@@ -10,9 +10,9 @@ which checks those names too and fills in each rule's default severity.
 
 This module is on the prolog's hot path: it imports only the standard library.
 
-Over 500 lines: one settings class per section (thirteen), and the one validator that
-checks every key of every section: a section split into a module of its own would need
-the validator (and the prolog would import more files).
+Over 500 lines: one settings class per section of the file and the one validator of
+every key (its type, bounds and choices), so that what a key means, its default and what
+is refused are read in one place; splitting the sections would split the validator.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from helpers.parts import unavailable
 
 from inventoryd.controller.exporter import Served
 from ncclguard import audit
+from ncclguard import config as configmod
 
 REPO = Path(__file__).resolve().parents[1]
 RULES = REPO / "prometheus" / "ncclguard.rules.yml"
@@ -58,7 +59,7 @@ def test_every_alert_has_series_that_fire_it_and_series_that_must_not() -> None:
     fires = {a for a, empty in cases if not empty}
     silent = {a for a, empty in cases if empty}
     names = set(alerts())
-    assert len(names) == 18
+    assert len(names) == 20
     assert names == fires, names ^ fires
     assert names == silent, names ^ silent
     # and each one names what to run next
@@ -95,7 +96,9 @@ def test_the_unit_tests_catch_an_alert_that_always_or_never_fires(
 
 def test_every_metric_a_rule_reads_is_one_the_exporter_serves(exporter_inventory: Path,
                                                                tmp_path: Path) -> None:
-    ex = exporter(exporter_inventory, tmp_path)
+    # every optional part on: the canary's metrics are served while [canary] is enabled
+    cfg = configmod.Config(canary=configmod.CanaryConfig(enabled=True, command=("true",)))
+    ex = exporter(exporter_inventory, tmp_path, config=cfg)
     audit.append(ex.audit.path, {"job": 1, "decision": "refuse", "action": "steer"})
     ex.stats.last_scan = 0.0  # as after a scan: the lag is served
     served = {name for name, _ in exported(Served(ex).text())}

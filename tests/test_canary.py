@@ -5,6 +5,10 @@ small scheduler on a virtual clock (:class:`FakeSlurm`: idle nodes, held and rel
 jobs, a time per job) drives the service through what a real cluster takes hours to
 show: a rolling upgrade of 64 nodes, jobs that pend, fail, vanish, and Slurm going away.
 The inventory is a real one, written as the collector writes it.
+
+Over 500 lines: every test drives the one model of Slurm and the one cluster on its
+virtual clock defined here (the hostile cases of docs/threat-model.md among them), and
+no test module imports another's.
 """
 
 from __future__ import annotations
@@ -524,3 +528,176 @@ def test_the_features_daemon_gives_a_node_its_class_back_as_its_canary_passes(
     c.passes(90)
     assert c.state("n4") == "ok"
     assert keeper.classes(c.slurm.hosts, c.clock())["n4"] == first["n1"]
+
+
+def test_an_output_file_not_the_services_own_is_not_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/threat-model.md: the output is read only from a regular file of the service's
+    own user (the job runs as it): a FIFO someone put there is not waited on, and a file of
+    another owner (here: the service's uid seen as another's) is not read."""
+    import os
+
+    import inventoryd.controller.canary as service
+
+    out = tmp_path / "out"
+    out.mkdir(mode=0o700)
+    c = Cluster(tmp_path, two_classes(), output_dir=str(out))
+    c.slurm.outcome = lambda nodes: "FAILED"
+    c.change("n4", NodeSpec(nccl="2.21.5"))
+    c.passes(90)
+    job = max(c.slurm.jobs)
+    os.mkfifo(out / f"ncclguard-canary-{job}.out")
+    c.passes(90)
+    reason = c.rows()["n4"]["reason"]
+    assert "not a file of this service's user" in reason
+    (out / f"ncclguard-canary-{job}.out").unlink()
+    (out / f"ncclguard-canary-{job}.out").write_text("planted: all good\n")
+    monkeypatch.setattr(service.os, "geteuid", lambda: os.getuid() + 1)
+    assert "planted" not in c.svc._tail(job)
+    assert "not a file of this service's user" in c.svc._tail(job)
+
+
+def test_a_node_flipping_its_stack_gets_no_canary_and_holds_only_itself(
+        tmp_path: Path) -> None:
+    """docs/threat-model.md: a node (or its publisher) that changes its fingerprint every
+    pass holds itself out, submits nothing (its stack never settles), and moves no other
+    node; back in its vetted class it is let go, as a rollback is."""
+    c = Cluster(tmp_path, two_classes())
+    for i in range(40):  # 10 minutes, a change every pass
+        c.change("n4", NodeSpec(nccl="2.21.5" if i % 2 == 0 else "2.23.4"))
+        c.passes(15)
+        assert c.state("n4") == "settling"
+    assert not c.slurm.calls
+    assert {h: r["state"] for h, r in c.rows().items() if h != "n4"} == dict.fromkeys(
+        ("n1", "n2", "n3"), "ok")
+    c.change("n4", NodeSpec(nccl="2.18.3"))
+    c.passes(15)
+    assert c.state("n4") == "ok" and not c.slurm.calls
+
+
+def test_only_a_writer_of_the_inventory_can_approve(tmp_path: Path) -> None:
+    """docs/threat-model.md: ``ncclguard canary approve`` writes the inventory, which is
+    ``ncclguard``'s (0644): any other user is refused by the file's mode, and nothing is
+    written. The name it records (``SUDO_USER``) is for the history, not a credential."""
+    import multiprocessing as mp
+    import os
+    import tempfile
+
+    c = Cluster(tmp_path, two_classes())
+    c.change("n4", NodeSpec(nccl="2.21.5"))
+    c.passes(15)
+    assert c.state("n4") == "settling"
+    public = Path(tempfile.mkdtemp(prefix="ncclguard-canary-"))
+    try:
+        public.chmod(0o755)
+        db = public / "inventory.db"
+        db.write_bytes(c.db.read_bytes())
+        db.chmod(0o644)
+
+        def approve() -> None:  # in a child: an unprivileged user (root ignores modes)
+            if os.geteuid() == 0:
+                os.setgroups([])
+                os.setgid(65534)
+                os.setuid(65534)
+            from click.testing import CliRunner
+
+            from ncclguard.cli import main
+
+            res = CliRunner().invoke(main, ["--db", str(db), "canary", "approve", "n4"],
+                                     env={"SUDO_USER": "mallory"})
+            os._exit(res.exit_code)
+
+        if os.geteuid() != 0:
+            db.chmod(0o444)
+        child = mp.get_context("fork").Process(target=approve)
+        child.start()
+        child.join(60)
+        assert child.exitcode == 3
+        with Inventory(db, readonly=True, values=class_values(PolicyConfig())) as inv:
+            assert inv.canary_nodes()["n4"]["state"] == "settling"
+            assert not [e for e in inv.canary_history("n4") if e["by"] == "mallory"]
+    finally:
+        import shutil
+
+        shutil.rmtree(public, ignore_errors=True)
+
+
+def test_a_write_of_rows_an_admin_changed_meanwhile_is_refused(tmp_path: Path) -> None:
+    """docs/threat-model.md: the service writes only rows that still have the state and
+    job id it read; an admin's ``approve`` in between wins, and nothing of the service's
+    write (its history rows included) goes in."""
+    from ncclguard.policy.canary import held_row, ok_row
+
+    c = Cluster(tmp_path, two_classes())
+    c.change("n4", NodeSpec(nccl="2.21.5"))
+    c.passes(15)
+    read = c.rows()["n4"]  # what the service read: settling
+    with Inventory(c.db, values=class_values(PolicyConfig())) as inv:
+        inv.canary_write([ok_row("n4", read["class_key"], c.clock())],
+                         [{"at": c.clock(), "host": "n4", "event": "approved", "by": "jane",
+                           "detail": "approved by jane"}])  # the admin, meanwhile
+        late = dict(read, state="waiting", reason="settled")
+        assert not inv.canary_write(
+            [late], [{"at": c.clock(), "host": "n4", "event": "held", "detail": "x"}],
+            expect={"n4": (read["state"], read["job_id"])})
+        assert inv.canary_write([held_row("n9", None, "k", c.clock(), "new")],
+                                expect={"n9": ("", None)})  # a row not there yet
+    assert c.state("n4") == "ok"
+    assert [e["event"] for e in _history(c, "n4")][:1] == ["approved"]
+
+
+def test_the_canarys_writes_leave_a_running_collectors_inventory_in_wal(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/store.md: the collector keeps the inventory in WAL while it runs (readers never
+    block its writes). The service and an admin's ``canary approve`` write beside it: they
+    open it in WAL too. Found under systemd (docs/install.md, step 9): the service opened it
+    with the default ``journal_mode = "delete"``, which switched the running collector's
+    file to a rollback journal; the collector's next write (its reload) then waited 25 s
+    for readers and failed ("derive the classes: still busy")."""
+    import subprocess
+    import sys
+
+    from click.testing import CliRunner
+
+    from ncclguard.cli import main
+
+    c = Cluster(tmp_path, two_classes())
+    # the collector, in a process of its own (SQLite's locks are per process): its
+    # inventory open in WAL, as collector.py opens it, and read as its metrics read it
+    code = ("import sys\nfrom ncclguard.config import InventoryConfig, PolicyConfig\n"
+            "from ncclguard.policy.schedule import class_values\n"
+            "from ncclguard.store import Inventory\n"
+            "inv = Inventory(sys.argv[1], config=InventoryConfig(journal_mode='wal'), "
+            "values=class_values(PolicyConfig()), heartbeat_s=0)\n"
+            "inv.heartbeat('n1')\n"
+            "with Inventory(sys.argv[1], readonly=True) as r:\n    r.hosts()\n"  # its metrics
+            "print('open', flush=True)\nsys.stdin.readline()\n"
+            "print(inv._conn.execute('PRAGMA journal_mode').fetchone()[0], flush=True)\n")
+    repo = Path(__file__).resolve().parents[1]
+    collector = subprocess.Popen([sys.executable, "-c", code, str(c.db)], cwd=repo, text=True,
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert collector.stdout is not None and collector.stdin is not None
+        assert collector.stdout.readline() == "open\n"
+        assert _in_wal(c.db)
+        c.change("n4", NodeSpec(nccl="2.21.5"))
+        c.passes(15)  # the service's pass: opens, writes, closes
+        assert c.state("n4") == "settling"
+        assert _in_wal(c.db), "the service switched the collector's WAL off"
+        monkeypatch.setenv("SUDO_USER", "jane")
+        res = CliRunner().invoke(main, ["--db", str(c.db), "canary", "approve", "n4"])
+        assert res.exit_code == 0, res.output
+        assert _in_wal(c.db), "approve switched the collector's WAL off"
+        collector.stdin.write("\n")
+        collector.stdin.flush()
+        assert collector.stdout.readline() == "wal\n"
+    finally:
+        collector.kill()
+        collector.wait(30)
+
+
+def _in_wal(db: Path) -> bool:
+    """The file's header says WAL (its read and write versions, bytes 18 and 19, are 2;
+    1: a rollback journal): what every new connection goes by."""
+    with open(db, "rb") as f:
+        return f.read(20)[18:20] == b"\x02\x02"

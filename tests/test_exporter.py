@@ -295,6 +295,46 @@ def test_the_features_daemons_status_file_as_metrics(exporter_inventory: Path,
     assert gauges() == (0, 0, 0)
 
 
+def test_the_canarys_nodes_hold_and_events_as_metrics(exporter_inventory: Path,
+                                                       tmp_path: Path) -> None:
+    """[canary] enabled (docs/canary.md): every state at 0 from the start, the longest
+    hold in seconds, the events counted from the inventory's history; absent while off."""
+    from ncclguard.policy import GATE_VALUES
+    from ncclguard.policy.canary import HELD_STATES, held_row, ok_row
+    from ncclguard.store import Inventory
+
+    off = Served(exporter(exporter_inventory, tmp_path)).text()
+    assert not [n for n in off.splitlines() if n.startswith("ncclguard_canary")]
+    cfg = configmod.Config(canary=configmod.CanaryConfig(enabled=True, command=("true",)))
+    ex = exporter(exporter_inventory, tmp_path, config=cfg)
+    text = Served(ex).text()
+    assert series(text, "ncclguard_canary_nodes") == {
+        (("state", s),): 0 for s in ("ok", *HELD_STATES)}
+    assert value(text, "ncclguard_canary_held_max_seconds") == 0
+    assert series(text, "ncclguard_canary_events_total") == {
+        (("event", e),): 0 for e in ("submitted", "passed", "failed", "approved")}
+    now = time.time()
+    rows = [ok_row(h, "k1", now) for h in ("g1", "g2", "g3")]
+    rows += [held_row("g4", "k1", "k2", now, "its stack changed", since=now - 7200,
+                      state="failed"),
+             held_row("g5", "k1", "k2", now, "its stack changed", since=now - 60)]
+    events = [{"at": now, "host": h, "event": e, "detail": "", "by": "ncclguard"}
+              for h, e in (("g4", "submitted"), ("g4", "failed"), ("g1", "submitted"),
+                           ("g1", "passed"), ("g2", "approved"), ("g5", "held"))]
+    with Inventory(exporter_inventory, values=GATE_VALUES) as inv:
+        inv.canary_write(rows, events)
+    text = Served(ex).text()
+    assert value(text, "ncclguard_canary_nodes", state="ok") == 3
+    assert value(text, "ncclguard_canary_nodes", state="failed") == 1
+    assert value(text, "ncclguard_canary_nodes", state="settling") == 1
+    assert value(text, "ncclguard_canary_nodes", state="running") == 0
+    held = value(text, "ncclguard_canary_held_max_seconds")
+    assert held is not None and 7190 < held < 7300  # g4's, the longest
+    assert series(text, "ncclguard_canary_events_total") == {
+        (("event", "submitted"),): 2, (("event", "passed"),): 1, (("event", "failed"),): 1,
+        (("event", "approved"),): 1}
+
+
 # ---------------------------------------------------------------- serving
 
 

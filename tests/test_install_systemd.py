@@ -7,7 +7,7 @@ munge and squashfs-tools; the test boots a copy with ``systemd-nspawn -b``
 one-machine order, with bash inside:
 the wheelhouse built from this checkout, the package from it (no network inside), the
 users and directories, the node daemon, the collector, the gate, the class features and
-job_submit.lua, the metrics. It shows, under a real systemd:
+job_submit.lua, the metrics, the canary. It shows, under a real systemd:
 
 - each unit active, hardened (``systemd-analyze security`` at most 2.0);
 - the node's record published, collected, and shown by ``ncclguard nodes`` as root, as
@@ -16,6 +16,10 @@ job_submit.lua, the metrics. It shows, under a real systemd:
   refusing a mixed job and writing its audit record, which the collector reads for its
   metrics; the class features in Slurm and the file of classes job_submit.lua reads
   (``ncclguard features check``);
+- the canary's unit (issue 43) active and hardened, its first pass taking both nodes as
+  vetted (``ncclguard canary status``) and the collector serving its metrics; a canary
+  job itself needs two nodes of one class, which this machine has not
+  (tests/test_canary.py runs the service against a model of Slurm);
 - no error line in the journal from the guide's first step on (NOT_OURS lists the lines
   of Debian's own that are allowed, each with why);
 - a user's hostile image under the collector's image root (issue 48), read up to its
@@ -88,9 +92,11 @@ BLOCK = re.compile(
 ORDER = ["slurm", "wheelhouse", "package", "users", "node", "node-check", "jobmaps",
          "jobmaps-check",
          "one-machine-address", "collector", "collector-check", "gate", "gate-check",
-         "features", "features-check", "metrics", "shared-spool", "upgrade", "removal"]
+         "features", "features-check", "metrics", "canary", "canary-check", "shared-spool",
+         "upgrade", "removal"]
 HOST = "nc1"
-UNITS = ["ncclguard-inventoryd", "ncclguard-jobmaps", "ncclguard-collector", "ncclguard-features"]
+UNITS = ["ncclguard-inventoryd", "ncclguard-jobmaps", "ncclguard-collector", "ncclguard-features",
+         "ncclguard-canary"]
 # what runs on the machine once the second node is there
 ALL_UNITS = [*UNITS, "munge", "slurmctld", "slurmd", "munge-n2", "slurmd-n2",
              "ncclguard-inventoryd-n2"]
@@ -636,6 +642,22 @@ def test_the_install_guide_under_systemd(
     assert "\nncclguard_audit_up 1.0\n" in text, text[-3000:]
     got = re.search(r"^ncclguard_audit_records_total (\S+)$", text, re.M)
     assert got and float(got[1]) >= 2, text[-3000:]  # the skip and the refusal, at least
+    step("canary")
+    out = step("canary-check").stdout
+    assert out.startswith("active\n"), out
+    rows = {ln.split()[0]: ln.split()[1] for ln in out.splitlines()
+            if ln.startswith((f"{HOST} ", "n2 "))}
+    assert rows == {HOST: "ok", "n2": "ok"}, out  # the first pass: every node vetted
+    def canary_metrics() -> str:
+        return box.run(["curl", "-sf", "http://127.0.0.1:9866/metrics"]).stdout
+
+    try:
+        wait_until(lambda: 'ncclguard_canary_nodes{state="ok"} 2.0' in canary_metrics(), 60,
+                   "the canary's metrics from the reloaded collector", interval=0.5)
+    except AssertionError as e:
+        logs = box.run(["journalctl", "--no-pager", "-q", "-n", "40", "-u", "ncclguard-collector",
+                        "-u", "ncclguard-canary"], check=False).stdout
+        raise AssertionError(f"{e}\n{canary_metrics()[-2500:]}\n{logs}") from None
 
     # under this systemd: each unit active and hardened
     for unit in UNITS:

@@ -120,3 +120,34 @@ def test_a_user_who_cannot_write_the_directory_reads_a_copy(copy: Path) -> None:
     r = as_nobody(copy, "read")
     assert r.returncode == 0 and r.stdout.strip() == "['n1', 'n2']", r.stderr
     assert beside(copy) == []
+
+
+def test_a_read_in_the_writers_process_keeps_the_writers_locks(copy: Path) -> None:
+    """A WAL writer's process that also reads the inventory (the collector's metrics do,
+    in the collector's process) keeps its locks: the reader does not open the file itself
+    while the writer's -wal is there (closing any descriptor of a file drops every POSIX
+    lock the process holds on it, SQLite's among them). Before (issue 43), another
+    process's writer with the default ``journal_mode = "delete"`` (the canary service)
+    then switched the running collector's file out of WAL and removed its -wal and -shm."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom ncclguard.config import InventoryConfig\n"
+            "from ncclguard.policy import GATE_VALUES\nfrom ncclguard.store import Inventory\n"
+            "w = Inventory(sys.argv[1], values=GATE_VALUES, heartbeat_s=0, "
+            "config=InventoryConfig(journal_mode='wal'))\nw.heartbeat('n1')\n"
+            "with Inventory(sys.argv[1], readonly=True) as r:\n    r.hosts()\n"
+            "print('open', flush=True)\nsys.stdin.readline()\n")
+    repo = Path(__file__).resolve().parents[1]
+    writer = subprocess.Popen([sys.executable, "-c", code, str(copy)], cwd=repo, text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert writer.stdout is not None and writer.stdout.readline() == "open\n"
+        with Inventory(copy, values=GATE_VALUES) as other:  # journal_mode "delete"
+            assert other._conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        with open(copy, "rb") as f:
+            assert f.read(20)[18] == 2  # still WAL for every new connection
+        assert beside(copy) == ["copy.db-shm", "copy.db-wal"]
+    finally:
+        writer.kill()
+        writer.wait(30)

@@ -16,7 +16,9 @@ UNIT = SYSTEMD / "ncclguard-inventoryd.service"
 COLLECTOR = SYSTEMD / "ncclguard-collector.service"
 FEATURES = SYSTEMD / "ncclguard-features.service"
 JOBMAPS = SYSTEMD / "ncclguard-jobmaps.service"
-UNITS = {UNIT: "run", COLLECTOR: "collect", FEATURES: "features", JOBMAPS: "jobmaps"}
+CANARY = SYSTEMD / "ncclguard-canary.service"
+UNITS = {UNIT: "run", COLLECTOR: "collect", FEATURES: "features", JOBMAPS: "jobmaps",
+         CANARY: "canary"}
 
 needs_analyze = pytest.mark.skipif(shutil.which("systemd-analyze") is None,
                                    reason="systemd-analyze is not installed")
@@ -87,10 +89,34 @@ def test_the_jobmaps_unit_holds_cap_sys_ptrace_alone_and_never_ptrace() -> None:
     assert any(x.startswith("SystemCallFilter=~") and "@debug" in x for x in lines)
     assert not any(x.startswith(("PrivateUsers=yes", "ReadWritePaths=")) for x in lines)
     assert "User=ncclguard" in lines and "RuntimeDirectory=ncclguard-jobmaps" in lines
-    for unit in (UNIT, COLLECTOR, FEATURES):
+    for unit in (UNIT, COLLECTOR, FEATURES, CANARY):
         text = unit.read_text()
         assert "CAP_SYS_PTRACE" not in text, unit
         assert "\nCapabilityBoundingSet=\n" in text, unit  # none at all
+
+
+def test_the_canary_unit_is_a_plain_slurm_user_on_the_controller() -> None:
+    """Issue 43: the canary service submits, releases and cancels its own jobs as the
+    ``ncclguard`` user (no Slurm admin, no capability), so it needs what a Slurm client
+    needs and nothing more: the network to slurmctld and munged's socket (no
+    ``PrivateNetwork=``, no ``IPAddressDeny=``), Slurm's config read-only; it writes only
+    the inventory's directory (the canary's tables), as the collector does."""
+    lines = [x.strip() for x in CANARY.read_text().splitlines()
+             if x.strip() and not x.startswith("#")]
+    assert "User=ncclguard" in lines and "Group=ncclguard" in lines
+    assert "Type=notify" in lines and any(x.startswith("WatchdogSec=") for x in lines)
+    assert [x for x in lines if x.startswith("ReadWritePaths=")] == [
+        "ReadWritePaths=/var/lib/ncclguard"]
+    assert "ProtectSystem=strict" in lines and "NoNewPrivileges=yes" in lines
+    assert "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6" in lines
+    assert not any(x.startswith(("PrivateNetwork=yes", "IPAddressDeny=")) for x in lines)
+    assert "UMask=0022" in lines  # the inventory's -wal and -shm stay readable by the gate
+    features = [x.strip() for x in FEATURES.read_text().splitlines()
+                if x.strip() and not x.startswith("#")]
+    # a Slurm client like the features daemon, with the same filter, as another user
+    for kind in ("SystemCallFilter=", "RestrictAddressFamilies=", "PrivateUsers="):
+        assert [x for x in lines if x.startswith(kind)] == [
+            x for x in features if x.startswith(kind)], kind
 
 
 def test_every_shipped_dropin_names_a_shipped_unit_and_is_in_the_wheel() -> None:

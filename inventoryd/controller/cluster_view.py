@@ -53,6 +53,9 @@ class ClusterSnapshot:
     loaded_steps: int = 0
     mixed_running: dict[str, int] = field(default_factory=dict)
     mixed_kept: dict[str, int] = field(default_factory=dict)
+    #: the canary's nodes per state, its longest hold and its events (docs/canary.md,
+    #: :meth:`ncclguard.store.Inventory.canary_counts`); None while ``[canary]`` is off
+    canary: dict[str, Any] | None = None
     at: float = 0.0
     seconds: float = 0.0
 
@@ -147,10 +150,12 @@ def read_snapshot(
         rejected = [r["cause"] for r in inv.rejections()]
         written_at, _ = inv.writer_state()
         runtime = inv.runtime_counts()
+        canary = inv.canary_counts(now) if config.canary.enabled else None
     snap = snapshot(((view.name(c.key), c.values, c.hosts) for c in view.classes), beats,
                     config, now, partitions, rejected)
     snap.written_at = written_at
     snap.loaded_steps, snap.mixed_running, snap.mixed_kept = runtime
+    snap.canary = canary
     snap.seconds = time.monotonic() - t0
     return snap
 

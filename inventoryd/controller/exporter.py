@@ -12,8 +12,9 @@ Three sources, each read where it costs nothing on anybody's hot path:
   asks): nodes per compatibility class, per partition, per libnccl version, per net
   plugin and ABI, per transport; the baseline's share (:func:`ncclguard.policy.baseline.
   choose_baseline`, the one ``ncclguard classes`` uses); stale nodes; unresolved
-  rejections. Recomputed at most every ``metrics_cache_s``, so that a second Prometheus
-  server, or a fast scrape, costs no more reads;
+  rejections; with ``[canary] enabled``, the canary's nodes per state, its longest hold
+  and its events (docs/canary.md). Recomputed at most every ``metrics_cache_s``, so
+  that a second Prometheus server, or a fast scrape, costs no more reads;
 - **the collector's own counters** (this process): records accepted and rejected by cause,
   scans, the last scan's duration, the time since it ended;
 - **the features daemon's status file** (``<features.classes_file>.status``,
@@ -25,6 +26,11 @@ Three sources, each read where it costs nothing on anybody's hot path:
   only appends the line it always wrote; this side reads the new lines and counts
   decisions by outcome, action and rule, follow-ups (steering, holds) by result, and the
   epilog's diagnoses by signature. The gate imports nothing of this.
+
+Over 500 lines: one collector class serves every family of the one registry, each read
+at its source's pace under one lock and one cache; what each source is (the cluster's
+view, the audit trail's tail, the labels' rules, the HTTP server) lives in its own module
+beside it.
 
 Cardinality is bounded: labels are classes by their 16-hex-digit key, Slurm partitions,
 versions, plugin names, ABIs, transports, rejection causes, rule names and signature ids;
@@ -60,9 +66,10 @@ from inventoryd.controller.cluster_view import (
     snapshot,
 )
 from inventoryd.controller.container_records import CAUSES as CONTAINER_CAUSES
-from inventoryd.controller.labels import MAX_SERIES, _capped, _label
+from inventoryd.controller.labels import MAX_SERIES, OTHER, _capped, _label
 from inventoryd.controller.metrics_server import BoundedServer
 from ncclguard import config as configmod
+from ncclguard.policy.canary import HELD_STATES
 from ncclguard.policy.loaded import PLUGIN_KINDS
 from ncclguard.sched import status as features_status
 from ncclguard.spool import CAUSES
@@ -91,6 +98,10 @@ COLLECTOR_FILE_NAME = "ncclguard-collector.prom"
 #: [runtime] on_mixed = "requeue" did (inventoryd.controller.runtime): always exported
 MIXED_KINDS = ("nccl", "net-missing", *(f"{k}-plugin" for k in PLUGIN_KINDS))
 MIXED_RESULTS = ("requeued", "cancelled", "exempt", "skipped", "failed", "none")
+#: the canary's states (ok, or held: ncclguard.policy.canary) and the events counted from
+#: its history (docs/canary.md): always exported while [canary] is enabled
+CANARY_STATES = ("ok", *HELD_STATES)
+CANARY_EVENTS = ("submitted", "passed", "failed", "approved")
 
 
 @dataclass
@@ -186,6 +197,9 @@ class Exporter:
         yield up
         if snap is not None:
             yield from _inventory_families(snap, now, GaugeMetricFamily)
+            if snap.canary is not None:
+                yield from _canary_families(snap.canary, CounterMetricFamily,
+                                            GaugeMetricFamily)
         yield from self._features_families(GaugeMetricFamily)
         yield from self._audit_families(CounterMetricFamily, GaugeMetricFamily)
 
@@ -415,6 +429,33 @@ def _inventory_families(snap: ClusterSnapshot, now: float, gauge: Any) -> Iterat
     yield many("ncclguard_partition_baseline_share", "Share of the partition's current nodes "
                "in its baseline class; 0 when it has none", ["partition"],
                {(p,): v.baseline_share for p, v in parts.items()})
+
+
+def _canary_families(counts: Mapping[str, Any], counter: Any, gauge: Any) -> Iterator[Any]:
+    """The canary's tables ([canary] enabled, docs/canary.md): nodes per state, the
+    longest hold, and its events, counted from the inventory's history (so they survive a
+    restart of the collector; a state or event of another version is ``other``)."""
+    states = dict.fromkeys(CANARY_STATES, 0)
+    for state, n in counts.get("states", {}).items():
+        key = state if state in states else OTHER
+        states[key] = states.get(key, 0) + n
+    g = gauge("ncclguard_canary_nodes", "Nodes the canary service has seen, by state (ok: "
+              "vetted in its class; settling, waiting, running, failed, approval: held out "
+              "of multi-node jobs until a canary passes)", labels=["state"])
+    for state, n in states.items():
+        g.add_metric([state], n)
+    yield g
+    g = gauge("ncclguard_canary_held_max_seconds", "Seconds the longest-held node has been "
+              "held by the canary (0: none is held)")
+    g.add_metric([], counts.get("held_max_s", 0.0))
+    yield g
+    c = counter("ncclguard_canary_events", "The canary's events in the inventory's history, "
+                "by event (submitted: a canary job; passed, failed: its result; approved: "
+                "an admin let a held node in)", labels=["event"])
+    events = counts.get("events", {})
+    for event in CANARY_EVENTS:
+        c.add_metric([event], events.get(event, 0))
+    yield c
 
 
 # ----------------------------------------------------------------- serving

@@ -1,22 +1,23 @@
 """``ncclguard canary status|run|approve``: the nodes held until their canary passes, and
 an admin's say over them (issue 43, docs/canary.md). ``nodes`` and ``show`` read the same
-rows (:func:`held_text`)."""
+rows (:func:`holds`) and say them the same way (:func:`held_text`, :func:`held_doc`)."""
 
 from __future__ import annotations
 
 import getpass
 import os
 import time
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import click
 
 from ncclguard.cli import output as out
-from ncclguard.cli.context import format_options, get_ctx
+from ncclguard.cli.context import Ctx, format_options, get_ctx
 from ncclguard.cli.errors import fail
 from ncclguard.text import safe
 
-__all__ = ["STATUS_COLUMNS", "canary", "held_text"]
+__all__ = ["STATUS_COLUMNS", "canary", "held_doc", "held_text", "holds"]
 
 STATUS_COLUMNS: list[out.Column] = [
     ("host", "NODE"), ("state", "STATE"), ("class", "CLASS"), ("vetted", "VETTED IN"),
@@ -24,12 +25,32 @@ STATUS_COLUMNS: list[out.Column] = [
 ]
 
 
-def held_text(row: dict[str, Any] | None) -> str | None:
+def held_text(row: Mapping[str, Any] | None) -> str | None:
     """``held by canary (STATE) since T: REASON`` for a held row, else None."""
     if not row or row.get("state") == "ok":
         return None
     since = out.iso(row["held_since"]) if row.get("held_since") else "?"
     return f"held by canary ({row['state']}) since {since}: {safe(str(row['reason']))}"
+
+
+def held_doc(row: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """A held row for ``--json`` (``nodes``, ``show``): its state, since when, its canary
+    job, the reason and :func:`held_text`; None when not held."""
+    text = held_text(row)
+    if row is None or text is None:
+        return None
+    return {"state": row["state"], "held_since": out.iso(row.get("held_since")),
+            "job_id": row.get("job_id"), "reason": safe(str(row.get("reason") or "")),
+            "text": text}
+
+
+def holds(c: Ctx, hosts: Iterable[str]) -> dict[str, dict[str, Any]]:
+    """The held rows of ``hosts``, by host: none while ``[canary]`` is off, as the gate and
+    the features daemon read them (a row left from an earlier time holds nothing then)."""
+    if not c.config.canary.enabled:
+        return {}
+    got: dict[str, dict[str, Any]] = c.inv("canary_holds", list(hosts))
+    return got
 
 
 def _admin() -> str:

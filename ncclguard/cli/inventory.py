@@ -1,7 +1,8 @@
 """``ncclguard nodes`` and ``classes``: what the inventory holds (``show``:
 :mod:`ncclguard.cli.show`).
 
-- ``nodes``: one row per node (filters: ``--where``, ``--stale``, ``--errors``);
+- ``nodes``: one row per node (filters: ``--where``, ``--stale``, ``--errors``), and the
+  nodes the canary holds, with why (:mod:`ncclguard.cli.canary`);
 - ``classes``: the classes (what the configured refuse-level rules tell apart, each named
   by its Slurm feature: ncclguard/sched/classes.py), with the baseline marked
   (:func:`ncclguard.policy.baseline.choose_baseline`, the one ``drain-recommend`` uses);
@@ -15,6 +16,7 @@ from typing import Any
 import click
 
 from ncclguard.cli import output as out
+from ncclguard.cli.canary import held_doc, held_text, holds
 from ncclguard.cli.context import Ctx, format_options, get_ctx, resolve_sets
 from ncclguard.cli.errors import fail
 from ncclguard.config import HEARTBEAT_SKEW_S
@@ -57,8 +59,12 @@ NODE_CSV: list[out.Column] = [
     ("rdma_ports_up", "rdma_ports_up"),
     ("rdma_ports_total", "rdma_ports_total"), ("driver", "driver"),
     ("last_heartbeat", "last_heartbeat"), ("age_s", "age_s"), ("error_count", "error_count"),
-    ("class", "class"), ("status", "status"),
+    ("class", "class"), ("status", "status"), ("held", "held"),
 ]
+#: shown while a node of the view is held by the canary (docs/canary.md): its state; the
+#: lines under the table say why, for the first SHOWN_HELD of them
+CANARY_COLUMN: out.Column = ("canary_cell", "CANARY")
+SHOWN_HELD = 20
 
 
 def parse_where(items: Sequence[str]) -> dict[str, Any]:
@@ -191,6 +197,11 @@ def nodes(partition: str | None, nodes_opt: str | None, where: tuple[str, ...], 
         result = [r for r in result if r["stale"]]
     if errors:
         result = [r for r in result if r.get("error_count")]
+    held = holds(c, [r["host"] for r in result])
+    for r in result:
+        row = held.get(r["host"])
+        r["held"], r["canary"] = held_text(row), held_doc(row)
+        r["canary_cell"] = row["state"] if row else ""
     note = c.writer_note()
 
     def doc() -> dict[str, Any]:  # built only for --json
@@ -199,19 +210,33 @@ def nodes(partition: str | None, nodes_opt: str | None, where: tuple[str, ...], 
             "filters": {"where": filters, "stale": stale, "errors": errors},
             "inventory": note,
             "count": len(result),
-            "nodes": [{k: r.get(k) for k, _ in NODE_CSV} | {"stale": r["stale"]}
-                      for r in result],
+            "nodes": [{k: r.get(k) for k, _ in NODE_CSV}
+                      | {"stale": r["stale"], "canary": r["canary"]} for r in result],
         }
 
+    columns = [*NODE_TABLE, CANARY_COLUMN] if held else NODE_TABLE
     text = None
     if c.fmt == "table":
         head = f"{node_set.describe()}\n" if node_set else ""
-        text = head + out.table(result, NODE_TABLE, c.width, optional=NODE_NARROW_DROPS,
-                                keep=("host", "class"), wrap=("nccl", "adds_cell"))
+        text = head + out.table(result, columns, c.width, optional=NODE_NARROW_DROPS,
+                                keep=("host", "class", "canary_cell"),
+                                wrap=("nccl", "adds_cell"))
         text += f"{count(len(result), 'node')}\n"
+        text += _held_lines([r for r in result if r["held"]], c.width)
         if note:
             text += f"NOTE: {out.cell(note)}\n"
-    c.emit(doc, rows=result, columns=NODE_TABLE, text=text, csv_columns=NODE_CSV)
+    c.emit(doc, rows=result, columns=columns, text=text, csv_columns=NODE_CSV)
+
+
+def _held_lines(rows: list[dict[str, Any]], width: int | None) -> str:
+    """``HOST: held by canary (STATE) since T: REASON`` under the table, for the first
+    :data:`SHOWN_HELD` held nodes (``ncclguard canary status`` lists them all)."""
+    text = "".join(out.wrap(f"{r['host']}: {r['held']}", width) + "\n"
+                   for r in rows[:SHOWN_HELD])
+    if len(rows) > SHOWN_HELD:
+        text += (f"... and {count(len(rows) - SHOWN_HELD, 'more node')} held: "
+                 "ncclguard canary status\n")
+    return text
 
 
 CLASS_COLUMNS: list[out.Column] = [

@@ -1,5 +1,6 @@
-"""``ncclguard show NODE``: one node's whole fingerprint, readable, with its probe errors
-and what it adds to a job's own NCCL release by release (docs/cli.md)."""
+"""``ncclguard show NODE``: one node's whole fingerprint, readable, with its probe errors,
+what it adds to a job's own NCCL release by release, and whether the canary holds it
+(docs/cli.md, docs/canary.md)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 import click
 
 from ncclguard.cli import output as out
+from ncclguard.cli.canary import held_doc, held_text, holds
 from ncclguard.cli.context import Ctx, format_options, get_ctx
 from ncclguard.cli.errors import fail
 from ncclguard.cli.inventory import NO_HOST_NCCL
@@ -75,7 +77,7 @@ def _adds_rows(fp: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _show_text(rec: Any, now: float, ttl: float, klass: str | None,
-               width: int | None = None) -> str:
+               width: int | None = None, held: str | None = None) -> str:
     from ncclguard.fingerprint.fields import plugins_in_force
 
     fp = rec.fingerprint
@@ -84,8 +86,9 @@ def _show_text(rec: Any, now: float, ttl: float, klass: str | None,
     d = derived(fp)
     age = now - rec.last_heartbeat
     hostless = d.get("compat.nccl") == "none"
-    parts = [out.section(f"node {rec.host}", out.kv([
+    parts = [out.wrap(out.section(f"node {rec.host}", out.kv([
         ("class", klass or "-"),
+        *([("canary", held)] if held else []),
         ("nccl", out.known(d.get("compat.nccl"))),
         ("net plugin", NO_HOST_NCCL if hostless else out.known(d.get("compat.net_plugin"))),
         ("net ABI", NO_HOST_NCCL if hostless else out.known(d.get("compat.net_abi"))),
@@ -95,7 +98,7 @@ def _show_text(rec: Any, now: float, ttl: float, klass: str | None,
                            + (", STALE)" if is_stale(rec.last_heartbeat, now, ttl) else ")")),
         ("collected at", out.iso(rec.collected_at)), ("first seen", out.iso(rec.first_seen)),
         ("fingerprint", rec.fp_hash[:16]),
-    ]))]
+    ])), width)]
     host = _obj(fp.get("host"))
     parts.append(out.section("host", out.kv([(k, host.get(k)) for k in
                                              ("kernel", "boot_id", "tool_version")])))
@@ -163,9 +166,11 @@ def show(node: str, as_json: bool, as_csv: bool) -> None:
         fail("--csv is not available for show (a fingerprint is not rows); use --json")
     rec = _load_one(c, node)
     klass = c.class_names().get(rec.host)
+    hold = holds(c, [rec.host]).get(rec.host)
     age = c.now - rec.last_heartbeat
     doc = {
-        "host": rec.host, "class": klass, "fp_hash": rec.fp_hash,
+        "host": rec.host, "class": klass, "held": held_text(hold), "canary": held_doc(hold),
+        "fp_hash": rec.fp_hash,
         "first_seen": out.iso(rec.first_seen), "collected_at": out.iso(rec.collected_at),
         "last_heartbeat": out.iso(rec.last_heartbeat), "age_s": round(age, 1),
         "stale": is_stale(rec.last_heartbeat, c.now, c.stale_after),
@@ -183,7 +188,7 @@ def show(node: str, as_json: bool, as_csv: bool) -> None:
     doc["job_loads"] = seen
     text = None
     if c.fmt == "table":
-        text = _show_text(rec, c.now, c.stale_after, klass, c.width)
+        text = _show_text(rec, c.now, c.stale_after, klass, c.width, held_text(hold))
         if seen:
             from ncclguard.policy.loaded import shown_lib
 

@@ -99,7 +99,16 @@ def _unopened_wal(path: Path) -> tuple[int, int, int, int] | None:
     A reader of it with ``mode=ro`` alone would create both and leave them (it cannot
     checkpoint, so it does not delete them). None otherwise: a rollback journal (a
     reader creates nothing), told by the header's 20 bytes, a few microseconds (the gate
-    opens the inventory per job)."""
+    opens the inventory per job).
+
+    The file itself is opened only when neither is there: closing a descriptor of a file
+    drops every POSIX lock this process holds on it, SQLite's among them. The collector's
+    metrics read the inventory in the collector's process; a header read there dropped
+    the collector's own locks, and another writer (the canary service, an admin's
+    ``ncclguard canary approve``) then switched the running collector's file out of WAL
+    and removed its -wal and -shm (issue 43)."""
+    if os.path.lexists(f"{path}-wal") or os.path.lexists(f"{path}-shm"):
+        return None  # the usual case while the collector runs: a writer has it open
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError:
@@ -113,8 +122,6 @@ def _unopened_wal(path: Path) -> tuple[int, int, int, int] | None:
         os.close(fd)
     if len(head) < 20 or head[18] != _WAL_FORMAT:
         return None
-    if os.path.lexists(f"{path}-wal") or os.path.lexists(f"{path}-shm"):
-        return None  # the usual case while the collector runs: a writer has it open
     return _identity(st)
 
 

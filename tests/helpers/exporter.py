@@ -66,11 +66,11 @@ PARTS = {"gpu": ["g1", "g2", "g3", "g4", "g5", "g6", "g7"], "cpu": ["c1", "c2"]}
 
 def exporter(db: Path, tmp_path: Path, parts: dict | None = PARTS, **kw: Any) -> Exporter:
     """The exporter over ``db`` with Slurm's partitions ``parts`` and an audit trail under
-    ``tmp_path/log``; no cache unless ``cache_s``."""
+    ``tmp_path/log``; no cache unless ``cache_s``; the defaults' config unless ``config``."""
     from inventoryd.controller.exporter import Exporter, Partitions
     from ncclguard import config as configmod
 
-    cfg = configmod.Config()
+    cfg = kw.pop("config", None) or configmod.Config()
     p = Partitions((lambda: parts) if parts is not None else None, refresh_s=600)
     p.refresh()
     audit_dir = tmp_path / "log"
