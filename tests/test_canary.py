@@ -701,3 +701,18 @@ def _in_wal(db: Path) -> bool:
     1: a rollback journal): what every new connection goes by."""
     with open(db, "rb") as f:
         return f.read(20)[18:20] == b"\x02\x02"
+
+
+def test_the_event_totals_only_grow_when_the_history_is_pruned(tmp_path: Path) -> None:
+    """The metrics' ncclguard_canary_events_total is a counter: the history it came from
+    is pruned hourly, so the totals are kept beside it (before: counted from the history,
+    a prune lowered them and Prometheus read a reset)."""
+    c = Cluster(tmp_path, two_classes())
+    c.change("n4", NodeSpec(nccl="2.21.5"))
+    c.passes(180)
+    with Inventory(c.db, values=class_values(PolicyConfig())) as inv:
+        before = inv.canary_counts(c.clock())["events"]
+        assert before == {"submitted": 1, "passed": 1}
+        assert inv.prune_canary_history(c.clock() + 1) > 0
+        assert inv.canary_history() == []
+        assert inv.canary_counts(c.clock())["events"] == before

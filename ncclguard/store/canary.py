@@ -50,6 +50,9 @@ _UNSEEN = ("SELECT g.host, g.class_key FROM gate_nodes g WHERE g.class_key IS NO
            "AND NOT EXISTS (SELECT 1 FROM canary_nodes c WHERE c.host = g.host)")
 _HISTORY = ("at", "host", "event", "class_key", "job_id", "detail", "by")
 _ADOPTED = "canary_adopted"  # collector_state: when the service first took the classes as good
+#: the events counted for the metrics, each a running total in collector_state
+COUNTED = ("submitted", "passed", "failed", "approved")
+_COUNT = "canary_events_"
 _POLICY = "canary_policy"  # collector_state: the class policy the rows' keys are under
 
 
@@ -148,6 +151,12 @@ class CanaryTables(Database):
                     "by) VALUES (?,?,?,?,?,?,?)",
                     (float(e["at"]), e["host"], e["event"], e.get("class_key"),
                      e.get("job_id"), str(e.get("detail", ""))[:2000], e.get("by", "ncclguard")))
+                if e["event"] in COUNTED:  # a running total: pruning the history keeps it
+                    conn.execute(
+                        "INSERT INTO collector_state (name, value, at) VALUES (?, '1', ?) "
+                        "ON CONFLICT (name) DO UPDATE SET "
+                        "value = CAST(value AS INTEGER) + 1, at = excluded.at",
+                        (_COUNT + e["event"], float(e["at"])))
             if adopted is not None:
                 conn.execute("INSERT OR REPLACE INTO collector_state (name, value, at) "
                              "VALUES (?,?,?)", (_ADOPTED, repr(adopted), adopted))
@@ -169,7 +178,8 @@ class CanaryTables(Database):
 
     def canary_counts(self, now: float | None = None) -> dict[str, Any]:
         """For the metrics: nodes per state, the longest-held node's seconds, and the
-        canaries' results so far (``passed``, ``failed``, ``approved``)."""
+        events so far (:data:`COUNTED`: running totals kept beside the history, which is
+        pruned, so that they only grow)."""
         now = time.time() if now is None else now
 
         def q(c: sqlite3.Connection) -> tuple[list[Any], Any, list[Any]]:
@@ -177,14 +187,14 @@ class CanaryTables(Database):
                     .fetchall(),
                     c.execute("SELECT min(held_since) FROM canary_nodes WHERE state != 'ok'")
                     .fetchone()[0],
-                    c.execute("SELECT event, count(*) FROM canary_history WHERE event IN "
-                              "('passed', 'failed', 'approved', 'submitted') GROUP BY event")
-                    .fetchall())
+                    c.execute("SELECT name, value FROM collector_state WHERE name >= ? AND "
+                              "name < ?", (_COUNT, _COUNT + "~")).fetchall())
 
         states, oldest, results = self._reading("count the canary's nodes", q)
         return {"states": {s: int(n) for s, n in states},
                 "held_max_s": max(now - float(oldest), 0.0) if oldest is not None else 0.0,
-                "events": {e: int(n) for e, n in results}}
+                "events": {e[len(_COUNT):]: int(n) for e, n in results
+                           if e[len(_COUNT):] in COUNTED and str(n).isdigit()}}
 
     def prune_canary_history(self, before: float | None, per_host: int | None = None) -> int:
         """Drop events older than ``before`` (None: none for their age) and, with
