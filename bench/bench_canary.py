@@ -5,7 +5,7 @@ which any pass needs.
 
 - ``quiet``: a pass with no node held (what the service does every 15 s nearly always);
 - ``burst``: a pass with ``--held`` nodes (64) waiting, which plans their canaries
-  (Slurm modelled as in tests/test_canary.py: every node idle, jobs accepted at once; its
+  (Slurm modelled as in tests/helpers/canary.py: every node idle, jobs accepted at once; its
   calls are not what is timed here);
 - ``floor``: ``class_keys()`` alone.
 
@@ -28,8 +28,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
+from helpers.canary import FakeSlurm  # noqa: E402
 from helpers.fingerprints import fingerprint  # noqa: E402
-from test_canary import FakeSlurm  # noqa: E402
 
 from inventoryd.controller.canary import CanaryService  # noqa: E402
 from ncclguard.config import CanaryConfig, Config, InventoryConfig, PolicyConfig  # noqa: E402

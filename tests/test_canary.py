@@ -8,187 +8,27 @@ The inventory is a real one, written as the collector writes it.
 
 Over 500 lines: every test drives the one model of Slurm and the one cluster on its
 virtual clock defined here (the hostile cases of docs/threat-model.md among them), and
-no test module imports another's.
+its model of Slurm and cluster are in tests/helpers/canary.py.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
-from helpers.inventory import NodeSpec, base_fingerprint, build
+from helpers.canary import Cluster, failing, history, two_classes
+from helpers.inventory import NodeSpec
 
-from inventoryd.controller.canary import CanaryService
-from ncclguard.config import CanaryConfig, Config, InventoryConfig, PolicyConfig
+from ncclguard.config import PolicyConfig
 from ncclguard.hostlist import compress, expand
 from ncclguard.policy import GATE_VALUES
 from ncclguard.policy.canary import gate_holds
 from ncclguard.policy.schedule import class_values
 from ncclguard.policy.verdict import Verdict
-from ncclguard.sched.sync import desired
 from ncclguard.slurm import SlurmError
-from ncclguard.slurm.model import JobInfo, NodeInfo
 from ncclguard.store import Inventory
-
-
-class FakeSlurm:
-    """A scheduler on a virtual clock: a released job starts when all its nodes are idle
-    and ends ``duration`` later with ``outcome(nodes)``; a node runs one job at a time."""
-
-    def __init__(self, hosts: list[str], clock: Callable[[], float]) -> None:
-        self.hosts = hosts
-        self.clock = clock
-        self.drained: dict[str, str] = {}
-        self.busy: set[str] = set()  # taken by other work
-        self.jobs: dict[int, dict[str, Any]] = {}
-        self.next_id = 100
-        self.up = True
-        self.duration = 60.0
-        self.outcome: Callable[[list[str]], str] = lambda nodes: "COMPLETED"
-        self.calls: list[tuple[str, Any]] = []
-
-    def _check(self) -> None:
-        if not self.up:
-            raise SlurmError("squeue: exit 1: Unable to contact slurm controller")
-
-    def default_partition(self) -> str:
-        self._check()
-        return "batch"
-
-    def _allocated(self) -> set[str]:
-        return {h for j in self.jobs.values() if j["state"] == "RUNNING" for h in j["nodes"]}
-
-    def nodes(self) -> list[NodeInfo]:
-        self._check()
-        alloc = self._allocated() | self.busy
-        out = []
-        for h in self.hosts:
-            flags = ("DRAIN",) if h in self.drained else ()
-            out.append(NodeInfo(name=h, state="allocated" if h in alloc else "idle",
-                                flags=flags, reason=self.drained.get(h, ""),
-                                partitions=("batch",)))
-        return out
-
-    def submit(self, args: list[str], script: str) -> int:
-        self._check()
-        self.calls.append(("submit", args))
-        nodes = expand(args[args.index("-w") + 1])
-        assert args[args.index("-N") + 1] == str(len(nodes))
-        assert "-H" in args and "--exclusive" in args and "--no-requeue" in args
-        job = self.next_id
-        self.next_id += 1
-        self.jobs[job] = {"state": "PENDING", "nodes": nodes, "priority": 0,
-                          "start": None, "script": script, "submitted": self.clock()}
-        return job
-
-    def release(self, job: int) -> None:
-        self._check()
-        self.calls.append(("release", job))
-        self.jobs[job]["priority"] = 1
-
-    def cancel(self, job: int) -> None:
-        self._check()
-        self.calls.append(("cancel", job))
-        if self.jobs[job]["state"] in ("PENDING", "RUNNING"):
-            self.jobs[job]["state"] = "CANCELLED"
-
-    def job_progress(self, job: int) -> JobInfo | None:
-        self._check()
-        j = self.jobs.get(job)
-        if j is None:
-            return None
-        return JobInfo(job_id=job, state=j["state"], priority=j["priority"],
-                       start_time=j["start"], state_reason="None")
-
-    def own_jobs(self, name: str) -> list[JobInfo]:
-        self._check()
-        return [JobInfo(job_id=job, state=j["state"], priority=j["priority"], name=name)
-                for job, j in self.jobs.items() if j["state"] in ("PENDING", "RUNNING")]
-
-    def tick(self) -> None:
-        """Start and end jobs as of now."""
-        now = self.clock()
-        for j in self.jobs.values():
-            if j["state"] == "RUNNING" and now >= j["start"] + self.duration:
-                j["state"] = self.outcome(j["nodes"])
-        for _, j in sorted(self.jobs.items()):
-            alloc = self._allocated() | self.busy | set(self.drained)
-            if j["state"] == "PENDING" and j["priority"] > 0 and not set(j["nodes"]) & alloc:
-                j["state"], j["start"] = "RUNNING", now
-
-    def running(self) -> int:
-        return sum(1 for j in self.jobs.values() if j["state"] == "RUNNING")
-
-    # what the service must never call: an admin's drain is never touched
-    def update_nodes(self, *a: Any) -> None:
-        raise AssertionError("the canary changed a node's state in Slurm")
-
-    drain = resume = update_nodes
-
-
-class Clock:
-    def __init__(self, t: float = 1_000_000.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def _config(db: Path, **canary: Any) -> Config:
-    c = {"enabled": True, "command": ("nccl-check", "--quick"), "settle_s": 60.0,
-         "interval_s": 15.0, "max_running": 2, "max_nodes": 4, "peers": 1,
-         "time_limit_s": 300.0, "pending_timeout_s": 300.0, **canary}
-    return Config(inventory=InventoryConfig(db=str(db), stale_after_s=1e9),
-                  canary=CanaryConfig(**c))
-
-
-def _set(db: Path, host: str, spec: NodeSpec, now: float) -> None:
-    with Inventory(db, values=class_values(PolicyConfig())) as inv:
-        inv.upsert(base_fingerprint(host, spec), now=now)
-
-
-class Cluster:
-    """An inventory, the model of Slurm and the service, on one virtual clock."""
-
-    def __init__(self, tmp_path: Path, specs: dict[str, NodeSpec], **canary: Any) -> None:
-        self.clock = Clock()
-        self.db = build(tmp_path / "inventory.db", specs, now=self.clock())
-        self.cfg = _config(self.db, **canary)
-        self.slurm = FakeSlurm(sorted(specs), self.clock)
-        self.svc = CanaryService(self.cfg, self.slurm, clock=self.clock)  # type: ignore[arg-type]
-        self.notes = [self.svc.apply()]
-
-    def change(self, host: str, spec: NodeSpec) -> None:
-        _set(self.db, host, spec, self.clock())
-
-    def passes(self, seconds: float) -> None:
-        """The service's passes over ``seconds``, Slurm's time moving between them."""
-        end = self.clock.t + seconds
-        while self.clock.t < end:
-            self.clock.t += self.cfg.canary.interval_s
-            self.slurm.tick()
-            self.notes.append(self.svc.apply())
-
-    def rows(self) -> dict[str, dict[str, Any]]:
-        with Inventory(self.db, readonly=True, values=class_values(PolicyConfig())) as inv:
-            return inv.canary_nodes()
-
-    def state(self, host: str) -> str:
-        return str(self.rows()[host]["state"])
-
-    def classes(self) -> dict[str, str | None]:
-        return desired(self.cfg, self.slurm.hosts, self.clock())
-
-
-def two_classes(n: int = 4) -> dict[str, NodeSpec]:
-    """n1..n(n/2) on NCCL 2.21.5, the rest on 2.18.3: two classes."""
-    half = n // 2
-    return {f"n{i}": NodeSpec(nccl="2.21.5" if i <= half else "2.18.3")
-            for i in range(1, n + 1)}
 
 
 def test_the_first_pass_takes_every_node_as_vetted_and_holds_none(tmp_path: Path) -> None:
@@ -221,16 +61,12 @@ def test_a_changed_node_is_held_canaried_with_a_peer_and_rejoins(tmp_path: Path)
     assert c.state("n4") == "ok"
     after = c.classes()
     assert after["n4"] == before["n1"] == after["n1"]
-    events = [e["event"] for e in _history(c, "n4")]
+    events = [e["event"] for e in history(c, "n4")]
     assert events == ["passed", "submitted", "held"]
 
 
 def test_a_failing_canary_keeps_the_node_out_with_its_job_and_output(tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    out.mkdir(mode=0o700)
-    c = Cluster(tmp_path, two_classes(), output_dir=str(out))
-    c.slurm.outcome = lambda nodes: "FAILED"
-    c.change("n4", NodeSpec(nccl="2.21.5"))
+    c, out = failing(tmp_path)
     c.passes(90)
     job = max(c.slurm.jobs)
     (out / f"ncclguard-canary-{job}.out").write_text(
@@ -247,13 +83,9 @@ def test_a_failing_canary_keeps_the_node_out_with_its_job_and_output(tmp_path: P
 
 
 def test_an_output_file_that_is_a_link_is_not_followed(tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    out.mkdir(mode=0o700)
     secret = tmp_path / "secret"
     secret.write_text("the munge key\n")
-    c = Cluster(tmp_path, two_classes(), output_dir=str(out))
-    c.slurm.outcome = lambda nodes: "FAILED"
-    c.change("n4", NodeSpec(nccl="2.21.5"))
+    c, out = failing(tmp_path)
     c.passes(90)
     job = max(c.slurm.jobs)
     (out / f"ncclguard-canary-{job}.out").symlink_to(secret)
@@ -298,7 +130,7 @@ def test_a_canary_pending_too_long_is_cancelled_and_tried_again(tmp_path: Path) 
     c.passes(150)
     assert ("cancel", first) in c.slurm.calls
     assert c.state("n4") == "waiting"
-    assert [e["event"] for e in _history(c, "n4")][:1] == ["retry"]
+    assert [e["event"] for e in history(c, "n4")][:1] == ["retry"]
     c.slurm.busy = set()
     c.passes(150)
     assert c.state("n4") == "ok" and max(c.slurm.jobs) > first
@@ -314,7 +146,7 @@ def test_a_changed_node_is_held_from_the_collectors_write_before_the_next_pass(
     c.change("n4", NodeSpec(nccl="2.21.5"))  # collected; the service has not looked yet
     assert c.state("n4") == "ok"
     assert c.classes()["n4"] is None
-    _set(c.db, "n5", NodeSpec(nccl="2.21.5"), c.clock())  # first seen after the first pass
+    c.change("n5", NodeSpec(nccl="2.21.5"))  # first seen after the first pass
     with Inventory(c.db, readonly=True, values=GATE_VALUES) as inv:
         holds = inv.canary_holds(["n1", "n4", "n5"])
         assert inv.canary_held() == {"n4", "n5"}
@@ -378,7 +210,7 @@ def test_a_new_class_pairs_two_changed_nodes_and_a_lone_one_waits_for_an_admin(
                                     "--reason", "vendor-certified image"])
     assert res.exit_code == 0, res.output
     assert c.state("n6") == "ok"
-    e = _history(c, "n6")[0]
+    e = history(c, "n6")[0]
     assert (e["event"], e["by"]) == ("approved", "jane")
     assert "vendor-certified image" in e["detail"]
     c.passes(60)
@@ -470,11 +302,6 @@ def test_the_gate_refuses_a_held_node_unless_the_job_is_its_canary() -> None:
     assert gate_holds(accept, {}, 1) == (accept, False)
 
 
-def _history(c: Cluster, host: str) -> list[dict[str, Any]]:
-    with Inventory(c.db, readonly=True, values=class_values(PolicyConfig())) as inv:
-        return inv.canary_history(host)
-
-
 def test_hostlists_shown_are_compressed() -> None:  # what describe() prints
     from ncclguard.policy.canary import Launch, describe
 
@@ -539,11 +366,7 @@ def test_an_output_file_not_the_services_own_is_not_read(
 
     import inventoryd.controller.canary as service
 
-    out = tmp_path / "out"
-    out.mkdir(mode=0o700)
-    c = Cluster(tmp_path, two_classes(), output_dir=str(out))
-    c.slurm.outcome = lambda nodes: "FAILED"
-    c.change("n4", NodeSpec(nccl="2.21.5"))
+    c, out = failing(tmp_path)
     c.passes(90)
     job = max(c.slurm.jobs)
     os.mkfifo(out / f"ncclguard-canary-{job}.out")
@@ -643,7 +466,7 @@ def test_a_write_of_rows_an_admin_changed_meanwhile_is_refused(tmp_path: Path) -
         assert inv.canary_write([held_row("n9", None, "k", c.clock(), "new")],
                                 expect={"n9": ("", None)})  # a row not there yet
     assert c.state("n4") == "ok"
-    assert [e["event"] for e in _history(c, "n4")][:1] == ["approved"]
+    assert [e["event"] for e in history(c, "n4")][:1] == ["approved"]
 
 
 def test_the_canarys_writes_leave_a_running_collectors_inventory_in_wal(

@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.canary import Cluster, FakeSlurm, failing, history, two_classes
 from helpers.gate import inventory as gate_inventory
 from helpers.gate import last, run_gate
 from helpers.inventory import NodeSpec
-from test_canary import Cluster, FakeSlurm, _history, two_classes
 
 import inventoryd.controller.canary as service
 from inventoryd.controller.canary import JOB_NAME
@@ -121,7 +121,7 @@ def test_a_job_that_took_a_canarys_id_does_not_pass_its_node(
     c.passes(15)
     r = c.rows()["n4"]
     assert r["state"] != "ok" and r["job_id"] != job  # not passed: tried again
-    e = next(e for e in _history(c, "n4") if e["event"] != "submitted")
+    e = next(e for e in history(c, "n4") if e["event"] != "submitted")
     assert e["event"] == "lost" and "another job" in e["detail"] and "uid" in e["detail"]
 
 
@@ -238,7 +238,7 @@ def test_a_peer_that_changes_under_a_canary_does_not_fail_the_changed_node(
     c.change("n1", NodeSpec(nccl="2.21.5"))  # and back: released, no canary needed
     _until(c, "ok")
     assert c.state("n1") == "ok"
-    assert [e["event"] for e in _history(c, "n4")][-3:] == ["retry", "submitted", "held"]
+    assert [e["event"] for e in history(c, "n4")][-3:] == ["retry", "submitted", "held"]
 
 
 def test_a_node_that_flaps_under_a_shared_canary_does_not_fail_the_others(
@@ -343,13 +343,9 @@ def test_an_output_directory_others_can_write_gets_no_output(tmp_path: Path) -> 
 def test_an_output_file_with_a_second_name_is_not_read(tmp_path: Path) -> None:
     """The output file is a hard link to another file of the service's user: its lines
     are not shown."""
-    out = tmp_path / "out"
-    out.mkdir(mode=0o700)
     secret = tmp_path / "secret"
     secret.write_text("a token of the service's user\n")
-    c = Cluster(tmp_path, two_classes(), output_dir=str(out))
-    c.slurm.outcome = lambda nodes: "FAILED"
-    c.change("n4", NodeSpec(nccl="2.21.5"))
+    c, out = failing(tmp_path)
     _until(c, "running")
     job = c.rows()["n4"]["job_id"]
     os.link(secret, out / f"ncclguard-canary-{job}.out")
@@ -360,11 +356,7 @@ def test_an_output_file_with_a_second_name_is_not_read(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("kind", ["fifo", "huge", "garbage"])
 def test_an_odd_output_file_neither_hangs_nor_leaks(tmp_path: Path, kind: str) -> None:
-    out = tmp_path / "out"
-    out.mkdir(mode=0o700)
-    c = Cluster(tmp_path, two_classes(), output_dir=str(out))
-    c.slurm.outcome = lambda nodes: "FAILED"
-    c.change("n4", NodeSpec(nccl="2.21.5"))
+    c, out = failing(tmp_path)
     _until(c, "running")
     path = out / f"ncclguard-canary-{c.rows()['n4']['job_id']}.out"
     if kind == "fifo":

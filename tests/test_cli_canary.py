@@ -6,30 +6,14 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import time
 from pathlib import Path
 
 import pytest
-from click.testing import Result
-from helpers.cli import ok, runner
+from helpers.cli import js, ok, runner, table_rows
 from helpers.inventory import build, standard
 
 from ncclguard.config import PolicyConfig
-
-
-def js(r: Result) -> dict:
-    return json.loads(ok(r).stdout)
-
-
-def table_rows(text: str) -> dict[str, list[str]]:
-    """Table body lines keyed by their first cell, cells split on runs of spaces."""
-    rows = {}
-    for line in text.splitlines()[1:]:
-        cells = [c for c in line.split("  ") if c.strip()]
-        if cells:
-            rows[cells[0].strip()] = [c.strip() for c in cells]
-    return rows
 
 
 @pytest.fixture(scope="module")

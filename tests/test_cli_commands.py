@@ -12,8 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from click.testing import Result
-from helpers.cli import Run, ok, run_cli, runner
+from helpers.cli import Run, js, ok, run_cli, runner, table_rows
 from helpers.inventory import NodeSpec, build, standard
 
 from ncclguard import audit
@@ -37,18 +36,6 @@ def run(env: tuple[Path, Path]) -> Run:
 
 
 
-def js(r: Result) -> dict:
-    return json.loads(ok(r).stdout)
-
-
-def table_rows(text: str) -> dict[str, list[str]]:
-    """Table body lines keyed by their first cell, cells split on runs of spaces."""
-    rows = {}
-    for line in text.splitlines()[1:]:
-        cells = [c for c in line.split("  ") if c.strip()]
-        if cells:
-            rows[cells[0].strip()] = [c.strip() for c in cells]
-    return rows
 
 
 # --------------------------------------------------------------------------- nodes

@@ -7,7 +7,7 @@ from __future__ import annotations
 import getpass
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import click
@@ -152,37 +152,55 @@ def status(nodes: str | None, history: bool, all_: bool, as_json: bool, as_csv: 
            columns=STATUS_COLUMNS, text=text, csv_columns=[(k, k) for k, _ in STATUS_COLUMNS])
 
 
-@canary.command()
-@click.argument("nodes")
-@click.option("--reason", default="", help="Why, for the history.")
-def approve(nodes: str, reason: str) -> None:
-    """Let held NODES join their class without (or despite) a canary; recorded with your
-    name. A canary job still running is left to end; its result no longer counts."""
+#: one admin change of one node: its new row, or why it is left as it is
+Change = Callable[[str, "dict[str, Any] | None", "str | None", float], "dict[str, Any] | str"]
+
+
+def _change(nodes: str, reason: str, event: str, decide: Change) -> list[dict[str, Any]]:
+    """An admin's change of NODES (``approve``, ``run``): each node's new row from
+    ``decide(host, row, class key now, now)`` (a string: why not), written in one
+    transaction with an event each, recorded with the admin's name and ``reason``; exit 1
+    when no node changed."""
     c = get_ctx()
     hosts = _hosts(c, nodes)
     who, now = _admin(), time.time()
-    from ncclguard.policy.canary import ok_row
-
+    detail = f"{event} by {who}" + (f": {safe(reason)}" if reason else "")
     with _writable(c) as inv:
         rows = inv.canary_nodes()
         keys = inv.class_keys(hosts)
         upd, events = [], []
         for h in hosts:
             r = rows.get(h)
-            if r is None or r["state"] == "ok":
-                click.echo(f"{h}: not held", err=True)
+            got = decide(h, r, keys.get(h), now)
+            if isinstance(got, str):
+                click.echo(f"{h}: {got}", err=True)
                 continue
-            key = keys.get(h) or r["class_key"]
-            upd.append(ok_row(h, key, now))
-            events.append({"at": now, "host": h, "event": "approved", "class_key": key,
-                           "job_id": r["job_id"], "by": who,
-                           "detail": f"approved by {who}" + (f": {safe(reason)}" if reason
-                                                             else "")})
+            upd.append(got)
+            events.append({"at": now, "host": h, "event": event, "class_key": got["class_key"],
+                           "job_id": r["job_id"] if r is not None else None, "by": who,
+                           "detail": detail})
         _write(inv, upd, events, rows)
-    for e in events:
-        click.echo(f"{e['host']}: approved (class {str(e['class_key'])[:10]}), by {who}")
     if not upd:
         raise SystemExit(1)
+    return events
+
+
+@canary.command()
+@click.argument("nodes")
+@click.option("--reason", default="", help="Why, for the history.")
+def approve(nodes: str, reason: str) -> None:
+    """Let held NODES join their class without (or despite) a canary; recorded with your
+    name. A canary job still running is left to end; its result no longer counts."""
+    from ncclguard.policy.canary import ok_row
+
+    def decide(h: str, r: dict[str, Any] | None, key: str | None, now: float
+               ) -> dict[str, Any] | str:
+        if r is None or r["state"] == "ok":
+            return "not held"
+        return ok_row(h, key or r["class_key"], now)
+
+    for e in _change(nodes, reason, "approved", decide):
+        click.echo(f"{e['host']}: approved (class {str(e['class_key'])[:10]}), by {e['by']}")
 
 
 @canary.command(name="run")
@@ -191,33 +209,20 @@ def approve(nodes: str, reason: str) -> None:
 def run_(nodes: str, reason: str) -> None:
     """Canary NODES at the service's next pass: a held node skips its settle time (a failed
     one is tried again); a node not held is held until a canary passes."""
-    c = get_ctx()
-    hosts = _hosts(c, nodes)
-    who, now = _admin(), time.time()
     from ncclguard.policy.canary import held_row
 
-    with _writable(c) as inv:
-        rows = inv.canary_nodes()
-        keys = inv.class_keys(hosts)
-        upd, events = [], []
-        for h in hosts:
-            r, key = rows.get(h), keys.get(h)
-            if key is None:
-                click.echo(f"{h}: no readable record in the inventory", err=True)
-                continue
-            if r is not None and r["state"] == "running":
-                click.echo(f"{h}: its canary job {r['job_id']} runs now", err=True)
-                continue
-            why = f"canary asked by {who}" + (f": {safe(reason)}" if reason else "")
-            accepted = r["accepted"] if r is not None else None
-            since = r["held_since"] if r is not None and r["held_since"] else now
-            new = held_row(h, accepted, key, now, why, since=since, state="waiting")
-            new["attempts"] = int(r["attempts"] or 0) if r is not None else 0
-            upd.append(new)
-            events.append({"at": now, "host": h, "event": "run", "class_key": key,
-                           "job_id": None, "by": who, "detail": why})
-        _write(inv, upd, events, rows)
-    for e in events:
+    def decide(h: str, r: dict[str, Any] | None, key: str | None, now: float
+               ) -> dict[str, Any] | str:
+        if key is None:
+            return "no readable record in the inventory"
+        if r is not None and r["state"] == "running":
+            return f"its canary job {r['job_id']} runs now"
+        why = f"canary asked by {_admin()}" + (f": {safe(reason)}" if reason else "")
+        accepted = r["accepted"] if r is not None else None
+        since = r["held_since"] if r is not None and r["held_since"] else now
+        new = held_row(h, accepted, key, now, why, since=since, state="waiting")
+        new["attempts"] = int(r["attempts"] or 0) if r is not None else 0
+        return new
+
+    for e in _change(nodes, reason, "run", decide):
         click.echo(f"{e['host']}: held, its canary runs at the service's next pass")
-    if not upd:
-        raise SystemExit(1)

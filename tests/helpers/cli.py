@@ -3,6 +3,7 @@ click's test runner, with the inventory and the config file it is given."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -71,3 +72,18 @@ def stderr_on_a_terminal(argv: list[str], marker: str, *, cwd: Path | str | None
     p.wait(timeout=timeout)
     os.close(master)
     return seen.decode("utf-8", "replace"), first
+
+
+def js(r: Result) -> dict:
+    """A command's JSON output, after :func:`ok`."""
+    return json.loads(ok(r).stdout)
+
+
+def table_rows(text: str) -> dict[str, list[str]]:
+    """Table body lines keyed by their first cell, cells split on runs of spaces."""
+    rows = {}
+    for line in text.splitlines()[1:]:
+        cells = [c for c in line.split("  ") if c.strip()]
+        if cells:
+            rows[cells[0].strip()] = [c.strip() for c in cells]
+    return rows
