@@ -223,11 +223,9 @@ class CanaryService:
                 gone = (f"job {job} is now another job ({safe(info.name)!r} of uid "
                         f"{info.user_id}): Slurm's job ids went round"
                         if other and info is not None else "gone from Slurm")
-                for h in hosts:
-                    upd[h] = dict(rows[h], state="waiting", job_id=None, updated_at=now,
-                                  reason=f"waiting: its canary job {job} is gone from Slurm "
-                                  "without a result; tried again")
-                    events.append(_event(h, now, "lost", rows[h], job, gone))
+                _again(rows, hosts, now, job, upd, events, "lost", gone,
+                       f"waiting: its canary job {job} is gone from Slurm without a result; "
+                       "tried again")
             elif moved and info.state != "COMPLETED":
                 # another of its nodes (a peer, or a changed node it shares) moved its
                 # stack under it: the gate refuses the job, or it was cancelled for that
@@ -235,21 +233,16 @@ class CanaryService:
                 # keep the others of its canary held)
                 if info.state not in _ENDED:
                     self._cancel(job, f"{moved}, of its nodes, changed while it ran")
-                for h in hosts:
-                    upd[h] = dict(rows[h], state="waiting", job_id=None, updated_at=now,
-                                  reason=f"waiting: its canary job {job} was stopped: "
-                                  f"{moved}, of its nodes, changed under it; tried again")
-                    events.append(_event(h, now, "retry", rows[h], job,
-                                         f"{moved}, of its nodes, changed"))
+                _again(rows, hosts, now, job, upd, events, "retry",
+                       f"{moved}, of its nodes, changed",
+                       f"waiting: its canary job {job} was stopped: {moved}, of its nodes, "
+                       "changed under it; tried again")
             elif info.state == "PENDING":
                 if now - submitted > self.cfg.canary.pending_timeout_s:
                     self._cancel(job, "pending too long")
-                    for h in hosts:
-                        upd[h] = dict(rows[h], state="waiting", job_id=None, updated_at=now,
-                                      reason=f"waiting: its canary job {job} pended "
-                                      f"{now - submitted:.0f}s (its peers were taken); "
-                                      "tried again")
-                        events.append(_event(h, now, "retry", rows[h], job, "pending too long"))
+                    _again(rows, hosts, now, job, upd, events, "retry", "pending too long",
+                           f"waiting: its canary job {job} pended {now - submitted:.0f}s (its "
+                           "peers were taken); tried again")
                 else:
                     if info.priority == 0 and now - submitted > 2 * self.cfg.canary.interval_s:
                         self._release(job)  # a pass that stopped between submit and release
@@ -450,6 +443,17 @@ def _expect(rows: Mapping[str, Mapping[str, Any]], upd: Mapping[str, Any]
             ) -> dict[str, tuple[str, int | None]]:
     return {h: ((rows[h]["state"], rows[h]["job_id"]) if h in rows else ("", None))
             for h in upd}
+
+
+def _again(rows: Mapping[str, Mapping[str, Any]], hosts: list[str], now: float, job: int,
+           upd: dict[str, dict[str, Any]], events: list[dict[str, Any]], event: str,
+           detail: str, reason: str) -> None:
+    """Send the nodes of canary ``job`` back to ``waiting`` (it ended without a verdict
+    on them: lost, stopped by another node's change, pended too long), into ``upd`` and
+    ``events``."""
+    for h in hosts:
+        upd[h] = dict(rows[h], state="waiting", job_id=None, updated_at=now, reason=reason)
+        events.append(_event(h, now, event, rows[h], job, detail))
 
 
 def _event(host: str, at: float, event: str, row: Mapping[str, Any], job: int | None,
