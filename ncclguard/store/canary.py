@@ -3,8 +3,9 @@
 
 ``canary_nodes``: one row per node the canary service has seen: the class it was last
 vetted in (``accepted``), the class it has now (``class_key``), its ``state`` (``ok``, or
-one of :data:`HELD_STATES`), since when it is held, why (``reason``, shown by ``ncclguard
-nodes``, ``show`` and ``canary status``) and its canary job. ``canary_history``: each
+one of :data:`ncclguard.policy.canary.HELD_STATES`), since when it is held, why
+(``reason``, shown by ``ncclguard nodes``, ``show`` and ``canary status``) and its canary
+job. ``canary_history``: each
 event (held, canary submitted, passed, failed, approved, released) with who did it
 (``ncclguard`` or the admin's name). Only the canary service and an admin's ``ncclguard
 canary`` write them; the gate and the features daemon read them (:meth:`~CanaryTables.
@@ -22,11 +23,8 @@ from typing import Any
 
 from ncclguard.store.connection import Database, chunks
 
-__all__ = ["CANARY_FIELDS", "HELD_STATES", "CanaryTables"]
+__all__ = ["CANARY_FIELDS", "CanaryTables"]
 
-#: a held node's states: its stack still moving, waiting (for a slot, an idle peer, its own
-#: idleness), its canary running, failed, or the first of a new class waiting for an admin
-HELD_STATES = ("settling", "waiting", "running", "failed", "approval")
 CANARY_FIELDS = ("host", "accepted", "class_key", "state", "changed_at", "held_since",
                  "reason", "job_id", "job_nodes", "submitted_at", "attempts", "updated_at")
 _SELECT = "SELECT " + ", ".join(CANARY_FIELDS) + " FROM canary_nodes"  # noqa: S608 - fixed names
