@@ -214,6 +214,10 @@ class GateConfig(_Settings):
     audit_log: str = ""  # JSON lines; empty: /var/log/ncclguard/, else next to the inventory
     slurm_bin_dir: str = ""  # where scontrol/squeue live; empty: PATH, then /usr/bin
     slurm_conf: str = ""  # slurm.conf for the Slurm commands; empty: $SLURM_CONF, then Slurm's own
+    # one Slurm command run by the admin CLI (ncclguard ...); the gate is bound by
+    # deadline_s. A controller of many thousand nodes can take longer than the default
+    # to list them just after a large update.
+    cli_slurm_timeout_s: float = 15.0
     # what concurrent refusals share (a partition's nodes and classes): computed by one
     # run, read by the others while younger than this (0: each run computes its own)
     shared_max_age_s: float = 10.0
@@ -498,7 +502,8 @@ def _check(section: str, key: str, typ: Any, value: Any, where: str) -> Any:
         if key in ("max_share", "majority", "jitter") and value > 1:
             raise ConfigError(f"{where}: expected a share between 0 and 1")
         if key in ("interval_s", "deadline_s", "scan_interval_s", "verify_s",
-                   "metrics_timeout_s", "retry_max_s", "time_limit_s") and value == 0:
+                   "metrics_timeout_s", "retry_max_s", "time_limit_s",
+                   "cli_slurm_timeout_s") and value == 0:
             raise ConfigError(f"{where}: must be greater than 0")
         return float(value)
     if typ == "str":

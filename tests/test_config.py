@@ -48,6 +48,8 @@ def test_example_names_every_key_of_every_section() -> None:
          r"inventory\.busy_timeout_ms = -1: expected a non-negative integer"),
         ("[inventoryd]\njitter = 2\n", r"inventoryd\.jitter = 2: expected a share"),
         ("[inventoryd]\ninterval_s = 0\n", r"inventoryd\.interval_s = 0: must be greater than 0"),
+        ("[gate]\ncli_slurm_timeout_s = 0\n",
+         r"gate\.cli_slurm_timeout_s = 0: must be greater than 0"),
         ("[inventoryd]\ntextfile_dir = 3\n", r"inventoryd\.textfile_dir = 3: expected a string"),
         ("[inventory]\nnope = 1\n", r"inventory\.nope: unknown key"),
         ("[nope]\n", r"unknown section \[nope\]"),
@@ -139,3 +141,11 @@ def test_a_number_setting_must_be_finite(tmp_path: Path, value: str) -> None:
     with pytest.raises(configmod.ConfigError,
                        match=r"registry.max_age_s = .*: expected a non-negative number \(finite\)"):
         configmod.load(path)
+
+
+def test_the_cli_runs_slurm_under_the_configured_timeout(tmp_path: Path) -> None:
+    from ncclguard.cli.context import Ctx
+
+    p = tmp_path / "c.toml"
+    p.write_text("[gate]\ncli_slurm_timeout_s = 90\n")
+    assert Ctx(str(p), None).slurm.timeout == 90.0

@@ -28,8 +28,10 @@ def big_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevCluster
     require_slurm()
     root = tmp_path_factory.mktemp("scale")
     with DevCluster(root, nodes=2, extra_nodes=GPUS) as c:
-        c.write_gate_config(f'[gate]\naudit_log = "{c.audit_path}"\n[features]\n'
-                            f'classes_file = "{c.classes_file}"\n')
+        # slurmctld can take more than the CLI's default 15 s to list 16,386 nodes just
+        # after updating them all (CI's machine did); an admin raises it so
+        c.write_gate_config(f'[gate]\naudit_log = "{c.audit_path}"\ncli_slurm_timeout_s = 120\n'
+                            f'[features]\nclasses_file = "{c.classes_file}"\n')
         c.store_fingerprints(fingerprint(h, nccl="2.21.5") for h in [*c.node_names, *GPUS])
         yield c
 

@@ -155,7 +155,8 @@ class Ctx:
         if self._slurm is None:
             from ncclguard.slurm import Slurm
 
-            self._slurm = Slurm.from_config(self.config.gate, timeout=15.0)
+            self._slurm = Slurm.from_config(self.config.gate,
+                                             timeout=self.config.gate.cli_slurm_timeout_s)
         return self._slurm
 
     def slurm_nodes(self) -> list[Any]:
