@@ -272,3 +272,25 @@ def test_ranks_of_hosts_that_are_not_the_jobs_are_not_kept(tmp_path: Path) -> No
     scanner = Scanner(catalog.load(), hosts=["n1"])
     scanner.feed(log)
     assert scanner._pid_rank == {("n1", 7): 3}
+
+
+@pytest.mark.parametrize("line", [
+    b"n1:1:2 [0] NCCL INFO comm 0xab rank %s nranks 4 cudaDev 0 - Init COMPLETE",
+    b"n1:1:2 [0] NCCL INFO comm 0xab rank 1 nranks %s cudaDev 0 - Init COMPLETE",
+    b"%s: n1:1:2 [0] NCCL INFO NCCL version 2.21.5+cuda12.4",
+    b"[rank%s]: n1:1:2 [0] NCCL INFO NCCL version 2.21.5+cuda12.4",
+    b"[1,%s]<stderr>: n1:1:2 [0] NCCL INFO NCCL version 2.21.5+cuda12.4",
+    b"%s: Last error:",
+], ids=["rank", "nranks", "srun-tag", "torchrun-tag", "mpi-tag", "tag-last-error"])
+def test_a_number_of_5000_digits_is_read_as_text_not_a_crash(tmp_path: Path, line: bytes
+                                                              ) -> None:
+    """Issue 44's review: int() of more than 4,300 digits raises ValueError, and a rank, a
+    communicator size or a launcher tag of 5,000 digits stopped diagnose with a traceback
+    (exit 1). Such a number is no NCCL or launcher field: the line is read as text."""
+    log = tmp_path / "slurm-1.out"
+    log.write_bytes(line.replace(b"%s", b"9" * 5000) + b"\n"
+                    + b"n2:1:2 [0] NCCL INFO NCCL version 2.21.5+cuda12.4\n")
+    scanner = Scanner(catalog.load())
+    scanner.feed(log)
+    ev = scanner.evidence()
+    assert "n2" in ev.hosts and ev.nranks < 10**9

@@ -47,15 +47,15 @@ _CHUNK = 1 << 20
 # name in NCCL's "host:pid:tid" never has).
 _LEAD = rb"(?:\d{4}-\d\d-\d\dT[\d:.,]+(?:Z|[+-]\d\d:?\d\d)?:? )?"
 _TAG = (
-    rb"(?:\s*(?P<task>\d+): "
-    rb"|\[rank(?P<rrank>\d+)\]:\s?"
-    rb"|\[\d+,(?P<mrank>\d+)\]<std(?:out|err)>:\s?"
+    rb"(?:\s*(?P<task>\d{1,9}): "
+    rb"|\[rank(?P<rrank>\d{1,9})\]:\s?"
+    rb"|\[\d{1,9},(?P<mrank>\d{1,9})\]<std(?:out|err)>:\s?"
     rb"|[A-Za-z][\w.\-]*: )"
 )
 _NCCL_TS = rb"(?:\[\d{4}-\d\d-\d\d[ T][\d:.,]+\] )?"
 _PREFIX = re.compile(
     rb"^" + _LEAD + _TAG + rb"?" + _NCCL_TS
-    + rb"(?P<host>[A-Za-z0-9_.\-]+):(?P<pid>\d+):(?P<tid>\d+) \[(?P<dev>-?\d+)\] "
+    + rb"(?P<host>[A-Za-z0-9_.\-]+):(?P<pid>\d{1,10}):(?P<tid>\d{1,10}) \[(?P<dev>-?\d{1,10})\] "
     rb"(?:[\d.]+ )?(?:(?P<src>[\w./+\-]+:\d+) )?"
     rb"NCCL (?P<level>INFO|WARN|TRACE) ?(?P<msg>[^\r\n]*)",
 )

@@ -43,7 +43,10 @@ MAX_RANKS = 65536  # launcher tags (ranks) mapped to their host
 #: host names, so that a job's ranks never crowd out its hosts (issue 47's review: 8,192
 #: ranks of 1,024 nodes did, and 384 healthy nodes were named odd)
 MAX_RANK_KEYS = 16384
-_INIT = re.compile(rb"\bcomm 0x[0-9a-f]+ rank (?P<rank>\d+) nr?anks (?P<nranks>\d+)", re.I)
+# ranks and sizes of at most 9 digits: a longer one is no NCCL line, and int() of over
+# 4,300 digits raises (a hostile log stopped diagnose with a ValueError)
+_INIT = re.compile(rb"\bcomm 0x[0-9a-f]+ rank (?P<rank>\d{1,9}) nr?anks (?P<nranks>\d{1,9})\b",
+                   re.I)
 
 
 def short(host: str) -> str:
@@ -108,6 +111,11 @@ class LogEvidence:
     #: matching lines not attributed (hosts past the bounds, values past MAX_VALUES): a
     #: diagnosis then names no odd node by who did not print a line, or by a minority
     cut: int = 0
+    #: the most ranks any of the log's communicators has (NCCL's ``comm … nranks N``
+    #: lines; 0: none seen), and the ranks seen among them: what a log of only some hosts
+    #: cannot tell (issue 44)
+    nranks: int = 0
+    ranks_seen: int = 0
 
 
 MAX_KEY = 512  # a prefix longer than this is no NCCL prefix: never cached
@@ -159,6 +167,7 @@ class Scanner:
         self._hosts: set[str] = set()
         self._tag_host: dict[int, str] = {}  # launcher rank → host
         self._pid_rank: dict[tuple[str, int], int] = {}  # (host, pid) → NCCL rank
+        self._nranks = 0  # the largest communicator's size seen
         # NCCL's prefix repeats for every line of a process: parse each distinct one once.
         # Keyed by the line up to 5 bytes past " NCCL " (what the prefix regex reads).
         self._prefixes: dict[bytes, tuple[str, int, int | None] | None] = {}
@@ -491,6 +500,8 @@ class Scanner:
             text = raw[i + (12 if lv == b"TRAC" else 11) :].rstrip(b"\r")
             if _RANKS in text:
                 im = _INIT.search(text)
+                if im is not None:
+                    self._nranks = max(self._nranks, int(im.group("nranks")))
                 if im is not None and ((host, pid) in self._pid_rank or (
                         len(self._pid_rank) < MAX_PIDS and self._attributed(host))):
                     self._pid_rank[(host, pid)] = int(im.group("rank"))
@@ -593,6 +604,8 @@ class Scanner:
             states=self._states,
             resolve=self._resolve,
             cut=self.cut["hosts"] + self.cut["values"],
+            nranks=self._nranks,
+            ranks_seen=len(set(self._pid_rank.values())),
         )
 
     def _host_of(self, key: str | None) -> str | None:
