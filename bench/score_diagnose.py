@@ -82,8 +82,11 @@ def score_case(case: dict[str, Any], catalog: Any) -> dict[str, Any]:
     log = CORPUS / f"{case['id']}.log"
     report = run([log], catalog=catalog)
     first = report.diagnoses[0] if report.diagnoses else None
-    fam = family_of(first.signature) if first else "none"
-    verdict = verdict_of(first.signature) if first else "none"
+    # the diagnosis's own family and verdict where it has them: the log may make a stack
+    # signature neutral (not corroborated, no difference between hosts) or another
+    # family (every host alike); the signature's are a baseline catalog's only answer
+    fam = (getattr(first, "family", "") or family_of(first.signature)) if first else "none"
+    verdict = (getattr(first, "verdict", "") or verdict_of(first.signature)) if first else "none"
     accepted = {case["family"], *case["also"]}
     named = fam in accepted
     accused = (not case["stack"]) and verdict == "stack"

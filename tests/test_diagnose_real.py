@@ -214,12 +214,12 @@ def test_one_job_in_several_files_plain_and_gzip(catalog, tmp_path):
 
 
 def test_a_version_symptom_alone_is_not_a_version_split(catalog, tmp_path):
-    """One NCCL version in the log and a bootstrap 'Message truncated': reported, but not
-    as a node-stack difference, and not above a verdict the log does support."""
+    """A bootstrap 'Message truncated' where only one host printed its version: reported,
+    but not as a node-stack difference, and not above a verdict the log does support."""
     log = tmp_path / "j.log"
     log.write_text(
         "n1:1:1 [0] NCCL INFO NCCL version 2.20.5+cuda12.4\n"
-        "n2:2:2 [0] NCCL INFO NCCL version 2.20.5+cuda12.4\n"
+        "n2:2:2 [0] NCCL INFO Bootstrap : Using eth0:10.0.0.2<0>\n"
         "n1:1:9 [0] bootstrap.cc:224 NCCL WARN Message truncated : received 1024 bytes "
         "instead of 256\n"
     )
@@ -229,6 +229,25 @@ def test_a_version_symptom_alone_is_not_a_version_split(catalog, tmp_path):
     assert d.verdict == "neutral"
     assert "Not shown by this log to be a node-stack difference" in d.summary
     assert d.to_dict()["verdict"] == "neutral"
+
+
+def test_a_version_symptom_under_one_release_on_every_host_is_that_releases_bug(
+        catalog, tmp_path):
+    """Issue 44: the same NCCL on every host and a bootstrap 'Message truncated' (NCCL
+    2.19.3's bug, NVIDIA/nccl#1176) is a release's fault, reported as such: not a stack
+    verdict, and a fix that is not draining nodes."""
+    log = tmp_path / "j.log"
+    log.write_text(
+        "n1:1:1 [0] NCCL INFO NCCL version 2.19.3+cuda12.3\n"
+        "n2:2:2 [0] NCCL INFO NCCL version 2.19.3+cuda12.3\n"
+        "n1:1:9 [0] bootstrap.cc:77 NCCL WARN Message truncated : received 256 bytes "
+        "instead of 4\n"
+    )
+    (d,) = run([log], catalog=catalog).diagnoses
+    assert (d.signature.id, d.verdict, d.family) == (
+        "bootstrap-message-truncated", "not-stack", "nccl-release-bug")
+    assert "every host of the log (n[1-2]) printed NCCL 2.19.3" in d.summary
+    assert "Draining" in d.fix and d.to_dict()["family"] == "nccl-release-bug"
 
 
 def test_not_a_stack_problem_has_its_own_verdict(catalog):

@@ -205,7 +205,7 @@ def run(
         raise unopened[0]
     ev = scanner.evidence()
     ev.problems.extend(str(e) for e in unopened)
-    diags = diagnose(ev, catalog)
+    diags = diagnose(ev, catalog, known or None)
     report = Report(ev, diags, job=job.to_dict() if job else None)
     if open_inventory is None:
         report.inventory_note = "not consulted"

@@ -37,7 +37,7 @@ _REQUIRED_TEXT = ("title", "meaning", "cause", "fix")
 _KNOWN = {
     "id", "title", "kind", "scope", "level", "patterns", "weight", "odd",
     "meaning", "cause", "fix", "confirm", "rules", "disabled", "family", "verdict",
-    "corroborate",
+    "corroborate", "between", "alike",
 }  # fmt: skip
 
 
@@ -102,6 +102,12 @@ class Signature:
     # signatures that must also fire for this one to stand as a stack cause (a symptom
     # of a version split is not a version split when the log shows one version)
     corroborate: tuple[str, ...] = ()
+    # the line itself says that two ranks differ (NCCL compared them): a difference
+    # between hosts whoever printed it (issue 44: a stack verdict needs one)
+    between: bool = False
+    # what it is, and what to do, when every host of the job shows it alike: no node
+    # difference explains it (a release's bug, a setting or a fabric all share)
+    alike: str = ""
 
     def match(
         self, text: bytes, level: str | None = None
@@ -294,10 +300,16 @@ def _signature(e: dict[str, Any], sig_id: str, where: str, source: str) -> Signa
         raise CatalogError(f"{where}: verdict = 'not-stack' with rules {list(rules)}: a cause "
                            "that is not a node-stack one has no policy rule to confirm it")
     corroborate = _strings(e, "corroborate", where)
+    between = e.get("between", False)
+    if not isinstance(between, bool):
+        raise CatalogError(f"{where}: between = {between!r}: expected true or false")
+    alike = e.get("alike", "")
+    if not isinstance(alike, str):
+        raise CatalogError(f"{where}: alike = {alike!r}: expected a string")
     return Signature(
         id=sig_id, kind=kind, scope=scope, level=level, patterns=patterns, weight=weight,
         odd=odd, confirm=confirm, rules=rules, source=source, family=family, verdict=verdict,
-        corroborate=corroborate, **texts,
+        corroborate=corroborate, between=between, alike=alike.strip(), **texts,
     )  # fmt: skip
 
 

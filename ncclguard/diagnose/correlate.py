@@ -4,7 +4,8 @@
     [Diagnosis] + Verdict ──correlate()──▶ confirmed or not, and the disagreements
 
 A diagnosis on policy rules is *confirmed* when the policy finds a difference on one of
-its rules among the same nodes; the disagreements are where the log and the inventory
+its rules among the same nodes (and a stack verdict the log alone could not support, for
+want of a difference between hosts, stands again); the disagreements are where the log and the inventory
 say different things about one host (another NCCL loaded, a plugin the job's environment
 brought or hid).
 """
@@ -95,6 +96,9 @@ def correlate(diagnoses: list[Diagnosis], ev: LogEvidence, view: InventoryView) 
             d.confirmed = True
             d.inventory = "; ".join(f"{f.get('rule')}: {finding_text(f)}" for f in hits)
             d.score += 50
+            if d.demoted:  # the inventory shows the difference the log could not
+                d.verdict, d.family_as, d.fix_as, d.demoted = "stack", "", "", False
+                d.summary += " The inventory shows the job's nodes differ on it."
         elif known:
             d.confirmed = False
             d.inventory = (

@@ -5,6 +5,13 @@
 A ``line`` signature names the hosts that printed it (and, with ``odd = "printers"``,
 calls them odd when others did not); a ``differs`` signature groups the hosts by the
 value each printed and calls the minority odd. Scores order the list: most likely first.
+
+No stack verdict without a difference between hosts (issue 44, :func:`_judge`): a stack
+cause stands only when the log shows the nodes differ (two values, a line that says two
+ranks differ, printers that are not every host, or a corroborating one of those; the
+inventory, later, in correlate.py). A fault every host of the job shows alike is reported
+as what it is: no node difference explains it (a release's bug, a setting or a fabric
+they share). Where the log shows only some hosts, it says that this cannot be told.
 """
 
 from __future__ import annotations
@@ -42,8 +49,16 @@ class Diagnosis:
     all_hosts: list[str] = field(default_factory=list)  # every host seen in the logs
     confirmed: bool | None = None  # by a policy finding (None: no inventory / no rules)
     # the signature's verdict, or "neutral" when a signature that needs corroboration
-    # (catalog field `corroborate`) got none from the log
+    # (catalog field `corroborate`) got none from the log, or when the log does not show
+    # the nodes differ; "not-stack" when every host shows it alike (:func:`_judge`)
     verdict: str = ""
+    # the family it is reported under when that is not the signature's (a stack fault
+    # every host shows alike: NO_DIFFERENCE; a version symptom under one release:
+    # RELEASE_BUG)
+    family_as: str = ""
+    fix_as: str = ""  # the fix that goes with family_as
+    # a stack verdict the log could not support (kept, for the inventory to restore)
+    demoted: bool = False
 
     def __post_init__(self) -> None:
         if not self.verdict:
@@ -51,7 +66,11 @@ class Diagnosis:
 
     @property
     def family(self) -> str:
-        return self.signature.family or self.signature.id
+        return self.family_as or self.signature.family or self.signature.id
+
+    @property
+    def fix(self) -> str:
+        return self.fix_as or self.signature.fix
 
     @property
     def confirm_command(self) -> str:
@@ -83,7 +102,7 @@ class Diagnosis:
             "evidence": [e.to_dict() for e in self.evidence],
             "meaning": s.meaning,
             "cause": s.cause,
-            "fix": s.fix,
+            "fix": self.fix,
             "confirm_command": self.confirm_command,
             "confirm_fields": list(s.confirm),
             "rules": list(s.rules),
@@ -92,8 +111,10 @@ class Diagnosis:
         }
 
 
-def diagnose(ev: LogEvidence, catalog: Catalog) -> list[Diagnosis]:
-    """The signatures that fired, most likely cause first."""
+def diagnose(ev: LogEvidence, catalog: Catalog,
+             job_hosts: Iterable[str] | None = None) -> list[Diagnosis]:
+    """The signatures that fired, most likely cause first. ``job_hosts``: the job's nodes,
+    when known (a log that shows fewer cannot say that every host showed a fault)."""
     out: list[Diagnosis] = []
     for sig in catalog:
         st = ev.states.get(sig.id)
@@ -104,8 +125,9 @@ def diagnose(ev: LogEvidence, catalog: Catalog) -> list[Diagnosis]:
             out.append(d)
     for d in out:
         d.all_hosts = list(ev.hosts)
-    _corroborate(out)
+    _corroborate(out, ev)
     _borrow_odd_nodes(out)
+    _judge(out, ev, None if job_hosts is None else {short(h) for h in job_hosts})
     out.sort(
         key=lambda d: (
             -d.score,
@@ -119,10 +141,12 @@ def diagnose(ev: LogEvidence, catalog: Catalog) -> list[Diagnosis]:
 UNCORROBORATED_PENALTY = 40  # below every not-stack verdict's weight less its own
 
 
-def _corroborate(diags: list[Diagnosis]) -> None:
+def _corroborate(diags: list[Diagnosis], ev: LogEvidence) -> None:
     """A stack diagnosis that needs another one to stand (``corroborate``: a symptom of a
     version split needs the log to show two versions) becomes neutral, ranked lower and
-    says so, when none of those fired."""
+    says so, when none of those fired. When every host of the log printed one and the
+    same NCCL version, the symptom is that release's own (a bootstrap bug: NCCL 2.19.3's
+    ``Message truncated``, issue 44), reported as such."""
     fired = {d.signature.id for d in diags}
     for d in diags:
         need = d.signature.corroborate
@@ -130,10 +154,88 @@ def _corroborate(diags: list[Diagnosis]) -> None:
             continue
         d.verdict = "neutral"
         d.score -= UNCORROBORATED_PENALTY
+        one = _one_release(ev)
+        if one is not None and d.signature.family == "nccl-version":
+            version, hosts = one
+            d.verdict, d.family_as, d.fix_as = "not-stack", RELEASE_BUG, RELEASE_BUG_FIX
+            d.summary += (
+                f" Not a version split: every host of the log ({compress(hosts)}) printed "
+                f"NCCL {version}. The same release on every node failing so is that "
+                f"release's own fault, which no node difference explains."
+            )
+            continue
         d.summary += (
             f" Not shown by this log to be a node-stack difference: none of "
             f"{', '.join(need)} was found (the log shows no two hosts that differ)."
         )
+
+
+RELEASE_BUG = "nccl-release-bug"
+RELEASE_BUG_FIX = (
+    "Read that release's notes and NVIDIA/nccl's issues for the message; move the job to a "
+    "release that fixes it (the same one on every node: a pip wheel, the image, the "
+    "module). Draining or excluding nodes does not help: every node runs the same NCCL."
+)
+
+
+def _one_release(ev: LogEvidence) -> tuple[str, list[str]] | None:
+    """(version, hosts) when every host of the log printed an NCCL version banner and
+    all the same one; None otherwise (no banner, two versions, a host without one)."""
+    per_host = host_values(ev, "nccl-version-differs")
+    versions = {v for vs in per_host.values() for v in vs}
+    if len(versions) != 1 or not per_host or ev.cut or set(ev.hosts) - set(per_host):
+        return None
+    return versions.pop().removeprefix("NCCL version "), sorted(per_host)
+
+
+NO_DIFFERENCE = "no-node-difference"
+NO_DIFFERENCE_FIX = (
+    "Every host of the job shows it alike, so no node differs from the others: look at "
+    "what they share (the job's NCCL_* settings and environment, its container image, "
+    "the NCCL release, the fabric and switches), not at one node. Draining a node does "
+    "not help."
+)
+
+
+def _judge(diags: list[Diagnosis], ev: LogEvidence, job_hosts: set[str] | None) -> None:
+    """No stack verdict without a difference between hosts. A stack diagnosis stands when
+    the log shows one: values that differ (``differs``), a line that says two ranks differ
+    (``between``), odd nodes (printers that are not every host, or borrowed from such a
+    diagnosis), or one of its ``corroborate`` that shows one. Otherwise it is the fault of every host alike (``not-stack``, family
+    :data:`NO_DIFFERENCE`, the signature's ``alike`` text as the fix) when every host of
+    the job printed it, else ``neutral`` and says what the log cannot tell."""
+    seen = set(ev.hosts)
+    missing = sorted(job_hosts - seen) if job_hosts else []
+    partial_ranks = 0 < ev.ranks_seen < ev.nranks
+    shown = {d.signature.id for d in diags if d.verdict == "stack" and (
+        d.signature.kind == "differs" or d.signature.between)}
+    for d in diags:
+        sig = d.signature
+        if d.verdict != "stack" or sig.kind == "differs" or sig.between or d.odd_nodes:
+            continue
+        if shown & set(sig.corroborate):  # a diagnosis that shows the difference backs it
+            continue
+        d.demoted = True
+        everyone = len(seen) >= 2 and set(d.hosts) >= seen and not ev.cut
+        if everyone and not missing and not (job_hosts is None and partial_ranks):
+            d.verdict, d.family_as = "not-stack", NO_DIFFERENCE
+            d.fix_as = sig.alike or NO_DIFFERENCE_FIX
+            d.summary += (f" Not a node difference: all {len(seen)} hosts of the job printed "
+                          "it alike.")
+            continue
+        d.verdict = "neutral"
+        if missing:
+            gap = (f"the log shows {len(seen)} of the job's {len(job_hosts or ())} nodes "
+                   f"(not {compress(missing)})")
+        elif partial_ranks:
+            gap = f"the log shows {ev.ranks_seen} of {ev.nranks} ranks"
+        elif len(seen) < 2:
+            gap = f"the log shows one host ({compress(sorted(seen))})" if seen else (
+                "the log names no host")
+        else:
+            gap = "the line names no odd node"
+        d.summary += (f" Whether the nodes differ cannot be told: {gap}; compare them "
+                      f"with {d.confirm_command}.")
 
 
 def _borrow_odd_nodes(diags: list[Diagnosis]) -> None:

@@ -87,7 +87,7 @@ class Report:
                 lines.append(f"   odd nodes: {compress(d.odd_nodes)}")
             lines.append(f"   what it means: {s.meaning}")
             lines.append(f"   likely cause: {s.cause}")
-            lines.append(f"   fix: {s.fix}")
+            lines.append(f"   fix: {d.fix}")
             if d.verdict == "not-stack":
                 # nothing of the nodes' stacks to compare
                 lines.append("   verdict: not a node-stack problem")

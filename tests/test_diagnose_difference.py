@@ -1,0 +1,91 @@
+"""Issue 44: no stack verdict without a difference between hosts.
+
+A stack family stands only when the log shows the job's nodes differ (or the inventory
+does); a fault every host shows alike is no node difference and says so, with a fix that
+is not draining a node; a log of only some hosts says what it cannot tell."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from helpers.fingerprints import fingerprint
+
+from ncclguard.diagnose import load_catalog, run
+from ncclguard.policy import GATE_VALUES
+from ncclguard.store import Inventory
+
+NO_DEVICE = "{h}:{pid}:{pid} [0] NCCL INFO NET/IB : No device found.\n"
+OPEN = "{h}:{pid}:{pid} [0] net_ib.cc:205 NCCL WARN NET/IB : Unable to open device mlx5_1\n"
+BANNER = "{h}:{pid}:{pid} [0] NCCL INFO NCCL version 2.21.5+cuda12.4\n"
+
+
+@pytest.fixture(scope="module")
+def catalog():
+    return load_catalog()
+
+
+def _log(tmp_path: Path, *parts: tuple[str, str]) -> Path:
+    log = tmp_path / "slurm-9.out"
+    log.write_text("".join(t.format(h=h, pid=100 + int(h[1:])) for t, h in parts))
+    return log
+
+
+def test_a_fault_every_host_shows_alike_is_no_node_difference(catalog, tmp_path):
+    log = _log(tmp_path, *((t, h) for h in ("n1", "n2", "n3") for t in (BANNER, NO_DEVICE)))
+    (d,) = run([log], catalog=catalog).diagnoses
+    assert (d.signature.id, d.verdict, d.family) == ("ib-no-device", "not-stack",
+                                                     "no-node-difference")
+    assert "all 3 hosts of the job printed it alike" in d.summary and not d.odd_nodes
+    assert d.fix == d.signature.alike and "NCCL_IB_HCA" in d.fix  # the entry's own text
+    text = run([log], catalog=catalog).text()
+    assert "verdict: not a node-stack problem" in text and "ncclguard diff" not in text
+
+
+def test_the_same_fault_on_some_hosts_only_stays_a_stack_cause(catalog, tmp_path):
+    log = _log(tmp_path, (BANNER, "n1"), (BANNER, "n2"), (BANNER, "n3"), (NO_DEVICE, "n3"))
+    (d,) = run([log], catalog=catalog).diagnoses
+    assert (d.verdict, d.family, d.odd_nodes) == ("stack", "transport", ["n3"])
+
+
+def test_one_host_in_the_log_cannot_tell(catalog, tmp_path):
+    log = _log(tmp_path, (BANNER, "n1"), (OPEN, "n1"))
+    (d,) = run([log], catalog=catalog).diagnoses
+    assert (d.signature.id, d.verdict, d.family) == ("ib-device-open", "neutral",
+                                                     "ib-device-open")
+    assert "cannot be told: the log shows one host (n1)" in d.summary
+
+
+def test_a_log_of_some_of_the_jobs_nodes_cannot_call_them_alike(catalog, tmp_path):
+    log = _log(tmp_path, (OPEN, "n1"), (OPEN, "n2"))
+    alike = run([log], catalog=catalog).diagnoses[0]
+    assert alike.verdict == "not-stack"  # the log is taken as the whole job
+    (d,) = run([log], catalog=catalog, nodes=["n1", "n2", "n3", "n4"]).diagnoses
+    assert d.verdict == "neutral"
+    assert "the log shows 2 of the job's 4 nodes (not n[3-4])" in d.summary
+
+
+def test_ranks_missing_from_the_log_keep_it_from_calling_hosts_alike(catalog, tmp_path):
+    init = "{h}:{pid}:{pid} [0] NCCL INFO comm 0x5 rank {r} nranks 8 cudaDev 0 - Init COMPLETE\n"
+    log = tmp_path / "slurm-9.out"
+    log.write_text("".join(init.format(h=h, pid=p, r=r) + OPEN.format(h=h, pid=p)
+                           for h, p, r in (("n1", 1, 0), ("n2", 2, 4))))
+    (d,) = run([log], catalog=catalog).diagnoses
+    assert d.verdict == "neutral" and "the log shows 2 of 8 ranks" in d.summary
+
+
+def test_the_inventory_restores_a_stack_verdict_the_log_could_not_support(catalog,
+                                                                          tmp_path):
+    log = _log(tmp_path, (BANNER, "n1"), (OPEN, "n1"))
+    db = tmp_path / "inv.db"
+    inv = Inventory(db, values=GATE_VALUES)
+    inv.upsert(fingerprint(host="n1", hcas=2, ports_up=1), now=1000.0)
+    inv.upsert(fingerprint(host="n2", hcas=2), now=1000.0)
+    from ncclguard.config import PolicyConfig
+
+    report = run([log], catalog=catalog, nodes=["n1", "n2"], when=2000.0,
+                 open_inventory=lambda: Inventory(db, readonly=True),
+                 policy_config=PolicyConfig())
+    d = report.diagnoses[0]
+    assert d.signature.id == "ib-device-open" and d.confirmed is True
+    assert d.verdict == "stack" and "The inventory shows the job's nodes differ" in d.summary
