@@ -37,8 +37,11 @@ _REQUIRED_TEXT = ("title", "meaning", "cause", "fix")
 _KNOWN = {
     "id", "title", "kind", "scope", "level", "patterns", "weight", "odd",
     "meaning", "cause", "fix", "confirm", "rules", "disabled", "family", "verdict",
-    "corroborate",
+    "corroborate", "source",
 }  # fmt: skip
+SOURCE_PROJECTS = ("nccl", "pytorch", "aws-ofi-nccl", "nccl-rdma-sharp-plugins", "rdma-core")
+SOURCE_LEVELS = ("WARN", "INFO", "TRACE", "none")
+_SOURCE_KEYS = {"project", "file", "format", "level", "releases", "args", "other_args"}
 
 
 class CatalogError(Exception):
@@ -77,6 +80,20 @@ class Pattern:
 
 
 @dataclass(frozen=True)
+class SourceLine:
+    """One line of another project's source whose output a signature is written to match
+    (documentation and tests only: never read at scan time)."""
+
+    project: str  # SOURCE_PROJECTS
+    file: str  # the file it lives in (the newest read; ``releases`` says where it moved)
+    format: str  # the printf format (or message text) exactly as in the source
+    level: str  # NCCL's macro (WARN / INFO / TRACE) or "none" (printf, exception text)
+    releases: str  # the tags (or commits) it was read at
+    args: tuple[str, ...] = ()  # sample values for its conversions, where generic ones would not do
+    other_args: tuple[str, ...] = ()  # what another host prints (a `differs` signature's test)
+
+
+@dataclass(frozen=True)
 class Signature:
     id: str
     title: str
@@ -102,6 +119,8 @@ class Signature:
     # signatures that must also fire for this one to stand as a stack cause (a symptom
     # of a version split is not a version split when the log shows one version)
     corroborate: tuple[str, ...] = ()
+    # the source lines (NCCL's, PyTorch's, a plugin's) whose output its patterns match
+    sources: tuple[SourceLine, ...] = ()
 
     def match(
         self, text: bytes, level: str | None = None
@@ -297,8 +316,38 @@ def _signature(e: dict[str, Any], sig_id: str, where: str, source: str) -> Signa
     return Signature(
         id=sig_id, kind=kind, scope=scope, level=level, patterns=patterns, weight=weight,
         odd=odd, confirm=confirm, rules=rules, source=source, family=family, verdict=verdict,
-        corroborate=corroborate, **texts,
+        corroborate=corroborate, sources=_sources(e.get("source", []), where), **texts,
     )  # fmt: skip
+
+
+def _sources(raw: Any, where: str) -> tuple[SourceLine, ...]:
+    """The entry's ``[[signature.source]]`` records (optional)."""
+    if not isinstance(raw, list):
+        raise CatalogError(f"{where}: source must be an array of tables ([[signature.source]])")
+    out = []
+    for i, r in enumerate(raw, 1):
+        sw = f"{where}: source #{i}"
+        if not isinstance(r, dict):
+            raise CatalogError(f"{sw}: must be a table")
+        extra = set(r) - _SOURCE_KEYS
+        if extra:
+            raise CatalogError(f"{sw}: unknown key(s) {sorted(extra)} "
+                               f"(known: {', '.join(sorted(_SOURCE_KEYS))})")
+        text = {}
+        for key in ("project", "file", "format", "level", "releases"):
+            v = r.get(key)
+            if not isinstance(v, str) or not v.strip():
+                raise CatalogError(f"{sw}: {key} is required (a non-empty string)")
+            text[key] = v
+        if text["project"] not in SOURCE_PROJECTS:
+            raise CatalogError(f"{sw}: project = {text['project']!r}: expected one of "
+                               f"{', '.join(SOURCE_PROJECTS)}")
+        if text["level"] not in SOURCE_LEVELS:
+            raise CatalogError(f"{sw}: level = {text['level']!r}: expected one of "
+                               f"{', '.join(SOURCE_LEVELS)}")
+        out.append(SourceLine(**text, args=_strings(r, "args", sw),
+                              other_args=_strings(r, "other_args", sw)))
+    return tuple(out)
 
 
 def _choice(e: dict[str, Any], key: str, choices: Sequence[str], default: str, where: str) -> str:

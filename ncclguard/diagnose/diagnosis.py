@@ -212,10 +212,10 @@ def _line_detail(sig: Signature, st: SignatureState) -> str:
                 f"rank {g['rank_b']} runs {version_of_code(int(g['code_b']))}."
             )
         if "local" in g and "remote" in g:
-            return (
-                f"this rank runs NCCL {version_of_code(int(g['local']))}, "
-                f"peer {g['peer']} runs {version_of_code(int(g['remote']))}."
-            )
+            # 2.26 prints version codes, 2.30 "X.Y.Z" (ras.cc ncclVersionToString)
+            local, remote = (v if "." in v else version_of_code(int(v))
+                             for v in (g["local"], g["remote"]))
+            return f"this rank runs NCCL {local}, peer {g['peer']} runs {remote}."
         if "own" in g and "got" in g:
             names = {"3": "NET/Socket", "4": "NET/IB"}
             return (
