@@ -37,8 +37,13 @@ _REQUIRED_TEXT = ("title", "meaning", "cause", "fix")
 _KNOWN = {
     "id", "title", "kind", "scope", "level", "patterns", "weight", "odd",
     "meaning", "cause", "fix", "confirm", "rules", "disabled", "family", "verdict",
-    "corroborate", "between", "alike",
+    "corroborate", "between", "alike", "source",
 }  # fmt: skip
+SOURCE_PROJECTS = ("nccl", "pytorch", "aws-ofi-nccl", "nccl-rdma-sharp-plugins", "rdma-core")
+# "frame": the record's format is a function's name in the source, and its output a
+# debugger's stack frame of it (gdb, pstack, py-spy --native): a hang's only trace
+SOURCE_LEVELS = ("WARN", "INFO", "TRACE", "none", "frame")
+_SOURCE_KEYS = {"project", "file", "format", "level", "releases", "args", "other_args"}
 
 
 class CatalogError(Exception):
@@ -77,6 +82,22 @@ class Pattern:
 
 
 @dataclass(frozen=True)
+class SourceLine:
+    """One line of another project's source whose output a signature is written to match
+    (documentation and tests only: never read at scan time)."""
+
+    project: str  # SOURCE_PROJECTS
+    file: str  # the file it lives in (the newest read; ``releases`` says where it moved)
+    format: str  # the printf format (or message text) exactly as in the source
+    # NCCL's macro (WARN / INFO / TRACE), "none" (printf, exception text) or "frame"
+    # (``format`` is a function's name; a debugger prints its frame)
+    level: str
+    releases: str  # the tags (or commits) it was read at
+    args: tuple[str, ...] = ()  # sample values for its conversions, where generic ones would not do
+    other_args: tuple[str, ...] = ()  # what another host prints (a `differs` signature's test)
+
+
+@dataclass(frozen=True)
 class Signature:
     id: str
     title: str
@@ -108,6 +129,8 @@ class Signature:
     # what it is, and what to do, when every host of the job shows it alike: no node
     # difference explains it (a release's bug, a setting or a fabric all share)
     alike: str = ""
+    # the source lines (NCCL's, PyTorch's, a plugin's) whose output its patterns match
+    sources: tuple[SourceLine, ...] = ()
 
     def match(
         self, text: bytes, level: str | None = None
@@ -309,8 +332,39 @@ def _signature(e: dict[str, Any], sig_id: str, where: str, source: str) -> Signa
     return Signature(
         id=sig_id, kind=kind, scope=scope, level=level, patterns=patterns, weight=weight,
         odd=odd, confirm=confirm, rules=rules, source=source, family=family, verdict=verdict,
-        corroborate=corroborate, between=between, alike=alike.strip(), **texts,
+        corroborate=corroborate, between=between, alike=alike.strip(),
+        sources=_sources(e.get("source", []), where), **texts,
     )  # fmt: skip
+
+
+def _sources(raw: Any, where: str) -> tuple[SourceLine, ...]:
+    """The entry's ``[[signature.source]]`` records (optional)."""
+    if not isinstance(raw, list):
+        raise CatalogError(f"{where}: source must be an array of tables ([[signature.source]])")
+    out = []
+    for i, r in enumerate(raw, 1):
+        sw = f"{where}: source #{i}"
+        if not isinstance(r, dict):
+            raise CatalogError(f"{sw}: must be a table")
+        extra = set(r) - _SOURCE_KEYS
+        if extra:
+            raise CatalogError(f"{sw}: unknown key(s) {sorted(extra)} "
+                               f"(known: {', '.join(sorted(_SOURCE_KEYS))})")
+        text = {}
+        for key in ("project", "file", "format", "level", "releases"):
+            v = r.get(key)
+            if not isinstance(v, str) or not v.strip():
+                raise CatalogError(f"{sw}: {key} is required (a non-empty string)")
+            text[key] = v
+        if text["project"] not in SOURCE_PROJECTS:
+            raise CatalogError(f"{sw}: project = {text['project']!r}: expected one of "
+                               f"{', '.join(SOURCE_PROJECTS)}")
+        if text["level"] not in SOURCE_LEVELS:
+            raise CatalogError(f"{sw}: level = {text['level']!r}: expected one of "
+                               f"{', '.join(SOURCE_LEVELS)}")
+        out.append(SourceLine(**text, args=_strings(r, "args", sw),
+                              other_args=_strings(r, "other_args", sw)))
+    return tuple(out)
 
 
 def _choice(e: dict[str, Any], key: str, choices: Sequence[str], default: str, where: str) -> str:

@@ -5,9 +5,9 @@
 
 A diagnosis on policy rules is *confirmed* when the policy finds a difference on one of
 its rules among the same nodes (and a stack verdict the log alone could not support, for
-want of a difference between hosts, stands again); the disagreements are where the log and the inventory
-say different things about one host (another NCCL loaded, a plugin the job's environment
-brought or hid).
+want of a difference between hosts, stands again); the disagreements are where the log
+and the inventory say different things about one host (another NCCL loaded, a plugin
+the job's environment brought or hid).
 """
 
 from __future__ import annotations

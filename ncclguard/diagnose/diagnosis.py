@@ -201,9 +201,10 @@ def _judge(diags: list[Diagnosis], ev: LogEvidence, job_hosts: set[str] | None) 
     """No stack verdict without a difference between hosts. A stack diagnosis stands when
     the log shows one: values that differ (``differs``), a line that says two ranks differ
     (``between``), odd nodes (printers that are not every host, or borrowed from such a
-    diagnosis), or one of its ``corroborate`` that shows one. Otherwise it is the fault of every host alike (``not-stack``, family
-    :data:`NO_DIFFERENCE`, the signature's ``alike`` text as the fix) when every host of
-    the job printed it, else ``neutral`` and says what the log cannot tell."""
+    diagnosis), or one of its ``corroborate`` that shows one. Otherwise it is the fault of
+    every host alike (``not-stack``, family :data:`NO_DIFFERENCE`, the signature's
+    ``alike`` text as the fix) when every host of the job printed it, else ``neutral``
+    and says what the log cannot tell."""
     seen = set(ev.hosts)
     missing = sorted(job_hosts - seen) if job_hosts else []
     partial_ranks = 0 < ev.ranks_seen < ev.nranks
@@ -314,10 +315,10 @@ def _line_detail(sig: Signature, st: SignatureState) -> str:
                 f"rank {g['rank_b']} runs {version_of_code(int(g['code_b']))}."
             )
         if "local" in g and "remote" in g:
-            return (
-                f"this rank runs NCCL {version_of_code(int(g['local']))}, "
-                f"peer {g['peer']} runs {version_of_code(int(g['remote']))}."
-            )
+            # 2.26 prints version codes, 2.30 "X.Y.Z" (ras.cc ncclVersionToString)
+            local, remote = (v if "." in v else version_of_code(int(v))
+                             for v in (g["local"], g["remote"]))
+            return f"this rank runs NCCL {local}, peer {g['peer']} runs {remote}."
         if "own" in g and "got" in g:
             names = {"3": "NET/Socket", "4": "NET/IB"}
             return (

@@ -53,10 +53,13 @@ _TAG = (
     rb"|[A-Za-z][\w.\-]*: )"
 )
 _NCCL_TS = rb"(?:\[\d{4}-\d\d-\d\d[ T][\d:.,]+\] )?"
+# From 2.30.6 a WARN names its function after file:line: "[0] misc/socket.cc:123
+# (ncclSocketConnect) NCCL WARN ..." (src/debug.cc, v2.30.7-1; docs/diagnose.md)
+_FUNC = rb"(?:\([\w:~<>]{1,128}\) )?"
 _PREFIX = re.compile(
     rb"^" + _LEAD + _TAG + rb"?" + _NCCL_TS
     + rb"(?P<host>[A-Za-z0-9_.\-]+):(?P<pid>\d{1,10}):(?P<tid>\d{1,10}) \[(?P<dev>-?\d{1,10})\] "
-    rb"(?:[\d.]+ )?(?:(?P<src>[\w./+\-]+:\d+) )?"
+    rb"(?:[\d.]+ )?(?:(?P<src>[\w./+\-]+:\d+) " + _FUNC + rb")?"
     rb"NCCL (?P<level>INFO|WARN|TRACE) ?(?P<msg>[^\r\n]*)",
 )
 # An NCCL line whose "host:pid:tid" a paste or a tool lost: "include/shm.h:28 NCCL WARN
@@ -64,7 +67,7 @@ _PREFIX = re.compile(
 # else the nearest NCCL-prefixed line's above it (scanner.py).
 _BARE = re.compile(
     rb"^" + _LEAD + _TAG + rb"?" + _NCCL_TS
-    + rb"(?:\[-?\d+\] )?(?:(?P<src>[\w./+\-]+:\d+) )?"
+    + rb"(?:\[-?\d+\] )?(?:(?P<src>[\w./+\-]+:\d+) " + _FUNC + rb")?"
     rb"NCCL (?P<level>INFO|WARN|TRACE) ?(?P<msg>[^\r\n]*)",
 )
 _TAG_ONLY = re.compile(rb"^" + _LEAD + _TAG)
