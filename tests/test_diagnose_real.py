@@ -280,3 +280,35 @@ def test_completion_errors_name_their_status(catalog):
     assert first.signature.id == "ib-completion-error"
     assert first.hosts == ["H100-1", "H100-2"]
     assert "First status: 4 (local protection error)." in first.summary
+
+
+def test_issue_44s_three_kinds_of_real_logs_are_read(catalog):
+    """Issue 44: hosts on different interfaces and subnets (horovod#636, NCCL 2.3.7's
+    wording), a hang shown only by a stack dump (pytorch#52916) and 2.3's wording with
+    the loopback chosen (horovod#584); and the socket trail with no warning of its own
+    (nccl#1000) and one release's bootstrap bug with no banner (nccl#1176)."""
+    subnets = run([REAL / "horovod-636.log"], catalog=catalog).diagnoses[0]
+    assert subnets.signature.id == "bootstrap-interface-differs"
+    assert subnets.values == {
+        "enp5s0 (IPv6) + ens5f0 (IPv6) + ens5f0.3003 10.1.0.0/16": ["srv4"],
+        "ens5f1 (IPv6) + ens5f1.3003 10.1.0.0/16": ["srv5"]}
+    # it hung without an error: the difference is shown, the failure it caused is not
+    assert subnets.verdict == "neutral" and "Not shown by this log" in subnets.summary
+
+    hang = run([REAL / "pytorch-52916.log"], catalog=catalog).diagnoses[0]
+    assert (hang.signature.id, hang.family, hang.verdict) == ("bootstrap-hang", "hang",
+                                                              "neutral")
+    assert "First NCCL frame: bootstrapNetAccept." in hang.summary
+
+    old = run([REAL / "horovod-584.log"], catalog=catalog).diagnoses
+    assert [d.signature.id for d in old[:2]] == ["socket-interface-virtual",
+                                                 "socket-error-trail"]
+    assert old[0].verdict == "not-stack" and old[0].evidence[0].text.endswith(
+        "NET : Using interface lo:127.0.0.1<0>")
+    assert "First: net_socket.cu:139 -> 2" in old[1].summary
+
+    trail = run([REAL / "nccl-1000.log"], catalog=catalog).diagnoses[0]
+    assert (trail.family, trail.verdict) == ("socket-interface", "not-stack")
+
+    bug = run([REAL / "nccl-1176.log"], catalog=catalog).diagnoses[0]
+    assert bug.signature.id == "bootstrap-message-truncated" and bug.verdict == "neutral"

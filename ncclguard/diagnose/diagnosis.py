@@ -16,6 +16,7 @@ they share). Where the log shows only some hosts, it says that this cannot be to
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -300,12 +301,19 @@ def _line(sig: Signature, st: SignatureState, ev: LogEvidence) -> Diagnosis:
     return Diagnosis(sig, summary, evidence, st.count, printers, odd, score=score)
 
 
+_LEVEL = re.compile(rb" NCCL (?:INFO|WARN|TRACE) ?")
+
+
 def _line_detail(sig: Signature, st: SignatureState) -> str:
     """Numbers that make a line signature readable (version codes, socket types)."""
     if not st.samples:
         return ""
+    text = st.samples[0].text.encode("utf-8", "replace")
+    # a pattern anchored at NCCL's message sees the text after "NCCL INFO " / "NCCL WARN "
+    lv = _LEVEL.search(text)
+    message = text[lv.end():] if lv is not None else text
     for p in sig.patterns:
-        m = p.regex.search(st.samples[0].text.encode("utf-8", "replace"))
+        m = p.regex.search(text) or p.regex.search(message)
         if m is None:
             continue
         g = {k: v.decode() for k, v in m.groupdict().items() if v is not None}
@@ -337,6 +345,11 @@ def _line_detail(sig: Signature, st: SignatureState) -> str:
             return f"First status: {status} ({WC_STATUS.get(int(status), 'unknown')})."
         if "event" in g:
             return f"First event: {g['event'].strip()}."
+        if "frame" in g:
+            return f"First NCCL frame: {g['frame']}."
+        if "file" in g and "code" in g:
+            return (f"First: {g['file']}:{g['line']} -> {g['code']} (ncclSystemError: a "
+                    "socket call failed).")
         break
     return ""
 
