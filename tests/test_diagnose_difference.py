@@ -89,3 +89,26 @@ def test_the_inventory_restores_a_stack_verdict_the_log_could_not_support(catalo
     d = report.diagnoses[0]
     assert d.signature.id == "ib-device-open" and d.confirmed is True
     assert d.verdict == "stack" and "The inventory shows the job's nodes differ" in d.summary
+
+
+TRUNCATED = ("{h}:{pid}:{pid} [0] bootstrap.cc:77 NCCL WARN Message truncated : received 256 "
+             "bytes instead of 4\n")
+
+
+def test_one_release_on_every_host_of_the_log_is_a_release_bug(catalog, tmp_path):
+    log = _log(tmp_path, *((t, h) for h in ("n1", "n2") for t in (BANNER, TRUNCATED)))
+    (d,) = run([log], catalog=catalog, nodes=["n1", "n2"]).diagnoses
+    assert (d.verdict, d.family) == ("not-stack", "nccl-release-bug")
+
+
+@pytest.mark.parametrize("nodes", [["n1", "n2"], None])
+def test_one_release_in_a_log_of_some_hosts_is_no_release_bug(catalog, tmp_path, nodes):
+    """The version split's own symptom, in a log of only the batch host (a job's output
+    per node, '-o slurm-%N.out': the Epilog reads the batch host's file): 'Not a version
+    split: every host of the log (n1) printed NCCL 2.21.5', verdict not-stack, when n2
+    (not in the log) may run another release."""
+    log = _log(tmp_path, (BANNER, "n1"), (TRUNCATED, "n1"))
+    (d,) = run([log], catalog=catalog, nodes=nodes).diagnoses
+    assert d.signature.id == "bootstrap-message-truncated"
+    assert d.verdict == "neutral" and d.family != "nccl-release-bug"
+    assert "Not a version split" not in d.summary
