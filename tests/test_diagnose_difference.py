@@ -112,3 +112,26 @@ def test_one_release_in_a_log_of_some_hosts_is_no_release_bug(catalog, tmp_path,
     assert d.signature.id == "bootstrap-message-truncated"
     assert d.verdict == "neutral" and d.family != "nccl-release-bug"
     assert "Not a version split" not in d.summary
+
+
+def test_ranks_of_smaller_communicators_do_not_hide_the_jobs_ranks(catalog, tmp_path):
+    """Every rank of a 4-host job prints its world communicator's Init line, then a
+    2-rank group's (PyTorch's new_group, FSDP's shards): ranks_seen counted the last rank
+    each process printed, its rank in the group (0 or 1), and a whole job's log said
+    'the log shows 2 of 8 ranks' and would not call a fault every host shows alike."""
+    init = ("{h}:{pid}:{pid} [0] NCCL INFO comm 0x{pid}{c} rank {r} nranks {n} cudaDev 0 "
+            "- Init COMPLETE\n")
+    rows = []
+    for i, h in enumerate(("n1", "n2", "n3", "n4")):
+        for g in range(2):
+            r = 2 * i + g
+            pid = 1000 + r
+            rows += [init.format(h=h, pid=pid, c=0, r=r, n=8),
+                     init.format(h=h, pid=pid, c=1, r=g, n=2), OPEN.format(h=h, pid=pid)]
+    log = tmp_path / "slurm-9.out"
+    log.write_text("".join(rows))
+    report = run([log], catalog=catalog)
+    assert (report.evidence.nranks, report.evidence.ranks_seen) == (8, 8)
+    d = report.diagnoses[0]
+    assert (d.verdict, d.family) == ("not-stack", "no-node-difference")
+    assert report.evidence.resolve(report.evidence.states["ib-device-open"].samples[2]).rank == 2
