@@ -135,3 +135,17 @@ def test_ranks_of_smaller_communicators_do_not_hide_the_jobs_ranks(catalog, tmp_
     d = report.diagnoses[0]
     assert (d.verdict, d.family) == ("not-stack", "no-node-difference")
     assert report.evidence.resolve(report.evidence.states["ib-device-open"].samples[2]).rank == 2
+
+
+def test_the_epilogs_record_keeps_the_fix_and_verdict_of_the_diagnosis(catalog, tmp_path):
+    """The audit record took the signature's own fix ('... or exclude the odd nodes'),
+    not the diagnosis's: a fault every host showed alike was recorded with the advice to
+    drain nodes, and without the verdict that says no node differs."""
+    from prolog import epilog
+
+    log = _log(tmp_path, *((t, h) for h in ("n1", "n2", "n3") for t in (BANNER, NO_DEVICE)))
+    report = run([log], catalog=catalog)
+    (d,) = report.diagnoses
+    (rec,) = epilog.record(report, "9", 1)["diagnoses"]
+    assert rec["fix"] == d.fix == d.signature.alike != d.signature.fix
+    assert (rec["verdict"], rec["family"]) == ("not-stack", "no-node-difference")
