@@ -76,7 +76,10 @@ def record(report: Any, job_id: str, elapsed_ms: int) -> dict[str, Any]:
                 "summary": d.summary[:500],
                 "odd_nodes": compress(d.odd_nodes) if d.odd_nodes else "",
                 "evidence": [e.where for e in d.evidence[:5]],
-                "fix": d.signature.fix,
+                # the diagnosis's own: a fault every host shows alike is no node's
+                "verdict": d.verdict,
+                "family": d.family,
+                "fix": d.fix,
                 "confirm": d.confirm_command,
                 "confirmed": d.confirmed,
             }

@@ -89,3 +89,63 @@ def test_the_inventory_restores_a_stack_verdict_the_log_could_not_support(catalo
     d = report.diagnoses[0]
     assert d.signature.id == "ib-device-open" and d.confirmed is True
     assert d.verdict == "stack" and "The inventory shows the job's nodes differ" in d.summary
+
+
+TRUNCATED = ("{h}:{pid}:{pid} [0] bootstrap.cc:77 NCCL WARN Message truncated : received 256 "
+             "bytes instead of 4\n")
+
+
+def test_one_release_on_every_host_of_the_log_is_a_release_bug(catalog, tmp_path):
+    log = _log(tmp_path, *((t, h) for h in ("n1", "n2") for t in (BANNER, TRUNCATED)))
+    (d,) = run([log], catalog=catalog, nodes=["n1", "n2"]).diagnoses
+    assert (d.verdict, d.family) == ("not-stack", "nccl-release-bug")
+
+
+@pytest.mark.parametrize("nodes", [["n1", "n2"], None])
+def test_one_release_in_a_log_of_some_hosts_is_no_release_bug(catalog, tmp_path, nodes):
+    """The version split's own symptom, in a log of only the batch host (a job's output
+    per node, '-o slurm-%N.out': the Epilog reads the batch host's file): 'Not a version
+    split: every host of the log (n1) printed NCCL 2.21.5', verdict not-stack, when n2
+    (not in the log) may run another release."""
+    log = _log(tmp_path, (BANNER, "n1"), (TRUNCATED, "n1"))
+    (d,) = run([log], catalog=catalog, nodes=nodes).diagnoses
+    assert d.signature.id == "bootstrap-message-truncated"
+    assert d.verdict == "neutral" and d.family != "nccl-release-bug"
+    assert "Not a version split" not in d.summary
+
+
+def test_ranks_of_smaller_communicators_do_not_hide_the_jobs_ranks(catalog, tmp_path):
+    """Every rank of a 4-host job prints its world communicator's Init line, then a
+    2-rank group's (PyTorch's new_group, FSDP's shards): ranks_seen counted the last rank
+    each process printed, its rank in the group (0 or 1), and a whole job's log said
+    'the log shows 2 of 8 ranks' and would not call a fault every host shows alike."""
+    init = ("{h}:{pid}:{pid} [0] NCCL INFO comm 0x{pid}{c} rank {r} nranks {n} cudaDev 0 "
+            "- Init COMPLETE\n")
+    rows = []
+    for i, h in enumerate(("n1", "n2", "n3", "n4")):
+        for g in range(2):
+            r = 2 * i + g
+            pid = 1000 + r
+            rows += [init.format(h=h, pid=pid, c=0, r=r, n=8),
+                     init.format(h=h, pid=pid, c=1, r=g, n=2), OPEN.format(h=h, pid=pid)]
+    log = tmp_path / "slurm-9.out"
+    log.write_text("".join(rows))
+    report = run([log], catalog=catalog)
+    assert (report.evidence.nranks, report.evidence.ranks_seen) == (8, 8)
+    d = report.diagnoses[0]
+    assert (d.verdict, d.family) == ("not-stack", "no-node-difference")
+    assert report.evidence.resolve(report.evidence.states["ib-device-open"].samples[2]).rank == 2
+
+
+def test_the_epilogs_record_keeps_the_fix_and_verdict_of_the_diagnosis(catalog, tmp_path):
+    """The audit record took the signature's own fix ('... or exclude the odd nodes'),
+    not the diagnosis's: a fault every host showed alike was recorded with the advice to
+    drain nodes, and without the verdict that says no node differs."""
+    from prolog import epilog
+
+    log = _log(tmp_path, *((t, h) for h in ("n1", "n2", "n3") for t in (BANNER, NO_DEVICE)))
+    report = run([log], catalog=catalog)
+    (d,) = report.diagnoses
+    (rec,) = epilog.record(report, "9", 1)["diagnoses"]
+    assert rec["fix"] == d.fix == d.signature.alike != d.signature.fix
+    assert (rec["verdict"], rec["family"]) == ("not-stack", "no-node-difference")

@@ -207,6 +207,20 @@ def test_malformed_catalog_entry_names_file_entry_and_cause(tmp_path, text, caus
     assert cause in str(e.value)
 
 
+@pytest.mark.parametrize("template", ["{v:d}", "{v!z}", "{v:{v}}", "{v!r}", "{v:>9}"])
+def test_a_value_template_is_bare_names_only(tmp_path, template):
+    """A conversion or format spec in a value was accepted, then applied to each match:
+    '{v:d}' and '{v!z}' raised ValueError from run() (diagnose stopped with a traceback,
+    the Epilog lost the diagnosis) and '{v:{v}}' padded to a width the log chose
+    ('cudaDriverVersion 999999999': a 1 GB string per line)."""
+    p = _write(tmp_path, GOOD.replace(
+        "patterns = ['fabricmanager: restarting']",
+        f"kind = 'differs'\npatterns = [{{regex = 'driver (?P<v>\\d+)', value = '{template}'}}]"))
+    with pytest.raises(CatalogError, match=r"a bare \{name\}") as e:
+        load_catalog([p])
+    assert str(p) in str(e.value) and template in str(e.value)
+
+
 def test_missing_catalog_file(tmp_path):
     with pytest.raises(CatalogError, match=r"none\.toml: signature catalog not found"):
         load_catalog([tmp_path / "none.toml"])

@@ -432,9 +432,16 @@ def _patterns(raw: Any, where: str, level: str | None = None) -> tuple[Pattern, 
             )
         if value is not None:
             try:
-                names = [f for _, f, _, _ in string.Formatter().parse(value) if f is not None]
+                fields = [(f, spec, conv) for _, f, spec, conv in string.Formatter().parse(value)
+                          if f is not None]
             except ValueError as err:
                 raise CatalogError(f"{pw}: value {value!r}: malformed template: {err}") from None
+            # each match is formatted with it: a conversion or a spec ('{v:d}', '{v!z}')
+            # raised there, in run(), and '{v:{v}}' padded to a width the log chose
+            if any(spec or conv for _, spec, conv in fields):
+                raise CatalogError(f"{pw}: value {value!r}: each field must be a bare "
+                                   "{name} (no '!conversion' or ':format')")
+            names = [f for f, _, _ in fields]
             missing = [n for n in names if n not in rx.groupindex]
             if missing:
                 raise CatalogError(

@@ -126,9 +126,10 @@ def diagnose(ev: LogEvidence, catalog: Catalog,
             out.append(d)
     for d in out:
         d.all_hosts = list(ev.hosts)
-    _corroborate(out, ev)
+    job = None if job_hosts is None else {short(h) for h in job_hosts}
+    _corroborate(out, ev, job)
     _borrow_odd_nodes(out)
-    _judge(out, ev, None if job_hosts is None else {short(h) for h in job_hosts})
+    _judge(out, ev, job)
     out.sort(
         key=lambda d: (
             -d.score,
@@ -142,7 +143,8 @@ def diagnose(ev: LogEvidence, catalog: Catalog,
 UNCORROBORATED_PENALTY = 40  # below every not-stack verdict's weight less its own
 
 
-def _corroborate(diags: list[Diagnosis], ev: LogEvidence) -> None:
+def _corroborate(diags: list[Diagnosis], ev: LogEvidence,
+                 job_hosts: set[str] | None = None) -> None:
     """A stack diagnosis that needs another one to stand (``corroborate``: a symptom of a
     version split needs the log to show two versions) becomes neutral, ranked lower and
     says so, when none of those fired. When every host of the log printed one and the
@@ -155,7 +157,7 @@ def _corroborate(diags: list[Diagnosis], ev: LogEvidence) -> None:
             continue
         d.verdict = "neutral"
         d.score -= UNCORROBORATED_PENALTY
-        one = _one_release(ev)
+        one = _one_release(ev, job_hosts)
         if one is not None and d.signature.family == "nccl-version":
             version, hosts = one
             d.verdict, d.family_as, d.fix_as = "not-stack", RELEASE_BUG, RELEASE_BUG_FIX
@@ -179,12 +181,21 @@ RELEASE_BUG_FIX = (
 )
 
 
-def _one_release(ev: LogEvidence) -> tuple[str, list[str]] | None:
+def _one_release(ev: LogEvidence, job_hosts: set[str] | None = None
+                 ) -> tuple[str, list[str]] | None:
     """(version, hosts) when every host of the log printed an NCCL version banner and
-    all the same one; None otherwise (no banner, two versions, a host without one)."""
+    all the same one, and the log shows the whole job (as :func:`_judge` asks before it
+    calls hosts alike: every one of ``job_hosts``, else two hosts or more and every rank
+    of the largest communicator); None otherwise (no banner, two versions, a host
+    without one, a log of some hosts: a node not in it may run another release)."""
     per_host = host_values(ev, "nccl-version-differs")
     versions = {v for vs in per_host.values() for v in vs}
     if len(versions) != 1 or not per_host or ev.cut or set(ev.hosts) - set(per_host):
+        return None
+    if job_hosts:
+        if job_hosts - set(per_host):
+            return None
+    elif len(per_host) < 2 or 0 < ev.ranks_seen < ev.nranks:
         return None
     return versions.pop().removeprefix("NCCL version "), sorted(per_host)
 

@@ -168,6 +168,7 @@ class Scanner:
         self._tag_host: dict[int, str] = {}  # launcher rank → host
         self._pid_rank: dict[tuple[str, int], int] = {}  # (host, pid) → NCCL rank
         self._nranks = 0  # the largest communicator's size seen
+        self._pid_size: dict[tuple[str, int], int] = {}  # the size of _pid_rank's comm
         # NCCL's prefix repeats for every line of a process: parse each distinct one once.
         # Keyed by the line up to 5 bytes past " NCCL " (what the prefix regex reads).
         self._prefixes: dict[bytes, tuple[str, int, int | None] | None] = {}
@@ -500,11 +501,15 @@ class Scanner:
             text = raw[i + (12 if lv == b"TRAC" else 11) :].rstrip(b"\r")
             if _RANKS in text:
                 im = _INIT.search(text)
-                if im is not None:
-                    self._nranks = max(self._nranks, int(im.group("nranks")))
-                if im is not None and ((host, pid) in self._pid_rank or (
+                size = int(im.group("nranks")) if im is not None else 0
+                self._nranks = max(self._nranks, size)
+                # a process's rank in its largest communicator (the job's), not in a
+                # smaller group it joins later (rank 0 of 2 in a new_group)
+                if im is not None and (size >= self._pid_size.get((host, pid), 0)) and (
+                        (host, pid) in self._pid_rank or (
                         len(self._pid_rank) < MAX_PIDS and self._attributed(host))):
                     self._pid_rank[(host, pid)] = int(im.group("rank"))
+                    self._pid_size[(host, pid)] = size
         own = False  # NCCL's own line without its prefix: the host above is its printer's
         if info is None:
             host, pid, level = None, None, None
@@ -605,7 +610,8 @@ class Scanner:
             resolve=self._resolve,
             cut=self.cut["hosts"] + self.cut["values"],
             nranks=self._nranks,
-            ranks_seen=len(set(self._pid_rank.values())),
+            ranks_seen=len({r for k, r in self._pid_rank.items()
+                            if self._pid_size[k] == self._nranks}),
         )
 
     def _host_of(self, key: str | None) -> str | None:
