@@ -149,3 +149,38 @@ def test_the_epilogs_record_keeps_the_fix_and_verdict_of_the_diagnosis(catalog, 
     (rec,) = epilog.record(report, "9", 1)["diagnoses"]
     assert rec["fix"] == d.fix == d.signature.alike != d.signature.fix
     assert (rec["verdict"], rec["family"]) == ("not-stack", "no-node-difference")
+
+
+def test_one_host_on_lo_while_the_others_are_not_is_a_node_difference(catalog, tmp_path):
+    """From the hostile review: a hang with no trail where n3 chose lo (NCCL falls back
+    to it only when it finds no other interface) and n1, n2 chose ib0 was reported first
+    as 'not a node-stack problem', and the interface difference as 'the log shows no two
+    hosts that differ'."""
+    boot = "{h}:{pid}:{pid} [0] NCCL INFO Bootstrap : Using {i}<0>\n"
+    log = tmp_path / "slurm-9.out"
+    log.write_text("".join(boot.format(h=h, pid=p, i=i) for h, p, i in (
+        ("n1", 1, "ib0:10.1.0.1"), ("n2", 2, "ib0:10.1.0.2"), ("n3", 3, "lo:127.0.0.1"))))
+    first = run([log], catalog=catalog).diagnoses[0]
+    assert (first.signature.id, first.verdict, first.odd_nodes) == (
+        "bootstrap-interface-differs", "stack", ["n3"])
+
+
+def test_hosts_that_differ_without_a_failure_say_so(catalog, tmp_path):
+    boot = "{h}:{pid}:{pid} [0] NCCL INFO Bootstrap : Using {i}<0>\n"
+    log = tmp_path / "slurm-9.out"
+    log.write_text("".join(boot.format(h=h, pid=p, i=i) for h, p, i in (
+        ("n1", 1, "ib0:10.1.0.1"), ("n2", 2, "eth0:192.168.0.2"))))
+    (d,) = run([log], catalog=catalog).diagnoses
+    assert d.verdict == "neutral"
+    assert "the hosts differ, but none of" in d.summary and "no two hosts" not in d.summary
+
+
+def test_a_value_is_cut_at_200_characters(catalog, tmp_path):
+    """From the hostile review: 'Using network (?P<net>.*\\S)' put up to 64 KiB of one
+    line into a value, the summary and the Epilog's record."""
+    net = "{h}:{pid}:{pid} [0] NCCL INFO Using network {n}\n"
+    log = tmp_path / "slurm-9.out"
+    log.write_text(net.format(h="n1", pid=1, n="IB") + net.format(h="n2", pid=2, n="x" * 60000))
+    (d,) = run([log], catalog=catalog).diagnoses
+    assert d.signature.id == "net-transport-differs"
+    assert max(len(v) for v in d.values) == 200 and len(d.summary) < 1000

@@ -46,6 +46,9 @@ SOURCE_LEVELS = ("WARN", "INFO", "TRACE", "none", "frame")
 _SOURCE_KEYS = {"project", "file", "format", "level", "releases", "args", "other_args"}
 
 
+MAX_VALUE = 200  # characters of a rendered value kept (summaries, --json, the Epilog's record)
+
+
 class CatalogError(Exception):
     """A catalog that cannot be used. The message names the file, the entry and the cause."""
 
@@ -78,7 +81,9 @@ class Pattern:
         if self.value is None:
             return None
         groups = {k: (v or b"").decode("utf-8", "replace") for k, v in m.groupdict().items()}
-        return self.value.format(**groups)
+        out = self.value.format(**groups)
+        # a value is a word or a name ("IB", "ib0 10.1.0.0/16"): a group of 64 KiB is cut
+        return out if len(out) <= MAX_VALUE else out[: MAX_VALUE - 3] + "..."
 
 
 @dataclass(frozen=True)

@@ -167,6 +167,12 @@ def _corroborate(diags: list[Diagnosis], ev: LogEvidence,
                 f"release's own fault, which no node difference explains."
             )
             continue
+        if d.signature.kind == "differs":  # the hosts differ; no failure it explains
+            d.summary += (
+                f" Not shown by this log to be the cause: the hosts differ, but none of "
+                f"{', '.join(need)} was found (no failure the difference explains)."
+            )
+            continue
         d.summary += (
             f" Not shown by this log to be a node-stack difference: none of "
             f"{', '.join(need)} was found (the log shows no two hosts that differ)."
