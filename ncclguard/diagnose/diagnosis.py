@@ -190,20 +190,27 @@ RELEASE_BUG_FIX = (
 def _one_release(ev: LogEvidence, job_hosts: set[str] | None = None
                  ) -> tuple[str, list[str]] | None:
     """(version, hosts) when every host of the log printed an NCCL version banner and
-    all the same one, and the log shows the whole job (as :func:`_judge` asks before it
-    calls hosts alike: every one of ``job_hosts``, else two hosts or more and every rank
-    of the largest communicator); None otherwise (no banner, two versions, a host
+    all the same one, and the log shows the whole job (:func:`_whole_job`, the test
+    :func:`_judge` makes before it calls hosts alike); None otherwise (no banner, two versions, a host
     without one, a log of some hosts: a node not in it may run another release)."""
     per_host = host_values(ev, "nccl-version-differs")
     versions = {v for vs in per_host.values() for v in vs}
-    if len(versions) != 1 or not per_host or ev.cut or set(ev.hosts) - set(per_host):
-        return None
-    if job_hosts:
-        if job_hosts - set(per_host):
-            return None
-    elif len(per_host) < 2 or 0 < ev.ranks_seen < ev.nranks:
+    if len(versions) != 1 or not _whole_job(ev, set(per_host), job_hosts):
         return None
     return versions.pop().removeprefix("NCCL version "), sorted(per_host)
+
+
+def _whole_job(ev: LogEvidence, hosts: set[str], job_hosts: set[str] | None) -> bool:
+    """Whether ``hosts`` (those that printed a line) are the whole job, as far as the log
+    can tell: every host of the log, two or more, nothing cut, and every one of
+    ``job_hosts`` when known, else every rank of the largest communicator. The one test
+    before calling a fault every host's alike, or a release every host's."""
+    seen = set(ev.hosts)
+    if ev.cut or len(seen) < 2 or not hosts >= seen:
+        return False
+    if job_hosts:
+        return job_hosts <= hosts
+    return not 0 < ev.ranks_seen < ev.nranks
 
 
 NO_DIFFERENCE = "no-node-difference"
@@ -235,8 +242,7 @@ def _judge(diags: list[Diagnosis], ev: LogEvidence, job_hosts: set[str] | None) 
         if shown & set(sig.corroborate):  # a diagnosis that shows the difference backs it
             continue
         d.demoted = True
-        everyone = len(seen) >= 2 and set(d.hosts) >= seen and not ev.cut
-        if everyone and not missing and not (job_hosts is None and partial_ranks):
+        if _whole_job(ev, set(d.hosts), job_hosts):
             d.verdict, d.family_as = "not-stack", NO_DIFFERENCE
             d.fix_as = sig.alike or NO_DIFFERENCE_FIX
             d.summary += (f" Not a node difference: all {len(seen)} hosts of the job printed "
