@@ -191,8 +191,9 @@ def _one_release(ev: LogEvidence, job_hosts: set[str] | None = None
                  ) -> tuple[str, list[str]] | None:
     """(version, hosts) when every host of the log printed an NCCL version banner and
     all the same one, and the log shows the whole job (:func:`_whole_job`, the test
-    :func:`_judge` makes before it calls hosts alike); None otherwise (no banner, two versions, a host
-    without one, a log of some hosts: a node not in it may run another release)."""
+    :func:`_judge` makes before it calls hosts alike); None otherwise (no banner, two
+    versions, a host without one, a log of some hosts: a node not in it may run another
+    release)."""
     per_host = host_values(ev, "nccl-version-differs")
     versions = {v for vs in per_host.values() for v in vs}
     if len(versions) != 1 or not _whole_job(ev, set(per_host), job_hosts):
