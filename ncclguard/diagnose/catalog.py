@@ -361,12 +361,8 @@ def _sources(raw: Any, where: str) -> tuple[SourceLine, ...]:
             if not isinstance(v, str) or not v.strip():
                 raise CatalogError(f"{sw}: {key} is required (a non-empty string)")
             text[key] = v
-        if text["project"] not in SOURCE_PROJECTS:
-            raise CatalogError(f"{sw}: project = {text['project']!r}: expected one of "
-                               f"{', '.join(SOURCE_PROJECTS)}")
-        if text["level"] not in SOURCE_LEVELS:
-            raise CatalogError(f"{sw}: level = {text['level']!r}: expected one of "
-                               f"{', '.join(SOURCE_LEVELS)}")
+        _choice(r, "project", SOURCE_PROJECTS, "", sw)
+        _choice(r, "level", SOURCE_LEVELS, "", sw)
         out.append(SourceLine(**text, args=_strings(r, "args", sw),
                               other_args=_strings(r, "other_args", sw)))
     return tuple(out)

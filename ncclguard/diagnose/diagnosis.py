@@ -151,13 +151,13 @@ def _corroborate(diags: list[Diagnosis], ev: LogEvidence,
     same NCCL version, the symptom is that release's own (a bootstrap bug: NCCL 2.19.3's
     ``Message truncated``, issue 44), reported as such."""
     fired = {d.signature.id for d in diags}
+    one = _one_release(ev, job_hosts)  # the same for every diagnosis: read once
     for d in diags:
         need = d.signature.corroborate
         if not need or fired & set(need):
             continue
         d.verdict = "neutral"
         d.score -= UNCORROBORATED_PENALTY
-        one = _one_release(ev, job_hosts)
         if one is not None and d.signature.family == "nccl-version":
             version, hosts = one
             d.verdict, d.family_as, d.fix_as = "not-stack", RELEASE_BUG, RELEASE_BUG_FIX
